@@ -1,0 +1,5 @@
+import sys
+
+from torchnitro.cli import main
+
+sys.exit(main())

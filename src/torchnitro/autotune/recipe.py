@@ -1,0 +1,123 @@
+"""The recipe interface and registry of ``torchnitro.autotune`` (the engine behind ``torchnitro.optimize``).
+
+A recipe turns an eager fp32 model into a candidate: something callable like the model. It says
+whether it can run on this machine (``unavailable_reason``) and whether it fits this model
+(``inapplicable_reason``), declares its numerical class (which sets the default verification
+tolerance), builds the candidate, and saves/loads it as an artifact.
+
+Recipes register with ``@register_recipe``; ``get_recipe("name")`` raises ``RecipeError`` naming
+the unknown key and listing the known ones.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from torchnitro.errors import RecipeError
+from torchnitro.hardware import HardwareInfo
+
+__all__ = [
+    "NumericClass", "BuildContext", "Built", "Recipe", "register_recipe", "get_recipe",
+    "list_recipes", "all_recipes",
+]
+
+
+class NumericClass(str, enum.Enum):
+    """How far a recipe's numerics may drift from eager fp32; sets the default gate."""
+
+    EXACT = "exact"  # same math up to float reassociation: rel error <= 1e-4
+    REDUCED = "reduced"  # bf16/fp16: cosine >= 0.999
+    INT8 = "int8"  # quantized: cosine >= 0.99
+
+
+@dataclass
+class BuildContext:
+    """Everything a recipe needs to build one candidate."""
+
+    model: nn.Module  # a private deep copy of the user's model, eval mode, fp32; the recipe may mutate it
+    example_inputs: tuple[Any, ...]  # inputs the model runs on (also the shapes to specialise for)
+    hardware: HardwareInfo
+    device: torch.device
+    workdir: Path  # empty directory for this candidate's files (ONNX graphs, TorchScript, ...)
+    dynamic_dims: dict[int, list[int]] = field(default_factory=dict)  # input index -> dims that vary
+    config: Any = None  # the OptimizeConfig of the search (threads, budget, ...)
+
+
+@dataclass
+class Built:
+    """A built candidate."""
+
+    fn: Callable[..., Any]  # call like the model: fn(*inputs) -> outputs (same structure as eager)
+    files: list[str] = field(default_factory=list)  # files in workdir that form the artifact
+    meta: dict[str, Any] = field(default_factory=dict)  # whatever ``load`` needs (JSON-serialisable)
+    standalone: bool = False  # True when ``load`` needs no user model code (TorchScript, ONNX, ...)
+    notes: str = ""  # shown in the report (e.g. "12/48 layers kept in fp32")
+
+
+class Recipe:
+    """Base class. Subclasses set the class attributes and implement ``build`` and ``load``."""
+
+    name: ClassVar[str]
+    numeric_class: ClassVar[NumericClass] = NumericClass.EXACT
+    description: ClassVar[str] = ""
+    isolate: ClassVar[bool] = False  # build and first call in a subprocess (native code that may crash)
+    gpu_only: ClassVar[bool] = False
+
+    def unavailable_reason(self, hw: HardwareInfo) -> str | None:
+        """None when the recipe can run on this machine, else a one-line reason."""
+        if self.gpu_only and not hw.has_gpu:
+            return "needs a CUDA GPU; none is visible"
+        return None
+
+    def inapplicable_reason(self, model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
+        """None when the recipe fits this model, else a one-line reason (e.g. 'no Conv2d layers')."""
+        return None
+
+    def build(self, ctx: BuildContext) -> Built:
+        raise NotImplementedError
+
+    def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
+        """Rebuild a saved candidate from ``directory``; ``model`` is the rebuilt eager model when
+        the artifact is not standalone (state dict + factory), else None."""
+        raise NotImplementedError
+
+
+_REGISTRY: dict[str, Recipe] = {}
+
+
+def register_recipe(cls: type[Recipe]) -> type[Recipe]:
+    """Class decorator: instantiate and register a recipe under ``cls.name``."""
+    name = getattr(cls, "name", None)
+    if not name:
+        raise TypeError(f"{cls.__name__} has no 'name'")
+    if name in _REGISTRY:
+        raise ValueError(f"recipe {name!r} is already registered by {type(_REGISTRY[name]).__name__}")
+    _REGISTRY[name] = cls()
+    return cls
+
+
+def _ensure_loaded() -> None:
+    import torchnitro.autotune.recipes  # noqa: F401  (registers the built-in recipes)
+
+
+def get_recipe(name: str) -> Recipe:
+    _ensure_loaded()
+    if name not in _REGISTRY:
+        raise RecipeError(f"unknown recipe {name!r}; known recipes: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def list_recipes() -> list[str]:
+    _ensure_loaded()
+    return list(_REGISTRY)
+
+
+def all_recipes() -> list[Recipe]:
+    _ensure_loaded()
+    return list(_REGISTRY.values())

@@ -1,0 +1,3 @@
+"""torchnitro.hrr."""
+
+__all__: list[str] = []

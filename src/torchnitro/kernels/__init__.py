@@ -1,0 +1,3 @@
+"""torchnitro.kernels."""
+
+__all__: list[str] = []

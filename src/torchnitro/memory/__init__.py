@@ -1,0 +1,3 @@
+"""torchnitro.memory."""
+
+__all__: list[str] = []

@@ -1,0 +1,13 @@
+"""torchnitro.nn: reference models, the built-in workload zoo, and modules built on fused kernels."""
+
+from __future__ import annotations
+
+from torchnitro.nn.models import (
+    MLP, EncoderConfig, ResNetCNN, TransformerConfig, TransformerEncoder, TransformerLM,
+)
+from torchnitro.nn.zoo import Builtin, get_builtin, list_builtins, register_builtin
+
+__all__ = [
+    "TransformerConfig", "TransformerLM", "EncoderConfig", "TransformerEncoder", "ResNetCNN", "MLP",
+    "Builtin", "get_builtin", "list_builtins", "register_builtin",
+]

@@ -1,0 +1,3 @@
+"""torchnitro.precision."""
+
+__all__: list[str] = []

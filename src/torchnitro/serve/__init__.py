@@ -1,0 +1,3 @@
+"""torchnitro.serve."""
+
+__all__: list[str] = []
