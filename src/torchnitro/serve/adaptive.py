@@ -1,0 +1,125 @@
+"""Adaptive batching: learn the batch-latency curve online, pick batch size and wait from it.
+
+Model: compute time of a batch of ``B`` rows is ``lat(B) = a + b * B`` (fixed per-call overhead
+plus per-row cost), fitted by least squares over an exponentially weighted mean per batch size;
+that is accurate enough to rank sizes and cheap to refit after every batch. Throughput ``B / lat(B)``
+grows with ``B``, so the best size is the largest one whose worst case fits the latency target:
+
+    wait + lat(B) (own batch) + lat(B) (the batch already running on a busy worker) <= target
+
+and the wait is the smaller of what the target leaves over and the time the arrival rate needs to
+fill ``B`` rows (waiting longer than that adds latency without adding rows). Before the first batch
+the policy uses the configured ``max_batch_size`` / ``max_wait_ms``; with one size seen it assumes
+cost proportional to rows, and refines as load varies the sizes it sees.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["AdaptivePolicy", "LatencyCurve"]
+
+
+@dataclass
+class _Point:
+    mean_s: float
+    n: int
+
+
+class LatencyCurve:
+    """Per-size EWMA of batch compute time and a linear fit ``a + b * B`` across sizes."""
+
+    def __init__(self, alpha: float = 0.2):
+        self.alpha = alpha  # weight of the newest sample: adapts to load changes in ~5 batches
+        self.points: dict[int, _Point] = {}
+        self.a, self.b = 0.0, 0.0
+        self.fitted = False
+
+    def add(self, rows: int, seconds: float) -> None:
+        p = self.points.get(rows)
+        if p is None:
+            self.points[rows] = _Point(seconds, 1)
+        else:
+            p.mean_s += self.alpha * (seconds - p.mean_s)
+            p.n += 1
+        self._fit()
+
+    def _fit(self) -> None:
+        xs = list(self.points)
+        if len(xs) < 2:
+            (rows, only), = self.points.items()
+            # one size seen: assume cost proportional to rows (pessimistic for bigger batches)
+            self.a, self.b, self.fitted = 0.0, only.mean_s / rows, True
+            return
+        w = [min(p.n, 20) for p in self.points.values()]  # trust sizes seen more often, capped
+        ys = [p.mean_s for p in self.points.values()]
+        sw = sum(w)
+        mx = sum(wi * x for wi, x in zip(w, xs)) / sw
+        my = sum(wi * y for wi, y in zip(w, ys)) / sw
+        sxx = sum(wi * (x - mx) ** 2 for wi, x in zip(w, xs))
+        sxy = sum(wi * (x - mx) * (y - my) for wi, x, y in zip(w, xs, ys))
+        b = max(sxy / sxx, 0.0) if sxx > 0 else 0.0  # latency never falls with batch size
+        a = max(my - b * mx, 0.0)
+        self.a, self.b, self.fitted = a, b, True
+
+    def predict(self, rows: int) -> float:
+        """Estimated compute seconds for a batch of ``rows``."""
+        p = self.points.get(rows)
+        if p is not None and p.n >= 3:
+            return max(p.mean_s, self.a + self.b * rows) if self.fitted else p.mean_s
+        return self.a + self.b * rows
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"a_s": self.a, "b_s_per_row": self.b,
+                "points": {int(k): {"mean_s": v.mean_s, "n": v.n} for k, v in sorted(self.points.items())}}
+
+
+class AdaptivePolicy:
+    """Chooses ``(max_rows, wait_s)`` for the next batch from the learned curve and arrival rate."""
+
+    def __init__(self, config: Any, headroom: float = 0.8):
+        self.config = config
+        self.target_s = float(config.latency_target_ms) / 1e3
+        self.headroom = headroom  # use this share of the target; the rest absorbs noise
+        self.curve = LatencyCurve()
+        self.rate = 0.0  # arrivals (rows) per second, EWMA
+        self._last_arrival: float | None = None
+        self.choice = (config.max_batch_size, config.max_wait_ms / 1e3)
+
+    def on_arrival(self, now: float, rows: int = 1) -> None:
+        if self._last_arrival is not None:
+            gap = max(now - self._last_arrival, 1e-6)
+            inst = rows / gap
+            self.rate = inst if self.rate == 0 else self.rate + 0.05 * (inst - self.rate)
+        self._last_arrival = now
+
+    def on_batch(self, rows: int, seconds: float) -> None:
+        self.curve.add(rows, seconds)
+
+    def best_size(self) -> int:
+        """Largest batch whose worst-case latency fits the target (at least 1)."""
+        budget = self.target_s * self.headroom
+        best = 1
+        for b in range(1, self.config.max_batch_size + 1):
+            if 2 * self.curve.predict(b) <= budget:
+                best = b
+        return best
+
+    def choose(self, now: float) -> tuple[int, float]:
+        if not self.curve.fitted:
+            return self.config.max_batch_size, self.config.max_wait_ms / 1e3
+        size = self.best_size()
+        slack = max(self.target_s * self.headroom - 2 * self.curve.predict(size), 0.0)
+        fill = (size - 1) / self.rate if self.rate > 0 else 0.0
+        wait = min(slack, fill, max(self.config.max_wait_ms, self.target_s * 1e3) / 1e3)
+        if not math.isfinite(wait):
+            wait = 0.0
+        self.choice = (size, wait)
+        return self.choice
+
+    def to_dict(self) -> dict[str, Any]:
+        size, wait = self.choice
+        return {"target_ms": self.target_s * 1e3, "batch_size": size, "wait_ms": wait * 1e3,
+                "arrival_rate_per_s": self.rate, "curve": self.curve.to_dict()}

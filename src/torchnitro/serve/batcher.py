@@ -1,0 +1,390 @@
+"""Dynamic batching in pure asyncio (no HTTP): requests in, batches to a function, results out.
+
+A batch closes when it holds ``max_batch_size`` rows, or when the wait window counted from its
+*first* request ends (whichever comes first). ``concurrency`` consumers pull from one shared queue,
+so a batch is formed only when a consumer (a worker) is free and load goes to whoever is free.
+
+Per request: a priority (0 is the most urgent) that ages, so a waiting low-priority request gains
+one level every ``aging_ms`` and is never starved; a deadline (expired requests are answered with
+``DeadlineExceededError`` and never computed); cancellation (a cancelled ``submit`` leaves the
+queue and is skipped); an optional length, which puts it in a bucket so one batch only mixes
+similar lengths (the function pads to the batch's longest and unpads, see ``protocol``).
+
+The queue is bounded: a full queue raises ``QueueFullError`` at once instead of waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import inspect
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol, Sequence
+
+from torchnitro.errors import ConfigError, DeadlineExceededError, DrainingError, InputError, QueueFullError
+
+__all__ = ["BatchingConfig", "DynamicBatcher", "BatchObserver", "Request"]
+
+
+@dataclass
+class BatchingConfig:
+    max_batch_size: int = 32  # rows per batch; bigger amortises per-call overhead, costs latency
+    max_wait_ms: float = 5.0  # how long a batch's first request may wait for company
+    preferred_batch_sizes: tuple[int, ...] = ()  # sizes the model runs best at; close early on these
+    max_queue_size: int = 1024  # bound on waiting requests; beyond it -> 429, never a hang
+    priority_levels: int = 1  # number of priorities, 0 = most urgent
+    aging_ms: float = 100.0  # a waiting request is promoted one level per aging_ms (no starvation)
+    default_timeout_ms: float | None = None  # deadline for requests that do not give one
+    bucket_boundaries: tuple[int, ...] = ()  # length buckets, e.g. (32, 64, 128): batch like lengths
+    adaptive: bool = False  # learn the batch-latency curve and pick batch size + wait online
+    latency_target_ms: float | None = None  # end-to-end target the adaptive policy keeps within
+    concurrency: int = 1  # batches in flight at once (one per worker)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, got: Any, want: str) -> ConfigError:
+            return ConfigError(f"BatchingConfig.{name}: received {got!r}, expected {want}")
+
+        if self.max_batch_size < 1:
+            raise bad("max_batch_size", self.max_batch_size, "an integer >= 1")
+        if self.max_wait_ms < 0:
+            raise bad("max_wait_ms", self.max_wait_ms, "a number >= 0 (milliseconds)")
+        if self.max_queue_size < 1:
+            raise bad("max_queue_size", self.max_queue_size, "an integer >= 1")
+        if self.priority_levels < 1:
+            raise bad("priority_levels", self.priority_levels, "an integer >= 1")
+        if self.aging_ms <= 0:
+            raise bad("aging_ms", self.aging_ms, "a number > 0 (milliseconds)")
+        if self.concurrency < 1:
+            raise bad("concurrency", self.concurrency, "an integer >= 1")
+        self.preferred_batch_sizes = tuple(sorted(set(int(s) for s in self.preferred_batch_sizes)))
+        if any(s < 1 or s > self.max_batch_size for s in self.preferred_batch_sizes):
+            raise bad("preferred_batch_sizes", self.preferred_batch_sizes,
+                      f"sizes between 1 and max_batch_size={self.max_batch_size}")
+        self.bucket_boundaries = tuple(sorted(set(int(b) for b in self.bucket_boundaries)))
+        if self.adaptive and not self.latency_target_ms:
+            raise bad("latency_target_ms", self.latency_target_ms,
+                      "a positive target in ms when adaptive=true (set latency_target_ms)")
+
+
+class BatchObserver(Protocol):
+    """Hooks for metrics; every method is optional in practice (see ``DynamicBatcher``)."""
+
+    def on_request_done(self, status: str, queue_s: float | None, total_s: float) -> None: ...
+
+    def on_batch(self, rows: int, compute_s: float) -> None: ...
+
+    def on_queue_depth(self, depth: int) -> None: ...
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One submitted item; ``rows`` counts toward the batch size (a request may carry several)."""
+
+    item: Any
+    rows: int
+    priority: int
+    bucket: int
+    arrival: float
+    deadline: float | None
+    future: asyncio.Future = field(repr=False)
+    started: float | None = None  # when its batch was handed to the function
+    seq: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def live(self) -> bool:
+        return not self.future.done()
+
+
+class _Queue:
+    """Per-(bucket, priority) FIFO deques; picks the most urgent head after aging."""
+
+    def __init__(self, levels: int, aging_s: float):
+        self.levels, self.aging_s = levels, aging_s
+        self.lanes: dict[tuple[int, int], deque[Request]] = {}
+        self.live = 0  # live requests (dead ones are dropped lazily)
+
+    def push(self, r: Request) -> None:
+        self.lanes.setdefault((r.bucket, r.priority), deque()).append(r)
+        self.live += 1
+
+    def discard(self) -> None:
+        """A queued request finished early (timeout/cancel); it leaves lazily."""
+        self.live -= 1
+
+    def _head(self, lane: deque[Request]) -> Request | None:
+        while lane and not lane[0].live:
+            lane.popleft()
+        return lane[0] if lane else None
+
+    def best(self, now: float, bucket: int | None = None) -> Request | None:
+        """Most urgent live head: lowest aged priority, then oldest."""
+        best, key = None, None
+        for (b, _), lane in self.lanes.items():
+            if bucket is not None and b != bucket:
+                continue
+            r = self._head(lane)
+            if r is None:
+                continue
+            k = (r.priority - int((now - r.arrival) / self.aging_s), r.arrival, r.seq)
+            if key is None or k < key:
+                best, key = r, k
+        return best
+
+    def pop(self, r: Request) -> None:
+        lane = self.lanes[(r.bucket, r.priority)]
+        if lane[0] is not r:  # pragma: no cover - only heads are ever popped
+            raise RuntimeError("internal: popped a request that is not at the head of its lane")
+        lane.popleft()
+        self.live -= 1
+
+
+class DynamicBatcher:
+    """Collects ``submit``-ted items into batches for ``fn(items) -> results`` (one result per item).
+
+    ``fn`` may be a plain function (run in a thread so the event loop stays free) or a coroutine
+    function. It receives a list of items and must return a sequence of the same length. An
+    exception from ``fn`` fails every request of that batch (and only that batch).
+    """
+
+    def __init__(self, fn: Callable[[list[Any]], Sequence[Any] | Awaitable[Sequence[Any]]],
+                 config: BatchingConfig | None = None, *, observer: Any = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.fn = fn
+        self.config = config or BatchingConfig()
+        self.observer = observer
+        self.clock = clock
+        self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+            getattr(fn, "__call__", None))
+        self._queue = _Queue(self.config.priority_levels, self.config.aging_ms / 1e3)
+        self._wakeup: asyncio.Event | None = None
+        self._consumers: list[asyncio.Task] = []
+        self._inflight: set[Request] = set()
+        self._accepting = True
+        self.adaptive = None
+        if self.config.adaptive:
+            from torchnitro.serve.adaptive import AdaptivePolicy
+
+            self.adaptive = AdaptivePolicy(self.config)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> "DynamicBatcher":
+        if not self._consumers:
+            self._wakeup = asyncio.Event()
+            self._accepting = True
+            self._consumers = [asyncio.create_task(self._consume(), name=f"batcher-{i}")
+                               for i in range(self.config.concurrency)]
+        return self
+
+    async def __aenter__(self) -> "DynamicBatcher":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.stop(drain=True)
+
+    @property
+    def depth(self) -> int:
+        """Requests waiting in the queue (not yet in a batch)."""
+        return self._queue.live
+
+    @property
+    def inflight(self) -> int:
+        return len(self._inflight)
+
+    async def stop(self, drain: bool = True, timeout_s: float = 30.0) -> None:
+        """Stop accepting; with ``drain`` finish everything accepted first, else fail it (503)."""
+        self._accepting = False
+        if drain:
+            end = self.clock() + timeout_s
+            while (self._queue.live or self._inflight) and self.clock() < end:
+                self._notify()
+                await asyncio.sleep(0.005)
+        for t in self._consumers:
+            t.cancel()
+        await asyncio.gather(*self._consumers, return_exceptions=True)
+        self._consumers = []
+        err = DrainingError("the batcher stopped before this request ran; retry on another replica")
+        for lane in self._queue.lanes.values():
+            while lane:
+                r = lane.popleft()
+                if r.live:
+                    r.future.set_exception(err)
+        self._queue.live = 0
+
+    # ------------------------------------------------------------------ submit
+    def _bucket(self, length: int | None) -> int:
+        if length is None or not self.config.bucket_boundaries:
+            return 0
+        return bisect.bisect_left(self.config.bucket_boundaries, length)
+
+    def enqueue(self, item: Any, *, priority: int = 0, timeout_ms: float | None = None,
+                rows: int = 1, length: int | None = None) -> Request:
+        """Queue ``item`` now (synchronously: admission is decided before any await)."""
+        cfg = self.config
+        if not self._consumers:
+            raise DrainingError("the batcher is not started; call `await batcher.start()` first")
+        if not self._accepting:
+            raise DrainingError("the server is draining and accepts no new requests; retry elsewhere")
+        if not (isinstance(priority, int) and 0 <= priority < cfg.priority_levels):
+            raise InputError(f"priority: received {priority!r}, expected an integer in "
+                             f"[0, {cfg.priority_levels - 1}] (0 is most urgent)")
+        if rows < 1 or rows > cfg.max_batch_size:
+            raise InputError(f"request has {rows} rows, expected 1..max_batch_size={cfg.max_batch_size}; "
+                             "split it into smaller requests")
+        if self._queue.live >= cfg.max_queue_size:
+            raise QueueFullError(f"queue is full ({cfg.max_queue_size} waiting); retry after a short pause")
+        timeout_ms = cfg.default_timeout_ms if timeout_ms is None else timeout_ms
+        if timeout_ms is not None and timeout_ms <= 0:
+            raise InputError(f"timeout: received {timeout_ms!r} ms, expected a positive number of ms")
+        now = self.clock()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_ms is None else now + timeout_ms / 1e3
+        req = Request(item, rows, priority, self._bucket(length), now, deadline, loop.create_future())
+        self._queue.push(req)
+        if deadline is not None:
+            loop.call_later(timeout_ms / 1e3, self._expire, req)
+        if self.adaptive is not None:
+            self.adaptive.on_arrival(now, rows)
+        self._observe_depth()
+        self._notify()
+        return req
+
+    async def submit(self, item: Any, *, priority: int = 0, timeout_ms: float | None = None,
+                     rows: int = 1, length: int | None = None) -> Any:
+        """Queue ``item`` and wait for its result. Cancelling the await removes it from the queue."""
+        req = self.enqueue(item, priority=priority, timeout_ms=timeout_ms, rows=rows, length=length)
+        return await self.wait(req)
+
+    async def wait(self, req: Request) -> Any:
+        try:
+            return await asyncio.shield(req.future)
+        except asyncio.CancelledError:
+            self._finish(req, "cancelled", exc=asyncio.CancelledError())
+            raise
+
+    def _finish(self, req: Request, status: str, result: Any = None, exc: BaseException | None = None) -> None:
+        if req.future.done():
+            return
+        queued = req.started is None
+        if exc is None:
+            req.future.set_result(result)
+        elif isinstance(exc, asyncio.CancelledError):
+            req.future.cancel()
+        else:
+            req.future.set_exception(exc)
+        if queued:
+            self._queue.discard()
+            self._observe_depth()
+        if self.observer is not None:
+            qs = None if req.started is None else req.started - req.arrival
+            self.observer.on_request_done(status, qs, self.clock() - req.arrival)
+
+    def _expire(self, req: Request) -> None:
+        if req.live:
+            waited = (self.clock() - req.arrival) * 1e3
+            self._finish(req, "timeout", exc=DeadlineExceededError(
+                f"request deadline passed after {waited:.0f} ms "
+                f"({'still queued' if req.started is None else 'computing'}); raise `timeout` or reduce load"))
+
+    def _notify(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    def _observe_depth(self) -> None:
+        if self.observer is not None:
+            self.observer.on_queue_depth(self._queue.live)
+
+    # ------------------------------------------------------------------ batching
+    def _limits(self) -> tuple[int, float]:
+        if self.adaptive is not None:
+            return self.adaptive.choose(self.clock())
+        return self.config.max_batch_size, self.config.max_wait_ms / 1e3
+
+    async def _wait_for_work(self, timeout: float | None) -> None:
+        assert self._wakeup is not None
+        self._wakeup.clear()
+        try:
+            if timeout is None:
+                await self._wakeup.wait()
+            elif timeout > 0:
+                await asyncio.wait_for(self._wakeup.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
+    async def _collect(self) -> list[Request]:
+        """Wait for a first request, then fill until full or its wait window ends."""
+        q = self._queue
+        while True:
+            first = q.best(self.clock())
+            if first is not None:
+                break
+            await self._wait_for_work(None)
+        max_rows, wait_s = self._limits()
+        q.pop(first)
+        batch, rows, bucket = [first], first.rows, first.bucket
+        close_at = first.arrival + wait_s
+        while rows < max_rows:
+            r = q.best(self.clock(), bucket)
+            if r is not None:
+                if rows + r.rows > max_rows:
+                    break
+                q.pop(r)
+                batch.append(r)
+                rows += r.rows
+                continue
+            remaining = close_at - self.clock()
+            if remaining <= 0 or not self._accepting:
+                break
+            if rows in self.config.preferred_batch_sizes and self._queue.live == 0:
+                break  # on a size the model likes and nothing else is waiting: go now
+            await self._wait_for_work(remaining)
+        self._observe_depth()
+        return batch
+
+    async def _consume(self) -> None:
+        while True:
+            batch = await self._collect()
+            live = [r for r in batch if r.live]
+            if not live:
+                continue
+            await self._run(live)
+
+    async def _run(self, batch: list[Request]) -> None:
+        t0 = self.clock()
+        for r in batch:
+            r.started = t0
+            self._inflight.add(r)
+        rows = sum(r.rows for r in batch)
+        try:
+            items = [r.item for r in batch]
+            if self._is_async:
+                out = await self.fn(items)
+            else:
+                out = await asyncio.get_running_loop().run_in_executor(None, self.fn, items)
+            if len(out) != len(batch):
+                raise RuntimeError(f"batch function returned {len(out)} results for {len(batch)} items; "
+                                   "it must return exactly one result per item")
+        except asyncio.CancelledError:
+            for r in batch:
+                self._finish(r, "error", exc=DrainingError("the batcher stopped while this request ran"))
+                self._inflight.discard(r)
+            raise
+        except BaseException as exc:  # noqa: BLE001 - one bad batch fails only its own requests
+            for r in batch:
+                self._finish(r, getattr(exc, "status", "error"), exc=exc)
+                self._inflight.discard(r)
+            return
+        finally:
+            dt = self.clock() - t0
+            if self.observer is not None:
+                self.observer.on_batch(rows, dt)
+            if self.adaptive is not None:
+                self.adaptive.on_batch(rows, dt)
+        for r, res in zip(batch, out):
+            self._finish(r, "ok", result=res)
+            self._inflight.discard(r)

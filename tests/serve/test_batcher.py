@@ -1,0 +1,273 @@
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from torchnitro.config import from_dict
+from torchnitro.errors import ConfigError, DeadlineExceededError, DrainingError, InputError, QueueFullError
+from torchnitro.serve.batcher import BatchingConfig, DynamicBatcher
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+class Recorder:
+    """A batch function that records batches and can be held closed by a gate."""
+
+    def __init__(self, gate: bool = False):
+        self.batches: list[list] = []
+        self.gate = asyncio.Event() if gate else None
+
+    async def __call__(self, items):
+        self.batches.append(list(items))
+        if self.gate is not None:
+            await self.gate.wait()
+        return [x * 2 for x in items]
+
+
+def test_batch_closes_at_max_size_and_results_follow_inputs():
+    async def main():
+        rec = Recorder()
+        async with DynamicBatcher(rec, BatchingConfig(max_batch_size=4, max_wait_ms=200)) as b:
+            t0 = time.monotonic()
+            out = await asyncio.gather(*(b.submit(i) for i in range(8)))
+            dt = time.monotonic() - t0
+        assert out == [i * 2 for i in range(8)]
+        assert [len(x) for x in rec.batches] == [4, 4]
+        assert dt < 0.15  # full batches do not wait for the 200 ms window
+
+    run(main())
+
+
+def test_batch_closes_when_wait_window_of_first_request_ends():
+    async def main():
+        rec = Recorder()
+        async with DynamicBatcher(rec, BatchingConfig(max_batch_size=64, max_wait_ms=40)) as b:
+            t0 = time.monotonic()
+            first = asyncio.create_task(b.submit(1))
+            await asyncio.sleep(0.02)
+            second = asyncio.create_task(b.submit(2))
+            assert await first == 2 and await second == 4
+            dt = time.monotonic() - t0
+        assert rec.batches == [[1, 2]]
+        assert 0.035 <= dt < 0.5  # window counted from the first request, not the second
+
+    run(main())
+
+
+def test_sync_function_runs_in_thread():
+    async def main():
+        seen = []
+
+        def fn(items):
+            seen.append(len(items))
+            return [x + 1 for x in items]
+
+        async with DynamicBatcher(fn, BatchingConfig(max_batch_size=3, max_wait_ms=50)) as b:
+            out = await asyncio.gather(*(b.submit(i) for i in range(6)))
+        assert out == [i + 1 for i in range(6)] and seen == [3, 3]
+
+    run(main())
+
+
+def test_full_queue_rejects_immediately():
+    async def main():
+        rec = Recorder(gate=True)
+        cfg = BatchingConfig(max_batch_size=1, max_wait_ms=0, max_queue_size=2)
+        async with DynamicBatcher(rec, cfg) as b:
+            running = asyncio.create_task(b.submit(0))
+            await asyncio.sleep(0.01)  # now in the (blocked) function
+            queued = [asyncio.create_task(b.submit(i)) for i in (1, 2)]
+            await asyncio.sleep(0.01)
+            t0 = time.monotonic()
+            with pytest.raises(QueueFullError, match="queue is full"):
+                await b.submit(3)
+            assert time.monotonic() - t0 < 0.05
+            rec.gate.set()
+            assert await running == 0 and [await q for q in queued] == [2, 4]
+
+    run(main())
+
+
+def test_deadline_expired_requests_are_never_computed():
+    async def main():
+        rec = Recorder(gate=True)
+        async with DynamicBatcher(rec, BatchingConfig(max_batch_size=1, max_wait_ms=0)) as b:
+            running = asyncio.create_task(b.submit(0))
+            await asyncio.sleep(0.01)
+            late = asyncio.create_task(b.submit(99, timeout_ms=30))
+            with pytest.raises(DeadlineExceededError, match="deadline"):
+                await late
+            assert b.depth == 0
+            rec.gate.set()
+            await running
+            await asyncio.sleep(0.02)
+        assert [99] not in rec.batches
+
+    run(main())
+
+
+def test_high_priority_overtakes_full_low_priority_queue():
+    async def main():
+        rec = Recorder(gate=True)
+        cfg = BatchingConfig(max_batch_size=2, max_wait_ms=0, priority_levels=3, aging_ms=10_000)
+        async with DynamicBatcher(rec, cfg) as b:
+            blocker = asyncio.create_task(b.submit(-1))
+            await asyncio.sleep(0.01)
+            low = [asyncio.create_task(b.submit(i, priority=2)) for i in range(6)]
+            await asyncio.sleep(0.01)
+            high = asyncio.create_task(b.submit(100, priority=0))
+            await asyncio.sleep(0.01)
+            rec.gate.set()
+            await asyncio.gather(blocker, high, *low)
+        assert rec.batches[1][0] == 100  # the very next batch after the blocker leads with it
+
+    run(main())
+
+
+def test_aging_prevents_starvation():
+    async def main():
+        rec = Recorder(gate=True)
+        cfg = BatchingConfig(max_batch_size=1, max_wait_ms=0, priority_levels=2, aging_ms=20)
+        async with DynamicBatcher(rec, cfg) as b:
+            blocker = asyncio.create_task(b.submit(-1))
+            await asyncio.sleep(0.01)
+            old_low = asyncio.create_task(b.submit(7, priority=1))
+            await asyncio.sleep(0.06)  # aged by three levels
+            new_high = asyncio.create_task(b.submit(8, priority=0))
+            await asyncio.sleep(0.01)
+            rec.gate.set()
+            await asyncio.gather(blocker, old_low, new_high)
+        assert rec.batches[1] == [7]
+
+    run(main())
+
+
+def test_cancelled_request_leaves_queue_and_is_not_computed():
+    async def main():
+        rec = Recorder(gate=True)
+        async with DynamicBatcher(rec, BatchingConfig(max_batch_size=1, max_wait_ms=0)) as b:
+            blocker = asyncio.create_task(b.submit(0))
+            await asyncio.sleep(0.01)
+            gone = asyncio.create_task(b.submit(5))
+            await asyncio.sleep(0.01)
+            assert b.depth == 1
+            gone.cancel()
+            await asyncio.sleep(0.01)
+            assert b.depth == 0
+            rec.gate.set()
+            await blocker
+            assert await b.submit(6) == 12
+        assert [5] not in rec.batches
+
+    run(main())
+
+
+def test_failing_batch_fails_only_its_requests():
+    async def main():
+        async def fn(items):
+            if 13 in items:
+                raise RuntimeError("bad luck")
+            return items
+
+        async with DynamicBatcher(fn, BatchingConfig(max_batch_size=2, max_wait_ms=20)) as b:
+            res = await asyncio.gather(b.submit(13), b.submit(1), b.submit(2), b.submit(3),
+                                       return_exceptions=True)
+        assert isinstance(res[0], RuntimeError) and isinstance(res[1], RuntimeError)
+        assert res[2:] == [2, 3]
+
+    run(main())
+
+
+def test_buckets_never_mix_lengths():
+    async def main():
+        rec = Recorder()
+        cfg = BatchingConfig(max_batch_size=8, max_wait_ms=30, bucket_boundaries=(16, 64))
+        async with DynamicBatcher(rec, cfg) as b:
+            lengths = [3, 100, 10, 40, 12, 50, 200, 5]
+            out = await asyncio.gather(*(b.submit(n, length=n) for n in lengths))
+        assert out == [n * 2 for n in lengths]
+        for batch in rec.batches:
+            buckets = {0 if n <= 16 else 1 if n <= 64 else 2 for n in batch}
+            assert len(buckets) == 1, batch
+        assert len(rec.batches) == 3
+
+    run(main())
+
+
+def test_rows_count_toward_batch_size_and_oversized_request_rejected():
+    async def main():
+        rec = Recorder()
+        async with DynamicBatcher(rec, BatchingConfig(max_batch_size=4, max_wait_ms=30)) as b:
+            await asyncio.gather(b.submit(1, rows=3), b.submit(2, rows=2), b.submit(3, rows=1))
+            with pytest.raises(InputError, match="max_batch_size=4"):
+                await b.submit(4, rows=5)
+        assert sorted(len(x) for x in rec.batches) == [1, 2]
+
+    run(main())
+
+
+def test_preferred_size_closes_early_when_nothing_waits():
+    async def main():
+        rec = Recorder()
+        cfg = BatchingConfig(max_batch_size=16, max_wait_ms=300, preferred_batch_sizes=(2,))
+        async with DynamicBatcher(rec, cfg) as b:
+            t0 = time.monotonic()
+            await asyncio.gather(b.submit(1), b.submit(2))
+            assert time.monotonic() - t0 < 0.2
+
+    run(main())
+
+
+def test_concurrency_runs_batches_in_parallel():
+    async def main():
+        async def slow(items):
+            await asyncio.sleep(0.05)
+            return items
+
+        cfg = BatchingConfig(max_batch_size=1, max_wait_ms=0, concurrency=4)
+        async with DynamicBatcher(slow, cfg) as b:
+            t0 = time.monotonic()
+            await asyncio.gather(*(b.submit(i) for i in range(4)))
+            assert time.monotonic() - t0 < 0.15
+
+    run(main())
+
+
+def test_stop_drains_accepted_then_rejects():
+    async def main():
+        rec = Recorder()
+        b = await DynamicBatcher(rec, BatchingConfig(max_batch_size=2, max_wait_ms=5)).start()
+        tasks = [asyncio.create_task(b.submit(i)) for i in range(5)]
+        await asyncio.sleep(0)
+        await b.stop(drain=True)
+        assert [await t for t in tasks] == [i * 2 for i in range(5)]
+        with pytest.raises(DrainingError):
+            await b.submit(1)
+
+    run(main())
+
+
+def test_bad_priority_and_timeout_raise_input_error():
+    async def main():
+        async with DynamicBatcher(Recorder(), BatchingConfig(priority_levels=2)) as b:
+            with pytest.raises(InputError, match=r"priority: received 5"):
+                await b.submit(1, priority=5)
+            with pytest.raises(InputError, match="timeout"):
+                await b.submit(1, timeout_ms=-1)
+
+    run(main())
+
+
+def test_config_validation_and_from_dict():
+    cfg = from_dict(BatchingConfig, {"max_batch_size": 8, "preferred_batch_sizes": [4, 8]})
+    assert cfg.preferred_batch_sizes == (4, 8)
+    with pytest.raises(ConfigError, match="max_batch_size"):
+        BatchingConfig(max_batch_size=0)
+    with pytest.raises(ConfigError, match="latency_target_ms"):
+        BatchingConfig(adaptive=True)
+    with pytest.raises(ConfigError, match="unknown key"):
+        from_dict(BatchingConfig, {"max_batch": 3})
