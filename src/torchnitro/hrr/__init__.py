@@ -1,3 +1,18 @@
-"""torchnitro.hrr."""
+"""torchnitro.hrr: holographic reduced representations (Plate, 1995) on PyTorch.
 
-__all__: list[str] = []
+Ops (``bind``, ``unbind``, ``superpose``, ...) broadcast over leading dimensions and run on any
+device; ``ItemMemory`` answers cleanup queries with one matrix product per chunk; ``Record`` and
+``Sequence`` build structures; ``calibrate`` measures where the GPU starts to pay off.
+"""
+
+from __future__ import annotations
+
+from torchnitro.hrr.ops import (
+    UNBIND_METHODS, bind, cosine, exact_inverse, inverse, normalize, permutation, permute, project,
+    random, superpose, unbind, unitary, unpermute,
+)
+
+__all__ = [
+    "UNBIND_METHODS", "bind", "cosine", "exact_inverse", "inverse", "normalize", "permutation",
+    "permute", "project", "random", "superpose", "unbind", "unitary", "unpermute",
+]
