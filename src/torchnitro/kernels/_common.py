@@ -1,0 +1,44 @@
+"""Input checks shared by the kernel modules (messages: what was received, what was expected, the fix)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from torchnitro.errors import InputError, ShapeError
+
+__all__ = ["check_float", "check_same_shape", "check_last_dim", "check_approximate", "FLOAT_DTYPES"]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_float(op: str, **tensors: torch.Tensor | None) -> None:
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise InputError(f"{op}: {name} is a {type(t).__name__}; expected a torch.Tensor")
+        if t.dtype not in FLOAT_DTYPES:
+            raise InputError(
+                f"{op}: {name} has dtype {t.dtype}; expected float32, float16 or bfloat16; cast it with .float()"
+            )
+
+
+def check_same_shape(op: str, names: Sequence[str], *tensors: torch.Tensor) -> None:
+    shapes = [tuple(t.shape) for t in tensors]
+    if any(s != shapes[0] for s in shapes):
+        got = ", ".join(f"{n}={s}" for n, s in zip(names, shapes))
+        raise ShapeError(f"{op}: received {got}; expected equal shapes; reshape the inputs to match")
+
+
+def check_last_dim(op: str, name: str, t: torch.Tensor | None, size: int) -> None:
+    if t is not None and tuple(t.shape) != (size,):
+        raise ShapeError(
+            f"{op}: {name} has shape {tuple(t.shape)}; expected ({size},) to match the input's last dim"
+        )
+
+
+def check_approximate(op: str, approximate: str) -> None:
+    if approximate not in ("none", "tanh"):
+        raise InputError(f"{op}: approximate={approximate!r}; expected 'none' (exact erf) or 'tanh'")

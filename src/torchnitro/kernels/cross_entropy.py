@@ -1,0 +1,262 @@
+"""Cross-entropy over a large vocabulary, and a chunked fused Linear + cross-entropy.
+
+Forward per row (online log-sum-exp over V in blocks, Milakov & Gimelshein, 2018):
+    lse = log sum_j exp(z_j);  loss = (1 - eps)(lse - z_t) + eps (lse - mean_j z_j)
+Backward: dz_j = (softmax_j - (1 - eps) [j = t] - eps / V) * dloss_row; ignored rows get 0.
+
+``fused_linear_cross_entropy`` never holds the (N, V) logits: it walks N in chunks, computes the
+chunk's logits, overwrites them in place with their gradient, and folds that straight into dx and
+dW (the Liger-Kernel FLCE scheme), so peak extra memory is one (chunk, V) block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.errors import InputError, ShapeError
+from torchnitro.kernels import reference
+from torchnitro.kernels._common import check_float
+from torchnitro.kernels._triton import LazyKernel, next_pow2
+from torchnitro.kernels.dispatch import use_triton
+
+try:
+    import triton.language as tl
+    from triton.language import constexpr
+except Exception:  # pragma: no cover
+    tl = constexpr = None  # type: ignore[assignment]
+
+__all__ = [
+    "cross_entropy", "CrossEntropyLoss", "cross_entropy_forward", "cross_entropy_backward",
+    "CrossEntropyFunction", "fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss",
+    "FusedLinearCrossEntropyFunction",
+]
+
+
+def _ce_fwd_kernel(z_ptr, stride, t_ptr, loss_ptr, lse_ptr, V, ignore_index, eps, BLOCK: constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    zb = z_ptr + row * stride
+    target = tl.load(t_ptr + row)
+    m = tl.full((), -float("inf"), tl.float32)
+    s = tl.zeros((), tl.float32)
+    zsum = tl.zeros((), tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        z = tl.load(zb + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        zsum += tl.sum(tl.where(cols < V, z, 0.0), axis=0)
+        m = m_new
+    lse = m + tl.log(s)
+    zt = tl.load(zb + tl.where(target == ignore_index, 0, target)).to(tl.float32)
+    loss = (1.0 - eps) * (lse - zt) + eps * (lse - zsum / V)
+    loss = tl.where(target == ignore_index, 0.0, loss)
+    tl.store(loss_ptr + row, loss)
+    tl.store(lse_ptr + row, lse)
+
+
+def _ce_bwd_kernel(z_ptr, stride, dz_ptr, dz_stride, t_ptr, lse_ptr, dloss_ptr, dloss_stride, V, ignore_index,
+                   eps, BLOCK: constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    target = tl.load(t_ptr + row)
+    lse = tl.load(lse_ptr + row)
+    dl = tl.load(dloss_ptr + row * dloss_stride).to(tl.float32)
+    dl = tl.where(target == ignore_index, 0.0, dl)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        z = tl.load(z_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.exp(z - lse) - eps / V - tl.where(cols == target, 1.0 - eps, 0.0)
+        tl.store(dz_ptr + row * dz_stride + cols, (g * dl).to(dz_ptr.dtype.element_ty), mask=mask)
+
+
+_fwd = LazyKernel(_ce_fwd_kernel)
+_bwd = LazyKernel(_ce_bwd_kernel)
+
+
+def _block(V: int) -> int:
+    return min(next_pow2(V), 4096)
+
+
+def cross_entropy_forward(logits: Tensor, target: Tensor, ignore_index: int, eps: float) -> tuple[Tensor, Tensor]:
+    """Per-row (loss, lse), both fp32 (N,). ``logits`` rows may be strided; columns contiguous."""
+    N, V = logits.shape
+    loss = torch.empty(N, device=logits.device, dtype=torch.float32)
+    lse = torch.empty_like(loss)
+    if N:
+        _fwd[(N,)](logits, logits.stride(0), target, loss, lse, V, ignore_index, eps, BLOCK=_block(V), num_warps=8)
+    return loss, lse
+
+
+def cross_entropy_backward(logits: Tensor, target: Tensor, lse: Tensor, dloss: Tensor, ignore_index: int,
+                           eps: float, out: Tensor | None = None) -> Tensor:
+    """dlogits (N, V); ``dloss`` is per row (N,) or a broadcast scalar; ``out=logits`` works in place."""
+    N, V = logits.shape
+    dz = torch.empty_like(logits) if out is None else out
+    dloss = dloss.float().reshape(-1)
+    if N:
+        _bwd[(N,)](logits, logits.stride(0), dz, dz.stride(0), target, lse, dloss, 0 if dloss.numel() == 1 else 1,
+                   V, ignore_index, eps, BLOCK=_block(V), num_warps=8)
+    return dz
+
+
+def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, float]:
+    """(reduced loss, factor d reduced / d row loss)."""
+    if reduction == "none":
+        return loss, 1.0
+    if reduction == "sum":
+        return loss.sum(), 1.0
+    n_valid = int((target != ignore_index).sum())
+    factor = 1.0 / n_valid if n_valid else 0.0
+    return (loss.sum() * factor if n_valid else loss.sum() * float("nan")), factor
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, target: Tensor, ignore_index: int, reduction: str, eps: float):  # type: ignore[override]
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        loss, lse = cross_entropy_forward(logits, target, ignore_index, eps)
+        out, factor = _reduce(loss, target, ignore_index, reduction)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.args = (ignore_index, reduction, eps, factor)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):  # type: ignore[override]
+        logits, target, lse = ctx.saved_tensors
+        ignore_index, reduction, eps, factor = ctx.args
+        dloss = dout if reduction == "none" else dout * factor
+        return cross_entropy_backward(logits, target, lse, dloss, ignore_index, eps), None, None, None, None
+
+
+def _check_ce(op: str, logits: Tensor, target: Tensor, reduction: str, label_smoothing: float, ignore_index: int,
+              V: int) -> None:
+    if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0]:
+        raise ShapeError(
+            f"{op}: received input {tuple(logits.shape)} and target {tuple(target.shape)}; expected (N, {V}) and "
+            "(N,); flatten batch and sequence first (x.view(-1, x.shape[-1]), target.view(-1))"
+        )
+    if target.dtype not in (torch.int64, torch.int32):
+        raise InputError(f"{op}: target has dtype {target.dtype}; expected int64 class indices")
+    if reduction not in ("mean", "sum", "none"):
+        raise InputError(f"{op}: reduction={reduction!r}; expected 'mean', 'sum' or 'none'")
+    if not 0.0 <= label_smoothing < 1.0:
+        raise InputError(f"{op}: label_smoothing={label_smoothing}; expected a value in [0, 1)")
+    bad = (target != ignore_index) & ((target < 0) | (target >= V))
+    if target.numel() and bool(bad.any()):
+        t = target[bad][0].item()
+        raise InputError(f"{op}: target holds class {t}; expected 0 <= target < {V} or ignore_index={ignore_index}")
+
+
+def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
+                  label_smoothing: float = 0.0) -> Tensor:
+    """Cross-entropy of ``logits`` (N, V) against class indices ``target`` (N,); returns fp32."""
+    check_float("cross_entropy", logits=logits)
+    _check_ce("cross_entropy", logits, target, reduction, label_smoothing, ignore_index, logits.shape[-1])
+    if use_triton(logits, op="cross_entropy"):
+        return CrossEntropyFunction.apply(logits, target, ignore_index, reduction, float(label_smoothing))
+    return reference.cross_entropy(logits, target, ignore_index, reduction, label_smoothing)
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    """Loss and all gradients computed in forward, chunk by chunk; backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,  # type: ignore[override]
+                reduction: str, eps: float, chunk_size: int):
+        N, D = x.shape
+        V = weight.shape[0]
+        n_valid = int((target != ignore_index).sum())
+        factor = (1.0 / n_valid if n_valid else 0.0) if reduction == "mean" else 1.0
+        need_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+        dx = torch.empty_like(x) if need_grad else None
+        dw = torch.zeros(V, D, device=x.device, dtype=torch.float32) if weight.requires_grad else None
+        db = torch.zeros(V, device=x.device, dtype=torch.float32) if bias is not None and bias.requires_grad else None
+        total = torch.zeros((), device=x.device, dtype=torch.float32)
+        scale = torch.full((1,), factor, device=x.device, dtype=torch.float32)
+        for s in range(0, N, chunk_size):
+            xc, tc = x[s:s + chunk_size], target[s:s + chunk_size]
+            logits = xc @ weight.t()  # (chunk, V): the only vocab-sized buffer alive
+            if bias is not None:
+                logits += bias
+            loss, lse = cross_entropy_forward(logits, tc, ignore_index, eps)
+            total += loss.sum()
+            if need_grad:
+                cross_entropy_backward(logits, tc, lse, scale, ignore_index, eps, out=logits)  # in place
+                dx[s:s + chunk_size] = logits @ weight
+                if dw is not None:
+                    dw.addmm_(logits.t().float(), xc.float())
+                if db is not None:
+                    db += logits.float().sum(0)
+        ctx.save_for_backward(dx, dw, db)
+        ctx.has = (x.requires_grad, weight.requires_grad, db is not None)
+        ctx.w_dtype = weight.dtype
+        out = total * factor if reduction == "mean" else total
+        if reduction == "mean" and not n_valid:
+            out = out * float("nan")
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):  # type: ignore[override]
+        dx, dw, db = ctx.saved_tensors
+        hx, hw, hb = ctx.has
+        gx = dx * dout.to(dx.dtype) if hx else None
+        gw = (dw * dout).to(ctx.w_dtype) if hw else None
+        gb = (db * dout).to(ctx.w_dtype) if hb else None
+        return gx, gw, None, gb, None, None, None, None
+
+
+def _chunk_size(N: int, V: int) -> int:
+    # Liger's rule: chunks of about N / (V / D) rows keep the logit block the size of the input
+    return max(1, min(N, next_pow2(max(1, math.ceil(N / max(1, math.ceil(V / 4096)))))))
+
+
+def fused_linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
+                               ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                               chunk_size: int | None = None) -> Tensor:
+    """cross_entropy(x @ weight.T + bias, target) without materialising the (N, V) logits.
+
+    x (N, D), weight (V, D), target (N,). ``reduction`` is 'mean' or 'sum' (per-row losses need the
+    full logits' gradients, so 'none' is not supported by the fused path).
+    """
+    check_float("fused_linear_cross_entropy", x=x, weight=weight, bias=bias)
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ShapeError(
+            f"fused_linear_cross_entropy: x {tuple(x.shape)} and weight {tuple(weight.shape)}; expected (N, D) "
+            "and (V, D); flatten the batch first"
+        )
+    _check_ce("fused_linear_cross_entropy", x, target, reduction, label_smoothing, ignore_index, weight.shape[0])
+    if reduction == "none":
+        raise InputError("fused_linear_cross_entropy: reduction='none'; expected 'mean' or 'sum'; use "
+                         "cross_entropy(F.linear(x, w), target, reduction='none') for per-token losses")
+    if use_triton(x, op="fused_linear_cross_entropy"):
+        cs = chunk_size or _chunk_size(x.shape[0], weight.shape[0])
+        return FusedLinearCrossEntropyFunction.apply(x, weight, target, bias, ignore_index, reduction,
+                                                     float(label_smoothing), int(cs))
+    return reference.fused_linear_cross_entropy(x, weight, target, bias, ignore_index, reduction, label_smoothing)
+
+
+class CrossEntropyLoss(nn.Module):
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0):
+        super().__init__()
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+
+    def forward(self, logits: Tensor, target: Tensor) -> Tensor:
+        return cross_entropy(logits, target, self.ignore_index, self.reduction, self.label_smoothing)
+
+
+class FusedLinearCrossEntropyLoss(nn.Module):
+    """``forward(x, weight, target, bias=None)``: the LM head and the loss in one chunked op."""
+
+    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 chunk_size: int | None = None):
+        super().__init__()
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.chunk_size = label_smoothing, chunk_size
+
+    def forward(self, x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None) -> Tensor:
+        return fused_linear_cross_entropy(x, weight, target, bias, self.ignore_index, self.reduction,
+                                          self.label_smoothing, self.chunk_size)

@@ -1,0 +1,339 @@
+"""Flash attention forward and backward (Dao et al., 2022; FlashAttention-2, Dao 2023).
+
+    O = softmax(Q K^T * scale + mask) V, computed block by block with an online softmax: per query
+    block keep the running max m, normaliser l and accumulator; rescale by exp(m_old - m_new).
+Forward saves only O and the row log-sum-exp L. Backward recomputes P = exp(S - L):
+    dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dO * O));  dQ = dS K * scale;  dK = dS^T Q * scale
+Masks: causal (top-left aligned, as SDPA's ``is_causal``), sliding window (|q - k| < window, and
+k <= q when causal); blocks wholly outside the mask are skipped. GQA/MQA: query head h reads K/V
+head h // (H / Hkv); dK/dV are formed per query head and summed over each group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.errors import InputError, ShapeError
+from torchnitro.kernels import reference
+from torchnitro.kernels._common import check_float
+from torchnitro.kernels._triton import LazyKernel, next_pow2
+from torchnitro.kernels.dispatch import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language import constexpr
+except Exception:  # pragma: no cover
+    triton = tl = constexpr = None  # type: ignore[assignment]
+
+__all__ = ["flash_attention", "FlashAttention", "flash_attention_forward", "flash_attention_backward",
+           "FlashAttentionFunction"]
+
+
+def _fa_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, H, G, Tq, Tk, D, WINDOW,
+                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
+                   CAUSAL: constexpr, HAS_WINDOW: constexpr, PREC: constexpr,
+                   BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    k_base = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    q = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :], mask=(offs_m[:, None] < Tq) & dmask[None, :],
+                other=0.0)
+    m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # work in base 2: exp(x) = exp2(x * log2 e)
+    lo = 0
+    hi = Tk
+    if HAS_WINDOW:
+        lo = tl.maximum(0, start_m * BLOCK_M - WINDOW + 1) // BLOCK_N * BLOCK_N
+        if not CAUSAL:
+            hi = tl.minimum(Tk, (start_m + 1) * BLOCK_M + WINDOW - 1)
+    if CAUSAL:
+        hi = tl.minimum(Tk, (start_m + 1) * BLOCK_M)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < Tk) & dmask[None, :]
+        k = tl.load(k_base + cols[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        keep = (cols[None, :] < Tk) & (offs_m[:, None] >= 0)
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        if HAS_WINDOW:
+            keep = keep & (offs_m[:, None] - cols[None, :] < WINDOW)
+            if not CAUSAL:
+                keep = keep & (cols[None, :] - offs_m[:, None] < WINDOW)
+        s = tl.where(keep, s, -float("inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + cols[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(l_i == 0.0, -float("inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)  # natural log
+    o_base = o_ptr + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+    tl.store(o_base + offs_m[:, None] * sot + offs_d[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=(offs_m[:, None] < Tq) & dmask[None, :])
+    tl.store(lse_ptr + bh.to(tl.int64) * Tq + offs_m, lse, mask=offs_m < Tq)
+
+
+def _fa_bwd_pre_kernel(o_ptr, do_ptr, delta_ptr, Tq, D, BLOCK_M: constexpr, BLOCK_D: constexpr):
+    """delta = rowsum(dO * O) per (b, h, t); O and dO are contiguous (B*H, Tq, D)."""
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_m[:, None] < Tq) & (offs_d[None, :] < D)
+    off = bh * Tq * D + offs_m[:, None] * D + offs_d[None, :]
+    o = tl.load(o_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + off, mask=mask, other=0.0).to(tl.float32)
+    tl.store(delta_ptr + bh * Tq + offs_m, tl.sum(o * do, axis=1), mask=offs_m < Tq)
+
+
+def _fa_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, sm_scale, H, G, Tq, Tk, D,
+                        WINDOW, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
+                        CAUSAL: constexpr, HAS_WINDOW: constexpr, PREC: constexpr,
+                        BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr):
+    start_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    kv_mask = (offs_n[:, None] < Tk) & dmask[None, :]
+    k = tl.load(k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skt + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svt + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    do_base = do_ptr + bh.to(tl.int64) * Tq * D
+    row_base = bh.to(tl.int64) * Tq
+    dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    lo = 0
+    hi = Tq
+    if CAUSAL:
+        lo = start_n * BLOCK_N // BLOCK_M * BLOCK_M
+    if HAS_WINDOW:
+        hi = tl.minimum(Tq, (start_n + 1) * BLOCK_N + WINDOW - 1)
+        if not CAUSAL:
+            lo = tl.maximum(0, start_n * BLOCK_N - WINDOW + 1) // BLOCK_M * BLOCK_M
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        qmask = (offs_m[:, None] < Tq) & dmask[None, :]
+        q = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :], mask=qmask, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
+        lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < Tq, other=0.0)
+        delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < Tq, other=0.0)
+        s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
+        keep = (offs_m[None, :] < Tq) & (offs_n[:, None] < Tk)
+        if CAUSAL:
+            keep = keep & (offs_n[:, None] <= offs_m[None, :])
+        if HAS_WINDOW:
+            keep = keep & (offs_m[None, :] - offs_n[:, None] < WINDOW)
+            if not CAUSAL:
+                keep = keep & (offs_n[:, None] - offs_m[None, :] < WINDOW)
+        p_t = tl.where(keep, tl.exp2(s_t - lse[None, :] * 1.4426950408889634), 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+    out = bh.to(tl.int64) * Tk * D + offs_n[:, None] * D + offs_d[None, :]
+    tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
+
+
+def _fa_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, sm_scale, H, G, Tq, Tk, D, WINDOW,
+                      sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
+                      CAUSAL: constexpr, HAS_WINDOW: constexpr, PREC: constexpr,
+                      BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr):
+    start_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    qmask = (offs_m[:, None] < Tq) & dmask[None, :]
+    q = tl.load(q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh + offs_m[:, None] * sqt + offs_d[None, :],
+                mask=qmask, other=0.0)
+    row = bh.to(tl.int64) * Tq + offs_m
+    do = tl.load(do_ptr + bh.to(tl.int64) * Tq * D + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
+    lse = tl.load(lse_ptr + row, mask=offs_m < Tq, other=0.0)
+    delta = tl.load(delta_ptr + row, mask=offs_m < Tq, other=0.0)
+    k_base = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+    v_base = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+    dq = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+    lo = 0
+    hi = Tk
+    if HAS_WINDOW:
+        lo = tl.maximum(0, start_m * BLOCK_M - WINDOW + 1) // BLOCK_N * BLOCK_N
+        if not CAUSAL:
+            hi = tl.minimum(Tk, (start_m + 1) * BLOCK_M + WINDOW - 1)
+    if CAUSAL:
+        hi = tl.minimum(Tk, (start_m + 1) * BLOCK_M)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < Tk) & dmask[None, :]
+        k = tl.load(k_base + cols[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + cols[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        keep = (cols[None, :] < Tk) & (offs_m[:, None] < Tq)
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= offs_m[:, None])
+        if HAS_WINDOW:
+            keep = keep & (offs_m[:, None] - cols[None, :] < WINDOW)
+            if not CAUSAL:
+                keep = keep & (cols[None, :] - offs_m[:, None] < WINDOW)
+        p = tl.where(keep, tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+    tl.store(dq_ptr + bh.to(tl.int64) * Tq * D + offs_m[:, None] * D + offs_d[None, :],
+             (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=qmask)
+
+
+def _configs(pairs: list[tuple[int, int, int, int]]) -> list | None:
+    if triton is None:
+        return None
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
+
+
+_SMALL = {"BLOCK_M": 16, "BLOCK_N": 16}  # interpreter: tiny blocks keep the numpy emulation fast
+_fwd = LazyKernel(_fa_fwd_kernel, _configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
+                                            (64, 32, 4, 4), (128, 64, 4, 2)]),
+                  key=["Tq", "Tk", "D", "CAUSAL", "HAS_WINDOW"], interpret_kwargs=_SMALL)
+_bwd_kv = LazyKernel(_fa_bwd_dkdv_kernel, _configs([(32, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3), (16, 64, 4, 2),
+                                                    (64, 128, 8, 2)]),
+                     key=["Tq", "Tk", "D", "CAUSAL", "HAS_WINDOW"], interpret_kwargs=_SMALL)
+_bwd_q = LazyKernel(_fa_bwd_dq_kernel, _configs([(64, 32, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3), (64, 16, 4, 2),
+                                                 (128, 64, 8, 2)]),
+                    key=["Tq", "Tk", "D", "CAUSAL", "HAS_WINDOW"], interpret_kwargs=_SMALL)
+_pre = LazyKernel(_fa_bwd_pre_kernel)
+
+
+def _prec(q: Tensor) -> str:
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _strides(t: Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None, scale: float
+                            ) -> tuple[Tensor, Tensor]:
+    """Returns (O (B, H, Tq, D) contiguous, L (B*H, Tq) fp32 natural-log row log-sum-exp)."""
+    B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    o = torch.empty(B, H, Tq, D, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B * H, Tq, device=q.device, dtype=torch.float32)
+    grid = lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    _fwd[grid](q, k, v, o, lse, scale, H, H // Hkv, Tq, Tk, D, window or 0, *_strides(q), *_strides(k),
+               *_strides(v), *_strides(o), CAUSAL=causal, HAS_WINDOW=window is not None, PREC=_prec(q),
+               BLOCK_D=max(16, next_pow2(D)))
+    return o, lse
+
+
+def flash_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
+                             window: int | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    G = H // Hkv
+    do = do.contiguous()
+    bd = max(16, next_pow2(D))
+    delta = torch.empty_like(lse)
+    _pre[(triton.cdiv(Tq, 64), B * H)](o, do, delta, Tq, D, BLOCK_M=64, BLOCK_D=bd)
+    dq = torch.empty(B, H, Tq, D, device=q.device, dtype=q.dtype)
+    acc_dtype = k.dtype if G == 1 else torch.float32  # group sums in fp32
+    dk_h = torch.empty(B, H, Tk, D, device=q.device, dtype=acc_dtype)
+    dv_h = torch.empty_like(dk_h)
+    common = dict(CAUSAL=causal, HAS_WINDOW=window is not None, PREC=_prec(q), BLOCK_D=bd)
+    strides = (*_strides(q), *_strides(k), *_strides(v))
+    _bwd_kv[lambda meta: (triton.cdiv(Tk, meta["BLOCK_N"]), B * H)](
+        q, k, v, do, lse, delta, dk_h, dv_h, scale, H, G, Tq, Tk, D, window or 0, *strides, **common)
+    _bwd_q[lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]), B * H)](
+        q, k, v, do, lse, delta, dq, scale, H, G, Tq, Tk, D, window or 0, *strides, **common)
+    if G > 1:
+        dk = dk_h.view(B, Hkv, G, Tk, D).sum(2).to(k.dtype)
+        dv = dv_h.view(B, Hkv, G, Tk, D).sum(2).to(v.dtype)
+    else:
+        dk, dv = dk_h, dv_h
+    return dq, dk, dv
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None, scale: float):  # type: ignore[override]
+        o, lse = flash_attention_forward(q, k, v, causal, window, scale)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (causal, window, scale)
+        return o
+
+    @staticmethod
+    def backward(ctx, do: Tensor):  # type: ignore[override]
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attention_backward(do, q, k, v, o, lse, *ctx.args)
+        return dq, dk, dv, None, None, None
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, window: int | None) -> None:
+    check_float("flash_attention", q=q, k=k, v=v)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ShapeError(f"flash_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
+                         "4-d (B, H, T, D) tensors; transpose (B, T, H, D) inputs with .transpose(1, 2)")
+    B, H, _, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or H % k.shape[1]:
+        raise ShapeError(f"flash_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
+                         "k and v of shape (B, Hkv, Tk, D) with H a multiple of Hkv")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise InputError(f"flash_attention: dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}; expected one dtype")
+    if window is not None and window < 1:
+        raise InputError(f"flash_attention: window={window}; expected a positive int or None")
+
+
+def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, window: int | None = None,
+                    scale: float | None = None) -> Tensor:
+    """Exact attention (B, H, Tq, D) from q (B, H, Tq, D), k/v (B, Hkv, Tk, D); GQA when Hkv < H.
+
+    ``window`` limits attention to keys with |q - k| < window (a sliding window, Mistral-style).
+    Triton path: head dims up to 256 (64 and 128 are the tuned ones); CPU path: SDPA.
+    """
+    _check(q, k, v, window)
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    if q.shape[-1] <= 256 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 \
+            and use_triton(q, op="flash_attention"):
+        return FlashAttentionFunction.apply(q, k, v, causal, window, scale)
+    return reference.flash_attention(q, k, v, causal, window, scale)
+
+
+class FlashAttention(nn.Module):
+    """``forward(q, k, v)`` with fixed ``causal``/``window``/``scale``."""
+
+    def __init__(self, causal: bool = False, window: int | None = None, scale: float | None = None):
+        super().__init__()
+        self.causal, self.window, self.scale = causal, window, scale
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return flash_attention(q, k, v, self.causal, self.window, self.scale)

@@ -1,0 +1,119 @@
+"""GELU, exact (erf) and tanh-approximate, forward and backward in one elementwise pass each.
+
+y = x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2))                        (Hendrycks & Gimpel, 2016)
+tanh form: y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+dy/dx (exact) = Phi(x) + x phi(x);  tanh is computed as 2 sigmoid(2z) - 1 (no libdevice call).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.kernels import reference
+from torchnitro.kernels._common import check_approximate, check_float
+from torchnitro.kernels._triton import LazyKernel
+from torchnitro.kernels.dispatch import use_triton
+
+try:
+    import triton.language as tl
+    from triton.language import constexpr
+except Exception:  # pragma: no cover - triton missing: only the reference runs
+    tl = constexpr = None  # type: ignore[assignment]
+
+__all__ = ["gelu", "GELU", "gelu_forward", "gelu_backward", "GeluFunction"]
+
+BLOCK = 1024
+
+
+def _gelu_fwd_kernel(x_ptr, y_ptr, n, APPROX: constexpr, BLOCK: constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if APPROX:
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        t = 2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0
+        y = 0.5 * x * (1.0 + t)
+    else:
+        y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _gelu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, n, APPROX: constexpr, BLOCK: constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if APPROX:
+        z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        t = 2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0
+        dz = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+        g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dz
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+        pdf = 0.3989422804014327 * tl.exp(-0.5 * x * x)
+        g = cdf + x * pdf
+    tl.store(dx_ptr + offs, (dy * g).to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+_fwd = LazyKernel(_gelu_fwd_kernel)
+_bwd = LazyKernel(_gelu_bwd_kernel)
+
+
+def gelu_forward(x: Tensor, approximate: str = "none") -> Tensor:
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        _fwd[(triton_cdiv(n, BLOCK),)](x, y, n, APPROX=approximate == "tanh", BLOCK=BLOCK)
+    return y
+
+
+def gelu_backward(dy: Tensor, x: Tensor, approximate: str = "none") -> Tensor:
+    dy, x = dy.contiguous(), x.contiguous()
+    dx = torch.empty_like(x)
+    n = x.numel()
+    if n:
+        _bwd[(triton_cdiv(n, BLOCK),)](dy, x, dx, n, APPROX=approximate == "tanh", BLOCK=BLOCK)
+    return dx
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+class GeluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, approximate: str) -> Tensor:  # type: ignore[override]
+        ctx.approximate = approximate
+        ctx.save_for_backward(x)
+        return gelu_forward(x, approximate)
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        (x,) = ctx.saved_tensors
+        return gelu_backward(dy, x, ctx.approximate), None
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    """GELU of ``x`` (any shape); ``approximate`` is ``'none'`` (erf) or ``'tanh'``."""
+    check_float("gelu", x=x)
+    check_approximate("gelu", approximate)
+    if use_triton(x, op="gelu"):
+        return GeluFunction.apply(x, approximate)
+    return reference.gelu(x, approximate)
+
+
+class GELU(nn.Module):
+    """Drop-in for ``torch.nn.GELU`` backed by the fused kernel."""
+
+    def __init__(self, approximate: str = "none"):
+        super().__init__()
+        check_approximate("GELU", approximate)
+        self.approximate = approximate
+
+    def forward(self, x: Tensor) -> Tensor:
+        return gelu(x, self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"approximate={self.approximate!r}"
