@@ -7,12 +7,15 @@ device; ``ItemMemory`` answers cleanup queries with one matrix product per chunk
 
 from __future__ import annotations
 
+from torchnitro.hrr.dispatch import Calibration, Dispatcher, calibrate
+from torchnitro.hrr.memory import ItemMemory
 from torchnitro.hrr.ops import (
     UNBIND_METHODS, bind, cosine, exact_inverse, inverse, normalize, permutation, permute, project,
     random, superpose, unbind, unitary, unpermute,
 )
 
 __all__ = [
+    "Calibration", "Dispatcher", "calibrate", "ItemMemory",
     "UNBIND_METHODS", "bind", "cosine", "exact_inverse", "inverse", "normalize", "permutation",
     "permute", "project", "random", "superpose", "unbind", "unitary", "unpermute",
 ]

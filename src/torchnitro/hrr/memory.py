@@ -1,0 +1,258 @@
+"""ItemMemory: a codebook of labelled vectors and batched cleanup (nearest items by cosine).
+
+The codebook is one (N, d) matrix of unit rows plus the (N,) row norms, so cosine similarity of a
+query batch against every item is one matrix product. Items are processed in chunks of
+``chunk_size`` rows: each chunk's (Q, chunk) score block is reduced to its top-k and merged into a
+running top-k, so memory stays O(Q * chunk) however large N is, and a codebook that does not fit in
+accelerator memory (or, with ``load(..., mmap=True)``, in RAM) is streamed through.
+
+Ranking uses dot products with unit items; dividing by the query norm (a positive per-row constant)
+does not change the order, so it is applied only to the k winners.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from torchnitro.errors import InputError, ShapeError
+from torchnitro.hrr.dispatch import Dispatcher, to_device
+from torchnitro.hrr.store import load_store, save_store
+
+__all__ = ["ItemMemory", "topk_chunked"]
+
+_FORMAT = "torchnitro.hrr.ItemMemory"
+_SCORE_BYTES = 32 << 20  # target size of one (Q, chunk) score block: big GEMMs, bounded memory
+
+
+def _auto_chunk(q: int, n: int, itemsize: int) -> int:
+    return max(1024, min(n, _SCORE_BYTES // max(1, q * itemsize)))
+
+
+def topk_chunked(
+    queries: torch.Tensor, unit: torch.Tensor, k: int, chunk_size: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-``k`` dot products of ``queries`` (Q, d) against the rows of ``unit`` (N, d), chunked.
+
+    ``unit`` may live on another device (e.g. pinned host memory): each chunk is copied to the
+    queries' device non-blocking. Returns (values (Q, k), indices (Q, k)), best first.
+    """
+    q, n = queries.shape[0], unit.shape[0]
+    chunk = chunk_size or _auto_chunk(q, n, queries.element_size())
+    best_v = queries.new_empty((q, 0))
+    best_i = torch.empty((q, 0), dtype=torch.long, device=queries.device)
+    for start in range(0, n, chunk):
+        block = to_device(unit[start:start + chunk], queries.device)
+        if block.dtype != queries.dtype:
+            block = block.to(queries.dtype)
+        scores = queries @ block.T  # (Q, chunk)
+        v, i = scores.topk(min(k, scores.shape[1]), dim=1)
+        if best_v.shape[1] == 0:
+            best_v, best_i = v, i + start
+            continue
+        v, pos = torch.cat([best_v, v], dim=1).topk(min(k, best_v.shape[1] + v.shape[1]), dim=1)
+        best_i = torch.cat([best_i, i + start], dim=1).gather(1, pos)
+        best_v = v
+    return best_v, best_i
+
+
+class ItemMemory:
+    """Labelled codebook with batched top-k cleanup.
+
+    ``codebook`` is (N, d); ``labels`` (default ``"0" .. "N-1"``) must be unique strings.
+    ``device``: "auto" (small query batches on the CPU, large on the GPU, threshold from
+    ``hrr.calibrate()``), "cpu", or "cuda". ``dispatcher`` overrides ``device`` (tests inject faults).
+    """
+
+    def __init__(
+        self,
+        codebook: torch.Tensor,
+        labels: Sequence[str] | None = None,
+        *,
+        device: str = "auto",
+        chunk_size: int | None = None,
+        dispatcher: Dispatcher | None = None,
+    ) -> None:
+        cb = self._check_vectors(codebook, "codebook")
+        if cb.dtype not in (torch.float32, torch.float64):
+            cb = cb.float()
+        labels = [str(i) for i in range(cb.shape[0])] if labels is None else list(labels)
+        self._check_labels(labels, cb.shape[0])
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+            raise InputError(f"chunk_size: received {chunk_size!r}, expected a positive int or None (automatic)")
+        self.chunk_size = chunk_size
+        self.dispatcher = dispatcher or Dispatcher(device, d=cb.shape[1])
+        norms = torch.linalg.vector_norm(cb, dim=1)
+        self._unit = (cb / norms.clamp_min(1e-30).unsqueeze(1)).cpu()  # (N, d) unit rows
+        self._norms = norms.cpu()  # (N,)
+        self._labels = labels
+        self._index = {lab: i for i, lab in enumerate(labels)}
+        self._resident: dict[torch.device, torch.Tensor] = {}
+
+    # ----------------------------------------------------------------------------- inspection
+    def __len__(self) -> int:
+        return self._unit.shape[0]
+
+    def __contains__(self, label: object) -> bool:
+        return label in self._index
+
+    def __getitem__(self, label: str) -> torch.Tensor:
+        return self.vectors[self._position(label)]
+
+    @property
+    def d(self) -> int:
+        return self._unit.shape[1]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._unit.dtype
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self._labels)
+
+    @property
+    def vectors(self) -> torch.Tensor:
+        """The codebook as given (unit rows times their norms), (N, d)."""
+        return self._unit * self._norms.unsqueeze(1)
+
+    # ----------------------------------------------------------------------------- validation
+    @staticmethod
+    def _check_vectors(x: Any, name: str, d: int | None = None) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise InputError(f"{name}: received {type(x).__name__}, expected a torch.Tensor of shape (N, d)")
+        if x.dim() != 2 or x.shape[1] == 0:
+            raise ShapeError(f"{name}: received shape {tuple(x.shape)}, expected (N, d) with d >= 1")
+        if d is not None and x.shape[1] != d:
+            raise ShapeError(f"{name}: received vectors of dimension {x.shape[1]}, this memory holds d={d}")
+        if not x.is_floating_point():
+            raise InputError(f"{name}: received dtype {x.dtype}, expected a floating dtype; convert with .float()")
+        return x
+
+    def _check_labels(self, labels: list[str], n: int) -> None:
+        if len(labels) != n:
+            raise InputError(f"labels: received {len(labels)} labels for {n} vectors; give one label per row")
+        bad = [lab for lab in labels if not isinstance(lab, str)]
+        if bad:
+            raise InputError(f"labels: received non-string label(s) {bad[:3]!r}; labels must be str")
+        if len(set(labels)) != len(labels):
+            seen: set[str] = set()
+            dups = sorted({lab for lab in labels if lab in seen or seen.add(lab)})
+            raise InputError(f"labels: duplicate label(s) {dups[:5]!r}; labels must be unique")
+
+    def _position(self, label: str) -> int:
+        try:
+            return self._index[label]
+        except KeyError:
+            raise InputError(f"label {label!r} is not in this memory ({len(self)} items); add() it first") from None
+
+    # ----------------------------------------------------------------------------- editing
+    def add(self, labels: Sequence[str], vectors: torch.Tensor) -> None:
+        """Append items; labels must be new."""
+        v = self._check_vectors(vectors, "vectors", self.d)
+        labels = list(labels)
+        self._check_labels(labels, v.shape[0])
+        clash = [lab for lab in labels if lab in self._index]
+        if clash:
+            raise InputError(f"add: label(s) {clash[:5]!r} already exist; remove() them first or use new labels")
+        norms = torch.linalg.vector_norm(v.to(self.dtype).cpu(), dim=1)
+        unit = v.to(self.dtype).cpu() / norms.clamp_min(1e-30).unsqueeze(1)
+        self._unit = torch.cat([self._unit, unit])
+        self._norms = torch.cat([self._norms, norms])
+        for lab in labels:
+            self._index[lab] = len(self._labels)
+            self._labels.append(lab)
+        self._resident.clear()
+
+    def remove(self, labels: Sequence[str]) -> None:
+        """Delete items by label (all labels are checked before anything is removed)."""
+        drop = {self._position(lab) for lab in labels}
+        keep = torch.tensor([i for i in range(len(self)) if i not in drop], dtype=torch.long)
+        self._unit, self._norms = self._unit.index_select(0, keep), self._norms.index_select(0, keep)
+        self._labels = [self._labels[i] for i in keep.tolist()]
+        self._index = {lab: i for i, lab in enumerate(self._labels)}
+        self._resident.clear()
+
+    # ----------------------------------------------------------------------------- queries
+    def _codebook_on(self, device: torch.device) -> torch.Tensor:
+        """The unit matrix on ``device``: resident if it fits comfortably, else streamed by chunks."""
+        if device.type != "cuda":
+            return self._unit
+        if device not in self._resident:
+            free, _ = torch.cuda.mem_get_info(device)
+            nbytes = self._unit.numel() * self._unit.element_size()
+            if nbytes > free // 2:
+                return self._unit.pin_memory() if not self._unit.is_pinned() else self._unit
+            self._resident[device] = to_device(self._unit, device)
+        return self._resident[device]
+
+    def _prepare_queries(self, queries: Any) -> tuple[torch.Tensor, bool]:
+        if not isinstance(queries, torch.Tensor):
+            raise InputError(f"queries: received {type(queries).__name__}, expected a tensor of shape (d,) or (Q, d)")
+        single = queries.dim() == 1
+        q = queries.unsqueeze(0) if single else queries
+        self._check_vectors(q, "queries", self.d)
+        return q.to(self.dtype), single
+
+    def topk(self, queries: torch.Tensor, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cosine similarities and indices of the ``k`` nearest items: ((Q, k), (Q, k)) on the CPU."""
+        if not isinstance(k, int) or k < 1:
+            raise InputError(f"k: received {k!r}, expected an int >= 1")
+        if len(self) == 0:
+            raise InputError("cleanup: this memory is empty; add() items first")
+        q, _ = self._prepare_queries(queries)
+        k = min(k, len(self))
+        chunk = self.chunk_size
+
+        def run(qq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            cb = self._codebook_on(qq.device)
+            v, i = topk_chunked(qq, cb, k, chunk)
+            return v / torch.linalg.vector_norm(qq, dim=1, keepdim=True).clamp_min(1e-30), i
+
+        return self.dispatcher.run(run, q, batch=q.shape[0])
+
+    def cleanup(self, queries: torch.Tensor, k: int = 1) -> tuple[Any, torch.Tensor]:
+        """Labels and cosine similarities of the nearest items.
+
+        Query (d,) and k=1: ``(label, sim)``; (Q, d) and k=1: ``(list of Q labels, (Q,) sims)``;
+        k > 1 adds a trailing k: ``list[list[str]]`` and (Q, k) (or (k,) for one query).
+        """
+        sims, idx = self.topk(queries, k)
+        names = [[self._labels[j] for j in row] for row in idx.tolist()]
+        single = queries.dim() == 1
+        if k == 1:
+            names_out: Any = [r[0] for r in names]
+            sims = sims[:, 0]
+        else:
+            names_out = names
+        return (names_out[0], sims[0]) if single else (names_out, sims)
+
+    def similarities(self, queries: torch.Tensor) -> torch.Tensor:
+        """Cosine similarity of each query with every item, (Q, N) (or (N,) for one query)."""
+        q, single = self._prepare_queries(queries)
+        qn = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min(1e-30)
+        out = self.dispatcher.run(lambda qq: qq @ self._codebook_on(qq.device).to(qq.device).T, qn, batch=q.shape[0])
+        return out[0] if single else out
+
+    # ----------------------------------------------------------------------------- persistence
+    def save(self, directory: str | Path) -> Path:
+        """Write the memory as safetensors + labels + a SHA-256 manifest."""
+        meta = {"n": len(self), "d": self.d, "dtype": str(self.dtype).removeprefix("torch.")}
+        return save_store(directory, {"unit": self._unit, "norms": self._norms}, self._labels, format=_FORMAT, meta=meta)
+
+    @classmethod
+    def load(cls, directory: str | Path, *, device: str = "auto", mmap: bool = False,
+             chunk_size: int | None = None) -> "ItemMemory":
+        """Load a saved memory after verifying every checksum. ``mmap`` maps the codebook instead of reading it."""
+        tensors, labels, _ = load_store(directory, format=_FORMAT, mmap=mmap)
+        mem = cls.__new__(cls)
+        mem.chunk_size = chunk_size
+        mem._unit, mem._norms = tensors["unit"], tensors["norms"]
+        mem.dispatcher = Dispatcher(device, d=mem._unit.shape[1])
+        mem._check_labels(list(labels), mem._unit.shape[0])
+        mem._labels = list(labels)
+        mem._index = {lab: i for i, lab in enumerate(mem._labels)}
+        mem._resident = {}
+        return mem

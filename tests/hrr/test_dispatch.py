@@ -1,0 +1,98 @@
+"""Dispatch: threshold routing, calibration cache keyed by hardware fingerprint, transfers."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torchnitro.errors import BackendUnavailableError, InputError
+from torchnitro.hrr import dispatch
+from torchnitro.hrr.dispatch import Dispatcher, calibrate, is_device_failure
+
+
+def test_no_accelerator_means_cpu_and_no_measurement(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cal = calibrate(256)
+    assert cal.accelerator is None and cal.threshold is None
+    disp = Dispatcher("auto")
+    assert disp.target(10**6) == torch.device("cpu")
+
+
+def test_explicit_cuda_without_gpu_raises(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BackendUnavailableError, match="no CUDA GPU"):
+        Dispatcher("cuda")
+    with pytest.raises(InputError, match="'gpu'"):
+        Dispatcher("gpu")
+
+
+def test_threshold_routing():
+    disp = Dispatcher("auto", accelerator="cpu", threshold=100)
+    assert not disp.uses_accelerator(99) and disp.uses_accelerator(100)
+    assert not Dispatcher("cpu", accelerator="cpu", threshold=1).uses_accelerator(10**6)
+
+
+def test_calibration_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_CACHE_DIR", str(tmp_path))
+    measured = []
+    real = dispatch._measure_crossover
+
+    def spy(d, batches, accel):
+        measured.append(batches)
+        return real(d, batches, accel)
+
+    monkeypatch.setattr(dispatch, "_measure_crossover", spy)
+    cal = calibrate(32, accelerator="cpu", batches=(1, 8))
+    assert set(cal.timings) == {"1", "8"} and all(t["cpu_s"] > 0 and t["accel_s"] > 0 for t in cal.timings.values())
+    again = calibrate(32, accelerator="cpu", batches=(1, 8))
+    assert again == cal and len(measured) == 1
+    files = list(tmp_path.glob("hrr-calibration-*.json"))
+    assert len(files) == 1 and cal.fingerprint in files[0].name
+    assert json.loads(files[0].read_text())["threshold"] == cal.threshold
+    calibrate(32, accelerator="cpu", batches=(1, 8), force=True)
+    assert len(measured) == 2
+
+
+def test_threshold_is_start_of_winning_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_CACHE_DIR", str(tmp_path))
+    fake = {"1": {"cpu_s": 1, "accel_s": 2}, "4": {"cpu_s": 2, "accel_s": 1}, "16": {"cpu_s": 2, "accel_s": 3},
+            "64": {"cpu_s": 5, "accel_s": 1}, "256": {"cpu_s": 9, "accel_s": 1}}
+    monkeypatch.setattr(dispatch, "_measure_crossover", lambda d, b, a: fake)
+    assert calibrate(16, accelerator="cpu", force=True).threshold == 64
+
+
+def test_corrupt_cache_is_remeasured(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(dispatch, "_measure_crossover", lambda d, b, a: {"1": {"cpu_s": 2, "accel_s": 1}})
+    first = calibrate(8, accelerator="cpu")
+    files = list(tmp_path.glob("*.json"))
+    files[0].write_text("{broken")
+    assert calibrate(8, accelerator="cpu") == first
+
+
+def test_is_device_failure():
+    assert is_device_failure(torch.OutOfMemoryError("CUDA out of memory"))
+    assert is_device_failure(RuntimeError("CUDA error: an illegal memory access"))
+    assert not is_device_failure(RuntimeError("shape mismatch"))
+    assert not is_device_failure(ValueError("CUDA"))
+
+
+@pytest.mark.gpu
+def test_pinned_non_blocking_roundtrip_and_real_oom_fallback():
+    x = torch.randn(1000, 64)
+    y = dispatch.to_device(x, torch.device("cuda"))
+    assert y.is_cuda
+    back = dispatch.to_host(y * 2)
+    assert back.is_pinned() and torch.equal(back, x * 2)
+
+    def boom(t):
+        if t.is_cuda:
+            torch.empty(1 << 50, device=t.device)  # a real CUDA OOM
+        return t * 2
+
+    disp = Dispatcher("cuda")
+    with pytest.warns(RuntimeWarning, match="OutOfMemoryError"):
+        out = disp.run(boom, x)
+    assert torch.equal(out, x * 2) and disp.fallbacks == 1
