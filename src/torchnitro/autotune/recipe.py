@@ -24,7 +24,7 @@ from torchnitro.hardware import HardwareInfo
 
 __all__ = [
     "NumericClass", "BuildContext", "Built", "Recipe", "register_recipe", "get_recipe",
-    "list_recipes", "all_recipes",
+    "list_recipes", "all_recipes", "unregister_recipe",
 ]
 
 
@@ -68,6 +68,8 @@ class Recipe:
     description: ClassVar[str] = ""
     isolate: ClassVar[bool] = False  # build and first call in a subprocess (native code that may crash)
     gpu_only: ClassVar[bool] = False
+    default: ClassVar[bool] = True  # part of a search with no explicit recipe list (False: slow, opt in by name)
+    order: ClassVar[int] = 50  # search order, low first (cheap and likely winners early, for the budget)
 
     def unavailable_reason(self, hw: HardwareInfo) -> str | None:
         """None when the recipe can run on this machine, else a one-line reason."""
@@ -89,6 +91,11 @@ class Recipe:
 
 
 _REGISTRY: dict[str, Recipe] = {}
+
+
+def unregister_recipe(name: str) -> None:
+    """Remove a recipe (tests register throw-away recipes and remove them afterwards)."""
+    _REGISTRY.pop(name, None)
 
 
 def register_recipe(cls: type[Recipe]) -> type[Recipe]:

@@ -1,0 +1,180 @@
+"""``torchnitro.optimize``, ``torchnitro.load`` and ``OptimizedModel``."""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
+from torchnitro.autotune.config import OptimizeConfig
+from torchnitro.autotune.inputs import ModelInfo, input_signature, resolve_model, signature_of
+from torchnitro.autotune.recipe import get_recipe
+from torchnitro.autotune.report import Report
+from torchnitro.errors import InputError
+
+__all__ = ["OptimizedModel", "optimize", "load"]
+
+
+class OptimizedModel:
+    """The chosen variant: call it like the model. ``.report`` says how it was chosen."""
+
+    def __init__(self, fn: Callable[..., Any], recipe: str, report: Report, signature: dict[str, Any], *,
+                 meta: dict[str, Any] | None = None, files: list[str] | None = None, files_dir: Path | None = None,
+                 standalone: bool = False, model: nn.Module | None = None, model_ref: dict[str, Any] | None = None,
+                 keepalive: Any = None):
+        self._fn = fn
+        self.recipe = recipe  # name of the chosen recipe
+        self.report = report
+        self.signature = signature  # {'inputs': [{name, dtype, shape(-1 = dynamic)}], 'outputs': [...]}
+        self.meta = meta or {}
+        self.files = files or []
+        self.files_dir = files_dir
+        self.standalone = standalone
+        self.model = model  # the eager model (kept for non-standalone saves)
+        self.model_ref = model_ref or {}
+        self._keepalive = keepalive
+
+    @property
+    def numeric_class(self) -> str:
+        return get_recipe(self.recipe).numeric_class.value
+
+    def __call__(self, *inputs: Any) -> Any:
+        with torch.inference_mode():
+            return self._fn(*inputs)
+
+    def save(self, directory: str | Path) -> Path:
+        """Write the artifact (see ``torchnitro.autotune.artifact``); returns the directory."""
+        from torchnitro.autotune.artifact import write_artifact
+
+        return write_artifact(directory, recipe=self.recipe, numeric_class=self.numeric_class,
+                              standalone=self.standalone, meta=self.meta, files_dir=self.files_dir, files=self.files,
+                              model=self.model, model_ref=self.model_ref, signature=self.signature,
+                              report=self.report, hardware=self.report.hardware)
+
+    def __repr__(self) -> str:
+        return f"OptimizedModel(recipe={self.recipe!r}, model={self.report.model!r})"
+
+
+def _as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    if example_inputs is None:
+        return ()
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    if not isinstance(example_inputs, tuple):
+        raise InputError(f"example_inputs: received {type(example_inputs).__name__}; expected a tensor or a tuple of "
+                         "tensors passed positionally to the model")
+    return example_inputs
+
+
+def optimize(model: nn.Module | str, example_inputs: Any = None, config: OptimizeConfig | None = None, *,
+             info: ModelInfo | None = None) -> OptimizedModel:
+    """Return the fastest variant of ``model`` that passes the verification gate on this machine.
+
+    ``model`` is an ``nn.Module`` (``example_inputs``: a tensor or tuple of positional inputs) or a
+    model spec string (a built-in name, ``'module:function'`` or ``'hf:/path'``).
+    """
+    cfg = config or OptimizeConfig()
+    if not isinstance(cfg, OptimizeConfig):
+        raise InputError(f"config: received {type(cfg).__name__}; expected torchnitro.OptimizeConfig")
+    if isinstance(model, str):
+        model, resolved, info = resolve_model(model)
+        example_inputs = example_inputs if example_inputs is not None else resolved
+    if not isinstance(model, nn.Module):
+        raise InputError(f"model: received {type(model).__name__}; expected a torch.nn.Module or a model spec string")
+    inputs = _as_tuple(example_inputs)
+    if not inputs:
+        raise InputError("example_inputs: received nothing; expected the model's inputs, e.g. (torch.randint(0, 100, (8, 128)),)")
+    if info is None:
+        dyn = {i: [0] for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
+        info = ModelInfo(None, type(model).__name__, None, dyn)
+    if model.training:
+        model = copy.deepcopy(model).eval()
+    cached = _from_cache(model, inputs, info, cfg)
+    if cached is not None:
+        return cached
+    from torchnitro.autotune.search import search
+
+    out = search(model, inputs, info, cfg)
+    sig = signature_of(model, inputs, out.workload.eager_outputs, out.workload.dynamic_dims, out.workload.references)
+    ref = {"spec": info.spec, "name": info.name, "extra": info.extra}
+    om = OptimizedModel(out.fn, out.recipe.name, out.report, sig, meta=out.meta, files=out.files,
+                        files_dir=out.files_dir, standalone=out.standalone, model=model, model_ref=ref,
+                        keepalive=out.tmp)
+    if cfg.cache and (out.files_dir is None or not str(out.files_dir).startswith(str(out.tmp.name))):
+        CandidateCache(cfg.resolved_cache_dir()).put_search(_search_key(model, inputs, cfg), {
+            "report": out.report.to_dict(), "recipe": out.recipe.name, "dir": str(out.files_dir or ""),
+            "meta": out.meta, "files": out.files, "standalone": out.standalone, "signature": sig, "ref": ref})
+    return om
+
+
+def _search_key(model: nn.Module, inputs: tuple[Any, ...], cfg: OptimizeConfig) -> str:
+    from torchnitro.autotune.search import resolve_device
+    from torchnitro.autotune.workload import select_recipes
+    from torchnitro.hardware import hardware_info
+
+    return make_key(model=model_hash(model), inputs=input_signature(inputs), cfg=cfg.cache_key_fields(),
+                    recipes=[r.name for r in select_recipes(cfg)], hw=hardware_info().fingerprint,
+                    device=str(resolve_device(cfg)), threads=cfg.resolved_threads())
+
+
+def _from_cache(model: nn.Module, inputs: tuple[Any, ...], info: ModelInfo, cfg: OptimizeConfig) -> OptimizedModel | None:
+    """A previous search with the same model, inputs, config and machine: reload its winner and
+    re-check it on the held-out inputs (cheap) instead of searching again."""
+    if not cfg.cache:
+        return None
+    t0 = time.perf_counter()
+    key = _search_key(model, inputs, cfg)
+    hit = CandidateCache(cfg.resolved_cache_dir()).get_search(key)
+    if hit is None:
+        return None
+    from torchnitro.autotune.search import resolve_device
+    from torchnitro.autotune.verify import collect, judge
+    from torchnitro.autotune.workload import prepare_workload
+
+    try:
+        recipe = get_recipe(hit["recipe"])
+        d = Path(hit["dir"]) if hit["dir"] else None
+        if d is not None and not all((d / f).is_file() for f in hit["files"]):
+            return None
+        device = resolve_device(cfg)
+        eager = copy.deepcopy(model).eval().to(device)
+        fn = eager if recipe.name == "eager" else recipe.load(d, hit["meta"], None if hit["standalone"] else eager)
+        wl = prepare_workload(eager, inputs, info, cfg, device)
+        gate = judge(collect(fn, wl.held_out), wl.references, cfg.tolerance(recipe.numeric_class.value),
+                     metric_fn=cfg.metric_fn, metric_threshold=cfg.metric_threshold, reference_raw=wl.reference_raw)
+    except InputError:
+        raise
+    except Exception:  # noqa: BLE001 - a stale or unreadable cache entry means: search again
+        return None
+    if not gate.passed:
+        return None
+    report = Report.from_dict(hit["report"])
+    report.cached = True
+    report.search_s = time.perf_counter() - t0
+    return OptimizedModel(fn, recipe.name, report, hit["signature"], meta=hit["meta"], files=hit["files"],
+                          files_dir=d, standalone=hit["standalone"], model=eager, model_ref=hit["ref"])
+
+
+def load(directory: str | Path, model: nn.Module | None = None) -> OptimizedModel:
+    """Load a saved artifact after checking every file's SHA-256 (``ArtifactError`` on mismatch).
+
+    ``model`` is only needed for non-standalone recipes whose artifact has no factory reference.
+    """
+    from torchnitro.autotune.artifact import load_artifact
+
+    d = Path(directory)
+    manifest, fn, eager = load_artifact(d, model)
+    report_path = d / "report.json"
+    import json
+
+    report = Report.from_dict(json.loads(report_path.read_text()))
+    return OptimizedModel(fn, manifest["recipe"], report, manifest["signature"], meta=manifest.get("meta", {}),
+                          files=manifest.get("candidate_files", []), files_dir=d / "candidate",
+                          standalone=manifest["standalone"], model=eager, model_ref=manifest.get("model", {}))

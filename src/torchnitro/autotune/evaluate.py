@@ -1,0 +1,222 @@
+"""Build, run and time one candidate: in this process, or in a child process that may crash.
+
+``evaluate`` builds the candidate, calls it twice on every held-out input set (outputs are copied
+after each call), times it with ``torchnitro.bench`` on the timing inputs (the first call at each
+size is timed separately: that is where a recompiling recipe pays) and measures memory. The
+verification verdict itself is given by the caller (``verify.judge``) so a user ``metric_fn`` never
+has to cross a process boundary.
+
+``run_isolated`` does the same in ``python -m torchnitro.autotune.evaluate PAYLOAD``: a crash
+(segfault, ``os._exit``), an exception or a hang past the time limit becomes an error string.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.autotune.recipe import BuildContext, Built, Recipe
+from torchnitro.autotune.verify import clone_outputs
+from torchnitro.bench.timing import TimingConfig, measure, synchronize
+
+__all__ = ["Evaluation", "evaluate", "run_isolated", "CandidateTimeout", "time_limit"]
+
+
+class CandidateTimeout(Exception):
+    """The candidate ran past its time limit."""
+
+
+@dataclass
+class Evaluation:
+    built: Built | None  # None when evaluated in a child process
+    outputs: list[tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], Any]]  # per held-out set: first, second, raw
+    timing: dict[str, Any]  # Timing.to_dict() of the timing closure
+    build_s: float
+    first_call_ms: dict[str, float] = field(default_factory=dict)
+    shape_ms: dict[str, float] = field(default_factory=dict)
+    peak_mem_mb: float | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)
+    standalone: bool = False
+    notes: str = ""
+
+
+class time_limit:
+    """Raise CandidateTimeout in the main thread after ``seconds`` (no-op off the main thread)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.active = threading.current_thread() is threading.main_thread() and seconds > 0
+
+    def _fire(self, signum: int, frame: Any) -> None:
+        raise CandidateTimeout(f"ran past its {self.seconds:.0f} s limit")
+
+    def __enter__(self) -> "time_limit":
+        if self.active:
+            self.old = signal.signal(signal.SIGALRM, self._fire)
+            signal.setitimer(signal.ITIMER_REAL, self.seconds)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.active:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.old)
+
+
+def _size_label(inputs: tuple[Any, ...]) -> str:
+    t = next((x for x in inputs if isinstance(x, Tensor)), None)
+    return "x".join(map(str, t.shape)) if t is not None else "-"
+
+
+def _rss_mb() -> float:
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except Exception:  # noqa: BLE001
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def evaluate(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any, ...]],
+             timing_sets: Sequence[tuple[Any, ...]], timing: TimingConfig, items_per_call: int,
+             keep_raw: bool = True) -> Evaluation:
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    rss0 = _rss_mb()
+    t0 = time.perf_counter()
+    built = recipe.build(ctx)
+    fn = built.fn
+    with torch.inference_mode():
+        fn(*ctx.example_inputs)  # lazy compilation is part of building
+    synchronize(str(ctx.device))
+    build_s = time.perf_counter() - t0
+    outputs = []
+    with torch.inference_mode():
+        for inputs in held_out:
+            raw = fn(*inputs)
+            first = clone_outputs(raw)
+            second = clone_outputs(fn(*inputs))
+            outputs.append((first, second, raw if keep_raw else None))
+        first_ms: dict[str, float] = {}
+        for inputs in timing_sets[1:]:  # first call at each new size: recompilation shows here
+            t = time.perf_counter()
+            fn(*inputs)
+            synchronize(str(ctx.device))
+            first_ms[_size_label(inputs)] = (time.perf_counter() - t) * 1e3
+        sets = list(timing_sets)
+        tm = measure(lambda: [fn(*s) for s in sets], timing, items_per_call=items_per_call)
+        shape_ms = {}
+        if len(sets) > 1:
+            quick = timing.quick()
+            for s in sets:
+                shape_ms[_size_label(s)] = measure(lambda s=s: fn(*s), quick).median * 1e3
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else max(0.0, _rss_mb() - rss0)
+    return Evaluation(built, outputs, tm.to_dict(), build_s, first_ms, shape_ms, peak, dict(built.meta),
+                      list(built.files), built.standalone, built.notes)
+
+
+# ---- isolation ------------------------------------------------------------------------------------
+
+def run_isolated(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any, ...]],
+                 timing_sets: Sequence[tuple[Any, ...]], timing: TimingConfig, items_per_call: int,
+                 timeout_s: float, preload: Sequence[tuple[str, str]] = ()) -> Evaluation | str:
+    """Evaluate in a child process. Returns the Evaluation, or a string saying why it failed."""
+    cls = type(recipe)
+    payload = {
+        "recipe": (cls.__module__, cls.__qualname__), "model": ctx.model, "example_inputs": ctx.example_inputs,
+        "device": str(ctx.device), "workdir": str(ctx.workdir), "dynamic_dims": ctx.dynamic_dims,
+        "config": ctx.config, "held_out": list(held_out), "timing_sets": list(timing_sets), "timing": timing,
+        "items": items_per_call, "preload": list(preload), "threads": torch.get_num_threads(),
+    }
+    ppath, rpath = ctx.workdir / "_payload.pt", ctx.workdir / "_result.pt"
+    cfg = ctx.config
+    if cfg is not None and getattr(cfg, "metric_fn", None) is not None:  # functions may not pickle; not needed there
+        cfg_copy = copy.copy(cfg)  # functions may not pickle; the parent applies the metric
+        cfg_copy.metric_fn = None
+        payload["config"] = cfg_copy
+    torch.save(payload, ppath)
+    env = dict(os.environ)
+    env["TORCHNITRO_PRELOAD"] = json.dumps([list(p) for p in preload])
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    errlog = ctx.workdir / "_stderr.txt"
+    try:
+        with open(errlog, "wb") as err:
+            proc = subprocess.Popen([sys.executable, "-m", "torchnitro.autotune.evaluate", str(ppath), str(rpath)],
+                                    stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return f"ran past its {timeout_s:.0f} s limit (process killed)"
+    finally:
+        ppath.unlink(missing_ok=True)
+    tail = errlog.read_text(errors="replace").strip().splitlines()[-3:] if errlog.exists() else []
+    errlog.unlink(missing_ok=True)
+    if rc != 0 or not rpath.exists():
+        if rc < 0:
+            try:
+                sig = signal.Signals(-rc).name
+            except ValueError:
+                sig = str(-rc)
+            why = f"process crashed with signal {sig}"
+        else:
+            why = f"process exited with code {rc}"
+        return why + (f": {' / '.join(tail)[-400:]}" if tail else "")
+    res = torch.load(rpath, weights_only=True)
+    rpath.unlink(missing_ok=True)
+    if "error" in res:
+        return res["error"]
+    outs = [(list(zip(f_names, f_ts)), list(zip(s_names, s_ts)), None)
+            for f_names, f_ts, s_names, s_ts in res["outputs"]]
+    return Evaluation(None, outs, res["timing"], res["build_s"], res["first_call_ms"], res["shape_ms"],
+                      res["peak_mem_mb"], res["meta"], res["files"], res["standalone"], res["notes"])
+
+
+def _child(ppath: str, rpath: str) -> None:
+    import importlib.util
+
+    for name, path in json.loads(os.environ.get("TORCHNITRO_PRELOAD", "[]")):  # factories from .py files
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules[name] = module
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    payload = torch.load(ppath, weights_only=False)  # written by our own parent process, just now
+    torch.set_num_threads(payload["threads"])
+    mod_name, qual = payload["recipe"]
+    obj: Any = importlib.import_module(mod_name)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    recipe = obj()
+    ctx = BuildContext(payload["model"], payload["example_inputs"], __import__("torchnitro.hardware",
+                       fromlist=["hardware_info"]).hardware_info(), torch.device(payload["device"]),
+                       Path(payload["workdir"]), payload["dynamic_dims"], payload["config"])
+    try:
+        ev = evaluate(recipe, ctx, payload["held_out"], payload["timing_sets"], payload["timing"], payload["items"],
+                      keep_raw=False)
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as the reason
+        torch.save({"error": f"{type(exc).__name__}: {exc}"[:600]}, rpath)
+        return
+    outs = [([n for n, _ in f], [t for _, t in f], [n for n, _ in s], [t for _, t in s]) for f, s, _ in ev.outputs]
+    torch.save({"outputs": outs, "timing": ev.timing, "build_s": ev.build_s, "first_call_ms": ev.first_call_ms,
+                "shape_ms": ev.shape_ms, "peak_mem_mb": ev.peak_mem_mb, "meta": ev.meta, "files": ev.files,
+                "standalone": ev.standalone, "notes": ev.notes}, rpath)
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised through run_isolated
+    _child(sys.argv[1], sys.argv[2])

@@ -1,0 +1,266 @@
+"""Turn what a user typed into a model and example inputs (shared by optimize, analyze and serve).
+
+Model specs:
+
+* a built-in name (``encoder``, ``lm``, ``cnn``, ``mlp``; ``minilm`` and ``hf-*`` with the hf extra)
+* ``module.path:function`` or ``path/to/file.py:function``: a zero-argument factory returning an
+  ``nn.Module`` or ``(module, example_inputs)``
+* ``hf:/path/to/local/folder``: a local Hugging Face folder (``--text``, ``--batch``, ``--seq``)
+
+Input specs (``--input``): ``32x128:int64``, ``8x3x224x224`` (float32), ``32x128:int64:0-30522``
+(integers drawn from [0, 30522)).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.errors import InputError
+
+__all__ = ["ModelInfo", "InputSpec", "parse_input_spec", "resolve_model", "rebuild_model", "random_like",
+           "signature_of", "input_signature"]
+
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float16": torch.float16,
+    "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "int64": torch.int64, "long": torch.int64, "int32": torch.int32,
+    "int": torch.int32, "int8": torch.int8, "uint8": torch.uint8, "bool": torch.bool,
+}
+
+
+@dataclass
+class ModelInfo:
+    """Where a model came from and how to make more inputs for it."""
+
+    spec: str | None  # re-buildable reference ('encoder', 'pkg.mod:fn', 'hf:/path'); None for a Python object
+    name: str  # for reports
+    make_inputs: Callable[[int, int, int], tuple[Any, ...]] | None = None  # (batch, seq, seed) -> inputs
+    dynamic_dims: dict[int, list[int]] = field(default_factory=dict)  # input index -> dims that vary
+    batch: int | None = None
+    seq: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # JSON-safe details (hf path, text, ...)
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    low: int = 0  # integer range [low, high) for integer dtypes
+    high: int = 2
+
+    def make(self, seed: int) -> Tensor:
+        g = torch.Generator().manual_seed(seed)
+        if self.dtype == torch.bool:
+            return torch.randint(0, 2, self.shape, generator=g).bool()
+        if not self.dtype.is_floating_point:
+            return torch.randint(self.low, self.high, self.shape, generator=g).to(self.dtype)
+        return torch.randn(self.shape, generator=g).to(self.dtype)
+
+
+_SPEC_RE = re.compile(r"^(\d+(?:x\d+)*)(?::([a-z0-9]+))?(?::(-?\d+)-(-?\d+))?$")
+
+
+def parse_input_spec(text: str) -> InputSpec:
+    """``'32x128:int64'`` -> InputSpec((32, 128), torch.int64)."""
+    m = _SPEC_RE.match(text.strip().lower())
+    if not m:
+        raise InputError(
+            f"--input {text!r} is not an input spec; expected SHAPE[:DTYPE[:LOW-HIGH]] such as '32x128:int64', "
+            "'8x3x224x224' (float32) or '32x128:int64:0-30522'. Fix the spec (dimensions joined by 'x').")
+    dims = tuple(int(d) for d in m.group(1).split("x"))
+    if any(d <= 0 for d in dims):
+        raise InputError(f"--input {text!r} has a zero dimension; expected positive sizes such as '32x128'")
+    name = m.group(2) or "float32"
+    if name not in _DTYPES:
+        raise InputError(f"--input {text!r}: unknown dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    dtype = _DTYPES[name]
+    low, high = (int(m.group(3)), int(m.group(4))) if m.group(3) is not None else (0, 2)
+    if high <= low:
+        raise InputError(f"--input {text!r}: integer range {low}-{high} is empty; expected LOW < HIGH")
+    return InputSpec(dims, dtype, low, high)
+
+
+def _import_factory(spec: str) -> Callable[[], Any]:
+    mod_name, _, fn_name = spec.rpartition(":")
+    if not mod_name or not fn_name:
+        raise InputError(f"--model {spec!r}: expected 'module.path:function' or 'file.py:function'")
+    if mod_name.endswith(".py"):
+        path = Path(mod_name)
+        if not path.is_file():
+            raise InputError(f"--model {spec!r}: file {str(path)!r} does not exist; pass an existing .py file")
+        uspec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(uspec)  # type: ignore[arg-type]
+        sys.modules.setdefault(path.stem, module)
+        uspec.loader.exec_module(module)  # type: ignore[union-attr]
+    else:
+        if "" not in sys.path and str(Path.cwd()) not in sys.path:
+            sys.path.insert(0, str(Path.cwd()))
+        try:
+            module = importlib.import_module(mod_name)
+        except ModuleNotFoundError as exc:
+            raise InputError(
+                f"--model {spec!r}: cannot import module {mod_name!r} ({exc}); expected an importable module "
+                "(run from the folder that contains it, or install the package)") from exc
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise InputError(f"--model {spec!r}: module {mod_name!r} has no callable {fn_name!r}")
+    return fn
+
+
+def _sized(specs: Sequence[InputSpec]) -> Callable[[int, int, int], tuple[Tensor, ...]]:
+    def make(batch: int, seq: int, seed: int) -> tuple[Tensor, ...]:
+        out = []
+        for i, s in enumerate(specs):
+            shape = list(s.shape)
+            shape[0] = batch
+            if len(shape) > 1 and seq > 0 and s.dtype in (torch.int64, torch.int32, torch.bool):
+                shape[1] = seq
+            out.append(InputSpec(tuple(shape), s.dtype, s.low, s.high).make(seed * 1000 + i))
+        return tuple(out)
+
+    return make
+
+
+def resolve_model(
+    spec: str | None = None,
+    input_specs: Sequence[str] = (),
+    *,
+    text: Sequence[str] | str | None = None,
+    batch: int | None = None,
+    seq: int | None = None,
+) -> tuple[nn.Module, tuple[Any, ...], ModelInfo]:
+    """A model spec (see the module docstring) -> ``(model in eval mode, example inputs, info)``."""
+    from torchnitro.nn.zoo import DEFAULT_BUILTIN, get_builtin
+
+    spec = spec or DEFAULT_BUILTIN
+    parsed = [parse_input_spec(s) for s in input_specs]
+    if spec.startswith("hf:"):
+        path = spec[3:]
+        if not Path(path).exists():
+            raise InputError(f"--model {spec!r}: folder {path!r} does not exist; expected a local Hugging Face folder")
+        try:
+            from torchnitro import hf
+        except ImportError as exc:
+            raise InputError(f"--model {spec!r} needs the hf extra ({exc}); install with: pip install 'torchnitro[hf]'") from exc
+        b, s = batch or 1, seq or 128
+        model, inputs, details = hf.load_hf(path, text, batch=b, seq=s)
+        make = details.pop("make_inputs", None)
+        info = ModelInfo(spec, f"hf:{Path(path).name}", make, {0: [0, 1], 1: [0, 1]}, b, s,
+                         {k: v for k, v in details.items() if isinstance(v, (str, int, float, bool, list, type(None)))})
+        if text is not None:
+            info.extra["text"] = [text] if isinstance(text, str) else list(text)
+        return model.eval(), tuple(inputs), info
+    if ":" not in spec:
+        bi = get_builtin(spec)
+        b = batch or bi.default_batch
+        s = seq if seq is not None else bi.default_seq
+        model = bi.build().eval()
+        inputs = tuple(bi.inputs(b, s, 0))
+        if parsed:
+            raise InputError(f"--input was given with built-in model {spec!r}, which makes its own inputs; "
+                             "use --batch/--seq to size them, or drop --input")
+        return model, inputs, ModelInfo(spec, spec, bi.inputs, dict(bi.dynamic_dims), b, s)
+    if Path(spec).exists() and not spec.endswith(".py"):
+        raise InputError(f"--model {spec!r} looks like a path; expected 'file.py:function', 'module:function', "
+                         "'hf:/path' or a built-in name")
+    result = _import_factory(spec)()
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], nn.Module):
+        model, inputs = result[0], tuple(result[1]) if isinstance(result[1], (tuple, list)) else (result[1],)
+    elif isinstance(result, nn.Module):
+        model, inputs = result, ()
+    else:
+        raise InputError(f"--model {spec!r} returned {type(result).__name__}; expected an nn.Module or "
+                         "(nn.Module, example_inputs)")
+    make = None
+    if parsed:
+        if batch is not None:
+            parsed = [InputSpec((batch, *p.shape[1:]), p.dtype, p.low, p.high) for p in parsed]
+        make = _sized(parsed)
+        inputs = tuple(p.make(i) for i, p in enumerate(parsed))
+    if not inputs:
+        raise InputError(f"--model {spec!r} gave no example inputs; pass --input SHAPE:DTYPE once per model "
+                         "input (e.g. --input 32x128:int64), or return (model, inputs) from the factory")
+    dyn = {i: [0] for i, t in enumerate(inputs) if isinstance(t, Tensor) and t.dim() > 0}
+    return model.eval(), inputs, ModelInfo(spec, spec, make, dyn, int(inputs[0].shape[0]) if dyn else None, seq)
+
+
+def rebuild_model(spec: str, extra: dict[str, Any] | None = None) -> nn.Module:
+    """The eager model for a recorded spec (used by ``load`` for non-standalone artifacts)."""
+    extra = extra or {}
+    if spec.startswith("hf:"):
+        model, _, _ = resolve_model(spec, text=extra.get("text"), batch=1, seq=8)
+        return model
+    if ":" not in spec:
+        from torchnitro.nn.zoo import get_builtin
+
+        return get_builtin(spec).build().eval()
+    result = _import_factory(spec)()
+    return (result[0] if isinstance(result, tuple) else result).eval()
+
+
+def random_like(inputs: tuple[Any, ...], seed: int) -> tuple[Any, ...]:
+    """Fresh inputs of the same shapes/dtypes: floats with the example's mean/std, integers within
+    the example's range. Used for held-out inputs when no input generator is known."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[Any] = []
+    for t in inputs:
+        if not isinstance(t, Tensor):
+            out.append(t)
+        elif t.dtype == torch.bool or t.numel() == 0:
+            out.append(t.clone())
+        elif t.dtype.is_floating_point:
+            x = t.float()
+            std = float(x.std()) if x.numel() > 1 else 1.0
+            out.append((torch.randn(t.shape, generator=g) * (std or 1.0) + float(x.mean())).to(t.dtype))
+        else:
+            lo, hi = int(t.min()), int(t.max())
+            out.append(torch.randint(lo, hi + 1, t.shape, generator=g).to(t.dtype))
+    return tuple(out)
+
+
+def input_signature(inputs: tuple[Any, ...]) -> str:
+    """'int64[8x128], float32[8x3x64x64]' (cache keys and reports)."""
+    parts = []
+    for t in inputs:
+        if isinstance(t, Tensor):
+            parts.append(f"{str(t.dtype).replace('torch.', '')}[{'x'.join(map(str, t.shape))}]")
+        else:
+            parts.append(type(t).__name__)
+    return ", ".join(parts)
+
+
+def signature_of(model: nn.Module, inputs: tuple[Any, ...], outputs: list[tuple[str, Tensor]],
+                 dynamic_dims: dict[int, list[int]], other_outputs: Sequence[list[tuple[str, Tensor]]] = ()) -> dict[str, Any]:
+    """Input names/dtypes/shapes (-1 where dynamic) and output names/dtypes/shapes, for the manifest."""
+    try:
+        params = [p for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        names = [p.name for p in params]
+    except (TypeError, ValueError):
+        names = []
+    ins = []
+    for i, t in enumerate(inputs):
+        if not isinstance(t, Tensor):
+            continue
+        dyn = set(dynamic_dims.get(i, []))
+        ins.append({"name": names[i] if i < len(names) else f"input_{i}",
+                    "dtype": str(t.dtype).replace("torch.", ""),
+                    "shape": [-1 if d in dyn else int(s) for d, s in enumerate(t.shape)]})
+    outs = []
+    for k, (n, t) in enumerate(outputs):  # an output dim that changes with the input size is dynamic
+        shape = [int(s) for s in t.shape]
+        for other in other_outputs:
+            if k < len(other) and other[k][1].dim() == len(shape):
+                shape = [-1 if s != int(o) else s for s, o in zip(shape, other[k][1].shape)]
+        outs.append({"name": n, "dtype": str(t.dtype).replace("torch.", ""), "shape": shape})
+    return {"inputs": ins, "outputs": outs}

@@ -1,0 +1,62 @@
+"""Small helpers shared by the built-in recipes (no recipes here)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["cast_floats", "has_module", "restructure", "output_kind", "FloatOutputs"]
+
+
+def cast_floats(xs: tuple[Any, ...], dtype: torch.dtype) -> tuple[Any, ...]:
+    """Cast floating-point tensors to ``dtype``; integer inputs (token ids, masks) stay as they are."""
+    return tuple(x.to(dtype) if isinstance(x, Tensor) and x.is_floating_point() else x for x in xs)
+
+
+def _to_fp32(out: Any) -> Any:
+    if isinstance(out, Tensor):
+        return out.float() if out.is_floating_point() else out
+    if isinstance(out, tuple):
+        return tuple(_to_fp32(o) for o in out)
+    if isinstance(out, list):
+        return [_to_fp32(o) for o in out]
+    if isinstance(out, dict):
+        return type(out)({k: _to_fp32(v) for k, v in out.items()}) if type(out) is dict else {k: _to_fp32(v) for k, v in out.items()}
+    return out
+
+
+class FloatOutputs:
+    """Call ``model`` with floating inputs cast to ``dtype``; return float32 outputs like eager."""
+
+    def __init__(self, model: Callable[..., Any], dtype: torch.dtype):
+        self.model, self.dtype = model, dtype
+
+    def __call__(self, *xs: Any) -> Any:
+        return _to_fp32(self.model(*cast_floats(xs, self.dtype)))
+
+
+def has_module(model: nn.Module, kinds: tuple[type, ...]) -> bool:
+    return any(isinstance(m, kinds) for m in model.modules())
+
+
+def output_kind(out: Any) -> dict[str, Any]:
+    """Describe the eager output structure (JSON-safe) so flat runtimes (ONNX) can rebuild it."""
+    from torchnitro.autotune.verify import flatten_outputs
+
+    names = [n for n, _ in flatten_outputs(out)]
+    if isinstance(out, Tensor):
+        return {"kind": "tensor", "names": names}
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        return {"kind": "dict", "names": names}
+    return {"kind": "tuple", "names": names}
+
+
+def restructure(kind: dict[str, Any], flat: list[Tensor]) -> Any:
+    """Flat tensors -> the eager structure recorded by ``output_kind``."""
+    if kind.get("kind") == "tensor" and len(flat) == 1:
+        return flat[0]
+    if kind.get("kind") == "dict":
+        return dict(zip(kind["names"], flat))
+    return tuple(flat)

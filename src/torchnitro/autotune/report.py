@@ -1,0 +1,141 @@
+"""The search report: one row per candidate, printable as a rich table, JSON and Markdown."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Status", "CandidateResult", "Report"]
+
+
+class Status:
+    CHOSEN = "chosen"  # the variant optimize() returns
+    VERIFIED = "verified"  # passed the gate, not the fastest
+    REJECTED = "rejected"  # built and ran, failed the gate: never chosen
+    SKIPPED = "skipped"  # not applicable here, not selected, or the budget ran out
+    FAILED = "failed"  # raised, hung past its limit, or crashed its process
+
+
+@dataclass
+class CandidateResult:
+    recipe: str
+    numeric_class: str
+    status: str
+    reason: str = ""  # why skipped/failed/rejected, or notes for verified ones
+    build_s: float | None = None  # seconds to build (0 when loaded from the cache)
+    p50_ms: float | None = None
+    p99_ms: float | None = None
+    cv: float | None = None  # coefficient of variation of the samples
+    throughput: float | None = None  # items (batch rows) per second at p50
+    speedup: float | None = None  # eager p50 / this p50 (>1 is faster), from the interleaved comparison when a finalist
+    peak_mem_mb: float | None = None  # GPU: peak allocated; CPU: resident-set growth while running
+    max_abs: float | None = None
+    max_rel: float | None = None
+    norm_rel: float | None = None
+    min_cosine: float | None = None
+    metric: float | None = None
+    shape_ms: dict[str, float] = field(default_factory=dict)  # 'BxT' -> p50 ms at each dynamic size
+    first_call_ms: dict[str, float] = field(default_factory=dict)  # first call at each new size (recompilation)
+    isolated: bool = False
+    cached: bool = False
+    notes: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if math.isinf(v) or math.isnan(v):
+            return str(v)
+        if v != 0 and (abs(v) < 1e-3 or abs(v) >= 1e5):
+            return f"{v:.2e}"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+_COLUMNS = ("recipe", "class", "status", "p50 ms", "p99 ms", "items/s", "speedup", "mem MB", "rel err",
+            "min cos", "build s", "why")
+
+
+@dataclass
+class Report:
+    model: str  # what was optimised (builtin name, factory, class name)
+    inputs: str  # input signature, e.g. 'int64[8x128]'
+    objective: str  # e.g. 'latency p50 at batch 8'
+    hardware: str
+    candidates: list[CandidateResult] = field(default_factory=list)
+    chosen: str = "eager"
+    search_s: float = 0.0
+    cached: bool = False  # the whole search came from the cache
+    notes: list[str] = field(default_factory=list)
+
+    def get(self, recipe: str) -> CandidateResult:
+        for c in self.candidates:
+            if c.recipe == recipe:
+                return c
+        raise KeyError(f"no candidate {recipe!r} in this report; candidates: {[c.recipe for c in self.candidates]}")
+
+    def rows(self) -> list[list[str]]:
+        out = []
+        for c in self.candidates:
+            out.append([
+                c.recipe, c.numeric_class, c.status, _fmt(c.p50_ms), _fmt(c.p99_ms), _fmt(c.throughput, 1),
+                _fmt(c.speedup) + ("x" if c.speedup is not None else ""), _fmt(c.peak_mem_mb, 1),
+                _fmt(c.norm_rel), _fmt(c.min_cosine, 5), _fmt(c.build_s, 1) + (" (cache)" if c.cached else ""),
+                c.reason or c.notes,
+            ])
+        return out
+
+    def _header(self) -> list[str]:
+        return [f"model: {self.model}", f"inputs: {self.inputs}", f"objective: {self.objective}",
+                f"hardware: {self.hardware}", f"chosen: {self.chosen}",
+                f"search: {self.search_s:.1f} s" + (" (from cache)" if self.cached else ""), *self.notes]
+
+    def to_markdown(self) -> str:
+        lines = ["## torchnitro optimize report", ""] + [f"- {h}" for h in self._header()] + [""]
+        lines.append("| " + " | ".join(_COLUMNS) + " |")
+        lines.append("| " + " | ".join("---" for _ in _COLUMNS) + " |")
+        for r in self.rows():
+            lines.append("| " + " | ".join(x.replace("|", "/") for x in r) + " |")
+        return "\n".join(lines) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["candidates"] = [c.to_dict() for c in self.candidates]
+        return d
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, default=str)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Report":
+        d = dict(d)
+        d["candidates"] = [CandidateResult(**c) for c in d.get("candidates", [])]
+        return cls(**d)
+
+    def rich(self):  # -> rich.table.Table
+        from rich.table import Table
+
+        t = Table(title="torchnitro optimize", caption="\n".join(self._header()), caption_justify="left")
+        for c in _COLUMNS:
+            t.add_column(c, overflow="fold")
+        styles = {Status.CHOSEN: "bold green", Status.REJECTED: "red", Status.FAILED: "red", Status.SKIPPED: "dim"}
+        for c, r in zip(self.candidates, self.rows()):
+            t.add_row(*r, style=styles.get(c.status))
+        return t
+
+    def __str__(self) -> str:
+        from io import StringIO
+
+        from rich.console import Console
+
+        buf = StringIO()
+        Console(file=buf, width=160, force_terminal=False).print(self.rich())
+        return buf.getvalue()
+
+    __repr__ = __str__

@@ -1,0 +1,251 @@
+"""The candidate search.
+
+1. Eager runs first and gives the references (held-out inputs) and the baseline timing.
+2. Each selected recipe is skipped (unavailable here, not applicable, budget spent), or built,
+   run twice on every held-out set and timed: in this process with a time limit, or in a child
+   process when the recipe is ``isolate=True`` (native code) or ``isolate_all`` is set. An
+   exception, hang or crash marks that candidate ``failed`` and the search goes on.
+3. The gate (``verify.judge``) marks each ``verified`` or ``rejected`` (with its error numbers).
+4. The best verified candidates are re-timed interleaved with eager (``bench.compare``); the winner
+   must beat eager by ``min_speedup`` and by eager's own noise, otherwise eager is chosen.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
+from torchnitro.autotune.config import OptimizeConfig
+from torchnitro.autotune.evaluate import CandidateTimeout, Evaluation, evaluate, run_isolated, time_limit
+from torchnitro.autotune.inputs import ModelInfo, input_signature
+from torchnitro.autotune.recipe import BuildContext, Recipe
+from torchnitro.autotune.recipes._util import restructure
+from torchnitro.autotune.report import CandidateResult, Report, Status
+from torchnitro.autotune.verify import judge
+from torchnitro.autotune.workload import (SearchOutcome, SearchProgress, Workload, objective_stat, objective_text,
+                                          preload_modules, prepare_workload, select_recipes)
+from torchnitro.bench.timing import TimingConfig, compare
+from torchnitro.hardware import hardware_info
+
+__all__ = ["search", "resolve_device"]
+
+_VERSION = "1"  # bump when the meaning of cached entries changes
+
+
+def resolve_device(cfg: OptimizeConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        from torchnitro.errors import BackendUnavailableError
+
+        raise BackendUnavailableError(f"device={cfg.device!r} was requested but no CUDA GPU is visible; "
+                                      "use device='cpu' or 'auto'")
+    return torch.device(cfg.device)
+
+
+class _Search:
+    def __init__(self, model: nn.Module, info: ModelInfo, cfg: OptimizeConfig, wl: Workload, device: torch.device):
+        self.model, self.info, self.cfg, self.wl, self.device = model, info, cfg, wl, device
+        self.hw = hardware_info()
+        self.tmp = tempfile.TemporaryDirectory(prefix="torchnitro-")
+        self.cache = CandidateCache(cfg.resolved_cache_dir()) if cfg.cache else None
+        self.mhash = model_hash(model) if cfg.cache else ""
+        self.fns: dict[str, Callable[..., Any]] = {}  # in-process candidates, kept for the final comparison
+        self.where: dict[str, tuple[Path, dict[str, Any], list[str], bool]] = {}  # name -> dir, meta, files, standalone
+        self.timing = TimingConfig(warmup=1, warmup_s=0.0, min_iters=cfg.timing_min_iters,
+                                   min_time_s=cfg.timing_min_time_s, max_time_s=max(2.0, cfg.timing_min_time_s * 4),
+                                   device=device.type)
+
+    def base_key(self) -> dict[str, Any]:
+        return {"v": _VERSION, "model": self.mhash, "inputs": [input_signature(s) for s in self.wl.timing_sets],
+                "held": [input_signature(h) for h in self.wl.held_out], "hw": self.hw.fingerprint,
+                "device": str(self.device), "threads": torch.get_num_threads(), "seed": self.cfg.seed}
+
+    def cand_key(self, r: Recipe) -> str:
+        return make_key(**self.base_key(), recipe=r.name, cls=f"{type(r).__module__}.{type(r).__qualname__}",
+                        tol=self.cfg.tolerance(r.numeric_class.value),
+                        metric=getattr(self.cfg.metric_fn, "__qualname__", None), thr=self.cfg.metric_threshold)
+
+    def ctx(self, r: Recipe) -> BuildContext:
+        work = Path(self.tmp.name) / r.name
+        work.mkdir(parents=True, exist_ok=True)
+        return BuildContext(copy.deepcopy(self.model), self.wl.example_inputs, self.hw, self.device, work,
+                            dict(self.wl.dynamic_dims), self.cfg)
+
+    def run_one(self, r: Recipe, limit_s: float) -> CandidateResult:
+        res = CandidateResult(r.name, r.numeric_class.value, Status.FAILED)
+        key = self.cand_key(r) if self.cache else None
+        if key and r.name != "eager":
+            hit = self.cache.get_candidate(key)
+            if hit is not None:
+                entry, d = hit
+                res = CandidateResult(**entry["record"])
+                res.cached, res.speedup = True, None
+                if res.status == Status.VERIFIED:
+                    self.where[r.name] = (d, entry["meta"], entry["files"], entry["standalone"])
+                return res
+        ctx = self.ctx(r)
+        isolated = (r.isolate or self.cfg.isolate_all) and r.name != "eager"
+        res.isolated = isolated
+        try:
+            if isolated:
+                ev = run_isolated(r, ctx, self.wl.held_out, self.wl.timing_sets, self.timing, self.wl.items_per_call,
+                                  limit_s, preload_modules(self.info))
+                if isinstance(ev, str):
+                    res.reason = ev
+                    return res
+            else:
+                with time_limit(limit_s):
+                    ev = evaluate(r, ctx, self.wl.held_out, self.wl.timing_sets, self.timing, self.wl.items_per_call)
+        except CandidateTimeout as exc:
+            res.reason = str(exc)
+            return res
+        except Exception as exc:  # noqa: BLE001 - one candidate never takes the search down
+            res.reason = f"{type(exc).__name__}: {exc}".strip()[:400]
+            res.notes = traceback.format_exc(limit=-2)[-400:]
+            return res
+        self._fill(res, r, ev)
+        if res.status == Status.VERIFIED:
+            if ev.built is not None:
+                self.fns[r.name] = ev.built.fn
+            self.where[r.name] = (ctx.workdir, ev.meta, ev.files, ev.standalone)
+        if key and r.name != "eager":
+            stored = self.cache.put_candidate(key, {"record": res.to_dict(), "meta": ev.meta,
+                                                    "standalone": ev.standalone}, ctx.workdir, ev.files)
+            if stored is not None and r.name in self.where:
+                self.where[r.name] = (stored, ev.meta, ev.files, ev.standalone)
+        return res
+
+    def _fill(self, res: CandidateResult, r: Recipe, ev: Evaluation) -> None:
+        kind = self.wl.output_kind
+        gate = judge(ev.outputs, self.wl.references, self.cfg.tolerance(r.numeric_class.value),
+                     metric_fn=self.cfg.metric_fn, metric_threshold=self.cfg.metric_threshold,
+                     reference_raw=self.wl.reference_raw, rebuild=lambda flat: restructure(kind, flat))
+        t = ev.timing
+        res.status = Status.VERIFIED if gate.passed else Status.REJECTED
+        res.reason = gate.reason
+        res.build_s, res.p50_ms, res.p99_ms, res.cv = ev.build_s, t["median_s"] * 1e3, t["p99_s"] * 1e3, t["cv"]
+        res.throughput = t["throughput_per_s"]
+        res.peak_mem_mb = ev.peak_mem_mb
+        res.max_abs, res.max_rel, res.norm_rel, res.min_cosine, res.metric = (
+            gate.max_abs, gate.max_rel, gate.norm_rel, gate.min_cosine, gate.metric)
+        res.shape_ms, res.first_call_ms, res.notes = ev.shape_ms, ev.first_call_ms, ev.notes
+
+    def callable_for(self, r: Recipe) -> Callable[..., Any]:
+        if r.name in self.fns:
+            return self.fns[r.name]
+        d, meta, _, standalone = self.where[r.name]
+        fn = r.load(d, meta, None if standalone else copy.deepcopy(self.model))
+        self.fns[r.name] = fn
+        return fn
+
+
+def search(model: nn.Module, example_inputs: tuple[Any, ...], info: ModelInfo, cfg: OptimizeConfig) -> SearchOutcome:
+    """Run the search (see the module docstring) and return the chosen variant with the report."""
+    t_start = time.perf_counter()
+    device = resolve_device(cfg)
+    recipes = select_recipes(cfg)
+    model = copy.deepcopy(model).eval().to(device)
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.resolved_threads())
+    try:
+        wl = prepare_workload(model, example_inputs, info, cfg, device)
+        s = _Search(model, info, cfg, wl, device)
+        return _run(s, recipes, t_start)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _run(s: _Search, recipes: list[Recipe], t_start: float) -> SearchOutcome:
+    cfg, hw = s.cfg, s.hw
+    report = Report(model=s.info.name, inputs=input_signature(s.wl.example_inputs),
+                    objective=objective_text(cfg, s.wl), hardware=_hw_text(hw, s.device))
+    prog = SearchProgress(cfg.progress, len(recipes) + 1)
+    try:
+        for r in recipes:
+            prog.step(f"{r.name}: building")
+            remaining = cfg.budget_s - (time.perf_counter() - t_start)
+            why = r.unavailable_reason(hw) or r.inapplicable_reason(s.model, s.wl.example_inputs)
+            if r.gpu_only and s.device.type != "cuda":
+                why = why or "needs a CUDA device; this search runs on the CPU"
+            if why is None and r.name != "eager" and remaining < 1.0:
+                why = f"time budget of {cfg.budget_s:.0f} s spent (raise budget_s)"
+            if why is not None and r.name != "eager":
+                report.candidates.append(CandidateResult(r.name, r.numeric_class.value, Status.SKIPPED, why))
+            else:
+                limit = max(cfg.candidate_timeout_s, 60.0) if r.name == "eager" else min(cfg.candidate_timeout_s, remaining)
+                report.candidates.append(s.run_one(r, limit))
+            prog.step(r.name, advance=1)
+        prog.step("comparing finalists with eager")
+        chosen = _finalists(s, report)
+    finally:
+        prog.close()
+    report.chosen = chosen.name
+    report.search_s = time.perf_counter() - t_start
+    for c in report.candidates:
+        if c.recipe == chosen.name:
+            c.status = Status.CHOSEN
+    d, meta, files, standalone = s.where.get(chosen.name, (None, {}, [], False))
+    return SearchOutcome(report, chosen, s.callable_for(chosen), meta, files, d, standalone, s.wl, s.tmp)
+
+
+def _finalists(s: _Search, report: Report) -> Recipe:
+    from torchnitro.autotune.recipe import get_recipe
+
+    cfg = s.cfg
+    eager = get_recipe("eager")
+    eager_res = report.get("eager")
+    if eager_res.status != Status.VERIFIED:
+        from torchnitro.errors import InputError
+
+        raise InputError(f"the eager model failed on its own inputs: {eager_res.reason}; expected a model that runs "
+                         "deterministically in eval mode on the example inputs")
+    verified = [c for c in report.candidates if c.status == Status.VERIFIED and c.recipe != "eager"]
+    verified.sort(key=lambda c: c.p99_ms if cfg.percentile == "p99" else c.p50_ms)
+    for c in verified:  # search-time estimate; finalists get the interleaved number below
+        c.speedup = eager_res.p50_ms / c.p50_ms if c.p50_ms else None
+    eager_res.speedup = 1.0
+    fns: dict[str, Callable[[], Any]] = {}
+    sets = s.wl.timing_sets
+    for c in verified[: cfg.finalists]:
+        r = get_recipe(c.recipe)
+        try:
+            fn = s.callable_for(r)
+        except Exception as exc:  # noqa: BLE001
+            c.status, c.reason = Status.FAILED, f"reloading the built candidate failed: {type(exc).__name__}: {exc}"[:300]
+            continue
+        fns[c.recipe] = lambda fn=fn: [fn(*x) for x in sets]
+    if not fns:
+        return eager
+    efn = s.callable_for(eager)
+    fns = {"eager": lambda: [efn(*x) for x in sets], **fns}
+    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=cfg.final_min_iters, min_time_s=cfg.final_min_time_s,
+                      max_time_s=max(5.0, cfg.final_min_time_s * 3), device=s.device.type)
+    with torch.inference_mode():
+        res = compare(fns, tc, items_per_call=s.wl.items_per_call, baseline="eager")
+    base = objective_stat(res["eager"], cfg)
+    required = max(cfg.min_speedup, 1.0 + min(res["eager"].cv, 0.10))
+    best, best_speed = eager, 1.0
+    for name, t in res.items():
+        c = report.get(name)
+        c.p50_ms, c.p99_ms, c.cv, c.throughput = t.median * 1e3, t.p99 * 1e3, t.cv, t.throughput
+        c.speedup = base / objective_stat(t, cfg)
+        if name != "eager" and c.speedup >= required and c.speedup > best_speed:
+            best, best_speed = get_recipe(name), c.speedup
+    report.notes.append(f"finalists re-timed interleaved with eager; a winner needs >= {required:.2f}x")
+    return best
+
+
+def _hw_text(hw: Any, device: torch.device) -> str:
+    if device.type == "cuda" and hw.gpu_name:
+        return f"{hw.gpu_name} (sm_{hw.gpu_capability[0]}{hw.gpu_capability[1]})"
+    flags = [f for f in ("avx512_bf16", "amx_bf16", "avx512_vnni") if f in hw.cpu_flags]
+    return f"{hw.cpu_name}, {hw.cpu_cores} cores, {torch.get_num_threads()} threads" + (f", {' '.join(flags)}" if flags else "")

@@ -1,0 +1,161 @@
+"""What a search works on: held-out and timing inputs, eager references, the recipe list, progress."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.autotune.config import OptimizeConfig
+from torchnitro.autotune.inputs import ModelInfo, input_signature, random_like
+from torchnitro.autotune.recipe import Recipe, all_recipes, get_recipe
+from torchnitro.autotune.recipes._util import output_kind
+from torchnitro.autotune.report import Report
+from torchnitro.autotune.verify import clone_outputs
+from torchnitro.bench.timing import Timing
+from torchnitro.errors import InputError
+
+__all__ = ["Workload", "SearchOutcome", "prepare_workload", "select_recipes", "objective_stat", "objective_text",
+           "SearchProgress", "preload_modules"]
+
+
+@dataclass
+class Workload:
+    """Inputs and eager references shared by every candidate."""
+
+    example_inputs: tuple[Any, ...]
+    held_out: list[tuple[Any, ...]]  # verification inputs (seeds differ from the timing inputs)
+    references: list[list[tuple[str, Tensor]]]  # eager fp32 outputs on held_out, flattened, on CPU
+    reference_raw: list[Any]
+    timing_sets: list[tuple[Any, ...]]  # the example inputs first, then one set per declared size
+    items_per_call: int
+    output_kind: dict[str, Any]
+    dynamic_dims: dict[int, list[int]]
+    eager_outputs: list[tuple[str, Tensor]] = field(default_factory=list)
+
+
+@dataclass
+class SearchOutcome:
+    report: Report
+    recipe: Recipe
+    fn: Callable[..., Any]
+    meta: dict[str, Any]
+    files: list[str]
+    files_dir: Path | None
+    standalone: bool
+    workload: Workload
+    tmp: Any = None  # TemporaryDirectory kept alive while the files are in use
+
+
+def _resize(inputs: tuple[Any, ...], dyn: dict[int, list[int]], sizes: Sequence[int], seed: int) -> tuple[Any, ...]:
+    """Random inputs like ``inputs`` whose dynamic dims take ``sizes`` (dims in order: batch, seq, ...)."""
+    out = []
+    for i, t in enumerate(inputs):
+        if not isinstance(t, Tensor) or i not in dyn:
+            out.append(t)
+            continue
+        shape = list(t.shape)
+        for d, size in zip(sorted(dyn[i]), sizes):
+            shape[d] = int(size)
+        reps = [max(1, -(-n // o)) if o else 1 for n, o in zip(shape, t.shape)]
+        tmpl = t.repeat(*reps)[tuple(slice(0, n) for n in shape)]
+        out.append(tmpl)
+    return random_like(tuple(out), seed)
+
+
+def prepare_workload(model: nn.Module, example_inputs: tuple[Any, ...], info: ModelInfo, cfg: OptimizeConfig,
+                     device: torch.device) -> Workload:
+    dyn = cfg.dynamic_dims if cfg.dynamic_dims is not None else dict(info.dynamic_dims)
+    first = next((t for t in example_inputs if isinstance(t, Tensor)), None)
+    base = [int(first.shape[d]) for d in sorted(dyn.get(0, []))] if first is not None else []
+
+    def make(sizes: Sequence[int], seed: int) -> tuple[Any, ...]:
+        if info.make_inputs is not None and len(sizes) >= 1:
+            return tuple(info.make_inputs(int(sizes[0]), int(sizes[1]) if len(sizes) > 1 else (info.seq or 0), seed))
+        return _resize(example_inputs, dyn, sizes, seed)
+
+    held = [make(base, cfg.seed + k) if base else random_like(example_inputs, cfg.seed + k) for k in range(cfg.held_out)]
+    if base:  # one smaller size too: a candidate that baked the example's shape in fails here, not in serving
+        held.append(make([max(1, b // 2) for b in base], cfg.seed + 99))
+    for k, shape in enumerate(cfg.shapes):
+        held.append(make(shape, cfg.seed + 200 + k))
+    timing_sets = [example_inputs] + [make(shape, 0) for shape in cfg.shapes]
+    to = lambda xs: tuple(x.to(device) if isinstance(x, Tensor) else x for x in xs)  # noqa: E731
+    held = [to(h) for h in held]
+    timing_sets = [to(s) for s in timing_sets]
+    refs, raws = [], []
+    with torch.inference_mode():
+        try:
+            eager_out = model(*timing_sets[0])
+        except Exception as exc:
+            raise InputError(
+                f"the model raised {type(exc).__name__}: {exc} on its example inputs ({input_signature(example_inputs)}); "
+                "expected it to run in eval mode on them. Check the input shapes/dtypes (--input SHAPE:DTYPE) "
+                "or the model factory.") from exc
+        kind = output_kind(eager_out)
+        if not kind["names"]:
+            raise InputError(f"the model returned {type(eager_out).__name__} with no tensors; expected tensor outputs")
+        eager_flat = clone_outputs(eager_out)
+        for h in held:
+            raw = model(*h)
+            refs.append(clone_outputs(raw))
+            raws.append(raw)
+    items = sum(int(s[0].shape[0]) if isinstance(s[0], Tensor) and s[0].dim() else 1 for s in timing_sets)
+    return Workload(timing_sets[0], held, refs, raws, timing_sets, items, kind, dyn, eager_flat)
+
+
+def select_recipes(cfg: OptimizeConfig) -> list[Recipe]:
+    """Recipes to try, eager first. Unknown names raise RecipeError listing the known ones."""
+    if cfg.recipes is not None:
+        chosen = [get_recipe(n) for n in cfg.recipes]
+    else:
+        chosen = [r for r in all_recipes() if r.default]
+    for n in cfg.exclude:
+        get_recipe(n)
+    chosen = [r for r in chosen if r.name not in cfg.exclude and r.name != "eager"]
+    return [get_recipe("eager")] + sorted(chosen, key=lambda r: (r.order, r.name))
+
+
+def objective_stat(t: dict[str, Any] | Timing, cfg: OptimizeConfig) -> float:
+    """Seconds per call of the objective statistic (throughput ranks like p50 at a fixed batch)."""
+    d = t.to_dict() if isinstance(t, Timing) else t
+    return d["p99_s"] if (cfg.objective == "latency" and cfg.percentile == "p99") else d["median_s"]
+
+
+def objective_text(cfg: OptimizeConfig, wl: Workload) -> str:
+    sizes = " + ".join(input_signature(s) for s in wl.timing_sets)
+    if cfg.objective == "throughput":
+        return f"throughput (items/s) on {sizes}"
+    return f"latency {cfg.percentile} on {sizes}"
+
+
+class SearchProgress:
+    def __init__(self, show: bool, total: int):
+        self.p = None
+        if show and sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self.p = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
+                              console=Console(stderr=True), transient=True)
+            self.p.start()
+            self.task = self.p.add_task("optimize", total=total)
+
+    def step(self, text: str, advance: int = 0) -> None:
+        if self.p is not None:
+            self.p.update(self.task, description=text, advance=advance)
+
+    def close(self) -> None:
+        if self.p is not None:
+            self.p.stop()
+
+
+def preload_modules(info: ModelInfo) -> list[tuple[str, str]]:
+    if info.spec and ":" in info.spec and info.spec.rpartition(":")[0].endswith(".py"):
+        path = Path(info.spec.rpartition(":")[0]).resolve()
+        return [(path.stem, str(path))]
+    return []
