@@ -1,3 +1,20 @@
-"""torchnitro.memory."""
+"""torchnitro.memory: measure, plan and cut the memory of a training step.
 
-__all__: list[str] = []
+- ``track(model, opt)``: exact live-tensor bytes per phase and category (dispatch mode; CPU or GPU);
+- ``plan(config, batch=, seq=, ...)``: analytic estimate for ``TransformerLM`` with a table of terms;
+- ``find_batch_size(step_fn, ...)``: largest (or fastest) batch that fits, confirmed by trials;
+- ``checkpoint_(model, policy)``: activation checkpointing by blocks, every n, selective or budget;
+- ``load_weights(path, mmap=True)``: zero-copy weight loading; ``PinnedBufferPool``/``Prefetcher``.
+"""
+
+from __future__ import annotations
+
+from torchnitro.memory.checkpointing import checkpoint_, find_blocks, selective_policy
+from torchnitro.memory.planner import Budget, MemoryPlan, PlanTerm, plan
+from torchnitro.memory.tracker import MemoryReport, MemoryTracker, PeakInfo, track
+
+__all__ = [
+    "track", "MemoryTracker", "MemoryReport", "PeakInfo",
+    "plan", "MemoryPlan", "PlanTerm", "Budget",
+    "checkpoint_", "find_blocks", "selective_policy",
+]

@@ -1,0 +1,160 @@
+"""Activation checkpointing applied in place: ``checkpoint_(model, policy)``.
+
+Policies (all use ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``):
+
+- ``"blocks"``: every repeated block keeps only its inputs; its insides are recomputed in backward.
+- ``"every_<n>"`` (e.g. ``"every_2"``): one block in ``n`` is checkpointed (blocks n-1, 2n-1, ...),
+  the torchtitan "layer-selective" scheme; memory lands between none and ``blocks``.
+- ``"selective"``: every block, but through PyTorch's selective checkpoint contexts: outputs of
+  matmuls and attention kernels are saved (``MUST_SAVE``), pointwise ops and norms are recomputed
+  (``PREFER_RECOMPUTE``). Most of the memory of ``blocks`` is kept off for a small recompute cost.
+- ``Budget(fraction)``: checkpoint just enough blocks, spread evenly, to bring activation memory
+  to ``fraction`` of the unchecked model (estimated with the planner for ``TransformerLM``).
+- ``"none"``: undo a previous ``checkpoint_``.
+
+"Blocks" are the entries of the model's largest ``nn.ModuleList`` (``model.blocks`` in the reference
+models, ``model.layers`` / ``h`` / ``encoder.layer`` in HF models), or the list passed as ``blocks``.
+Wrapping replaces the block's ``forward`` attribute only, so parameter names and state dicts are
+unchanged and the model stays picklable by state dict.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from torchnitro.errors import InputError
+from torchnitro.memory.planner import Budget
+
+__all__ = ["checkpoint_", "find_blocks", "selective_policy", "SAVE_OPS", "checkpointed_blocks"]
+
+_ORIG = "_torchnitro_orig_forward"
+
+
+def _ops(*names: str) -> set[Any]:
+    out = set()
+    for n in names:
+        pkt, _, overload = n.partition(".")
+        packet = getattr(torch.ops.aten, pkt, None)
+        if packet is not None and hasattr(packet, overload or "default"):
+            out.add(getattr(packet, overload or "default"))
+    return out
+
+
+# outputs of these ops are expensive to recompute: keep them
+SAVE_OPS = _ops(
+    "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+    "convolution",
+)
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Save matmul/attention outputs, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated blocks: its largest ``nn.ModuleList`` (ties: the first found)."""
+    best: nn.ModuleList | None = None
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 0 and (best is None or len(m) > len(best)):
+            best = m
+    if best is None:
+        raise InputError(f"checkpoint_: {type(model).__name__} has no nn.ModuleList of blocks; "
+                         "expected repeated blocks, or pass blocks=[...] explicitly")
+    return best
+
+
+def _unwrap(block: nn.Module) -> None:
+    if _ORIG in block.__dict__:
+        del block.__dict__["forward"]
+        del block.__dict__[_ORIG]
+
+
+def _wrap(block: nn.Module, context_fn: Callable[[], Any] | None) -> None:
+    orig = block.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # inference: nothing to save, nothing to recompute
+            return orig(*args, **kwargs)
+        extra = {"context_fn": context_fn} if context_fn is not None else {}
+        return checkpoint(orig, *args, use_reentrant=False, **extra, **kwargs)
+
+    block.__dict__[_ORIG] = orig
+    block.__dict__["forward"] = functools.wraps(orig)(forward)
+
+
+def checkpointed_blocks(model: nn.Module) -> list[int]:
+    """Indices of the blocks of ``model`` that ``checkpoint_`` wrapped."""
+    blocks = find_blocks(model)
+    return [i for i, b in enumerate(blocks) if _ORIG in b.__dict__]
+
+
+def _budget_count(model: nn.Module, n: int, fraction: float) -> int:
+    """How many of ``n`` blocks to checkpoint so activations fall to ``fraction`` of unchecked."""
+    keep_ratio = 0.0  # share of a block's activations a checkpointed block still holds (its input)
+    head_ratio = 0.0  # activations outside the blocks, relative to one block
+    cfg = getattr(model, "cfg", None)
+    try:
+        from torchnitro.memory.planner import plan
+
+        p = plan(cfg, batch=1, seq=min(128, cfg.max_seq_len))
+        layer = p.term("activations/layer")
+        keep_ratio = cfg.dim * min(128, cfg.max_seq_len) * 4 / layer
+        head_ratio = p.term("activations/head") / layer
+    except Exception:  # not a TransformerLM: assume activations are all in the blocks
+        pass
+    total = n + head_ratio
+    need = total * (1 - fraction) / max(1e-9, 1 - keep_ratio)
+    return min(n, max(0, math.ceil(need - 1e-9)))
+
+
+def _parse(policy: Any) -> tuple[str, int]:
+    if isinstance(policy, Budget):
+        return "budget", 0
+    if policy in ("none", "blocks", "selective"):
+        return policy, 1
+    if isinstance(policy, str) and policy.startswith("every_"):
+        tail = policy[len("every_"):]
+        if tail.isdigit() and int(tail) >= 1:
+            return "every_n", int(tail)
+    raise InputError(f"checkpoint_ policy: received {policy!r}, expected 'blocks', 'every_<n>' (n >= 1), "
+                     "'selective', 'none' or memory.Budget(fraction)")
+
+
+def checkpoint_(model: nn.Module, policy: Any = "blocks", *, blocks: Sequence[nn.Module] | None = None) -> nn.Module:
+    """Apply activation checkpointing to ``model``'s blocks in place; returns ``model``.
+
+    Calling it again replaces the previous policy. Outputs and gradients are the same as without
+    checkpointing (the recompute runs the same ops with the same RNG state).
+    """
+    if not isinstance(model, nn.Module):
+        raise InputError(f"checkpoint_: received {type(model).__name__}, expected an nn.Module")
+    kind, n = _parse(policy)
+    blist = list(blocks) if blocks is not None else list(find_blocks(model))
+    for b in blist:
+        _unwrap(b)
+    if kind == "none":
+        return model
+    L = len(blist)
+    if kind == "blocks":
+        chosen = list(range(L))
+    elif kind == "selective":
+        chosen = list(range(L))
+    elif kind == "every_n":
+        chosen = [i for i in range(L) if (i + 1) % n == 0]
+    else:
+        k = _budget_count(model, L, policy.fraction)
+        chosen = sorted({int(round(j * L / k)) for j in range(k)}) if k else []
+        chosen = [min(i, L - 1) for i in chosen]
+    ctx = functools.partial(create_selective_checkpoint_contexts, selective_policy) if kind == "selective" else None
+    for i in chosen:
+        _wrap(blist[i], ctx)
+    return model
