@@ -17,11 +17,14 @@ from torchnitro.kernels.cross_entropy import (
 )
 from torchnitro.kernels.dispatch import backend_report, select_backend
 from torchnitro.kernels.flash_attention import FlashAttention, flash_attention
+from torchnitro.kernels.fp8 import fp8_dequantize, fp8_quantize
 from torchnitro.kernels.gelu import GELU, gelu
 from torchnitro.kernels.layer_norm import LayerNorm, layer_norm
+from torchnitro.kernels.linear_gelu import FusedLinearGELU, linear_gelu
 from torchnitro.kernels.rms_norm import RMSNorm, rms_norm
 from torchnitro.kernels.rope import RotaryEmbedding, apply_rope, rope
 from torchnitro.kernels.softmax import Softmax, softmax
+from torchnitro.kernels.sparsity import SparsityReport, mask_2to4, prune_2to4, sparsify_, to_semi_structured, verify_2to4
 from torchnitro.kernels.swiglu import GeGLUActivation, SwiGLUActivation, geglu, swiglu
 
 __all__ = [
@@ -29,5 +32,6 @@ __all__ = [
     "gelu", "GELU", "layer_norm", "LayerNorm", "rms_norm", "RMSNorm", "rope", "apply_rope", "RotaryEmbedding",
     "swiglu", "geglu", "SwiGLUActivation", "GeGLUActivation", "softmax", "Softmax",
     "cross_entropy", "CrossEntropyLoss", "fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss",
-    "flash_attention", "FlashAttention",
+    "flash_attention", "FlashAttention", "linear_gelu", "FusedLinearGELU", "fp8_quantize", "fp8_dequantize",
+    "mask_2to4", "prune_2to4", "verify_2to4", "to_semi_structured", "sparsify_", "SparsityReport",
 ]

@@ -32,7 +32,7 @@ def _gelu_fwd_kernel(x_ptr, y_ptr, n, APPROX: constexpr, BLOCK: constexpr):
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if APPROX:
         z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        t = 2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0
+        t = 2.0 / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0))) - 1.0
         y = 0.5 * x * (1.0 + t)
     else:
         y = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
@@ -46,7 +46,7 @@ def _gelu_bwd_kernel(dy_ptr, x_ptr, dx_ptr, n, APPROX: constexpr, BLOCK: constex
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if APPROX:
         z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
-        t = 2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0
+        t = 2.0 / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0))) - 1.0
         dz = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
         g = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dz
     else:

@@ -42,7 +42,7 @@ def _glu_fwd_kernel(g_ptr, u_ptr, y_ptr, n, ACT: constexpr, BLOCK: constexpr):
         a = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
     else:
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        a = 0.5 * g * (2.0 / (1.0 + tl.exp(-2.0 * z)))
+        a = 0.5 * g * (2.0 / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0))))
     tl.store(y_ptr + offs, (a * u).to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -62,7 +62,7 @@ def _glu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, ACT: constexpr, BLO
         da = cdf + g * 0.3989422804014327 * tl.exp(-0.5 * g * g)
     else:
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        t = 2.0 / (1.0 + tl.exp(-2.0 * z)) - 1.0
+        t = 2.0 / (1.0 + tl.exp(tl.minimum(-2.0 * z, 80.0))) - 1.0
         a = 0.5 * g * (1.0 + t)
         da = 0.5 * (1.0 + t) + 0.5 * g * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * g * g)
     tl.store(dg_ptr + offs, (dy * u * da).to(dg_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,163 @@
+"""Fused Linear + bias + GELU: one GEMM whose epilogue adds the bias and applies GELU.
+
+    z = x W^T + b;  y = gelu(z)     (x (M, K), W (N, K), b (N,))
+The epilogue saves the extra (M, N) round trip an unfused ``gelu(linear(x))`` pays. For backward it
+also writes z (pre-activation), then dz = dy * gelu'(z) runs as one elementwise kernel and the three
+GEMMs of the backward (dx = dz W, dW = dz^T x, db = sum dz) go to cuBLAS, which Triton does not beat.
+Tile loop and grouped program order follow the Triton matmul tutorial (L2 reuse across column tiles).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.errors import ShapeError
+from torchnitro.kernels import reference
+from torchnitro.kernels._common import check_approximate, check_float
+from torchnitro.kernels._triton import LazyKernel
+from torchnitro.kernels.dispatch import use_triton
+from torchnitro.kernels.gelu import gelu_backward
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language import constexpr
+except Exception:  # pragma: no cover
+    triton = tl = constexpr = None  # type: ignore[assignment]
+
+__all__ = ["linear_gelu", "FusedLinearGELU", "linear_gelu_forward", "linear_gelu_backward", "LinearGeluFunction"]
+
+
+def _linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K, sxm, sxk, swn, swk, sym,
+                        HAS_BIAS: constexpr, APPROX: constexpr, STORE_Z: constexpr, PREC: constexpr,
+                        BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_K: constexpr, GROUP_M: constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % size_m
+    pid_n = (pid % group) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        a = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * sxm + kk[None, :] * sxk,
+                    mask=(offs_m[:, None] < M) & (kk[None, :] < K), other=0.0)
+        bt = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * swn + kk[:, None] * swk,
+                     mask=(offs_n[None, :] < N) & (kk[:, None] < K), other=0.0)  # (BLOCK_K, BLOCK_N) = W^T tile
+        acc = tl.dot(a, bt, acc, input_precision=PREC)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    out = offs_m[:, None].to(tl.int64) * sym + offs_n[None, :]
+    omask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if STORE_Z:
+        tl.store(z_ptr + out, acc.to(z_ptr.dtype.element_ty), mask=omask)
+    if APPROX:
+        t = 2.0 / (1.0 + tl.exp(tl.minimum(-1.5957691216057308 * (acc + 0.044715 * acc * acc * acc), 80.0))) - 1.0
+        y = 0.5 * acc * (1.0 + t)
+    else:
+        y = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=omask)
+
+
+def _configs() -> list | None:
+    if triton is None:
+        return None
+    shapes = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 32, 4, 4),
+              (64, 64, 32, 4, 5), (256, 128, 64, 8, 3)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
+            for m, n, k, w, s in shapes]
+
+
+_kernel = LazyKernel(_linear_gelu_kernel, _configs(), key=["M", "N", "K"],
+                     interpret_kwargs={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2})
+
+
+def linear_gelu_forward(x2: Tensor, weight: Tensor, bias: Tensor | None, approximate: str, store_z: bool
+                        ) -> tuple[Tensor, Tensor | None]:
+    """x2 (M, K) -> (y (M, N), z (M, N) or None)."""
+    M, K = x2.shape
+    N = weight.shape[0]
+    y = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
+    z = torch.empty_like(y) if store_z else None
+    if M and N:
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        _kernel[grid](x2, weight, bias if bias is not None else x2, y, z if z is not None else y, M, N, K,
+                      x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
+                      HAS_BIAS=bias is not None, APPROX=approximate == "tanh", STORE_Z=store_z,
+                      PREC="ieee" if x2.dtype == torch.float32 else "tf32")
+    return y, z
+
+
+def linear_gelu_backward(dy: Tensor, x2: Tensor, weight: Tensor, z: Tensor, approximate: str, need_bias: bool
+                         ) -> tuple[Tensor, Tensor, Tensor | None]:
+    dz = gelu_backward(dy, z, approximate)  # (M, N)
+    dx = dz @ weight
+    dw = dz.t() @ x2
+    db = dz.sum(0, dtype=torch.float32).to(weight.dtype) if need_bias else None
+    return dx, dw, db
+
+
+class LinearGeluFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> Tensor:  # type: ignore[override]
+        x2 = x.reshape(-1, x.shape[-1])
+        y, z = linear_gelu_forward(x2, weight, bias, approximate, store_z=True)
+        ctx.save_for_backward(x2, weight, z)
+        ctx.approximate, ctx.has_bias, ctx.x_shape = approximate, bias is not None, x.shape
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        x2, weight, z = ctx.saved_tensors
+        dx, dw, db = linear_gelu_backward(dy.reshape(z.shape).contiguous(), x2, weight, z, ctx.approximate,
+                                          ctx.has_bias)
+        return dx.view(ctx.x_shape), dw, db, None
+
+
+def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None, approximate: str = "none") -> Tensor:
+    """gelu(x @ weight.T + bias) with the bias and activation fused into the GEMM; x (..., K), weight (N, K)."""
+    check_float("linear_gelu", x=x, weight=weight, bias=bias)
+    check_approximate("linear_gelu", approximate)
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or (bias is not None and bias.shape != weight.shape[:1]):
+        raise ShapeError(
+            f"linear_gelu: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
+            f"{None if bias is None else tuple(bias.shape)}; expected x (..., K), weight (N, K), bias (N,)"
+        )
+    if use_triton(x, op="linear_gelu"):
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
+            x2 = x.reshape(-1, x.shape[-1])
+            y, _ = linear_gelu_forward(x2, weight, bias, approximate, store_z=False)
+            return y.view(*x.shape[:-1], weight.shape[0])
+        return LinearGeluFunction.apply(x, weight, bias, approximate)
+    return reference.linear_gelu(x, weight, bias, approximate)
+
+
+class FusedLinearGELU(nn.Linear):
+    """``nn.Linear`` followed by GELU, as one fused op; same parameters as ``nn.Linear`` (loads its state dict)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, approximate: str = "none",
+                 device: torch.device | None = None, dtype: torch.dtype | None = None):
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        check_approximate("FusedLinearGELU", approximate)
+        self.approximate = approximate
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, approximate: str = "none") -> FusedLinearGELU:
+        """Wrap an existing Linear, sharing its parameters."""
+        m = cls.__new__(cls)
+        nn.Module.__init__(m)
+        m.in_features, m.out_features, m.approximate = linear.in_features, linear.out_features, approximate
+        m.weight, m.bias = linear.weight, linear.bias
+        return m
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear_gelu(x, self.weight, self.bias, self.approximate)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, approximate={self.approximate!r}"

@@ -1,0 +1,110 @@
+"""2:4 structured sparsity for Linear layers (NVIDIA Ampere+ sparse tensor cores).
+
+In every group of 4 consecutive weights along the input dim, keep the 2 of largest magnitude
+(Mishra et al., 2021, "Accelerating Sparse Deep Neural Networks"). ``prune_2to4`` computes the mask
+anywhere; ``verify_2to4`` checks a weight; ``to_semi_structured`` converts a pruned Linear to
+PyTorch's ``SparseSemiStructuredTensor`` (CUDA, compute capability >= 8.0, fp16/bf16), where
+``F.linear`` runs on the sparse tensor cores. ``sparsify_(model)`` does prune + convert on every
+eligible Linear and returns what it did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
+
+__all__ = ["prune_2to4", "mask_2to4", "verify_2to4", "semi_structured_supported", "to_semi_structured",
+           "sparsify_", "SparsityReport"]
+
+
+def mask_2to4(weight: Tensor) -> Tensor:
+    """Boolean mask (same shape) keeping the 2 largest-|w| entries of every 4 along the last dim."""
+    if weight.dim() != 2 or weight.shape[1] % 4:
+        raise ShapeError(f"2:4 sparsity: weight has shape {tuple(weight.shape)}; expected 2-d (out, in) with in "
+                         "divisible by 4; pad the input features or skip this layer")
+    groups = weight.detach().abs().reshape(weight.shape[0], -1, 4)  # (out, in/4, 4)
+    top = groups.topk(2, dim=-1).indices
+    mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, top, True)
+    return mask.reshape(weight.shape)
+
+
+def prune_2to4(weight: Tensor) -> Tensor:
+    """A 2:4-sparse copy of ``weight`` (zeros where :func:`mask_2to4` drops)."""
+    return weight * mask_2to4(weight)
+
+
+def verify_2to4(weight: Tensor) -> bool:
+    """True when every group of 4 along the last dim has at most 2 non-zeros."""
+    if weight.dim() != 2 or weight.shape[1] % 4:
+        return False
+    nz = (weight.detach().reshape(weight.shape[0], -1, 4) != 0).sum(-1)
+    return bool((nz <= 2).all())
+
+
+def semi_structured_supported(device: torch.device | str | None = None) -> str | None:
+    """None when semi-structured sparse matmuls can run on ``device``, else the reason."""
+    if not torch.cuda.is_available():
+        return "2:4 semi-structured sparsity needs a CUDA GPU; none is visible"
+    dev = torch.device(device or "cuda")
+    if dev.type != "cuda":
+        return f"2:4 semi-structured sparsity needs CUDA tensors (got {dev.type})"
+    major, _ = torch.cuda.get_device_capability(dev)
+    if major < 8:
+        return f"2:4 semi-structured sparsity needs compute capability >= 8.0 (got {major}.x)"
+    return None
+
+
+def to_semi_structured(linear: nn.Linear, prune: bool = True) -> nn.Linear:
+    """Prune (optional) and convert ``linear.weight`` in place to a semi-structured sparse tensor."""
+    from torch.sparse import to_sparse_semi_structured
+
+    reason = semi_structured_supported(linear.weight.device)
+    if reason:
+        raise BackendUnavailableError(f"to_semi_structured: {reason}; run on an Ampere or newer GPU, or keep the "
+                                      "dense layer (prune_2to4 alone works on CPU)")
+    if linear.weight.dtype not in (torch.float16, torch.bfloat16):
+        raise InputError(f"to_semi_structured: weight dtype {linear.weight.dtype}; expected float16 or bfloat16; "
+                         "call model.half() or .bfloat16() first")
+    w = prune_2to4(linear.weight.detach()) if prune else linear.weight.detach()
+    if not verify_2to4(w):
+        raise InputError("to_semi_structured: weight is not 2:4 sparse; expected at most 2 non-zeros in every 4; "
+                         "pass prune=True")
+    linear.weight = nn.Parameter(to_sparse_semi_structured(w), requires_grad=False)
+    return linear
+
+
+@dataclass
+class SparsityReport:
+    converted: list[str] = field(default_factory=list)  # Linear layers now on sparse tensor cores
+    pruned_only: list[str] = field(default_factory=list)  # pruned to 2:4 but kept dense (convert=False)
+    skipped: dict[str, str] = field(default_factory=dict)  # layer name -> why it was left alone
+
+
+def sparsify_(model: nn.Module, convert: bool = True, min_features: int = 64, skip: tuple[str, ...] = ("lm_head",)
+              ) -> SparsityReport:
+    """Prune every eligible Linear of ``model`` to 2:4 in place; with ``convert`` also move it to
+    semi-structured sparse storage (GPU only). Layers with features not multiples of 64, smaller than
+    ``min_features`` or named in ``skip`` stay dense and are listed in the report."""
+    report = SparsityReport()
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear):
+            continue
+        if any(s in name for s in skip):
+            report.skipped[name] = "name is in skip"
+            continue
+        o, i = mod.weight.shape
+        if o < min_features or i < min_features or o % 64 or i % 64:
+            report.skipped[name] = f"shape {(o, i)}: both dims must be multiples of 64 and >= {min_features}"
+            continue
+        if convert:
+            to_semi_structured(mod, prune=True)
+            report.converted.append(name)
+        else:
+            with torch.no_grad():
+                mod.weight.mul_(mask_2to4(mod.weight))
+            report.pruned_only.append(name)
+    return report
