@@ -1,0 +1,75 @@
+"""Prometheus metrics for the server, on a private registry per server (tests run several).
+
+Names (all prefixed ``torchnitro_``): ``requests_total{model,code}``, ``queue_seconds``,
+``compute_seconds`` (per batch), ``request_seconds`` (end to end inside the server), ``batch_size``
+(histograms, label ``model``), ``queue_depth`` (gauge) and ``worker_restarts_total``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["ServeMetrics", "CONTENT_TYPE_LATEST", "parse_batch_size"]
+
+_LAT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class _Observer:
+    """The batcher's hooks, bound to one model's label."""
+
+    def __init__(self, m: "ServeMetrics", model: str):
+        self.m, self.model = m, model
+
+    def on_request_done(self, status: str, queue_s: float | None, total_s: float) -> None:
+        if queue_s is not None:
+            self.m.queue.labels(self.model).observe(queue_s)
+
+    def on_batch(self, rows: int, compute_s: float) -> None:
+        self.m.batch.labels(self.model).observe(rows)
+        self.m.compute.labels(self.model).observe(compute_s)
+
+    def on_queue_depth(self, depth: int) -> None:
+        self.m.depth.labels(self.model).set(depth)
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("torchnitro_requests_total", "Inference requests by HTTP status code",
+                                ["model", "code"], registry=r)
+        self.queue = Histogram("torchnitro_queue_seconds", "Time a request waited before its batch ran",
+                               ["model"], buckets=_LAT, registry=r)
+        self.compute = Histogram("torchnitro_compute_seconds", "Compute time per batch",
+                                 ["model"], buckets=_LAT, registry=r)
+        self.latency = Histogram("torchnitro_request_seconds", "End-to-end request time inside the server",
+                                 ["model"], buckets=_LAT, registry=r)
+        self.batch = Histogram("torchnitro_batch_size", "Rows per executed batch", ["model"],
+                               buckets=_SIZES, registry=r)
+        self.depth = Gauge("torchnitro_queue_depth", "Requests waiting for a batch", ["model"], registry=r)
+        self.restarts = Counter("torchnitro_worker_restarts_total", "Worker processes restarted after a crash",
+                                ["model"], registry=r)
+
+    def observer(self, model: str) -> _Observer:
+        return _Observer(self, model)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def parse_batch_size(text: str, model: str | None = None) -> tuple[float, float]:
+    """(sum, count) of ``torchnitro_batch_size`` from a /metrics page, over one or all models."""
+    total = count = 0.0
+    for line in text.splitlines():
+        if not line.startswith("torchnitro_batch_size_"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if model is not None and f'model="{model}"' not in head:
+            continue
+        if head.startswith("torchnitro_batch_size_sum"):
+            total += float(value)
+        elif head.startswith("torchnitro_batch_size_count"):
+            count += float(value)
+    return total, count

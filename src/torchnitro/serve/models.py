@@ -1,0 +1,141 @@
+"""What can be served: a ``ServedModel`` is a batched callable plus its ``ModelSignature``.
+
+``resolve_model(spec)`` accepts
+  * a built-in name (``encoder``, ``mlp``, ``minilm`` ... from ``torchnitro.nn.zoo``),
+  * an optimize artifact directory (``torchnitro.load(dir)``; its ``signature`` names the tensors),
+  * ``module:function`` - a factory returning a ``ServedModel`` (or an ``nn.Module`` plus example
+    inputs via a ``ServedModel``), imported in each worker process.
+Worker processes call it themselves, so a spec must be a string that resolves the same everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.errors import InputError
+from torchnitro.serve.protocol import ModelSignature, TensorSpec, datatype_of
+
+__all__ = ["ServedModel", "resolve_model", "signature_from_example"]
+
+
+@dataclass
+class ServedModel:
+    """``fn(*inputs) -> Tensor | tuple[Tensor, ...]`` on batched tensors in signature order."""
+
+    fn: Callable[..., Any]
+    signature: ModelSignature
+
+    def __call__(self, *inputs: Tensor) -> list[Tensor]:
+        out = self.fn(*inputs)
+        if isinstance(out, Tensor):
+            return [out]
+        if isinstance(out, dict):
+            return [out[s.name] for s in self.signature.outputs]
+        return list(out)
+
+
+def _names(model: Any, n: int) -> list[str]:
+    try:
+        params = [p.name for p in inspect.signature(getattr(model, "forward", model)).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = []
+    return params[:n] if len(params) >= n else [f"input_{i}" for i in range(n)]
+
+
+def signature_from_example(name: str, model: Callable[..., Any], example: Sequence[Tensor],
+                           dynamic_dims: dict[int, list[int]] | None = None,
+                           input_names: Sequence[str] | None = None) -> ModelSignature:
+    """Infer a signature by running ``model`` once on ``example`` (batch dim and ``dynamic_dims`` -> -1).
+
+    Output dimensions equal to the example's variable sequence length become -1 as well.
+    """
+    dyn = dynamic_dims or {}
+    names = list(input_names) if input_names else _names(model, len(example))
+    ins = []
+    seq = None
+    for i, (n, t) in enumerate(zip(names, example)):
+        dims = set(dyn.get(i, [0])) | {0}
+        shape = tuple(-1 if d in dims else s for d, s in enumerate(t.shape))
+        if t.dim() > 1 and 1 in dims:
+            seq = t.shape[1]
+        ins.append(TensorSpec(n, datatype_of(t.dtype), shape))
+    with torch.inference_mode():
+        out = model(*example)
+    outs = [out] if isinstance(out, Tensor) else list(out.values() if isinstance(out, dict) else out)
+    onames = list(out) if isinstance(out, dict) else (["output"] if len(outs) == 1 else
+                                                      [f"output_{i}" for i in range(len(outs))])
+    ospecs = []
+    for n, t in zip(onames, outs):
+        shape = tuple(-1 if d == 0 or (seq is not None and d == 1 and s == seq) else s
+                      for d, s in enumerate(t.shape))
+        ospecs.append(TensorSpec(n, datatype_of(t.dtype), shape))
+    return ModelSignature(name, ins, ospecs)
+
+
+def _from_builtin(name: str) -> ServedModel:
+    from torchnitro.nn.zoo import get_builtin
+
+    b = get_builtin(name)
+    model = b.build().eval()
+    seq = 7 if b.default_seq else 0  # odd length so sequence dims are told apart from hidden dims
+    example = b.inputs(2, seq, 0) if seq else b.inputs(2, 0, 0)
+
+    def fn(*xs: Tensor) -> Any:
+        return model(*xs)
+
+    sig = signature_from_example(name, model, example, b.dynamic_dims)
+    return ServedModel(fn, sig)
+
+
+def _spec_list(items: Any, what: str) -> list[TensorSpec]:
+    out = []
+    for i, s in enumerate(items or []):
+        name = s.get("name", f"{what}_{i}")
+        dt = s.get("datatype") or datatype_of(getattr(torch, str(s.get("dtype", "float32")).replace("torch.", "")))
+        out.append(TensorSpec(name, dt, tuple(s.get("shape", (-1,)))))
+    return out
+
+
+def _from_artifact(path: Path) -> ServedModel:
+    import torchnitro
+
+    model = torchnitro.load(path)
+    sig = getattr(model, "signature", None)
+    if isinstance(sig, dict):
+        sig = ModelSignature(path.name, _spec_list(sig.get("inputs"), "input"), _spec_list(sig.get("outputs"), "output"))
+    if not isinstance(sig, ModelSignature) or not sig.inputs or not sig.outputs:
+        raise InputError(f"artifact {str(path)!r} has no usable input/output signature (received {sig!r}); "
+                         "re-run `torchnitro optimize` with example inputs so the manifest records them")
+    return ServedModel(model, sig)
+
+
+def resolve_model(spec: str | ServedModel, name: str | None = None) -> ServedModel:
+    """Turn a model spec (see module docstring) into a ``ServedModel`` named ``name``."""
+    if isinstance(spec, ServedModel):
+        sm = spec
+    elif Path(spec).is_dir():
+        sm = _from_artifact(Path(spec))
+    elif ":" in spec and not spec.startswith(("hf:", "/")):
+        mod, _, attr = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(mod), attr)
+        except (ImportError, AttributeError) as exc:
+            raise InputError(f"model spec {spec!r}: cannot import {attr!r} from {mod!r} ({exc}); "
+                             "expected 'package.module:function' returning a ServedModel") from None
+        sm = factory()
+        if isinstance(sm, nn.Module) or not isinstance(sm, ServedModel):
+            raise InputError(f"model spec {spec!r} returned {type(sm).__name__}, expected a ServedModel "
+                             "(wrap the module: ServedModel(module, signature_from_example(...)))")
+    else:
+        sm = _from_builtin(spec)
+    if name:
+        sm.signature.name = name
+    return sm

@@ -1,0 +1,248 @@
+"""KServe v2 / Open Inference Protocol (JSON) <-> tensors, with validation and padding.
+
+A model's ``ModelSignature`` names its inputs and outputs with datatypes and shapes (``-1`` for a
+variable dimension; dimension 0 is always the batch). ``parse_infer_request`` turns a request body
+into an ``InferItem`` (tensors in signature order, validated: names, datatypes, ranks, fixed dims,
+element counts, NaN); every problem raises ``InputError`` whose message names the tensor, what was
+received, what was expected and the fix (the server answers it with HTTP 400).
+
+Variable-length sequences (dimension 1 is ``-1``) are padded to the longest in a batch with the
+input's ``pad_value`` (0 for token ids and attention masks) and outputs that carry that dimension
+are cut back to each request's own length (``split_outputs``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from torchnitro.errors import InputError
+
+__all__ = ["DATATYPES", "TensorSpec", "ModelSignature", "InferItem", "parse_infer_request",
+           "encode_infer_response", "assemble", "split_outputs", "datatype_of"]
+
+# v2 datatype name -> torch dtype
+DATATYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool, "UINT8": torch.uint8, "INT8": torch.int8, "INT16": torch.int16,
+    "INT32": torch.int32, "INT64": torch.int64, "FP16": torch.float16, "BF16": torch.bfloat16,
+    "FP32": torch.float32, "FP64": torch.float64,
+}
+_NAMES = {v: k for k, v in DATATYPES.items()}
+
+
+def datatype_of(dtype: torch.dtype) -> str:
+    if dtype not in _NAMES:
+        raise InputError(f"dtype {dtype} has no KServe v2 datatype; expected one of {sorted(DATATYPES)}")
+    return _NAMES[dtype]
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    datatype: str  # v2 name: "FP32", "INT64", ...
+    shape: tuple[int, ...]  # dim 0 is the batch (-1); -1 marks any variable dimension
+    pad_value: float = 0  # value for padding a variable dim 1 up to the batch's longest
+
+    def __post_init__(self) -> None:
+        if self.datatype not in DATATYPES:
+            raise InputError(f"tensor {self.name!r}: datatype {self.datatype!r} is unknown; "
+                             f"expected one of {sorted(DATATYPES)}")
+        self.shape = tuple(int(d) for d in self.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return DATATYPES[self.datatype]
+
+    @property
+    def ragged(self) -> bool:
+        """Dimension 1 varies per request: pad on the way in, unpad on the way out."""
+        return len(self.shape) > 1 and self.shape[1] == -1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+@dataclass
+class ModelSignature:
+    name: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    allow_nan: bool = False  # reject NaN/inf in float inputs with a 400 unless the model wants them
+    platform: str = "pytorch_torchnitro"
+    versions: list[str] = field(default_factory=lambda: ["1"])
+
+    def metadata(self) -> dict[str, Any]:
+        return {"name": self.name, "versions": self.versions, "platform": self.platform,
+                "inputs": [s.to_dict() for s in self.inputs], "outputs": [s.to_dict() for s in self.outputs]}
+
+
+@dataclass
+class InferItem:
+    """One request's validated tensors (signature order) and its request-level parameters."""
+
+    tensors: list[Tensor]
+    rows: int  # dimension 0 shared by every input
+    length: int | None  # the request's dimension 1 when inputs are ragged
+    id: str | None = None
+    priority: int = 0
+    timeout_ms: float | None = None
+
+
+def _bad(msg: str) -> InputError:
+    return InputError(msg)
+
+
+def _to_tensor(spec: TensorSpec, obj: dict[str, Any], allow_nan: bool) -> Tensor:
+    name = spec.name
+    shape = obj.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise _bad(f"input {name!r}: shape {shape!r} is not a list of non-negative integers; "
+                   f"expected a shape like {list(spec.shape)} (-1 = any size)")
+    if obj.get("datatype") != spec.datatype:
+        raise _bad(f"input {name!r}: datatype {obj.get('datatype')!r} received, expected {spec.datatype!r}; "
+                   "send the datatype from GET /v2/models/<name>")
+    if len(shape) != len(spec.shape):
+        raise _bad(f"input {name!r}: received shape {shape} (rank {len(shape)}), expected rank "
+                   f"{len(spec.shape)} shape {list(spec.shape)} (-1 = any size)")
+    for i, (got, want) in enumerate(zip(shape, spec.shape)):
+        if want != -1 and got != want:
+            raise _bad(f"input {name!r}: dimension {i} is {got}, expected {want} "
+                       f"(received shape {shape}, expected {list(spec.shape)})")
+    if shape[0] < 1:
+        raise _bad(f"input {name!r}: batch dimension is 0; send at least one row")
+    data = obj.get("data")
+    if not isinstance(data, list):
+        raise _bad(f"input {name!r}: 'data' must be a (flat or nested) JSON list, received "
+                   f"{type(data).__name__}")
+    try:
+        t = torch.tensor(data, dtype=spec.dtype)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        raise _bad(f"input {name!r}: 'data' could not be read as {spec.datatype}: {exc}; "
+                   "send numbers only, in a list") from None
+    n = math.prod(shape)
+    if t.numel() != n:
+        raise _bad(f"input {name!r}: 'data' has {t.numel()} elements, shape {shape} needs {n}")
+    t = t.reshape(shape)
+    if t.is_floating_point() and not allow_nan and not bool(torch.isfinite(t).all()):
+        raise _bad(f"input {name!r}: contains NaN or infinity; this model expects finite values")
+    return t
+
+
+def parse_infer_request(body: bytes | str | dict[str, Any], sig: ModelSignature) -> InferItem:
+    """Validate a v2 infer request body against ``sig``; raises ``InputError`` on any problem."""
+    if isinstance(body, dict):
+        req = body
+    else:
+        try:
+            req = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise _bad(f"request body is not valid JSON ({exc}); expected "
+                       '{"inputs": [{"name", "shape", "datatype", "data"}, ...]}') from None
+    if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
+        raise _bad("request body must be a JSON object with an 'inputs' list, received "
+                   f"{type(req).__name__}{'' if not isinstance(req, dict) else ' without inputs'}")
+    given: dict[str, dict[str, Any]] = {}
+    for obj in req["inputs"]:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise _bad(f"each input must be an object with a 'name'; received {str(obj)[:80]!r}")
+        given[obj["name"]] = obj
+    want = [s.name for s in sig.inputs]
+    missing, unknown = [n for n in want if n not in given], sorted(set(given) - set(want))
+    if missing or unknown:
+        raise _bad(f"inputs received {sorted(given)}, expected {want}"
+                   + (f"; missing {missing}" if missing else "") + (f"; unknown {unknown}" if unknown else ""))
+    tensors = [_to_tensor(s, given[s.name], sig.allow_nan) for s in sig.inputs]
+    rows = {t.shape[0] for t in tensors}
+    if len(rows) != 1:
+        raise _bad(f"inputs disagree on the batch dimension: {[list(t.shape) for t in tensors]}; "
+                   "every input needs the same number of rows")
+    lengths = {t.shape[1] for s, t in zip(sig.inputs, tensors) if s.ragged}
+    if len(lengths) > 1:
+        raise _bad(f"variable-length inputs disagree on dimension 1: {[list(t.shape) for t in tensors]}; "
+                   "pad them to the same length")
+    params = req.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise _bad(f"'parameters' must be an object, received {type(params).__name__}")
+    priority = params.get("priority", 0)
+    timeout = params.get("timeout")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise _bad(f"parameters.priority: received {priority!r}, expected an integer (0 = most urgent)")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
+        raise _bad(f"parameters.timeout: received {timeout!r}, expected a positive number of milliseconds")
+    rid = req.get("id")
+    return InferItem(tensors, rows.pop(), lengths.pop() if lengths else None,
+                     None if rid is None else str(rid), priority, None if timeout is None else float(timeout))
+
+
+def encode_infer_response(sig: ModelSignature, outputs: Sequence[Tensor], rid: str | None) -> bytes:
+    outs = []
+    for spec, t in zip(sig.outputs, outputs):
+        if t.dtype == torch.bfloat16:
+            t = t.float()
+        outs.append({"name": spec.name, "datatype": spec.datatype, "shape": list(t.shape),
+                     "data": t.reshape(-1).tolist()})
+    body: dict[str, Any] = {"model_name": sig.name, "model_version": sig.versions[0], "outputs": outs}
+    if rid is not None:
+        body["id"] = rid
+    return json.dumps(body, allow_nan=True).encode()
+
+
+def assemble(items: Sequence[InferItem], sig: ModelSignature,
+             buffers: list[Tensor] | None = None) -> tuple[list[Tensor], int | None]:
+    """Stack requests into batch tensors, padding ragged inputs to the longest length.
+
+    With ``buffers`` (one flat tensor per input, reused across batches) the batch is written into
+    views of them and no new memory is allocated unless a buffer is too small (then it is grown
+    in place of the list entry). Returns ``(batch tensors, padded length or None)``.
+    """
+    rows = sum(it.rows for it in items)
+    lengths = [it.length for it in items if it.length is not None]
+    padded = max(lengths) if lengths else None
+    out: list[Tensor] = []
+    for k, spec in enumerate(sig.inputs):
+        first = items[0].tensors[k]
+        shape = [rows, *first.shape[1:]]
+        if spec.ragged:
+            shape[1] = padded
+        n = math.prod(shape)
+        if buffers is not None:
+            if buffers[k].numel() < n or buffers[k].dtype != spec.dtype:
+                buffers[k] = torch.empty(max(n, 2 * buffers[k].numel()), dtype=spec.dtype,
+                                         pin_memory=buffers[k].is_pinned())
+            dst = buffers[k][:n].view(shape)
+        else:
+            dst = torch.empty(shape, dtype=spec.dtype)
+        r = 0
+        for it in items:
+            src = it.tensors[k]
+            m = src.shape[0]
+            if spec.ragged and src.shape[1] != padded:
+                dst[r:r + m, : src.shape[1]].copy_(src)
+                dst[r:r + m, src.shape[1]:].fill_(spec.pad_value)
+            else:
+                dst[r:r + m].copy_(src)
+            r += m
+        out.append(dst)
+    return out, padded
+
+
+def split_outputs(outputs: Sequence[Tensor], items: Sequence[InferItem], sig: ModelSignature,
+                  padded: int | None) -> list[list[Tensor]]:
+    """Per request, its rows of every output; ragged outputs are cut back to its own length."""
+    res: list[list[Tensor]] = [[] for _ in items]
+    for spec, t in zip(sig.outputs, outputs):
+        r = 0
+        for i, it in enumerate(items):
+            part = t[r:r + it.rows]
+            if spec.ragged and padded is not None and it.length is not None and part.dim() > 1 \
+                    and part.shape[1] == padded:
+                part = part[:, : it.length]
+            res[i].append(part)
+            r += it.rows
+    return res

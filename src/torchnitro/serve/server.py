@@ -1,0 +1,309 @@
+"""HTTP server: KServe v2 / Open Inference Protocol (JSON) over starlette + uvicorn.
+
+Routes: ``GET /v2``, ``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/{name}``,
+``/v2/models/{name}/ready``, ``POST /v2/models/{name}/infer``, ``GET /metrics``.
+Errors are ``{"error": "..."}`` with 400 (bad input), 401 (token), 404 (unknown model), 413 (body too
+large), 429 (queue full, with ``Retry-After``), 500 (worker/model failure), 503 (draining, not ready)
+and 504 (deadline). A client that disconnects while waiting has its request cancelled.
+
+SIGTERM (or SIGINT) drains: readiness turns 503 and new requests are refused, everything already
+accepted is computed and answered, then uvicorn shuts down and the workers stop. A second signal
+exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+import torchnitro
+from torchnitro.errors import ConfigError, InputError, NitroError, ServeError
+from torchnitro.serve.batcher import BatchingConfig, DynamicBatcher
+from torchnitro.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
+from torchnitro.serve.protocol import encode_infer_response, parse_infer_request
+
+__all__ = ["ServeConfig", "ModelEndpoint", "InferenceServer", "make_pool"]
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"  # loopback unless told otherwise: exposing a model is a decision
+    port: int = 8000
+    workers: int = 1  # model replicas (processes on CPU); 0 runs the model in the server process
+    threads: int | None = None  # torch threads per worker; default: usable cores // workers
+    max_body_bytes: int = 8 * 2**20  # larger request bodies get 413 before they are read
+    auth_token: str | None = None  # if set, every route but /v2/health/* needs "Bearer <token>"
+    drain_timeout_s: float = 30.0  # SIGTERM: how long accepted requests may take to finish
+    retry_after_s: int = 1  # Retry-After header on 429
+    log_level: str = "warning"  # uvicorn's log level
+
+    def __post_init__(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"ServeConfig.workers: received {self.workers}, expected >= 0")
+        if self.max_body_bytes < 1:
+            raise ConfigError(f"ServeConfig.max_body_bytes: received {self.max_body_bytes}, expected >= 1")
+
+
+def make_pool(spec: Any, name: str, config: ServeConfig, on_restart: Any = None) -> Any:
+    """A worker pool for ``spec``: processes for string specs, in-process for objects or workers=0."""
+    from torchnitro.serve.models import resolve_model
+    from torchnitro.serve.workers import InlinePool, ProcessPool
+
+    if config.workers == 0 or not isinstance(spec, str):
+        return InlinePool(resolve_model(spec, name), replicas=max(1, config.workers))
+    return ProcessPool(spec, name, config.workers, threads=config.threads, on_restart=on_restart)
+
+
+class ModelEndpoint:
+    """One served model: its worker pool and the batcher in front of it."""
+
+    def __init__(self, name: str, pool: Any, batching: BatchingConfig | None = None):
+        self.name, self.pool = name, pool
+        self.batching = batching or BatchingConfig()
+        self.batcher: DynamicBatcher | None = None
+        self.ready = False
+
+    async def start(self, metrics: ServeMetrics) -> None:
+        await self.pool.start()
+        cfg = dataclasses.replace(self.batching, concurrency=self.pool.size)
+        self.batcher = await DynamicBatcher(self.pool.run, cfg, observer=metrics.observer(self.name)).start()
+        self.ready = True
+
+    @property
+    def signature(self) -> Any:
+        return self.pool.signature
+
+
+def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(json.dumps(obj), status_code=status, headers=headers, media_type="application/json")
+
+
+def _error(msg: str, status: int, headers: dict[str, str] | None = None) -> Response:
+    return _json({"error": msg}, status, headers)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn whose first SIGTERM/SIGINT drains the batchers before shutting down."""
+
+    def __init__(self, config: uvicorn.Config, owner: "InferenceServer"):
+        super().__init__(config)
+        self.owner = owner
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.owner.draining:
+            self.should_exit = self.force_exit = True
+            return
+        self.owner.begin_drain(self)
+
+
+class InferenceServer:
+    def __init__(self, endpoints: Sequence[ModelEndpoint], config: ServeConfig | None = None):
+        self.config = config or ServeConfig()
+        self.models = {e.name: e for e in endpoints}
+        self.metrics = ServeMetrics()
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._uvicorn: _Uvicorn | None = None
+        self._thread: threading.Thread | None = None
+        self.app = Starlette(routes=[
+            Route("/v2", self.server_meta), Route("/v2/health/live", self.live),
+            Route("/v2/health/ready", self.ready), Route("/v2/models/{name}", self.model_meta),
+            Route("/v2/models/{name}/ready", self.model_ready),
+            Route("/v2/models/{name}/infer", self.infer, methods=["POST"]), Route("/metrics", self.prom),
+        ], lifespan=self._lifespan, exception_handlers={HTTPException: self._http_error})
+
+    # ------------------------------------------------------------------ lifecycle
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Any) -> AsyncIterator[None]:
+        self.loop = asyncio.get_running_loop()
+        for e in self.models.values():
+            e.pool.on_restart = lambda idx, n=e.name: self.metrics.restarts.labels(n).inc()
+            await e.start(self.metrics)
+        yield
+        self.draining = True
+        await self._drain()
+        for e in self.models.values():
+            await e.pool.close()
+
+    async def _drain(self) -> None:
+        await asyncio.gather(*(e.batcher.stop(drain=True, timeout_s=self.config.drain_timeout_s)
+                               for e in self.models.values() if e.batcher is not None))
+
+    def begin_drain(self, server: _Uvicorn) -> None:
+        """Stop accepting, finish accepted requests, then let uvicorn exit."""
+        self.draining = True
+
+        async def drain_then_exit() -> None:
+            await self._drain()
+            server.should_exit = True
+
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(lambda: self.loop.create_task(drain_then_exit()))
+        else:
+            server.should_exit = True
+
+    def _server(self) -> _Uvicorn:
+        cfg = uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level=self.config.log_level,
+                             lifespan="on", access_log=False, timeout_graceful_shutdown=self.config.drain_timeout_s)
+        self._uvicorn = _Uvicorn(cfg, self)
+        return self._uvicorn
+
+    def run(self) -> None:
+        """Serve in the foreground until SIGTERM/SIGINT (then drain and return)."""
+        self._server().run()
+
+    def start_in_thread(self, timeout_s: float = 180.0) -> "InferenceServer":
+        """Serve from a background thread (tests, notebooks); returns once it accepts connections."""
+        server = self._server()
+        self._thread = threading.Thread(target=server.run, name="torchnitro-serve", daemon=True)
+        self._thread.start()
+        end = time.monotonic() + timeout_s
+        while not server.started:
+            if not self._thread.is_alive():
+                raise ServeError("the server thread exited during startup; see the log above for why")
+            if time.monotonic() > end:
+                raise ServeError(f"the server did not start within {timeout_s:.0f} s")
+            time.sleep(0.02)
+        return self
+
+    @property
+    def port(self) -> int:
+        if self._uvicorn is not None and self._uvicorn.servers:
+            return self._uvicorn.servers[0].sockets[0].getsockname()[1]
+        return self.config.port
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Drain and stop a server started with ``start_in_thread``."""
+        if self._uvicorn is not None and self._thread is not None:
+            self.begin_drain(self._uvicorn)
+            self._thread.join(timeout_s)
+
+    # ------------------------------------------------------------------ routes
+    def _auth(self, request: Request) -> Response | None:
+        token = self.config.auth_token
+        if not token or request.url.path.startswith("/v2/health"):
+            return None
+        got = request.headers.get("authorization", "")
+        if hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+            return None
+        return _error("missing or wrong bearer token; send 'Authorization: Bearer <token>'", 401,
+                      {"WWW-Authenticate": "Bearer"})
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> Response:
+        return _error(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
+
+    async def server_meta(self, request: Request) -> Response:
+        return self._auth(request) or _json({"name": "torchnitro", "version": torchnitro.__version__,
+                                             "extensions": []})
+
+    async def live(self, request: Request) -> Response:
+        return _json({"live": True})
+
+    async def ready(self, request: Request) -> Response:
+        ok = not self.draining and all(e.ready for e in self.models.values())
+        return _json({"ready": ok}, 200 if ok else 503)
+
+    def _endpoint(self, request: Request) -> ModelEndpoint | Response:
+        name = request.path_params["name"]
+        if name not in self.models:
+            return _error(f"unknown model {name!r}; this server serves {sorted(self.models)}", 404)
+        return self.models[name]
+
+    async def model_meta(self, request: Request) -> Response:
+        ep = self._auth(request) or self._endpoint(request)
+        if isinstance(ep, Response):
+            return ep
+        if not ep.ready:
+            return _error(f"model {ep.name!r} is still loading", 503)
+        return _json(ep.signature.metadata())
+
+    async def model_ready(self, request: Request) -> Response:
+        ep = self._auth(request) or self._endpoint(request)
+        if isinstance(ep, Response):
+            return ep
+        ok = ep.ready and not self.draining
+        return _json({"name": ep.name, "ready": ok}, 200 if ok else 503)
+
+    async def prom(self, request: Request) -> Response:
+        return self._auth(request) or Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    async def _body(self, request: Request) -> bytes | Response:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return _error(f"request body is {declared} bytes, the limit is {limit}; split the batch or "
+                          "raise --max-body-bytes", 413)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return _error(f"request body exceeds the {limit}-byte limit; split the batch or raise "
+                              "--max-body-bytes", 413)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def infer(self, request: Request) -> Response:
+        t0 = time.monotonic()
+        ep = self._auth(request) or self._endpoint(request)
+        if isinstance(ep, Response):
+            self.metrics.requests.labels("", str(ep.status_code)).inc()
+            return ep
+        resp = await self._infer(request, ep)
+        self.metrics.requests.labels(ep.name, str(resp.status_code)).inc()
+        if resp.status_code == 200:
+            self.metrics.latency.labels(ep.name).observe(time.monotonic() - t0)
+        return resp
+
+    async def _infer(self, request: Request, ep: ModelEndpoint) -> Response:
+        if self.draining or not ep.ready or ep.batcher is None:
+            return _error("the server is draining or not ready; retry on another replica", 503)
+        body = await self._body(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            item = parse_infer_request(body, ep.signature)
+            req = ep.batcher.enqueue(item, priority=item.priority, timeout_ms=item.timeout_ms,
+                                     rows=item.rows, length=item.length)
+        except InputError as exc:
+            return _error(str(exc), 400)
+        except ServeError as exc:
+            hdr = {"Retry-After": str(self.config.retry_after_s)} if exc.status_code == 429 else None
+            return _error(str(exc), exc.status_code, hdr)
+        work = asyncio.ensure_future(ep.batcher.wait(req))
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():  # the client went away: drop its request (never computed if still queued)
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            return _error("client disconnected", 499)
+        gone.cancel()
+        try:
+            outputs = work.result()
+        except ServeError as exc:
+            return _error(str(exc), exc.status_code)
+        except NitroError as exc:
+            return _error(str(exc), 400 if isinstance(exc, InputError) else 500)
+        except Exception as exc:  # noqa: BLE001 - one failing batch answers its requests with 500
+            return _error(f"the model failed on this batch: {type(exc).__name__}: {exc}", 500)
+        return Response(encode_infer_response(ep.signature, outputs, item.id), media_type="application/json")

@@ -1,0 +1,371 @@
+"""Model replicas behind the batcher: processes on CPU, in-process threads, CUDA streams on GPU.
+
+Every pool exposes ``size`` (batches it can run at once; the batcher runs that many consumers on
+one shared queue, so the next batch goes to whichever replica is free), ``async run(items)`` (one
+batch: assemble into reused buffers, compute, split per request) and ``restarts``.
+
+``ProcessPool``: N spawned processes, each loading the model from its spec string with
+``cpu_count // N`` torch threads. Batch inputs are written by the parent straight into a per-worker
+shared-memory arena (reused for every batch; only a small layout message crosses the pipe).
+A worker that dies is noticed by EOF on its pipe: the batch it held fails with ``WorkerError``
+(HTTP 500, never silence) and a replacement is spawned; the other workers keep serving.
+
+``InlinePool``: the model runs in the server process on a thread per replica (torch releases the
+GIL in its kernels); used for callables that cannot be pickled and for one-process setups.
+
+``DevicePool``: one replica per (GPU, stream), inputs staged through pinned host buffers and
+copied with ``non_blocking=True`` on the replica's stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import itertools
+import multiprocessing as mp
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from torchnitro.errors import BackendUnavailableError, ConfigError, WorkerError
+from torchnitro.serve.models import ServedModel, resolve_model
+from torchnitro.serve.protocol import InferItem, ModelSignature, assemble, split_outputs
+
+__all__ = ["InlinePool", "ProcessPool", "DevicePool", "threads_per_worker"]
+
+_ALIGN = 64
+
+
+def threads_per_worker(workers: int, cores: int | None = None) -> int:
+    """Split the usable cores evenly so replicas do not oversubscribe them."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, workers))
+
+
+def _encode(t: Tensor) -> tuple[str, Any]:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return "bf16", t.view(torch.int16).numpy()
+    return "np", t.numpy()
+
+
+def _decode(obj: tuple[str, Any]) -> Tensor:
+    kind, arr = obj
+    t = torch.from_numpy(arr)
+    return t.view(torch.bfloat16) if kind == "bf16" else t
+
+
+def _run_model(model: ServedModel, inputs: Sequence[Tensor]) -> list[Tensor]:
+    with torch.inference_mode():
+        return model(*inputs)
+
+
+# --------------------------------------------------------------------------- in-process
+class InlinePool:
+    """Replicas in this process, each on its own thread with its own reused input buffers."""
+
+    def __init__(self, model: ServedModel, replicas: int = 1):
+        if replicas < 1:
+            raise ConfigError(f"replicas: received {replicas}, expected >= 1")
+        self.model = model
+        self.signature: ModelSignature = model.signature
+        self.size = replicas
+        self.restarts = 0
+        self._free: asyncio.Queue[list[Tensor]] | None = None
+
+    async def start(self) -> None:
+        self._free = asyncio.Queue()
+        for _ in range(self.size):
+            self._free.put_nowait([torch.empty(0, dtype=s.dtype) for s in self.signature.inputs])
+
+    def _compute(self, items: list[InferItem], buffers: list[Tensor]) -> list[list[Tensor]]:
+        batch, padded = assemble(items, self.signature, buffers)
+        outs = _run_model(self.model, batch)
+        # outputs may alias input buffers (identity-like models): copy before the buffer is reused
+        return split_outputs([o.clone() for o in outs], items, self.signature, padded)
+
+    async def run(self, items: list[InferItem]) -> list[list[Tensor]]:
+        assert self._free is not None, "start() the pool first"
+        buffers = await self._free.get()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, self._compute, items, buffers)
+        finally:
+            self._free.put_nowait(buffers)
+
+    async def close(self) -> None:
+        return None
+
+
+# --------------------------------------------------------------------------- processes
+def _worker_main(spec: Any, name: str, conn: Any, arena: Tensor, threads: int) -> None:
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    try:
+        model = resolve_model(spec, name)
+    except BaseException as exc:  # noqa: BLE001 - report why loading failed, then exit
+        conn.send(("fail", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", model.signature, os.getpid()))
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "stop":
+            return
+        _, bid, layout, inline = msg
+        try:
+            if inline is not None:
+                inputs = [_decode(x) for x in inline]
+            else:
+                inputs = [arena[off:off + nbytes].view(dtype).view(shape) for off, nbytes, dtype, shape in layout]
+            outs = _run_model(model, inputs)
+            conn.send(("ok", bid, [_encode(o) for o in outs]))
+        except Exception as exc:  # noqa: BLE001 - a bad batch is reported, the worker lives on
+            conn.send(("err", bid, f"{type(exc).__name__}: {exc}"))
+
+
+class _Proc:
+    def __init__(self, idx: int, process: Any, conn: Any, arena: Tensor):
+        self.idx, self.process, self.conn, self.arena = idx, process, conn, arena
+
+
+class ProcessPool:
+    """N worker processes loading ``spec``; see the module docstring."""
+
+    def __init__(self, spec: str, name: str | None = None, workers: int = 2, *, threads: int | None = None,
+                 arena_mb: float = 16.0, start_timeout_s: float = 120.0,
+                 on_restart: Callable[[int], None] | None = None):
+        if workers < 1:
+            raise ConfigError(f"workers: received {workers}, expected >= 1 (0 means in-process; use InlinePool)")
+        self.spec, self.name, self.size = spec, name or str(spec), workers
+        self.threads = threads or threads_per_worker(workers)
+        self.arena_bytes = int(arena_mb * 2**20)
+        self.start_timeout_s = start_timeout_s
+        self.on_restart = on_restart
+        self.restarts = 0
+        self.signature: ModelSignature | None = None
+        self._procs: dict[int, _Proc] = {}
+        self._free: asyncio.Queue[int] | None = None
+        self._ctx = mp.get_context("spawn")
+        self._bids = itertools.count()
+        self._closing = False
+        self._tasks: set[asyncio.Task] = set()
+
+    def _spawn(self, idx: int) -> _Proc:
+        arena = torch.empty(self.arena_bytes, dtype=torch.uint8).share_memory_()
+        parent, child = self._ctx.Pipe(duplex=True)
+        p = self._ctx.Process(target=_worker_main, args=(self.spec, self.name, child, arena, self.threads),
+                              name=f"torchnitro-worker-{idx}", daemon=True)
+        p.start()
+        child.close()
+        return _Proc(idx, p, parent, arena)
+
+    async def _recv(self, proc: _Proc, timeout: float | None = None) -> Any:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        fd = proc.conn.fileno()
+
+        def readable() -> None:
+            loop.remove_reader(fd)
+            if fut.done():
+                return
+            try:
+                fut.set_result(proc.conn.recv())
+            except BaseException as exc:  # noqa: BLE001 - EOF means the process died
+                fut.set_exception(exc)
+
+        loop.add_reader(fd, readable)
+        try:
+            return await asyncio.wait_for(fut, timeout) if timeout else await fut
+        finally:
+            loop.remove_reader(fd)
+
+    async def _wait_ready(self, proc: _Proc) -> None:
+        try:
+            msg = await self._recv(proc, self.start_timeout_s)
+        except (EOFError, OSError, asyncio.TimeoutError):
+            code = proc.process.exitcode
+            raise WorkerError(f"worker {proc.idx} for {self.spec!r} did not start (exit code {code}); "
+                              "run the model spec in-process (--workers 0) to see the error") from None
+        if msg[0] != "ready":
+            raise WorkerError(f"worker {proc.idx} could not load model {self.spec!r}: {msg[1]}")
+        self.signature = msg[1]
+
+    async def start(self) -> None:
+        self._free = asyncio.Queue()
+        procs = [self._spawn(i) for i in range(self.size)]
+        for p in procs:
+            self._procs[p.idx] = p
+        try:
+            await asyncio.gather(*(self._wait_ready(p) for p in procs))
+        except BaseException:
+            await self.close()
+            raise
+        for p in procs:
+            self._free.put_nowait(p.idx)
+
+    def _schedule_restart(self, idx: int) -> None:
+        if self._closing:
+            return
+        t = asyncio.get_running_loop().create_task(self._restart(idx))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _restart(self, idx: int) -> None:
+        old = self._procs[idx]
+        old.conn.close()
+        await asyncio.get_running_loop().run_in_executor(None, old.process.join, 5)
+        self.restarts += 1
+        if self.on_restart is not None:
+            self.on_restart(idx)
+        while not self._closing:
+            new = self._spawn(idx)
+            self._procs[idx] = new
+            try:
+                await self._wait_ready(new)
+            except WorkerError:
+                await asyncio.sleep(1.0)  # keep trying; the other workers serve meanwhile
+                continue
+            assert self._free is not None
+            self._free.put_nowait(idx)
+            return
+
+    async def _acquire(self) -> _Proc:
+        assert self._free is not None, "start() the pool first"
+        while True:
+            idx = await self._free.get()
+            proc = self._procs[idx]
+            if proc.process.is_alive():
+                return proc
+            self._schedule_restart(idx)  # died while idle: replace it, use another one
+
+    def _layout(self, items: list[InferItem], proc: _Proc) -> tuple[list[Tensor] | None, list[Any]]:
+        """Typed views into the worker's arena for each batch input, or None if it does not fit."""
+        assert self.signature is not None
+        rows = sum(it.rows for it in items)
+        lengths = [it.length for it in items if it.length is not None]
+        views, layout, off = [], [], 0
+        for k, spec in enumerate(self.signature.inputs):
+            shape = [rows, *items[0].tensors[k].shape[1:]]
+            if spec.ragged:
+                shape[1] = max(lengths)
+            n = 1
+            for d in shape:
+                n *= d
+            nbytes = n * spec.dtype.itemsize
+            if off + nbytes > self.arena_bytes:
+                return None, []
+            views.append(proc.arena[off:off + nbytes].view(spec.dtype))
+            layout.append((off, nbytes, spec.dtype, tuple(shape)))
+            off += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        return views, layout
+
+    async def run(self, items: list[InferItem]) -> list[list[Tensor]]:
+        assert self.signature is not None
+        proc = await self._acquire()
+        bid = next(self._bids)
+        healthy = True
+        try:
+            views, layout = self._layout(items, proc)
+            batch, padded = assemble(items, self.signature, views)
+            inline = None if views is not None else [_encode(t) for t in batch]
+            try:
+                proc.conn.send(("batch", bid, layout if views is not None else None, inline))
+                while True:
+                    reply = await self._recv(proc)
+                    if reply[1] == bid:
+                        break
+            except (EOFError, OSError):
+                healthy = False
+                await asyncio.get_running_loop().run_in_executor(None, proc.process.join, 2)
+                raise WorkerError(
+                    f"worker {proc.idx} (pid {proc.process.pid}) died with exit code {proc.process.exitcode} "
+                    f"while running this batch of {len(items)} request(s); it is being restarted, retry "
+                    "the request") from None
+        finally:
+            if healthy:
+                assert self._free is not None
+                self._free.put_nowait(proc.idx)
+            else:
+                self._schedule_restart(proc.idx)
+        if reply[0] == "err":
+            raise WorkerError(f"the model raised on this batch: {reply[2]}")
+        return split_outputs([_decode(o) for o in reply[2]], items, self.signature, padded)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.process.pid for p in self._procs.values()]
+
+    async def close(self) -> None:
+        self._closing = True
+        for t in list(self._tasks):
+            t.cancel()
+        for p in self._procs.values():
+            try:
+                p.conn.send(("stop",))
+            except (OSError, ValueError):
+                pass
+        loop = asyncio.get_running_loop()
+        for p in self._procs.values():
+            await loop.run_in_executor(None, p.process.join, 5)
+            if p.process.is_alive():
+                p.process.kill()
+            p.conn.close()
+
+
+# --------------------------------------------------------------------------- GPU
+class DevicePool:
+    """Replicas on CUDA devices, ``streams`` per device, staged through pinned host buffers."""
+
+    def __init__(self, model: ServedModel, module: torch.nn.Module, devices: Sequence[int] | None = None,
+                 streams: int = 2, make_fn: Callable[[torch.nn.Module], Callable[..., Any]] | None = None):
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError("DevicePool needs CUDA and none is visible; use ProcessPool on CPU")
+        devs = list(devices) if devices is not None else list(range(torch.cuda.device_count()))
+        self.signature = model.signature
+        self.restarts = 0
+        self._replicas: list[tuple[torch.device, torch.cuda.Stream, Callable[..., Any]]] = []
+        for d in devs:
+            dev = torch.device("cuda", d)
+            mod = copy.deepcopy(module).to(dev).eval()
+            fn = make_fn(mod) if make_fn else mod
+            for _ in range(streams):
+                self._replicas.append((dev, torch.cuda.Stream(dev), fn))
+        self.size = len(self._replicas)
+        self._free: asyncio.Queue[int] | None = None
+        self._pinned: list[list[Tensor]] = []
+
+    async def start(self) -> None:
+        self._free = asyncio.Queue()
+        for i in range(self.size):
+            self._pinned.append([torch.empty(0, dtype=s.dtype).pin_memory() for s in self.signature.inputs])
+            self._free.put_nowait(i)
+
+    def _compute(self, i: int, items: list[InferItem]) -> list[list[Tensor]]:
+        dev, stream, fn = self._replicas[i]
+        batch, padded = assemble(items, self.signature, self._pinned[i])  # into pinned host memory
+        with torch.cuda.device(dev), torch.cuda.stream(stream), torch.inference_mode():
+            xs = [t.to(dev, non_blocking=True) for t in batch]
+            out = fn(*xs)
+            outs = [out] if isinstance(out, Tensor) else list(out)
+            host = [o.to("cpu", non_blocking=True) for o in outs]
+        stream.synchronize()  # the pinned buffers are free again only after the copies finished
+        return split_outputs(host, items, self.signature, padded)
+
+    async def run(self, items: list[InferItem]) -> list[list[Tensor]]:
+        assert self._free is not None, "start() the pool first"
+        i = await self._free.get()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, self._compute, i, items)
+        finally:
+            self._free.put_nowait(i)
+
+    async def close(self) -> None:
+        return None
