@@ -8,6 +8,7 @@ device; ``ItemMemory`` answers cleanup queries with one matrix product per chunk
 from __future__ import annotations
 
 from torchnitro.hrr.dispatch import Calibration, Dispatcher, calibrate
+from torchnitro.hrr.fused import bind_normalize, bind_superpose
 from torchnitro.hrr.memory import ItemMemory
 from torchnitro.hrr.ops import (
     UNBIND_METHODS, bind, cosine, exact_inverse, inverse, normalize, permutation, permute, project,
@@ -15,7 +16,7 @@ from torchnitro.hrr.ops import (
 )
 
 __all__ = [
-    "Calibration", "Dispatcher", "calibrate", "ItemMemory",
+    "Calibration", "Dispatcher", "calibrate", "ItemMemory", "bind_normalize", "bind_superpose",
     "UNBIND_METHODS", "bind", "cosine", "exact_inverse", "inverse", "normalize", "permutation",
     "permute", "project", "random", "superpose", "unbind", "unitary", "unpermute",
 ]
