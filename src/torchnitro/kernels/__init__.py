@@ -21,6 +21,7 @@ from torchnitro.kernels.fp8 import fp8_dequantize, fp8_quantize
 from torchnitro.kernels.gelu import GELU, gelu
 from torchnitro.kernels.layer_norm import LayerNorm, layer_norm
 from torchnitro.kernels.linear_gelu import FusedLinearGELU, linear_gelu
+from torchnitro.kernels.patch import PatchSummary, patch_
 from torchnitro.kernels.rms_norm import RMSNorm, rms_norm
 from torchnitro.kernels.rope import RotaryEmbedding, apply_rope, rope
 from torchnitro.kernels.softmax import Softmax, softmax
@@ -34,4 +35,5 @@ __all__ = [
     "cross_entropy", "CrossEntropyLoss", "fused_linear_cross_entropy", "FusedLinearCrossEntropyLoss",
     "flash_attention", "FlashAttention", "linear_gelu", "FusedLinearGELU", "fp8_quantize", "fp8_dequantize",
     "mask_2to4", "prune_2to4", "verify_2to4", "to_semi_structured", "sparsify_", "SparsityReport",
+    "patch_", "PatchSummary",
 ]

@@ -1,0 +1,232 @@
+"""``patch_(model)``: swap the submodules of a model for fused ones, in place, sharing parameters.
+
+What it recognises (by type, or by class name and attributes for Hugging Face models, so
+transformers is not imported unless the model comes from it):
+
+- ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm`` / HF ``*RMSNorm`` (Llama, Mistral, Qwen2) -> fused norms
+- ``torch.nn.GELU`` and HF ``GELUActivation`` / ``NewGELUActivation`` -> fused GELU
+- HF gated MLPs (``gate_proj``/``up_proj``/``down_proj`` with SiLU) and ``nn.models`` ``_SwiGLU`` -> fused SwiGLU
+- HF BERT ``*Intermediate`` (Linear then GELU) and GPT-2 ``*MLP`` (Conv1D then GELU) -> fused Linear+GELU GEMM
+- ``nn.models`` attention (RoPE + SDPA) -> fused RoPE + flash attention
+- HF attention (Llama, BERT, GPT-2, ...): the model's ``attn_implementation`` is set to ``"torchnitro"``,
+  a registered attention function that runs flash attention when no explicit mask is needed and
+  SDPA otherwise (padding masks, decoding with a cache offset, attention dropout in training)
+
+Parameters are shared, not copied: ``model.state_dict()`` keys and values are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.kernels.flash_attention import flash_attention
+from torchnitro.kernels.gelu import GELU
+from torchnitro.kernels.layer_norm import LayerNorm
+from torchnitro.kernels.linear_gelu import FusedLinearGELU, linear_gelu
+from torchnitro.kernels.rms_norm import RMSNorm
+from torchnitro.kernels.rope import rope
+from torchnitro.kernels.swiglu import swiglu
+
+__all__ = ["patch_", "PatchSummary", "HF_ATTENTION_NAME"]
+
+HF_ATTENTION_NAME = "torchnitro"
+
+
+@dataclass
+class PatchSummary:
+    """What ``patch_`` replaced: ``replaced`` counts ``'Old -> New'`` swaps; ``modules`` names them."""
+
+    replaced: Counter = field(default_factory=Counter)  # "LlamaRMSNorm -> RMSNorm" -> count
+    modules: list[str] = field(default_factory=list)  # qualified names of swapped submodules
+    attention: str | None = None  # how attention was routed to flash attention, if it was
+    notes: list[str] = field(default_factory=list)  # what was recognised but left alone, and why
+
+    @property
+    def total(self) -> int:
+        return sum(self.replaced.values())
+
+    def __str__(self) -> str:
+        lines = [f"{n} x {k}" for k, n in sorted(self.replaced.items())]
+        if self.attention:
+            lines.append(f"attention: {self.attention}")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines) or "nothing to patch"
+
+
+def _norm_from(m: nn.Module, kind: str) -> nn.Module:
+    w = getattr(m, "weight", None)
+    dim = int(w.shape[0]) if w is not None else int(m.normalized_shape[0])
+    if kind == "layer":
+        new = LayerNorm(dim, eps=m.eps, elementwise_affine=False)
+        new.weight, new.bias = m.weight, m.bias
+        return new
+    eps = getattr(m, "variance_epsilon", None) or getattr(m, "eps", None)
+    if eps is None:  # torch.nn.RMSNorm(eps=None) uses the dtype's machine epsilon
+        eps = torch.finfo(w.dtype if w is not None else torch.float32).eps
+    new = RMSNorm(dim, eps=float(eps), elementwise_affine=False)
+    new.weight = w
+    return new
+
+
+def _gelu_kind(m: nn.Module) -> str | None:
+    if isinstance(m, nn.GELU):
+        return m.approximate
+    name = type(m).__name__
+    if name == "GELUActivation" and not getattr(m, "use_gelu_python", False):
+        return "none"
+    if name in ("NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "GELUPytorchTanh"):
+        return "tanh"
+    return None
+
+
+class _FusedGatedMLP(nn.Module):
+    """HF gated MLP (gate_proj, up_proj, down_proj, SiLU) with the gate fused."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class _Conv1DGELU(nn.Module):
+    """GPT-2 ``Conv1D`` (weight stored (in, out)) followed by GELU, as one fused GEMM."""
+
+    def __init__(self, conv: nn.Module, approximate: str):
+        super().__init__()
+        self.weight, self.bias, self.approximate = conv.weight, conv.bias, approximate
+        self.nf = getattr(conv, "nf", conv.weight.shape[1])
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear_gelu(x, self.weight.t(), self.bias, self.approximate)
+
+
+class _FusedRefAttention(nn.Module):
+    """``nn.models`` causal self-attention with fused RoPE and flash attention (same weights)."""
+
+    def __init__(self, attn: nn.Module):
+        super().__init__()
+        self.cfg = attn.cfg
+        self.wq, self.wk, self.wv, self.wo = attn.wq, attn.wk, attn.wv, attn.wo
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        c = self.cfg
+        q = self.wq(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+        k = self.wk(x).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
+        v = self.wv(x).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
+        y = flash_attention(rope(q, cos, sin), rope(k, cos, sin), v, causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def _hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                  dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any):
+    """HF attention-interface function: flash attention when no explicit mask is needed, else SDPA."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    tq, tk = query.shape[2], key.shape[2]
+    simple = (attention_mask is None and not kwargs.get("output_attentions") and kwargs.get("softcap") is None
+              and (dropout == 0.0 or not module.training) and kwargs.get("position_bias") is None
+              and (tq == tk or tq == 1))
+    if not simple:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    out = flash_attention(query, key, value, causal=bool(causal) and tq > 1, window=window, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None  # (B, T, H, D), no weights
+
+
+def _route_hf_attention(model: nn.Module, summary: PatchSummary) -> None:
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(cfg, "_attn_implementation") or not hasattr(model, "set_attn_implementation"):
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(HF_ATTENTION_NAME, _hf_attention)
+    AttentionMaskInterface.register(HF_ATTENTION_NAME, sdpa_mask)  # padding masks still reach us (-> SDPA)
+    before = cfg._attn_implementation
+    model.set_attn_implementation(HF_ATTENTION_NAME)
+    summary.attention = f"HF attn_implementation {before!r} -> {HF_ATTENTION_NAME!r} (flash attention, SDPA for masks)"
+    if any(hasattr(m, "rotary_fn") or type(m).__name__.startswith(("Llama", "Mistral", "Qwen2"))
+           for m in model.modules()):
+        summary.notes.append("HF RoPE is applied inside the HF attention module and is left as is")
+
+
+def _replacement(name: str, m: nn.Module) -> nn.Module | None:
+    cls = type(m).__name__
+    if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
+        return _norm_from(m, "layer")
+    if isinstance(m, nn.RMSNorm) and len(m.normalized_shape) == 1:
+        return _norm_from(m, "rms")
+    if (cls.endswith("RMSNorm") and not cls.startswith("Gemma") and hasattr(m, "variance_epsilon")
+            and isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 1):
+        return _norm_from(m, "rms")
+    kind = _gelu_kind(m)
+    if kind is not None:
+        return GELU(kind)
+    if all(isinstance(getattr(m, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")) and \
+            type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"):
+        return _FusedGatedMLP(m)
+    if cls == "_SwiGLU" and all(isinstance(getattr(m, a, None), nn.Linear) for a in ("w1", "w2", "w3")):
+        from torchnitro.nn.layers import SwiGLU
+
+        new = SwiGLU.__new__(SwiGLU)
+        nn.Module.__init__(new)
+        new.w1, new.w3, new.w2 = m.w1, m.w3, m.w2
+        return new
+    if cls == "_CausalSelfAttention" and hasattr(m, "cfg") and hasattr(m, "wq"):
+        return _FusedRefAttention(m)
+    return None
+
+
+def _fuse_linear_gelu(m: nn.Module) -> str | None:
+    """In-place fusion inside BERT intermediates and GPT-2 MLPs; returns the swap label or None."""
+    dense, act = getattr(m, "dense", None), getattr(m, "intermediate_act_fn", None)
+    if isinstance(dense, nn.Linear) and act is not None and _gelu_kind(act) is not None:
+        m.dense = FusedLinearGELU.from_linear(dense, _gelu_kind(act))
+        m.intermediate_act_fn = nn.Identity()
+        return f"{type(m).__name__}(Linear+GELU) -> FusedLinearGELU"
+    conv, act = getattr(m, "c_fc", None), getattr(m, "act", None)
+    if type(conv).__name__ == "Conv1D" and act is not None and _gelu_kind(act) is not None:
+        m.c_fc = _Conv1DGELU(conv, _gelu_kind(act))
+        m.act = nn.Identity()
+        return f"{type(m).__name__}(Conv1D+GELU) -> FusedLinearGELU"
+    return None
+
+
+def patch_(model: nn.Module, attention: bool = True) -> PatchSummary:
+    """Replace the recognised submodules of ``model`` with fused ones, in place; returns a summary.
+
+    Outputs stay equal to the unpatched model within floating-point tolerance. On CPU the fused
+    modules run their PyTorch references, so patching is safe everywhere and fast on CUDA.
+    """
+    if not isinstance(model, nn.Module):
+        from torchnitro.errors import InputError
+
+        raise InputError(f"patch_: received a {type(model).__name__}; expected a torch.nn.Module")
+    summary = PatchSummary()
+    for name, m in list(model.named_modules()):
+        label = _fuse_linear_gelu(m)
+        if label:
+            summary.replaced[label] += 1
+            summary.modules.append(name)
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            new = _replacement(child_name, child)
+            if new is None:
+                continue
+            new.train(child.training)
+            setattr(parent, child_name, new)
+            summary.replaced[f"{type(child).__name__} -> {type(new).__name__.lstrip('_')}"] += 1
+            summary.modules.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+    if attention:
+        _route_hf_attention(model, summary)
+    return summary
