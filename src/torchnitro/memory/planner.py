@@ -65,7 +65,7 @@ class PlanTerm:
     name: str  # what the bytes are
     bytes: int
     formula: str  # how they were counted
-    group: str  # parameters / gradients / optimizer_state / activations / temporaries
+    group: str  # parameters / gradients / optimizer_state / activations / temporaries / per-layer
 
 
 @dataclass
@@ -215,7 +215,7 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
         PlanTerm("buffers", buffers, "RoPE cos/sin: 2 x max_seq x Dh/2 x e", "parameters"),
         PlanTerm("gradients", P, "one per parameter, model dtype", "gradients"),
         PlanTerm("optimizer_state", state, f"{optimizer}: {k_state} x params", "optimizer_state"),
-        PlanTerm("activations/layer", layer, "2[(8+e)BTD+4BT] + attn + 4eBTF", "activations"),
+        PlanTerm("activations/layer", layer, "2[(8+e)BTD+4BT] + attn + 4eBTF", "per-layer"),
         PlanTerm("activations/layers", stored, f"{L - n_ck} full + {n_ck} checkpointed ({kind})", "activations"),
         PlanTerm("activations/head", head, "final norm + 4BTV log-softmax", "activations"),
         PlanTerm("recompute", recompute, "one checkpointed group re-run in backward", "temporaries"),
@@ -228,7 +228,7 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
         "forward": base + acts + logits,
         "backward": base + max(acts + 2 * logits,
                                acts - logits + recompute + e * V * D + 2 * e * BT * (D + F) if recompute else 0,
-                               P + e * V * D),
+                               P + (1 + s["tied"]) * e * V * D),  # end: grads + tied-embedding sum
         "optimizer": base + P + terms[-1].bytes if k_state or optimizer == "sgd" else base,
     }
     if optimizer == "none":

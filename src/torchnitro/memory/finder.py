@@ -1,0 +1,256 @@
+"""Find the largest (or the fastest) batch size that fits, by real trials.
+
+``find_batch_size(step_fn, budget_bytes=..., mode=...)`` calls ``step_fn(batch_size)`` (one training
+step at that batch size) and treats an out-of-memory error as "does not fit". Modes:
+
+- ``"power"``: double from the start value until a trial fails; return the last that fit
+  (Lightning's ``power`` mode).
+- ``"binsearch"``: double (or halve) from the start until the limit is bracketed, then bisect until
+  ``hi / lo - 1 <= margin``; returns the largest batch that fit. With a good start (the planner's),
+  this takes a handful of trials; from 1 it takes at most ``2 * log2(max_val)``.
+- ``"throughput"``: find the limit as in ``binsearch``, then time a ladder of batch sizes with
+  ``torchnitro.bench`` and return the one with the most items per second.
+
+Out of memory is a real ``torch.cuda.OutOfMemoryError`` / allocator error, a
+``torchnitro.errors.OutOfMemoryError`` raised by the step (tests inject it that way), or, with
+``budget_bytes``, a tracked peak above the budget (so the finder works on CPU, where nothing OOMs).
+``is_oom`` replaces the detection. Model and optimizer state are snapshotted before the first
+trial and restored after every trial, so the search leaves no trace on the weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from torchnitro.errors import BudgetError, InputError, OutOfMemoryError
+
+__all__ = ["find_batch_size", "FinderResult", "Trial", "default_is_oom", "MODES"]
+
+MODES = ("power", "binsearch", "throughput")
+_OOM_MESSAGES = ("out of memory", "can't allocate memory", "cudnn_status_not_supported",
+                 "cublas_status_alloc_failed", "failed to allocate")
+
+
+def default_is_oom(exc: BaseException) -> bool:
+    """True for allocator failures on any device (the message patterns accelerate also checks)."""
+    if isinstance(exc, (OutOfMemoryError, MemoryError)):
+        return True
+    if isinstance(exc, getattr(torch.cuda, "OutOfMemoryError", ())) or isinstance(exc, getattr(torch, "OutOfMemoryError", ())):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MESSAGES)
+
+
+@dataclass
+class Trial:
+    batch_size: int
+    fits: bool
+    peak_bytes: int | None  # tracked/measured peak; None when not measured
+    seconds: float
+    reason: str = ""  # why it did not fit
+
+
+@dataclass
+class FinderResult:
+    batch_size: int  # the answer: largest fitting batch (or the fastest, in throughput mode)
+    mode: str
+    max_fitting: int  # largest batch that fit in any trial
+    trials: list[Trial] = field(default_factory=list)
+    start: int = 1  # where the search began (the planner's estimate when given)
+    throughput: dict[int, float] = field(default_factory=dict)  # batch -> items/s (throughput mode)
+
+    @property
+    def n_trials(self) -> int:
+        return len(self.trials)
+
+    def table(self) -> str:
+        lines = [f"{'batch':>7} {'fits':>5} {'peak MiB':>10} {'s':>7}  reason"]
+        for t in self.trials:
+            pk = f"{t.peak_bytes / 2**20:10.2f}" if t.peak_bytes is not None else f"{'-':>10}"
+            lines.append(f"{t.batch_size:7d} {'yes' if t.fits else 'no':>5} {pk} {t.seconds:7.2f}  {t.reason}")
+        for b, ips in self.throughput.items():
+            lines.append(f"throughput batch {b}: {ips:.1f} items/s")
+        lines.append(f"-> batch {self.batch_size} ({self.mode}, {self.n_trials} trials, start {self.start})")
+        return "\n".join(lines)
+
+
+class _Snapshot:
+    """Copies of model and optimizer state on the CPU, restored after every trial."""
+
+    def __init__(self, model: nn.Module | None, optimizer: torch.optim.Optimizer | None):
+        self.model, self.optimizer = model, optimizer
+        self.msd = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()} if model else None
+        self.osd = copy.deepcopy(optimizer.state_dict()) if optimizer is not None else None
+
+    def restore(self) -> None:
+        if self.model is not None and self.msd is not None:
+            self.model.load_state_dict(self.msd)
+            for p in self.model.parameters():
+                p.grad = None
+        if self.optimizer is not None and self.osd is not None:
+            self.optimizer.state.clear()
+            self.optimizer.load_state_dict(copy.deepcopy(self.osd))
+            for g in self.optimizer.param_groups:
+                for p in g["params"]:
+                    p.grad = None
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _start_from_estimate(estimate: Callable[[int], int], budget: int, max_val: int) -> int:
+    if estimate(1) > budget:
+        raise BudgetError(f"budget_bytes={budget:,} is smaller than the estimated peak at batch 1 "
+                          f"({estimate(1):,} bytes); expected a budget above the model's own footprint. "
+                          "Raise the budget, shrink the model, or use checkpointing / lower precision.")
+    lo, hi = 1, max_val
+    while lo < hi:  # largest b with estimate(b) <= budget
+        mid = (lo + hi + 1) // 2
+        if estimate(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def find_batch_size(
+    step_fn: Callable[[int], Any],
+    *,
+    budget_bytes: int | None = None,
+    mode: str = "binsearch",
+    margin: float = 0.05,
+    max_val: int = 4096,
+    init_val: int | None = None,
+    estimate: Callable[[int], int] | None = None,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    steps_per_trial: int = 2,
+    is_oom: Callable[[BaseException], bool] | None = None,
+    timing: Any = None,
+) -> FinderResult:
+    """Search the batch size for ``step_fn(batch_size)``; see the module docstring for modes.
+
+    ``estimate(batch) -> bytes`` (e.g. ``lambda b: plan(cfg, batch=b, seq=T).peak_bytes``) picks the
+    start and rejects budgets the model cannot meet; ``steps_per_trial=2`` includes the optimizer
+    state created by the first step in the second step's peak.
+    """
+    if mode not in MODES:
+        raise InputError(f"mode: received {mode!r}, expected one of {list(MODES)}")
+    if not (isinstance(margin, (int, float)) and 0 < margin < 1):
+        raise InputError(f"margin: received {margin!r}, expected a fraction in (0, 1), e.g. 0.05")
+    if not isinstance(max_val, int) or max_val < 1:
+        raise InputError(f"max_val: received {max_val!r}, expected a positive integer")
+    if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
+        raise InputError(f"budget_bytes: received {budget_bytes!r}, expected a positive integer number of bytes")
+    if budget_bytes is not None and model is not None:
+        own = sum(p.numel() * p.element_size() for p in model.parameters())
+        if own > budget_bytes:
+            raise BudgetError(f"budget_bytes={budget_bytes:,} is smaller than the model's parameters "
+                              f"({own:,} bytes); expected a budget above the model size. Raise the budget "
+                              "or shrink the model (lower precision, fewer layers).")
+    detect = is_oom or default_is_oom
+    if init_val is not None:
+        start = max(1, min(int(init_val), max_val))
+    elif estimate is not None and budget_bytes is not None:
+        start = _start_from_estimate(estimate, budget_bytes, max_val)
+    else:
+        start = 1
+    snap = _Snapshot(model, optimizer)
+    trials: list[Trial] = []
+    results: dict[int, bool] = {}
+
+    def trial(b: int) -> bool:
+        if b in results:
+            return results[b]
+        t0, peak, reason, ok = time.perf_counter(), None, "", True
+        try:
+            if budget_bytes is not None and not torch.cuda.is_available():
+                from torchnitro.memory.tracker import track
+
+                with track(model, optimizer) as tr:
+                    for _ in range(steps_per_trial):
+                        step_fn(b)
+                peak = tr.peak_bytes
+            else:
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+                for _ in range(steps_per_trial):
+                    step_fn(b)
+                if torch.cuda.is_available():
+                    peak = torch.cuda.max_memory_allocated()
+            if budget_bytes is not None and peak is not None and peak > budget_bytes:
+                ok, reason = False, f"peak {peak:,} B > budget {budget_bytes:,} B"
+        except BaseException as exc:  # noqa: BLE001 - classified right below
+            if not detect(exc):
+                snap.restore()
+                raise
+            ok, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
+        finally:
+            snap.restore()
+            _free()
+        trials.append(Trial(b, ok, peak, time.perf_counter() - t0, reason))
+        results[b] = ok
+        return ok
+
+    lo, hi = _bracket(trial, start, max_val)
+    if mode != "power":
+        while hi is not None and lo is not None and hi - lo > max(1, int(margin * lo)):
+            mid = (lo + hi) // 2
+            if trial(mid):
+                lo = mid
+            else:
+                hi = mid
+    if lo is None:
+        raise BudgetError(f"batch size 1 does not fit ({trials[-1].reason}); expected at least one batch "
+                          "to fit. Raise the budget or reduce the model / sequence length.")
+    result = FinderResult(lo, mode, lo, trials, start)
+    if mode == "throughput":
+        result.throughput = _throughput(step_fn, lo, snap, timing)
+        result.batch_size = max(result.throughput, key=result.throughput.__getitem__)
+    return result
+
+
+def _bracket(trial: Callable[[int], bool], start: int, max_val: int) -> tuple[int | None, int | None]:
+    """(largest fitting, smallest failing) found by doubling up or halving down from ``start``."""
+    if trial(start):
+        lo, b = start, start
+        while b < max_val:
+            b = min(max_val, b * 2)
+            if not trial(b):
+                return lo, b
+            lo = b
+        return lo, None
+    hi, b = start, start
+    while b > 1:
+        b = max(1, b // 2)
+        if trial(b):
+            return b, hi
+        hi = b
+    return None, hi
+
+
+def _throughput(step_fn: Callable[[int], Any], limit: int, snap: _Snapshot, timing: Any) -> dict[int, float]:
+    from torchnitro.bench import TimingConfig, measure
+
+    ladder = sorted({2 ** k for k in range(int(math.log2(limit)) + 1)} | {limit})
+    ladder = [b for b in ladder if b >= max(1, limit // 16)]
+    cfg = timing or TimingConfig().quick()
+    out: dict[int, float] = {}
+    for b in ladder:
+        try:
+            t = measure(lambda b=b: step_fn(b), cfg, items_per_call=b)
+            out[b] = t.throughput
+        finally:
+            snap.restore()
+            _free()
+    return out
