@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from torchnitro.memory.checkpointing import checkpoint_, find_blocks, selective_policy
+from torchnitro.memory.finder import FinderResult, Trial, find_batch_size
 from torchnitro.memory.planner import Budget, MemoryPlan, PlanTerm, plan
 from torchnitro.memory.tracker import MemoryReport, MemoryTracker, PeakInfo, track
 
@@ -17,4 +18,5 @@ __all__ = [
     "track", "MemoryTracker", "MemoryReport", "PeakInfo",
     "plan", "MemoryPlan", "PlanTerm", "Budget",
     "checkpoint_", "find_blocks", "selective_policy",
+    "find_batch_size", "FinderResult", "Trial",
 ]

@@ -197,12 +197,15 @@ def find_batch_size(
             ok, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
         finally:
             snap.restore()
-            _free()
+            if not ok:
+                _free()
         trials.append(Trial(b, ok, peak, time.perf_counter() - t0, reason))
         results[b] = ok
         return ok
 
-    lo, hi = _bracket(trial, start, max_val)
+    # from a planner estimate the limit is near: step by 1 + 4*margin instead of doubling
+    factor = 2.0 if (start == 1 or mode == "power") else 1.0 + 4 * margin
+    lo, hi = _bracket(trial, start, max_val, factor)
     if mode != "power":
         while hi is not None and lo is not None and hi - lo > max(1, int(margin * lo)):
             mid = (lo + hi) // 2
@@ -220,19 +223,20 @@ def find_batch_size(
     return result
 
 
-def _bracket(trial: Callable[[int], bool], start: int, max_val: int) -> tuple[int | None, int | None]:
-    """(largest fitting, smallest failing) found by doubling up or halving down from ``start``."""
+def _bracket(trial: Callable[[int], bool], start: int, max_val: int,
+             factor: float) -> tuple[int | None, int | None]:
+    """(largest fitting, smallest failing) found by growing or shrinking ``start`` by ``factor``."""
     if trial(start):
         lo, b = start, start
         while b < max_val:
-            b = min(max_val, b * 2)
+            b = min(max_val, max(b + 1, int(b * factor)))
             if not trial(b):
                 return lo, b
             lo = b
         return lo, None
     hi, b = start, start
     while b > 1:
-        b = max(1, b // 2)
+        b = max(1, min(b - 1, int(b / factor)))
         if trial(b):
             return b, hi
         hi = b
