@@ -10,12 +10,14 @@ from __future__ import annotations
 from torchnitro.hrr.dispatch import Calibration, Dispatcher, calibrate
 from torchnitro.hrr.fused import bind_normalize, bind_superpose
 from torchnitro.hrr.memory import ItemMemory
+from torchnitro.hrr.structures import Record, Sequence, capacity, measure_accuracy, role_vector
 from torchnitro.hrr.ops import (
     UNBIND_METHODS, bind, cosine, exact_inverse, inverse, normalize, permutation, permute, project,
     random, superpose, unbind, unitary, unpermute,
 )
 
 __all__ = [
+    "Record", "Sequence", "capacity", "measure_accuracy", "role_vector",
     "Calibration", "Dispatcher", "calibrate", "ItemMemory", "bind_normalize", "bind_superpose",
     "UNBIND_METHODS", "bind", "cosine", "exact_inverse", "inverse", "normalize", "permutation",
     "permute", "project", "random", "superpose", "unbind", "unitary", "unpermute",
