@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, Recipe
-from torchnitro.autotune.verify import clone_outputs
+from torchnitro.autotune.verify import collect
 from torchnitro.bench.timing import TimingConfig, measure, synchronize
 
 __all__ = ["Evaluation", "evaluate", "run_isolated", "CandidateTimeout", "time_limit"]
@@ -43,7 +43,7 @@ class CandidateTimeout(Exception):
 @dataclass
 class Evaluation:
     built: Built | None  # None when evaluated in a child process
-    outputs: list[tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], Any]]  # per held-out set: first, second, raw
+    outputs: list[tuple[Any, Any, Any, Any]]  # per held-out set: first copy, second copy, raw (or None), later copy
     timing: dict[str, Any]  # Timing.to_dict() of the timing closure
     build_s: float
     first_call_ms: dict[str, float] = field(default_factory=dict)
@@ -105,13 +105,8 @@ def evaluate(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any, ..
         fn(*ctx.example_inputs)  # lazy compilation is part of building
     synchronize(str(ctx.device))
     build_s = time.perf_counter() - t0
-    outputs = []
+    outputs = [(f, s, r if keep_raw else None, later) for f, s, r, later in collect(fn, held_out)]
     with torch.inference_mode():
-        for inputs in held_out:
-            raw = fn(*inputs)
-            first = clone_outputs(raw)
-            second = clone_outputs(fn(*inputs))
-            outputs.append((first, second, raw if keep_raw else None))
         first_ms: dict[str, float] = {}
         for inputs in timing_sets[1:]:  # first call at each new size: recompilation shows here
             t = time.perf_counter()
@@ -158,14 +153,14 @@ def run_isolated(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any
         with open(errlog, "wb") as err:
             proc = subprocess.Popen([sys.executable, "-m", "torchnitro.autotune.evaluate", str(ppath), str(rpath)],
                                     stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
+            rc = _wait(proc, ctx.workdir / "_started", timeout_s)
+            if rc is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 return f"ran past its {timeout_s:.0f} s limit (process killed)"
     finally:
         ppath.unlink(missing_ok=True)
+        (ctx.workdir / "_started").unlink(missing_ok=True)
     tail = errlog.read_text(errors="replace").strip().splitlines()[-3:] if errlog.exists() else []
     errlog.unlink(missing_ok=True)
     if rc != 0 or not rpath.exists():
@@ -182,10 +177,30 @@ def run_isolated(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any
     rpath.unlink(missing_ok=True)
     if "error" in res:
         return res["error"]
-    outs = [(list(zip(f_names, f_ts)), list(zip(s_names, s_ts)), None)
-            for f_names, f_ts, s_names, s_ts in res["outputs"]]
+    outs = [(list(zip(names, f)), list(zip(names, s)), None, list(zip(names, l))) for names, f, s, l in res["outputs"]]
     return Evaluation(None, outs, res["timing"], res["build_s"], res["first_call_ms"], res["shape_ms"],
                       res["peak_mem_mb"], res["meta"], res["files"], res["standalone"], res["notes"])
+
+
+_STARTUP_S = 120.0  # interpreter + torch import + payload load on a busy machine; not charged to the recipe
+
+
+def _wait(proc: subprocess.Popen, started: Path, timeout_s: float) -> int | None:
+    """Wait for the child: the recipe's limit counts from when it signalled it had started."""
+    t0 = time.monotonic()
+    deadline = t0 + _STARTUP_S + timeout_s
+    t_started = None
+    while True:
+        rc = proc.poll()
+        if rc is not None:
+            return rc
+        now = time.monotonic()
+        if t_started is None and started.exists():
+            t_started = now
+            deadline = now + timeout_s
+        if now >= deadline:
+            return None
+        time.sleep(0.02)
 
 
 def _child(ppath: str, rpath: str) -> None:
@@ -197,6 +212,7 @@ def _child(ppath: str, rpath: str) -> None:
         sys.modules[name] = module
         spec.loader.exec_module(module)  # type: ignore[union-attr]
     payload = torch.load(ppath, weights_only=False)  # written by our own parent process, just now
+    Path(payload["workdir"], "_started").touch()
     torch.set_num_threads(payload["threads"])
     mod_name, qual = payload["recipe"]
     obj: Any = importlib.import_module(mod_name)
@@ -212,7 +228,8 @@ def _child(ppath: str, rpath: str) -> None:
     except Exception as exc:  # noqa: BLE001 - reported to the parent as the reason
         torch.save({"error": f"{type(exc).__name__}: {exc}"[:600]}, rpath)
         return
-    outs = [([n for n, _ in f], [t for _, t in f], [n for n, _ in s], [t for _, t in s]) for f, s, _ in ev.outputs]
+    outs = [([n for n, _ in f], [t for _, t in f], [t for _, t in s], [t for _, t in later])
+            for f, s, _, later in ev.outputs]
     torch.save({"outputs": outs, "timing": ev.timing, "build_s": ev.build_s, "first_call_ms": ev.first_call_ms,
                 "shape_ms": ev.shape_ms, "peak_mem_mb": ev.peak_mem_mb, "meta": ev.meta, "files": ev.files,
                 "standalone": ev.standalone, "notes": ev.notes}, rpath)

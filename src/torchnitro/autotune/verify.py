@@ -13,8 +13,9 @@ With a user ``metric_fn(reference_outputs, candidate_outputs) -> float`` the met
 input sets, must be >= the threshold) decides instead of the class tolerance; the errors above are
 still reported.
 
-A candidate is called at least twice per input set and the copies must agree exactly-ish: a
-candidate that hands out a reused buffer (CUDA graphs) and overwrites it on the next call fails.
+A candidate is called twice per input set and the copies must agree; and an output it returned must
+not change when it is called again (a candidate handing out a reused buffer, as raw CUDA graphs do,
+fails).
 """
 
 from __future__ import annotations
@@ -110,19 +111,24 @@ def compare_outputs(ref: list[tuple[str, Tensor]], cand: list[tuple[str, Tensor]
     return errs
 
 
-def collect(fn: Callable[..., Any], input_sets: Sequence[tuple[Any, ...]]) -> list[tuple[Any, Any, Any]]:
-    """Call ``fn`` twice per input set: [(first copy, second copy, first raw output)]."""
-    out = []
+def collect(fn: Callable[..., Any], input_sets: Sequence[tuple[Any, ...]]) -> list[tuple[Any, Any, Any, Any]]:
+    """Run ``fn`` for the gate: per input set ``(first copy, second copy, raw first output, later copy)``.
+
+    Each set is called twice (the copies must agree). ``later`` is the raw first output copied again
+    after *all* sets ran: if the candidate hands out a buffer it reuses (CUDA graphs, preallocated
+    outputs), the next call overwrote it and ``later`` differs from ``first``.
+    """
+    rows = []
     with torch.inference_mode():
         for inputs in input_sets:
             raw = fn(*inputs)
             first = clone_outputs(raw)
-            out.append((first, clone_outputs(fn(*inputs)), raw))
-    return out
+            rows.append((first, clone_outputs(fn(*inputs)), raw))
+        return [(f, s, r, clone_outputs(r)) for f, s, r in rows]
 
 
 def judge(
-    outputs: Sequence[tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], Any]],
+    outputs: Sequence[tuple[list[tuple[str, Tensor]], list[tuple[str, Tensor]], Any, list[tuple[str, Tensor]]]],
     references: Sequence[list[tuple[str, Tensor]]],
     tolerance: dict[str, float],
     *,
@@ -141,7 +147,11 @@ def judge(
     worst = GateResult(passed=True, reason="")
     per_output: dict[str, OutputError] = {}
     metric_vals: list[float] = []
-    for i, ((first, second, raw), ref) in enumerate(zip(outputs, references)):
+    for i, ((first, second, raw, later), ref) in enumerate(zip(outputs, references)):
+        kept = compare_outputs(first, later)
+        if isinstance(kept, str) or any(e.max_abs > 0 for e in kept):
+            return GateResult(False, "an earlier output changed when the candidate was called again: it hands out a "
+                              "reused buffer (copy outputs before returning them)")
         again = compare_outputs(first, second)
         if isinstance(again, str) or any(e.norm_rel > 1e-5 for e in again):
             return GateResult(False, "two calls on the same input disagree (a reused output buffer?)"

@@ -1,0 +1,135 @@
+"""Throw-away recipes for the search tests (registered by fixtures, unregistered afterwards).
+
+They live in an importable module because isolated candidates are rebuilt in a child process from
+``module:qualname``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
+
+__all__ = ["Raises", "Hangs", "HangsIsolated", "ExitsIsolated", "SegfaultIsolated", "Wrong", "ReusesBuffer",
+           "Faster", "Slower", "SlowModel", "tiny_model", "tiny_inputs"]
+
+
+def tiny_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).eval()
+
+
+def tiny_inputs(batch: int = 4) -> tuple[torch.Tensor]:
+    return (torch.randn(batch, 16, generator=torch.Generator().manual_seed(0)),)
+
+
+class _Fake(Recipe):
+    numeric_class = NumericClass.EXACT
+    default = False
+
+    def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
+        return self.build(BuildContext(model, (), None, torch.device("cpu"), directory)).fn  # type: ignore[arg-type]
+
+
+class Raises(_Fake):
+    name = "test-raises"
+
+    def build(self, ctx: BuildContext) -> Built:
+        raise RuntimeError("boom from test-raises")
+
+
+class Hangs(_Fake):
+    name = "test-hangs"
+
+    def build(self, ctx: BuildContext) -> Built:
+        time.sleep(60)
+        raise AssertionError("unreachable")
+
+
+class HangsIsolated(Hangs):
+    name = "test-hangs-isolated"
+    isolate = True
+
+
+class ExitsIsolated(_Fake):
+    name = "test-exits"
+    isolate = True
+
+    def build(self, ctx: BuildContext) -> Built:
+        os._exit(3)
+
+
+class SegfaultIsolated(_Fake):
+    name = "test-segfault"
+    isolate = True
+
+    def build(self, ctx: BuildContext) -> Built:
+        os.kill(os.getpid(), signal.SIGSEGV)
+        time.sleep(5)
+        raise AssertionError("unreachable")
+
+
+class Wrong(_Fake):
+    """Claims to be exact but perturbs the output by 1%: the gate must reject it."""
+
+    name = "test-wrong"
+
+    def build(self, ctx: BuildContext) -> Built:
+        m = ctx.model
+        return Built(fn=lambda *x: m(*x) * 1.01)
+
+
+class ReusesBuffer(_Fake):
+    """Returns the same output tensor every call (what raw CUDA graphs do)."""
+
+    name = "test-reuses-buffer"
+
+    def build(self, ctx: BuildContext) -> Built:
+        m, buf = ctx.model, {}
+
+        def fn(*x: Any) -> torch.Tensor:
+            out = m(*x)
+            if "t" not in buf or buf["t"].shape != out.shape:
+                buf["t"] = torch.empty_like(out)
+            return buf["t"].copy_(out)
+
+        return Built(fn=fn)
+
+
+class SlowModel(nn.Module):
+    """The tiny model plus a 30 ms sleep: a recipe that drops the sleep is exactly 'faster'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tiny_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.03)
+        return self.inner(x)
+
+
+class Faster(_Fake):
+    name = "test-faster"
+
+    def build(self, ctx: BuildContext) -> Built:
+        return Built(fn=ctx.model.inner)
+
+
+class Slower(_Fake):
+    name = "test-slower"
+
+    def build(self, ctx: BuildContext) -> Built:
+        m = ctx.model
+
+        def fn(*x: Any) -> Any:
+            time.sleep(0.01)
+            return m(*x)
+
+        return Built(fn=fn)

@@ -1,0 +1,101 @@
+"""The search survives bad candidates, the gate rejects wrong ones, and eager wins unless beaten."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import torchnitro
+from torchnitro.autotune.inputs import ModelInfo
+from torchnitro.autotune.report import Status
+
+
+def _run(fr, cfg, model=None, inputs=None):
+    model = model or fr.tiny_model()
+    return torchnitro.optimize(model, inputs or fr.tiny_inputs(), cfg)
+
+
+def test_search_survives_raise_hang_exit_and_segfault(fake_recipes, fast_cfg):
+    fr = fake_recipes
+    t0 = time.perf_counter()
+    opt = _run(fr, fast_cfg(recipes=["test-raises", "test-hangs", "test-hangs-isolated", "test-exits",
+                                     "test-segfault"], candidate_timeout_s=3.0))
+    rep = opt.report
+    assert rep.get("test-raises").status == Status.FAILED and "boom from test-raises" in rep.get("test-raises").reason
+    assert rep.get("test-hangs").status == Status.FAILED and "limit" in rep.get("test-hangs").reason
+    assert rep.get("test-hangs-isolated").status == Status.FAILED and "killed" in rep.get("test-hangs-isolated").reason
+    assert rep.get("test-exits").status == Status.FAILED and "code 3" in rep.get("test-exits").reason
+    assert rep.get("test-segfault").status == Status.FAILED and "SIGSEGV" in rep.get("test-segfault").reason
+    assert opt.recipe == "eager" and rep.get("eager").status == Status.CHOSEN
+    assert time.perf_counter() - t0 < 60  # the hangs were cut at their 3 s limits
+    x = fr.tiny_inputs(3)[0]
+    torch.testing.assert_close(opt(x), fr.tiny_model()(x))
+
+
+def test_gate_rejects_wrong_and_buffer_reusing_recipes(fake_recipes, fast_cfg):
+    fr = fake_recipes
+    opt = _run(fr, fast_cfg(recipes=["test-wrong", "test-reuses-buffer"]))
+    wrong = opt.report.get("test-wrong")
+    assert wrong.status == Status.REJECTED
+    assert "relative error" in wrong.reason and wrong.norm_rel == pytest.approx(0.01, rel=1e-3)
+    assert wrong.p50_ms is not None  # rejected candidates keep their numbers
+    reuse = opt.report.get("test-reuses-buffer")
+    assert reuse.status == Status.REJECTED and "reused buffer" in reuse.reason
+    assert opt.recipe == "eager"
+
+
+def test_faster_exact_candidate_is_chosen_slower_never(fake_recipes, fast_cfg):
+    fr = fake_recipes
+    opt = _run(fr, fast_cfg(recipes=["test-faster", "test-slower"]), model=fr.SlowModel())
+    assert opt.recipe == "test-faster"
+    assert opt.report.get("test-faster").speedup > 1.5
+    assert opt.report.get("test-slower").status == Status.VERIFIED
+    assert opt.report.get("test-slower").speedup < 1
+
+
+def test_metric_fn_replaces_class_tolerance(fake_recipes, fast_cfg):
+    fr = fake_recipes
+    calls = []
+
+    def metric(ref, cand):
+        calls.append((type(ref), type(cand)))
+        return float(torch.nn.functional.cosine_similarity(ref.flatten(), cand.flatten(), dim=0))
+
+    opt = _run(fr, fast_cfg(recipes=["test-wrong"], metric_fn=metric, metric_threshold=0.999))
+    wrong = opt.report.get("test-wrong")
+    assert wrong.status == Status.VERIFIED and wrong.metric > 0.999  # a uniform 1% scale keeps the direction
+    assert calls and all(t is torch.Tensor for pair in calls for t in pair)
+    strict = _run(fr, fast_cfg(recipes=["test-wrong"], metric_fn=lambda r, c: -float((r - c).abs().max()),
+                               metric_threshold=-1e-6))
+    assert strict.report.get("test-wrong").status == Status.REJECTED
+
+
+def test_budget_exhausted_skips_remaining(fake_recipes, fast_cfg):
+    fr = fake_recipes
+    opt = _run(fr, fast_cfg(recipes=["test-hangs", "test-wrong"], budget_s=2.0, candidate_timeout_s=60))
+    assert opt.report.get("test-hangs").status == Status.FAILED
+    assert opt.report.get("test-wrong").status == Status.SKIPPED and "budget" in opt.report.get("test-wrong").reason
+
+
+def test_model_failing_on_inputs_is_input_error(fast_cfg):
+    from torchnitro.errors import InputError
+
+    model = torch.nn.Linear(16, 4)
+    with pytest.raises(InputError, match="example inputs"):
+        torchnitro.optimize(model, (torch.randn(2, 5),), fast_cfg(recipes=[]))
+
+
+def test_dynamic_shapes_timed_at_each_size(fast_cfg):
+    from torchnitro.nn.zoo import get_builtin
+
+    b = get_builtin("mlp")
+    info = ModelInfo("mlp", "mlp", b.inputs, {0: [0]}, 8, 0)
+    opt = torchnitro.optimize(b.build(), b.inputs(8, 0, 0), fast_cfg(recipes=["torchscript"], shapes=[[2], [16]]),
+                              info=info)
+    ts = opt.report.get("torchscript")
+    assert set(ts.shape_ms) == {"8x512", "2x512", "16x512"}
+    assert set(ts.first_call_ms) == {"2x512", "16x512"}
+    assert "float32[2x512]" in opt.report.objective
+    assert opt.signature["inputs"][0]["shape"] == [-1, 512] and opt.signature["outputs"][0]["shape"] == [-1, 512]
