@@ -40,7 +40,7 @@ class HttpClient:
         self._r: asyncio.StreamReader | None = None
         self._w: asyncio.StreamWriter | None = None
 
-    async def _close(self) -> None:
+    async def close(self) -> None:
         if self._w is not None:
             self._w.close()
         self._r = self._w = None
@@ -50,7 +50,7 @@ class HttpClient:
         try:
             return await asyncio.wait_for(self._request(method, path, body, headers or {}), self.timeout_s)
         except BaseException:
-            await self._close()
+            await self.close()
             raise
 
     async def _request(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
@@ -76,9 +76,9 @@ class HttpClient:
                     break
         else:
             data = await self._r.read()
-            await self._close()
+            await self.close()
         if hdrs.get("connection", "").lower() == "close":
-            await self._close()
+            await self.close()
         return status, data
 
 
@@ -176,7 +176,7 @@ async def closed_loop(target: LoadTarget, concurrency: int, duration_s: float,
                     break
                 await stats.one(c, target, i)
         finally:
-            await c._close()
+            await c.close()
 
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
     elapsed = time.perf_counter() - t0
@@ -214,7 +214,7 @@ async def open_loop(target: LoadTarget, rate: float, duration_s: float, max_outs
     await asyncio.gather(*tasks)
     elapsed = time.perf_counter() - t0
     for c in idle:
-        await c._close()
+        await c.close()
     return stats.result("open", rate, elapsed, before, await _metrics(target))
 
 

@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Sequence
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -255,12 +255,15 @@ class InferenceServer:
             return _error(f"request body is {declared} bytes, the limit is {limit}; split the batch or "
                           "raise --max-body-bytes", 413)
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                return _error(f"request body exceeds the {limit}-byte limit; split the batch or raise "
-                              "--max-body-bytes", 413)
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    return _error(f"request body exceeds the {limit}-byte limit; split the batch or raise "
+                                  "--max-body-bytes", 413)
+                chunks.append(chunk)
+        except ClientDisconnect:
+            return _error("client disconnected while sending the body", 499)
         return b"".join(chunks)
 
     async def infer(self, request: Request) -> Response:

@@ -1,0 +1,96 @@
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from torchnitro.errors import ConfigError  # noqa: E402
+from torchnitro.serve.cli import build_configs  # noqa: E402
+from torchnitro.serve.loadtest import HttpClient  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_flags_override_yaml(tmp_path):
+    p = tmp_path / "serve.yaml"
+    p.write_text("version: 1\nbatching:\n  max_batch_size: 16\n  max_wait_ms: 3\nserve:\n  workers: 3\n")
+    b, s = build_configs(str(p), max_wait_ms=9.0, port=1234, workers=None)
+    assert (b.max_batch_size, b.max_wait_ms, s.workers, s.port, s.host) == (16, 9.0, 3, 1234, "127.0.0.1")
+    p.write_text("version: 1\nbatching:\n  max_batchsize: 16\n")
+    with pytest.raises(ConfigError, match="max_batchsize"):
+        build_configs(str(p))
+
+
+def test_sigterm_drains_accepted_requests_then_exits(tmp_path):
+    port = free_port()
+    env = {**os.environ, "TORCHNITRO_TEST_DELAY_S": "0.1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchnitro", "serve", "torchnitro.serve.testing:slow_affine", "--name", "slow",
+         "--workers", "0", "--port", str(port), "--max-batch-size", "2", "--max-wait-ms", "0"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        end = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(base + "/v2/health/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > end:
+                pytest.fail(f"server did not start: {proc.stdout.read().decode()[-2000:]}")
+            time.sleep(0.2)
+
+        def body(i):
+            return json.dumps({"id": str(i), "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32",
+                                                         "data": [i, i, i, i]}]}).encode()
+
+        async def scenario():
+            async def one(i):
+                c = HttpClient(base, 30)
+                try:
+                    return await c.request("POST", "/v2/models/slow/infer", body(i))
+                finally:
+                    await c.close()
+
+            accepted = [asyncio.create_task(one(i)) for i in range(8)]  # 4 batches x 100 ms of work
+            await asyncio.sleep(0.15)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.05)
+            try:
+                late = await one(99)
+            except (OSError, asyncio.IncompleteReadError):
+                late = (None, b"")  # listener already closed: also a refusal
+            return await asyncio.gather(*accepted), late
+
+        done, late = asyncio.run(asyncio.wait_for(scenario(), 60))
+        assert [s for s, _ in done] == [200] * 8
+        for i, (_, data) in enumerate(done):
+            assert json.loads(data)["outputs"][0]["data"] == [2.0 * i + 1] * 4
+        assert late[0] in (503, None)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_serve_rejects_bad_flags():
+    from torchnitro.cli import main
+
+    assert main(["serve", "torchnitro.serve.testing:affine", "--buckets", "a,b"]) == 2
+    assert main(["serve", "no_such_module_xyz:f", "--workers", "0"]) == 2

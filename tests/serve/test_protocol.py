@@ -1,0 +1,98 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torchnitro.errors import InputError
+from torchnitro.serve.protocol import (
+    ModelSignature,
+    TensorSpec,
+    assemble,
+    encode_infer_response,
+    parse_infer_request,
+    split_outputs,
+)
+
+SIG = ModelSignature("m", [TensorSpec("ids", "INT64", (-1, -1)), TensorSpec("mask", "INT64", (-1, -1))],
+                     [TensorSpec("hidden", "FP32", (-1, -1, 3)), TensorSpec("pooled", "FP32", (-1, 3))])
+FSIG = ModelSignature("f", [TensorSpec("x", "FP32", (-1, 4))], [TensorSpec("y", "FP32", (-1, 4))])
+
+
+def body(rows: int, seq: int, **extra):
+    ids = list(range(1, rows * seq + 1))
+    return {"inputs": [{"name": "ids", "shape": [rows, seq], "datatype": "INT64", "data": ids},
+                       {"name": "mask", "shape": [rows, seq], "datatype": "INT64", "data": [1] * rows * seq}],
+            **extra}
+
+
+def test_parse_valid_request_with_parameters():
+    item = parse_infer_request(json.dumps(body(2, 3, id="r1", parameters={"priority": 1, "timeout": 50})), SIG)
+    assert item.rows == 2 and item.length == 3 and item.id == "r1"
+    assert item.priority == 1 and item.timeout_ms == 50.0
+    assert item.tensors[0].tolist() == [[1, 2, 3], [4, 5, 6]]
+
+
+def test_nested_data_is_accepted():
+    req = {"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32", "data": [[1, 2, 3, 4], [5, 6, 7, 8]]}]}
+    item = parse_infer_request(req, FSIG)
+    assert item.tensors[0].shape == (2, 4)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda b: b["inputs"][0].update(datatype="FP32"), r"datatype 'FP32' received, expected 'INT64'"),
+    (lambda b: b["inputs"][0].update(shape=[2]), r"rank 1.*expected rank 2"),
+    (lambda b: b["inputs"][0].update(data=[1, 2]), r"has 2 elements, shape \[2, 3\] needs 6"),
+    (lambda b: b["inputs"].pop(), r"missing \['mask'\]"),
+    (lambda b: b["inputs"].append({"name": "zzz"}), r"unknown \['zzz'\]"),
+    (lambda b: b["inputs"][0].update(data=["a"] * 6), r"could not be read as INT64"),
+    (lambda b: b["inputs"][1].update(shape=[2, 2], data=[1] * 4), r"disagree on dimension 1"),
+    (lambda b: b.update(parameters={"priority": "high"}), r"parameters.priority: received 'high'"),
+    (lambda b: b.update(parameters={"timeout": -5}), r"parameters.timeout: received -5"),
+])
+def test_bad_requests_say_what_and_expected(mutate, match):
+    b = body(2, 3)
+    mutate(b)
+    with pytest.raises(InputError, match=match):
+        parse_infer_request(json.dumps(b), SIG)
+
+
+def test_malformed_json_nan_and_fixed_dims():
+    with pytest.raises(InputError, match="not valid JSON"):
+        parse_infer_request(b"{nope", SIG)
+    with pytest.raises(InputError, match="'inputs' list"):
+        parse_infer_request(b"[1, 2]", SIG)
+    nan = '{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, NaN, 3, 4]}]}'
+    with pytest.raises(InputError, match="NaN"):
+        parse_infer_request(nan, FSIG)
+    wrong = {"inputs": [{"name": "x", "shape": [1, 5], "datatype": "FP32", "data": [1] * 5}]}
+    with pytest.raises(InputError, match=r"dimension 1 is 5, expected 4"):
+        parse_infer_request(wrong, FSIG)
+
+
+@pytest.mark.parametrize("lengths", [(3, 5, 1), (7, 7)])
+def test_assemble_pads_and_split_unpads(lengths):
+    items = [parse_infer_request(body(1 + i % 2, n), SIG) for i, n in enumerate(lengths)]
+    buffers = [torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]
+    batch, padded = assemble(items, SIG, buffers)
+    assert padded == max(lengths)
+    assert batch[0].shape == (sum(it.rows for it in items), max(lengths))
+    assert int(batch[1].sum()) == sum(it.rows * it.length for it in items)  # padding is mask 0
+    # a fake model: hidden = ids broadcast to 3 channels, pooled = masked mean
+    hidden = batch[0].float().unsqueeze(-1).expand(-1, -1, 3)
+    pooled = (hidden * batch[1].unsqueeze(-1)).sum(1) / batch[1].sum(1, keepdim=True)
+    per = split_outputs([hidden, pooled], items, SIG, padded)
+    for it, (h, p) in zip(items, per):
+        assert h.shape == (it.rows, it.length, 3)
+        assert torch.equal(h[..., 0], it.tensors[0].float())
+        assert torch.allclose(p[:, 0], it.tensors[0].float().mean(1))
+    again, _ = assemble(items[:1], SIG, buffers)  # reused: same storage, no new allocation
+    assert again[0].data_ptr() == buffers[0].data_ptr()
+
+
+def test_encode_response_round_trip():
+    out = encode_infer_response(FSIG, [torch.arange(8.0).view(2, 4)], "abc")
+    d = json.loads(out)
+    assert d["id"] == "abc" and d["outputs"][0]["shape"] == [2, 4]
+    assert d["outputs"][0]["data"] == list(range(8))

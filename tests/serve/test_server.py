@@ -1,0 +1,233 @@
+"""Reliability of the HTTP server: real uvicorn on loopback, bounded loops and timeouts everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from torchnitro.serve.batcher import BatchingConfig  # noqa: E402
+from torchnitro.serve.loadtest import HttpClient  # noqa: E402
+from torchnitro.serve.server import InferenceServer, ModelEndpoint, ServeConfig, make_pool  # noqa: E402
+from torchnitro.serve.testing import POISON  # noqa: E402
+
+
+@contextlib.contextmanager
+def serving(spec: str, name: str, batching: BatchingConfig | None = None, **kw):
+    cfg = ServeConfig(port=0, **{"workers": 0, **kw})
+    srv = InferenceServer([ModelEndpoint(name, make_pool(spec, name, cfg), batching)], cfg).start_in_thread()
+    try:
+        yield srv, f"http://127.0.0.1:{srv.port}"
+    finally:
+        srv.stop()
+
+
+def row(i: float) -> list[float]:
+    return [i, i + 0.5, i + 1, i + 2]
+
+
+def req(i: float, **params) -> dict:
+    b = {"id": str(i), "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": row(i)}]}
+    if params:
+        b["parameters"] = params
+    return b
+
+
+def expect(i: float) -> list[float]:
+    return [2 * v + 1 for v in row(i)]
+
+
+def metric(base: str, name: str, **labels) -> float:
+    text = httpx.get(base + "/metrics", timeout=5).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_metadata_health_and_errors():
+    with serving("torchnitro.serve.testing:affine", "affine", BatchingConfig(max_batch_size=4)) as (_, base):
+        c = httpx.Client(base_url=base, timeout=10)
+        assert c.get("/v2").json()["name"] == "torchnitro"
+        assert c.get("/v2/health/live").status_code == 200
+        assert c.get("/v2/health/ready").json() == {"ready": True}
+        assert c.get("/v2/models/affine/ready").status_code == 200
+        meta = c.get("/v2/models/affine").json()
+        assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 4]}]
+        assert meta["outputs"][0]["name"] == "y"
+        r = c.post("/v2/models/affine/infer", json=req(3))
+        assert r.status_code == 200 and r.json()["outputs"][0]["data"] == expect(3) and r.json()["id"] == "3"
+        # errors: protocol shape {"error": "..."} with the right status
+        for path, status in [("/v2/models/nope", 404), ("/v2/models/nope/ready", 404), ("/v3/x", 404)]:
+            r = c.get(path)
+            assert r.status_code == status and "error" in r.json()
+        r = c.post("/v2/models/nope/infer", json=req(1))
+        assert r.status_code == 404 and "serves ['affine']" in r.json()["error"]
+        r = c.post("/v2/models/affine/infer", content=b'{"inputs": [')
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+        bad = req(1)
+        bad["inputs"][0]["shape"] = [1, 3]
+        bad["inputs"][0]["data"] = [1, 2, 3]
+        r = c.post("/v2/models/affine/infer", json=bad)
+        assert r.status_code == 400 and "dimension 1 is 3, expected 4" in r.json()["error"]
+        bad = req(1)
+        bad["inputs"][0]["datatype"] = "INT64"
+        assert c.post("/v2/models/affine/infer", json=bad).status_code == 400
+        nan = '{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, NaN, 2, 3]}]}'
+        r = c.post("/v2/models/affine/infer", content=nan)
+        assert r.status_code == 400 and "NaN" in r.json()["error"]
+        r = c.post("/v2/models/affine/infer", json={"inputs": [{"name": "x", "shape": [5, 4], "datatype": "FP32",
+                                                                "data": [0.0] * 20}]})
+        assert r.status_code == 400 and "max_batch_size=4" in r.json()["error"]
+        assert metric(base, "torchnitro_requests_total", code="400") >= 5
+        assert metric(base, "torchnitro_batch_size_count") >= 1
+
+
+def test_oversized_body_and_bearer_token():
+    with serving("torchnitro.serve.testing:affine", "affine", max_body_bytes=300, auth_token="s3cret") as (_, base):
+        c = httpx.Client(base_url=base, timeout=10)
+        auth = {"Authorization": "Bearer s3cret"}
+        assert c.get("/v2/health/live").status_code == 200  # probes need no token
+        r = c.post("/v2/models/affine/infer", json=req(1))
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert c.post("/v2/models/affine/infer", json=req(1), headers={"Authorization": "Bearer x"}).status_code == 401
+        assert c.post("/v2/models/affine/infer", json=req(1), headers=auth).status_code == 200
+        big = {"inputs": [{"name": "x", "shape": [20, 4], "datatype": "FP32", "data": [0.123456] * 80}]}
+        r = c.post("/v2/models/affine/infer", json=big, headers=auth)
+        assert r.status_code == 413 and "limit is 300" in r.json()["error"]
+
+        def chunks():  # no Content-Length: the limit is enforced while streaming
+            yield json.dumps(big).encode()
+
+        r = c.post("/v2/models/affine/infer", content=chunks(), headers=auth)
+        assert r.status_code == 413
+
+
+def test_burst_1000_into_queue_of_100_exactly_one_answer_each(monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_TEST_DELAY_S", "0.02")
+    cfg = BatchingConfig(max_batch_size=8, max_wait_ms=2, max_queue_size=100)
+
+    async def burst(base):
+        async def one(i):  # one connection per request: all 1,000 arrive at once
+            c = HttpClient(base, timeout_s=60)
+            try:
+                return i, *(await c.request("POST", "/v2/models/slow/infer", json.dumps(req(i)).encode()))
+            finally:
+                await c.close()
+
+        return await asyncio.gather(*(one(i) for i in range(1000)))
+
+    with serving("torchnitro.serve.testing:slow_affine", "slow", cfg) as (_, base):
+        results = asyncio.run(asyncio.wait_for(burst(base), 120))
+        codes = [status for _, status, _ in results]
+        assert len(results) == 1000
+        assert set(codes) <= {200, 429}, set(codes)
+        assert codes.count(429) > 0 and codes.count(200) >= 100
+        ids = []
+        for i, status, data in results:
+            body = json.loads(data)
+            if status == 200:
+                assert body["id"] == str(i) and body["outputs"][0]["data"] == expect(i)  # its own result
+                ids.append(body["id"])
+            else:
+                assert "queue is full" in body["error"]
+        assert len(set(ids)) == len(ids)  # none duplicated
+        assert metric(base, "torchnitro_requests_total", code="200") == codes.count(200)
+        assert metric(base, "torchnitro_requests_total", code="429") == codes.count(429)
+        r = httpx.post(base + "/v2/models/slow/infer", json=req(1), timeout=10)
+        assert r.status_code == 200  # and it still serves afterwards
+
+
+def _concurrent(base: str, bodies: list[dict], timeout: float = 30) -> list[tuple[float, httpx.Response]]:
+    """Post bodies concurrently (in order of creation); returns (finish time, response) each."""
+
+    async def main():
+        async with httpx.AsyncClient(base_url=base, timeout=timeout) as c:
+            async def one(b, delay):
+                await asyncio.sleep(delay)
+                r = await c.post(f"/v2/models/{b.pop('model')}/infer", json=b)
+                return time.monotonic(), r
+
+            return await asyncio.gather(*(one(b, k * 0.003) for k, b in enumerate(bodies)))
+
+    return asyncio.run(asyncio.wait_for(main(), timeout + 10))
+
+
+def test_deadline_priority_and_cancellation(monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_TEST_DELAY_S", "0.05")
+    cfg = BatchingConfig(max_batch_size=1, max_wait_ms=0, priority_levels=3, aging_ms=60_000)
+    with serving("torchnitro.serve.testing:slow_affine", "slow", cfg) as (_, base):
+        # priority: 12 low-priority requests queue up, then one urgent request overtakes them
+        bodies = [{"model": "slow", **req(i, priority=2)} for i in range(12)]
+        bodies.append({"model": "slow", **req(100, priority=0)})
+        done = _concurrent(base, bodies)
+        assert all(r.status_code == 200 for _, r in done)
+        order = sorted(range(len(done)), key=lambda k: done[k][0])
+        assert order.index(12) <= 2, order  # at most the running one and one more before it
+        # deadline: stuck behind a queue, a 30 ms deadline answers 504 and is never computed
+        before = metric(base, "torchnitro_batch_size_count")
+        bodies = [{"model": "slow", **req(i)} for i in range(4)] + [{"model": "slow", **req(7, timeout=30)}]
+        done = _concurrent(base, bodies)
+        assert [r.status_code for _, r in done] == [200, 200, 200, 200, 504]
+        assert "deadline" in done[-1][1].json()["error"]
+        time.sleep(0.1)
+        assert metric(base, "torchnitro_batch_size_count") - before == 4
+
+        # cancellation: a client that gives up is dropped from the queue
+        async def impatient():
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                long = [asyncio.create_task(c.post("/v2/models/slow/infer", json=req(i))) for i in range(3)]
+                await asyncio.sleep(0.02)
+                with pytest.raises(httpx.TimeoutException):
+                    await c.post("/v2/models/slow/infer", json=req(9), timeout=0.03)
+                await asyncio.gather(*long)
+
+        before = metric(base, "torchnitro_batch_size_count")
+        asyncio.run(asyncio.wait_for(impatient(), 20))
+        time.sleep(0.2)
+        assert metric(base, "torchnitro_requests_total", code="499") == 1
+        assert metric(base, "torchnitro_batch_size_count") - before == 3  # the abandoned one never ran
+
+
+def test_ragged_requests_are_padded_and_unpadded():
+    cfg = BatchingConfig(max_batch_size=16, max_wait_ms=20, bucket_boundaries=(4, 16))
+    with serving("torchnitro.serve.testing:ragged_double", "rd", cfg) as (_, base):
+        lengths = [1, 3, 9, 2, 15, 30, 5, 4]
+        bodies = [{"model": "rd", "id": str(n), "inputs": [{"name": "tokens", "shape": [1, n], "datatype": "INT64",
+                                                             "data": list(range(n, 2 * n))}]} for n in lengths]
+        done = _concurrent(base, bodies)
+        for n, (_, r) in zip(lengths, done):
+            out = r.json()["outputs"][0]
+            assert out["shape"] == [1, n] and out["data"] == [2.0 * v for v in range(n, 2 * n)]
+        assert metric(base, "torchnitro_batch_size_count") < len(lengths)  # some were batched together
+
+
+def test_worker_crash_fails_its_batch_and_is_restarted():
+    cfg = BatchingConfig(max_batch_size=1, max_wait_ms=0)
+    with serving("torchnitro.serve.testing:affine", "affine", cfg, workers=2, threads=1) as (srv, base):
+        c = httpx.Client(base_url=base, timeout=30)
+        pids = set(srv.models["affine"].pool.pids)
+        r = c.post("/v2/models/affine/infer", json=req(POISON))
+        assert r.status_code == 500 and "died" in r.json()["error"]
+        for i in range(10):  # the other worker keeps serving meanwhile
+            r = c.post("/v2/models/affine/infer", json=req(i))
+            assert r.status_code == 200 and r.json()["outputs"][0]["data"] == expect(i)
+        end = time.monotonic() + 60
+        while metric(base, "torchnitro_worker_restarts_total") < 1 and time.monotonic() < end:
+            time.sleep(0.1)
+        assert metric(base, "torchnitro_worker_restarts_total") == 1
+        end = time.monotonic() + 60
+        while srv.models["affine"].pool._free.qsize() < 2 and time.monotonic() < end:
+            time.sleep(0.1)
+        new_pids = set(srv.models["affine"].pool.pids)
+        assert len(new_pids - pids) == 1 and len(new_pids) == 2
+        results = _concurrent(base, [{"model": "affine", **req(i)} for i in range(6)])
+        assert all(r.status_code == 200 for _, r in results)
