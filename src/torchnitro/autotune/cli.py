@@ -1,4 +1,4 @@
-"""``torchnitro optimize`` and ``torchnitro analyze`` (registered on the app in ``torchnitro.cli``)."""
+"""``torchnitro optimize``, ``analyze`` and ``inspect`` (registered on the app in ``torchnitro.cli``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import typer
 
 from torchnitro.errors import ConfigError, InputError
 
-__all__ = ["register", "optimize_command", "analyze_command"]
+__all__ = ["register", "optimize_command", "analyze_command", "inspect_command"]
 
 _MODEL_HELP = "built-in name (encoder, lm, cnn, mlp, minilm), 'module:function', 'file.py:function' or 'hf:/path'"
 
@@ -102,6 +102,27 @@ def analyze_command(
         con.print(result.rich())
 
 
+def inspect_command(
+    directory: Path = typer.Argument(..., help="artifact directory written by torchnitro optimize"),
+) -> None:
+    """Check an artifact's checksums and print its recipe, signature and report (loads nothing)."""
+    import json
+
+    from rich.console import Console
+
+    from torchnitro.autotune.artifact import read_manifest
+    from torchnitro.autotune.report import Report
+
+    manifest = read_manifest(directory)
+    con = Console()
+    con.print(f"[bold]{directory}[/bold]: recipe {manifest['recipe']} ({manifest['numeric_class']}), "
+              f"{'standalone' if manifest['standalone'] else 'state dict + ' + str(manifest['model'].get('spec'))}, "
+              f"{len(manifest['files'])} files verified")
+    con.print_json(json.dumps(manifest["signature"]))
+    con.print(Report.from_dict(json.loads((Path(directory) / "report.json").read_text())).rich())
+
+
 def register(app: typer.Typer) -> None:
     app.command("optimize")(optimize_command)
     app.command("analyze")(analyze_command)
+    app.command("inspect")(inspect_command)

@@ -106,5 +106,5 @@ class OptimizeConfig:
             "percentile": self.percentile, "tolerances": self.tolerances, "held_out": self.held_out,
             "dynamic_dims": self.dynamic_dims, "shapes": self.shapes, "device": self.device,
             "metric": getattr(self.metric_fn, "__qualname__", None), "metric_threshold": self.metric_threshold,
-            "min_speedup": self.min_speedup, "threads": self.threads,
+            "min_speedup": self.min_speedup, "threads": self.threads, "finalists": self.finalists,
         }

@@ -1,0 +1,110 @@
+"""Save/load round trips give the same outputs; any tampering is caught before anything loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import torchnitro
+from torchnitro.autotune.inputs import ModelInfo, resolve_model
+from torchnitro.errors import ArtifactError
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """One ONNX (standalone) and one dynamic-int8 (state dict + factory) artifact of the mlp."""
+    from conftest import fast_config
+
+    tmp = tmp_path_factory.mktemp("art")
+    model, inputs, info = resolve_model("mlp", batch=4)
+    out = {}
+    for name in ("onnxruntime", "dynamic-int8"):
+        cfg = fast_config(tmp, recipes=[name], min_speedup=0.0, cache=False)  # min_speedup 0: take it even if slower
+        opt = torchnitro.optimize(model, inputs, cfg, info=info)
+        assert opt.recipe == name, opt.report
+        out[name] = (opt, opt.save(tmp / name))
+    return out
+
+
+@pytest.mark.parametrize("name", ["onnxruntime", "dynamic-int8"])
+@pytest.mark.parametrize("batch", [4, 7])
+def test_round_trip_same_outputs(saved, name, batch):
+    opt, path = saved[name]
+    loaded = torchnitro.load(path)
+    assert loaded.recipe == name and loaded.standalone == (name == "onnxruntime")
+    x = torch.randn(batch, 512)
+    torch.testing.assert_close(loaded(x), opt(x), rtol=0, atol=0)
+    assert loaded.signature == opt.signature
+    assert loaded.signature["inputs"] == [{"name": "x", "dtype": "float32", "shape": [-1, 512]}]
+    assert loaded.report.chosen == name
+
+
+def test_manifest_lists_sha256_of_every_file(saved):
+    _, path = saved["dynamic-int8"]
+    m = json.loads((path / "manifest.json").read_text())
+    assert set(m["files"]) == {"weights.safetensors", "report.json", "report.md"}
+    assert m["model"]["spec"] == "mlp" and not m["standalone"]
+    _, onnx_path = saved["onnxruntime"]
+    assert "candidate/model.onnx" in json.loads((onnx_path / "manifest.json").read_text())["files"]
+
+
+def _copy(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("what", ["flip-byte", "delete", "edit-manifest", "no-manifest", "bad-json"])
+def test_tampering_detected(saved, tmp_path, what):
+    _, path = saved["onnxruntime"]
+    d = _copy(path, tmp_path / "a")
+    target = d / "candidate" / "model.onnx"
+    if what == "flip-byte":
+        data = bytearray(target.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+        match = "checksum"
+    elif what == "delete":
+        target.unlink()
+        match = "missing"
+    elif what == "edit-manifest":
+        m = json.loads((d / "manifest.json").read_text())
+        m["recipe"] = "eager"
+        (d / "manifest.json").write_text(json.dumps(m))
+        match = "edited"
+    elif what == "no-manifest":
+        (d / "manifest.json").unlink()
+        match = "no manifest"
+    else:
+        (d / "manifest.json").write_text("{not json")
+        match = "not valid JSON"
+    with pytest.raises(ArtifactError, match=match):
+        torchnitro.load(d)
+
+
+def test_missing_directory_and_python_object_without_factory(tmp_path, fast_cfg):
+    with pytest.raises(ArtifactError, match="not a directory"):
+        torchnitro.load(tmp_path / "nope")
+    from fake_recipes import tiny_inputs, tiny_model
+
+    model = tiny_model()
+    opt = torchnitro.optimize(model, tiny_inputs(), fast_cfg(recipes=[]))
+    path = opt.save(tmp_path / "eager")
+    with pytest.raises(ArtifactError, match="model="):
+        torchnitro.load(path)
+    loaded = torchnitro.load(path, model=tiny_model())
+    x = tiny_inputs(2)[0]
+    torch.testing.assert_close(loaded(x), model(x))
+
+
+def test_save_refuses_to_overwrite_a_non_artifact_folder(tmp_path, fast_cfg):
+    from fake_recipes import tiny_inputs, tiny_model
+
+    (tmp_path / "keep.txt").write_text("user data")
+    opt = torchnitro.optimize(tiny_model(), tiny_inputs(), fast_cfg(recipes=[]))
+    with pytest.raises(ArtifactError, match="not an artifact directory"):
+        opt.save(tmp_path)
+    assert (tmp_path / "keep.txt").exists()

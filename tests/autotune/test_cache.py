@@ -1,0 +1,49 @@
+"""Re-runs come from the on-disk cache; changed weights or inputs miss it."""
+
+from __future__ import annotations
+
+import torch
+
+import torchnitro
+from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
+from torchnitro.autotune.inputs import resolve_model
+
+
+def test_rerun_uses_search_cache_and_candidate_cache(fast_cfg):
+    model, inputs, info = resolve_model("mlp", batch=4)
+    cfg = fast_cfg(recipes=["torchscript", "onnxruntime"])
+    first = torchnitro.optimize(model, inputs, cfg, info=info)
+    assert not first.report.cached
+    again = torchnitro.optimize(model, inputs, cfg, info=info)
+    assert again.report.cached and again.recipe == first.recipe
+    assert again.report.search_s < first.report.search_s
+    x = torch.randn(3, 512)
+    torch.testing.assert_close(again(x), first(x))
+    # a different config misses the whole-search entry but reuses the evaluated candidates
+    other = torchnitro.optimize(model, inputs, fast_cfg(recipes=["torchscript", "onnxruntime"], finalists=1), info=info)
+    assert not other.report.cached
+    assert other.report.get("onnxruntime").cached and other.report.get("torchscript").cached
+
+
+def test_changed_weights_change_the_key():
+    model, _, _ = resolve_model("mlp")
+    h1 = model_hash(model)
+    with torch.no_grad():
+        model.layers[0].weight[0, 0] += 1e-3
+    assert model_hash(model) != h1
+    assert make_key(a=1, b=[1, 2]) == make_key(b=[1, 2], a=1) != make_key(a=2, b=[1, 2])
+
+
+def test_cache_ignores_corrupt_entries(tmp_path):
+    c = CandidateCache(tmp_path)
+    assert c.get_search("nope") is None
+    (tmp_path / "searches").mkdir()
+    (tmp_path / "searches" / "bad.json").write_text("{")
+    assert c.get_search("bad") is None
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f.bin").write_bytes(b"x")
+    d = c.put_candidate("k", {"record": {}}, src, ["f.bin"])
+    assert d is not None and c.get_candidate("k") is not None
+    (d / "f.bin").unlink()
+    assert c.get_candidate("k") is None  # a missing file is a miss, not a crash

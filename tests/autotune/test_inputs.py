@@ -1,0 +1,76 @@
+"""Model and input specs: built-ins, factories, files, and their errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchnitro.autotune.inputs import parse_input_spec, random_like, rebuild_model, resolve_model, signature_of
+from torchnitro.errors import InputError
+
+
+@pytest.mark.parametrize("text,shape,dtype", [
+    ("32x128:int64", (32, 128), torch.int64), ("8x3x224x224", (8, 3, 224, 224), torch.float32),
+    ("4x16:bf16", (4, 16), torch.bfloat16), ("2x5:int64:10-20", (2, 5), torch.int64),
+])
+def test_parse_input_spec(text, shape, dtype):
+    s = parse_input_spec(text)
+    assert s.shape == shape and s.dtype == dtype
+    t = s.make(0)
+    assert t.shape == shape and t.dtype == dtype
+    if text.endswith("10-20"):
+        assert int(t.min()) >= 10 and int(t.max()) < 20
+
+
+@pytest.mark.parametrize("bad,match", [("32x", "not an input spec"), ("axb", "not an input spec"),
+                                       ("4x0", "zero"), ("4x4:int7", "unknown dtype"), ("4:int64:5-5", "empty")])
+def test_bad_input_specs(bad, match):
+    with pytest.raises(InputError, match=match):
+        parse_input_spec(bad)
+
+
+def test_builtin_and_sizes():
+    model, inputs, info = resolve_model("encoder", batch=2, seq=16)
+    assert inputs[0].shape == (2, 16) and info.spec == "encoder" and info.dynamic_dims == {0: [0, 1]}
+    assert not model.training
+    with pytest.raises(InputError, match="unknown built-in"):
+        resolve_model("no-such-model")
+    with pytest.raises(InputError, match="--input"):
+        resolve_model("mlp", ["4x512"])
+
+
+def test_factory_file_and_module(tmp_path, monkeypatch):
+    f = tmp_path / "mymodels.py"
+    f.write_text("import torch\n"
+                 "def build():\n    return torch.nn.Linear(8, 2)\n"
+                 "def with_inputs():\n    return torch.nn.Linear(8, 2), (torch.randn(3, 8),)\n"
+                 "def not_a_model():\n    return 3\n")
+    model, inputs, info = resolve_model(f"{f}:build", ["5x8"])
+    assert inputs[0].shape == (5, 8) and model(inputs[0]).shape == (5, 2)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _, inputs, info = resolve_model("mymodels:with_inputs")
+    assert inputs[0].shape == (3, 8) and info.spec == "mymodels:with_inputs"
+    assert isinstance(rebuild_model("mymodels:build"), torch.nn.Linear)
+    with pytest.raises(InputError, match="no example inputs"):
+        resolve_model("mymodels:build")
+    with pytest.raises(InputError, match="returned int"):
+        resolve_model("mymodels:not_a_model")
+    with pytest.raises(InputError, match="no callable"):
+        resolve_model("mymodels:missing")
+    with pytest.raises(InputError, match="cannot import"):
+        resolve_model("no_such_module_xyz:build")
+    with pytest.raises(InputError, match="does not exist"):
+        resolve_model(f"{tmp_path}/nope.py:build")
+    with pytest.raises(InputError, match="does not exist"):
+        resolve_model(f"hf:{tmp_path}/no-folder")
+
+
+def test_random_like_keeps_ranges_and_signature():
+    ids = torch.randint(5, 9, (4, 6))
+    x = torch.randn(4, 3) * 10 + 3
+    rid, rx = random_like((ids, x), seed=1)
+    assert rid.dtype == torch.int64 and int(rid.min()) >= 5 and int(rid.max()) <= 8
+    assert rx.shape == x.shape and not torch.equal(rx, x)
+    sig = signature_of(torch.nn.Linear(3, 2), (x,), [("output", torch.zeros(4, 2))], {0: [0]}, [[("output", torch.zeros(2, 2))]])
+    assert sig == {"inputs": [{"name": "input", "dtype": "float32", "shape": [-1, 3]}],
+                   "outputs": [{"name": "output", "dtype": "float32", "shape": [-1, 2]}]}
