@@ -9,6 +9,7 @@ interpreting (the interpreter cannot time configs): the first config is launched
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Any, Callable
@@ -58,6 +59,39 @@ def row_config(n_cols: int, elem_size: int = 4) -> tuple[int, int]:
     return block, warps
 
 
+_STDLIB_CACHE: dict[int, Any] = {}
+
+
+@contextlib.contextmanager
+def _interpretable_stdlib():
+    """Make triton's own ``@jit`` helpers (``tl.sum``, ``tl.max``, ``tl.sigmoid``, ...) interpretable.
+
+    Triton builds them when ``triton.language`` is first imported, in the mode of that moment. If
+    that was without ``TRITON_INTERPRET`` they are compiled-mode functions the interpreter refuses
+    to call, so for the duration of an interpreted launch they are swapped for interpreted twins
+    (restored afterwards, so compiled launches in the same process are unaffected).
+    """
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    swapped: list[tuple[Any, str, Any]] = []
+    mods = {id(m): m for m in (tl, tl.standard, tl.math, tl.core, getattr(tl, "extra", None)) if m is not None}
+    try:
+        for mod in mods.values():
+            for name, val in list(vars(mod).items()):
+                if isinstance(val, JITFunction):
+                    twin = _STDLIB_CACHE.get(id(val))
+                    if twin is None:
+                        twin = _STDLIB_CACHE[id(val)] = InterpretedFunction(val.fn)
+                    swapped.append((mod, name, val))
+                    setattr(mod, name, twin)
+        yield
+    finally:
+        for mod, name, val in reversed(swapped):
+            setattr(mod, name, val)
+
+
 class LazyKernel:
     """A Triton kernel jitted on first launch, per interpreter mode.
 
@@ -89,15 +123,16 @@ class LazyKernel:
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
         kernel = self._kernel()
-        if self.configs and interpreting():
-            fixed = self.interpret_kwargs if self.interpret_kwargs is not None else self.configs[0].kwargs
+        if not interpreting():
+            return kernel[grid]
+        fixed = (self.interpret_kwargs if self.interpret_kwargs is not None else self.configs[0].kwargs) \
+            if self.configs else {}
 
-            def launch(*args: Any, **kwargs: Any) -> Any:
-                extra = dict(fixed)
-                extra.update(kwargs)
-                if callable(grid):
-                    return kernel[grid(extra)](*args, **extra)
-                return kernel[grid](*args, **extra)
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            extra = dict(fixed)
+            extra.update(kwargs)
+            g = grid(extra) if callable(grid) else grid
+            with _interpretable_stdlib():
+                return kernel[g](*args, **extra)
 
-            return launch
-        return kernel[grid]
+        return launch

@@ -1,0 +1,56 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_checks import check_against_reference
+from torchnitro.errors import ShapeError
+from torchnitro.kernels import RotaryEmbedding, reference, rope
+from torchnitro.nn.models import apply_rope, rope_cache
+
+SHAPES = [(2, 2, 8, 64), (3, 3, 7, 34)]  # (B, H, T, D)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_matches_reference(triton_cpu, shape, dtype):
+    B, H, T, D = shape
+    cos, sin = rope_cache(T, D)
+    x = torch.randn(shape).to(dtype)
+    check_against_reference(lambda a: rope(a, cos, sin), lambda a: reference.rope(a, cos, sin), [x], dtype)
+
+
+def test_rope_on_transposed_view_and_per_batch_tables(triton_cpu):
+    B, T, H, D = 2, 7, 3, 16
+    x = torch.randn(B, T, H, D)
+    cos, sin = torch.randn(B, T, D // 2), torch.randn(B, T, D // 2)
+    check_against_reference(lambda a: rope(a.transpose(1, 2), cos, sin),
+                            lambda a: reference.rope(a.transpose(1, 2), cos, sin), [x], torch.float32)
+
+
+def test_reference_matches_model_rope(triton_cpu):
+    cos, sin = rope_cache(7, 16)
+    x = torch.randn(2, 3, 7, 16)
+    torch.testing.assert_close(rope(x, cos, sin), apply_rope(x, cos, sin), atol=1e-5, rtol=1e-5)
+
+
+def test_rotary_module_offset_and_bounds(triton_cpu):
+    rot = RotaryEmbedding(16, max_seq_len=10)
+    q, k = torch.randn(1, 2, 4, 16), torch.randn(1, 1, 4, 16)
+    q2, _ = rot(q, k, offset=3)
+    torch.testing.assert_close(q2, reference.rope(q, rot.cos[3:7], rot.sin[3:7]), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ShapeError, match="max_seq_len=10"):
+        rot(q, k, offset=8)
+
+
+def test_bad_table_shape(triton_cpu):
+    with pytest.raises(ShapeError, match="slice the tables"):
+        rope(torch.randn(1, 1, 5, 8), torch.randn(6, 4), torch.randn(6, 4))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rope_gpu(dtype):
+    cos, sin = rope_cache(123, 128, device="cuda")
+    x = torch.randn(5, 4, 123, 128, device="cuda", dtype=dtype)
+    check_against_reference(lambda a: rope(a, cos, sin), lambda a: reference.rope(a, cos, sin), [x], dtype)
