@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_checks import check_against_reference
+from torchnitro.errors import InputError, ShapeError
+from torchnitro.kernels import cross_entropy, fused_linear_cross_entropy, reference
+
+
+@pytest.mark.parametrize("N,V", [(16, 64), (7, 33)])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_cross_entropy_matches_reference(triton_cpu, N, V, reduction, dtype):
+    logits = (2 * torch.randn(N, V)).to(dtype)
+    target = torch.randint(0, V, (N,))
+    target[1] = -100
+    check_against_reference(lambda z: cross_entropy(z, target, reduction=reduction, label_smoothing=0.1),
+                            lambda z: reference.cross_entropy(z, target, reduction=reduction, label_smoothing=0.1),
+                            [logits], dtype)
+
+
+@pytest.mark.parametrize("N,D,V", [(16, 32, 64), (7, 13, 33)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_linear_cross_entropy_matches_reference(triton_cpu, N, D, V, bias):
+    x, w = torch.randn(N, D), torch.randn(V, D) / D ** 0.5
+    b = torch.randn(V) if bias else None
+    target = torch.randint(0, V, (N,))
+    target[0] = -100
+    inputs = [x, w] + ([b] if bias else [])
+    check_against_reference(lambda *a: fused_linear_cross_entropy(a[0], a[1], target, *a[2:], chunk_size=3),
+                            lambda *a: reference.fused_linear_cross_entropy(a[0], a[1], target, *a[2:]),
+                            inputs, torch.float32)
+
+
+def test_cross_entropy_bad_input(triton_cpu):
+    with pytest.raises(InputError, match="target holds class 40"):
+        cross_entropy(torch.randn(2, 33), torch.tensor([0, 40]))
+    with pytest.raises(ShapeError, match="flatten"):
+        cross_entropy(torch.randn(2, 3, 33), torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(InputError, match="reduction='none'"):
+        fused_linear_cross_entropy(torch.randn(2, 4), torch.randn(8, 4), torch.zeros(2, dtype=torch.long),
+                                   reduction="none")
+
+
+@pytest.mark.gpu
+def test_fused_linear_cross_entropy_gpu_bf16():
+    x = torch.randn(256, 128, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(32000, 128, device="cuda", dtype=torch.bfloat16) / 11
+    t = torch.randint(0, 32000, (256,), device="cuda")
+    check_against_reference(lambda a, b: fused_linear_cross_entropy(a, b, t),
+                            lambda a, b: reference.fused_linear_cross_entropy(a, b, t), [x, w], torch.bfloat16)

@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchnitro.errors import InputError
+from torchnitro.kernels import fp8_dequantize, fp8_quantize, reference
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 64), (3, 7, 33)])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_fp8_roundtrip_matches_reference(triton_cpu, shape, dtype, per_row):
+    x = torch.randn(shape) * 5
+    q, s = fp8_quantize(x, dtype, per_row)
+    q_ref, s_ref = reference.fp8_quantize(x, dtype, per_row)
+    assert q.dtype == dtype and s.shape == s_ref.shape
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=0)
+    y = fp8_dequantize(q, s, torch.float32)
+    torch.testing.assert_close(y, reference.fp8_dequantize(q_ref, s_ref), rtol=1e-6, atol=1e-6)
+    rel = 2 ** -3 if dtype == torch.float8_e4m3fn else 2 ** -2  # half an ulp of the mantissa, relative to amax
+    amax = x.abs().amax(dim=-1, keepdim=True) if per_row else x.abs().amax()
+    assert torch.all((y - x).abs() <= rel * amax)
+
+
+def test_fp8_bad_input(triton_cpu):
+    with pytest.raises(InputError, match="float8_e4m3fn or torch.float8_e5m2"):
+        fp8_quantize(torch.randn(4), torch.float16)
+    with pytest.raises(InputError, match="expected an FP8 tensor"):
+        fp8_dequantize(torch.randn(4), torch.tensor(1.0))
+
+
+@pytest.mark.gpu
+def test_fp8_gpu():
+    x = torch.randn(5, 123, 123, device="cuda", dtype=torch.bfloat16)
+    for per_row in (False, True):
+        q, s = fp8_quantize(x, per_row=per_row)
+        q_ref, s_ref = reference.fp8_quantize(x, per_row=per_row)
+        torch.testing.assert_close(s, s_ref)
+        assert (q.float() != q_ref.float()).float().mean() < 1e-3  # rounding ties may differ
