@@ -1,0 +1,187 @@
+"""``Float8Linear``: a linear layer whose matmuls run in FP8 (e4m3 forward, e5m2 gradients).
+
+Forward ``y = x @ W^T``: x and W are cast to e4m3 with their own scales. Backward: the output
+gradient is cast to e5m2; ``dX = dY @ W`` and ``dW = dY^T @ X`` reuse the fp8 copies of X and W.
+
+Backends:
+
+- ``scaled_mm``: ``torch._scaled_mm`` on FP8 tensor cores (CUDA capability >= 8.9: Ada, Hopper).
+  It wants the second operand column-major and every dimension a multiple of 16; scales passed are
+  the inverse (dequantisation) scales. Accumulation is fp32, the output is the input's dtype.
+- ``emulated``: quantise-dequantise then a regular matmul. Same rounding of the operands as the
+  hardware path (the products are exact in fp32 either way), so it is how the numerics are tested on
+  CPU; it is not faster.
+- ``torchao``: ``torchao.float8.convert_to_float8_training`` where torchao is installed and the GPU
+  supports it, offered for side-by-side comparison.
+
+``to_float8_(model, scaling="dynamic" | "delayed")`` swaps ``nn.Linear`` modules in place (sharing
+the weight ``Parameter``, so optimizers and tied weights keep working).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.errors import BackendUnavailableError, InputError
+from torchnitro.precision.fp8 import E4M3, E5M2, Float8Config, ScaleState, cast_to_fp8
+
+__all__ = ["Float8Linear", "to_float8_", "fp8_matmul_supported", "scaled_mm_available"]
+
+_warned: set[str] = set()
+
+
+def scaled_mm_available(device: torch.device | str | None = None) -> bool:
+    """True when ``torch._scaled_mm`` can run fp8 here (CUDA capability >= 8.9)."""
+    if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
+        return False
+    dev = torch.device(device) if device is not None else torch.device("cuda")
+    if dev.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(dev) >= (8, 9)
+
+
+def fp8_matmul_supported(m: int, k: int, n: int) -> bool:
+    """``_scaled_mm`` shape rule: every dimension a multiple of 16."""
+    return m % 16 == 0 and k % 16 == 0 and n % 16 == 0
+
+
+def _col_major(t: Tensor) -> Tensor:
+    return t.t().contiguous().t()
+
+
+def _mm(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, out_dtype: torch.dtype, hw: bool) -> Tensor:
+    """``(a_q / a_s) @ (b_q / b_s)`` for 2-D fp8 operands, on tensor cores or emulated."""
+    if hw:
+        one = torch.ones((), device=a_q.device, dtype=torch.float32)
+        out = torch._scaled_mm(a_q.contiguous(), _col_major(b_q), scale_a=one / a_s, scale_b=one / b_s,
+                               out_dtype=out_dtype)
+        return out[0] if isinstance(out, tuple) else out
+    return ((a_q.float() / a_s) @ (b_q.float() / b_s)).to(out_dtype)
+
+
+class _Float8MatmulFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, layer: "Float8Linear") -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+        sx = layer.scale_x.scale_for(x2)
+        sw = layer.scale_w.scale_for(weight)
+        xq, wq = cast_to_fp8(x2, sx, E4M3), cast_to_fp8(weight, sw, E4M3)  # (M, K), (N, K)
+        hw = layer._use_hw(x2.shape[0], x2.shape[1], weight.shape[0], x.device)
+        y = _mm(xq, sx, wq.t(), sw, x.dtype, hw)  # (M, N)
+        ctx.save_for_backward(xq, wq, sx, sw)
+        ctx.layer, ctx.hw, ctx.x_shape, ctx.dtypes = layer, hw, x.shape, (x.dtype, weight.dtype)
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        xq, wq, sx, sw = ctx.saved_tensors
+        g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
+        sg = ctx.layer.scale_g.scale_for(g2)
+        gq = cast_to_fp8(g2, sg, E5M2)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _mm(gq, sg, wq, sw, ctx.dtypes[0], ctx.hw).reshape(ctx.x_shape)  # (M, N) @ (N, K)
+        if ctx.needs_input_grad[1]:
+            dw = _mm(gq.t(), sg, xq, sx, ctx.dtypes[1], ctx.hw)  # (N, M) @ (M, K)
+        return dx, dw, None
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` with fp8 matmuls; construct directly or with ``Float8Linear.from_linear``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 config: Float8Config | None = None, device: Any = None, dtype: Any = None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.config = config or Float8Config()
+        dev = self.weight.device
+        self.scale_x = ScaleState(E4M3, self.config, dev)
+        self.scale_w = ScaleState(E4M3, self.config, dev)
+        self.scale_g = ScaleState(E5M2, self.config, dev)
+        if self.config.backend == "scaled_mm" and not scaled_mm_available(dev if dev.type == "cuda" else None):
+            raise BackendUnavailableError(
+                "Float8Linear backend 'scaled_mm' needs a CUDA GPU with capability >= 8.9 (Ada/Hopper); "
+                f"this machine has {'no CUDA GPU' if not torch.cuda.is_available() else torch.cuda.get_device_name()}. "
+                "Use backend='auto' or 'emulated'.")
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, config: Float8Config | None = None) -> "Float8Linear":
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = lin.in_features, lin.out_features
+        new.weight, new.bias = lin.weight, lin.bias  # share Parameters: optimizers and ties keep working
+        new.config = config or Float8Config()
+        dev = lin.weight.device
+        new.scale_x = ScaleState(E4M3, new.config, dev)
+        new.scale_w = ScaleState(E4M3, new.config, dev)
+        new.scale_g = ScaleState(E5M2, new.config, dev)
+        return new
+
+    def _use_hw(self, m: int, k: int, n: int, device: torch.device) -> bool:
+        backend = self.config.backend
+        if backend == "emulated":
+            return False
+        ok = scaled_mm_available(device) and fp8_matmul_supported(m, k, n)
+        if backend == "scaled_mm" and not ok:
+            raise BackendUnavailableError(
+                f"Float8Linear: scaled_mm cannot run shape (M={m}, K={k}, N={n}) on {device}; expected a "
+                "CUDA capability >= 8.9 GPU and dimensions that are multiples of 16. Pad, or use backend='auto'.")
+        if not ok and device.type == "cuda" and "shape" not in _warned:
+            _warned.add("shape")
+            warnings.warn("Float8Linear: falling back to the emulated fp8 path (GPU without fp8 matmul, or a "
+                          "dimension not a multiple of 16)", stacklevel=3)
+        return ok
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = _Float8MatmulFn.apply(x, self.weight, self)
+        return y + self.bias.to(y.dtype) if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scaling={self.config.scaling}, backend={self.config.backend}"
+
+
+def _torchao_convert(model: nn.Module, config: Float8Config, module_filter: Callable[[nn.Module, str], bool]) -> nn.Module:
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as exc:
+        raise BackendUnavailableError("backend='torchao' needs torchao (pip install torchao); it is not "
+                                      "installed. Use backend='auto'.") from exc
+    if not scaled_mm_available():
+        raise BackendUnavailableError("backend='torchao' float8 training needs a CUDA GPU with capability >= 8.9")
+    if config.scaling != "dynamic":
+        raise BackendUnavailableError("torchao float8 training here supports scaling='dynamic' only")
+    return convert_to_float8_training(model, module_filter_fn=module_filter)
+
+
+def to_float8_(model: nn.Module, scaling: str = "dynamic", *, config: Float8Config | None = None,
+               skip: tuple[str, ...] = ("lm_head",),
+               module_filter: Callable[[nn.Module, str], bool] | None = None) -> nn.Module:
+    """Swap ``nn.Linear`` modules of ``model`` for ``Float8Linear`` in place; returns ``model``.
+
+    Modules whose qualified name ends with an entry of ``skip`` stay in high precision (the output
+    head is the usual one). ``module_filter(module, fqn) -> bool`` overrides the choice.
+    """
+    if not isinstance(model, nn.Module):
+        raise InputError(f"to_float8_: received {type(model).__name__}, expected an nn.Module")
+    cfg = config or Float8Config(scaling=scaling)
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        if module_filter is not None:
+            return bool(module_filter(mod, fqn))
+        return isinstance(mod, nn.Linear) and not any(fqn == s or fqn.endswith("." + s) for s in skip)
+
+    if cfg.backend == "torchao":
+        return _torchao_convert(model, cfg, keep)
+    swaps = [(fqn, m) for fqn, m in model.named_modules()
+             if isinstance(m, nn.Linear) and not isinstance(m, Float8Linear) and keep(m, fqn)]
+    for fqn, m in swaps:
+        parent_name, _, child = fqn.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Float8Linear.from_linear(m, cfg))
+    if isinstance(model, nn.Linear) and not isinstance(model, Float8Linear) and keep(model, ""):
+        raise InputError("to_float8_: the model itself is an nn.Linear; wrap it, or use Float8Linear.from_linear")
+    return model
+

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from torchnitro.errors import BackendUnavailableError, InputError
+from torchnitro.nn.models import TransformerConfig, TransformerLM
+from torchnitro.precision import Float8Config, Float8Linear, scaled_mm_available, sqnr, to_float8_
+
+
+@pytest.mark.parametrize("scaling", ["dynamic", "delayed"])
+@pytest.mark.parametrize("shape", [(4, 32, 128), (5, 7, 48)])
+def test_output_and_grads_close_to_fp32(scaling, shape):
+    torch.manual_seed(0)
+    ref = nn.Linear(shape[-1], 96)
+    f8 = Float8Linear.from_linear(nn.Linear(shape[-1], 96), Float8Config(scaling, backend="emulated"))
+    f8.load_state_dict(ref.state_dict())
+    x = torch.randn(shape)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    for _ in range(2):  # second call exercises the delayed history
+        ya, yb = ref(xa), f8(xb)
+    assert yb.shape == ya.shape
+    assert sqnr(ya, yb) >= 18.0
+    g = torch.randn_like(ya)
+    ya.backward(g)
+    yb.backward(g)
+    assert sqnr(xa.grad, xb.grad) >= 18.0
+    assert sqnr(ref.weight.grad, f8.weight.grad) >= 18.0
+    torch.testing.assert_close(f8.bias.grad, ref.bias.grad, rtol=0, atol=0)
+
+
+def test_to_float8_swaps_and_shares_parameters():
+    m = TransformerLM(TransformerConfig(vocab_size=128, dim=64, n_layers=2))
+    before = {n: p for n, p in m.named_parameters()}
+    to_float8_(m, "delayed")
+    assert isinstance(m.blocks[0].attn.wq, Float8Linear) and isinstance(m.blocks[1].mlp.w2, Float8Linear)
+    assert type(m.lm_head) is nn.Linear  # skipped: output head stays high precision
+    assert m.lm_head.weight is m.embed.weight  # tie intact
+    after = dict(m.named_parameters())
+    assert set(after) == set(before) and all(after[n] is before[n] for n in before)
+    x = torch.randint(0, 128, (2, 16))
+    out = m(x)
+    nn.functional.cross_entropy(out.flatten(0, 1), x.flatten()).backward()
+    assert all(p.grad is not None for p in m.parameters())
+
+
+def test_fp8_training_tracks_fp32_loss():
+    torch.manual_seed(0)
+    cfg = TransformerConfig(vocab_size=64, dim=64, n_layers=2, max_seq_len=32)
+    a, b = TransformerLM(cfg), TransformerLM(cfg)
+    b.load_state_dict(a.state_dict())
+    to_float8_(b, "dynamic")
+    oa, ob = torch.optim.AdamW(a.parameters(), 3e-3), torch.optim.AdamW(b.parameters(), 3e-3)
+    x = torch.randint(0, 64, (4, 32))
+    losses = {"a": [], "b": []}
+    for _ in range(8):
+        for k, m, o in (("a", a, oa), ("b", b, ob)):
+            loss = nn.functional.cross_entropy(m(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses[k].append(loss.item())
+    assert losses["b"][-1] < losses["b"][0] * 0.9  # it learns
+    assert abs(losses["b"][-1] - losses["a"][-1]) < 0.1 * losses["a"][-1]
+
+
+def test_bad_input_and_backend_errors():
+    with pytest.raises(InputError, match="nn.Module"):
+        to_float8_("model")  # type: ignore[arg-type]
+    if not scaled_mm_available():
+        with pytest.raises(BackendUnavailableError, match="8.9"):
+            Float8Linear(32, 32, config=Float8Config(backend="scaled_mm"))
+        with pytest.raises(BackendUnavailableError):
+            to_float8_(nn.Sequential(nn.Linear(16, 16)), config=Float8Config(backend="torchao"))
+
+
+@pytest.mark.gpu
+def test_scaled_mm_matches_emulated_on_gpu():
+    if not scaled_mm_available():
+        pytest.skip("GPU without fp8 tensor cores (capability < 8.9)")
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 512, device="cuda", dtype=torch.bfloat16)
+    hw = Float8Linear.from_linear(lin, Float8Config(backend="scaled_mm"))
+    emu = Float8Linear.from_linear(lin, Float8Config(backend="emulated"))
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    y_hw, y_emu = hw(x), emu(x)
+    assert sqnr(y_emu.float(), y_hw.float()) >= 30.0
+    assert sqnr(lin(x).float(), y_hw.float()) >= 18.0
