@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from torchnitro.errors import BackendUnavailableError, ConfigError
+from torchnitro.kernels import dispatch, rms_norm
+
+
+def test_auto_on_cpu_uses_reference_silently(monkeypatch):
+    monkeypatch.delenv("TORCHNITRO_KERNELS", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.select_backend(torch.randn(2)) == "reference"
+
+
+def test_explicit_triton_on_cpu_raises(monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(BackendUnavailableError, match="rms_norm: TORCHNITRO_KERNELS=triton.*CUDA"):
+        rms_norm(torch.randn(2, 8), torch.ones(8))
+
+
+def test_explicit_reference_wins_over_interpreter(monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "reference")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert dispatch.select_backend(torch.randn(2)) == "reference"
+
+
+def test_interpreter_enables_triton_on_cpu(triton_cpu):
+    assert dispatch.select_backend(torch.randn(2)) == "triton"
+
+
+def test_unknown_backend_names_the_known_ones(monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "cuda")
+    with pytest.raises(ConfigError, match="'auto', 'reference', 'triton'"):
+        dispatch.select_backend(torch.randn(2))
+
+
+def test_auto_falls_back_with_one_warning_when_triton_missing(monkeypatch):
+    monkeypatch.delenv("TORCHNITRO_KERNELS", raising=False)
+    monkeypatch.setattr(dispatch, "triton_importable", lambda: False)
+    monkeypatch.setattr(dispatch, "_warned", set())
+    fake_cuda = torch.empty(0, device="meta")  # stands in for a CUDA tensor: only .device.type is read
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: torch.device("cuda")), raising=False)
+    with pytest.warns(UserWarning, match="falling back"):
+        assert dispatch.select_backend(fake_cuda) == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.select_backend(fake_cuda) == "reference"

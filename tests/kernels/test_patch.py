@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchnitro.errors import InputError
+from torchnitro.kernels import patch_
+from torchnitro.nn.models import TransformerConfig, TransformerEncoder, TransformerLM
+
+transformers = pytest.importorskip("transformers")
+
+
+def _parity(model, ids, **kw):
+    model.eval()
+    with torch.no_grad():
+        before = model(ids, **kw)
+        before = before if isinstance(before, torch.Tensor) else before[0]
+        summary = patch_(model)
+        after = model(ids, **kw)
+        after = after if isinstance(after, torch.Tensor) else after[0]
+    return summary, before, after
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_patch_reference_lm_keeps_outputs(backend, monkeypatch):
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TORCHNITRO_KERNELS", backend)
+    model = TransformerLM(TransformerConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1))
+    keys = set(model.state_dict())
+    summary, before, after = _parity(model, torch.randint(0, 64, (1, 12)))
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    assert summary.replaced["RMSNorm -> RMSNorm"] == 3
+    assert summary.replaced["_SwiGLU -> SwiGLU"] == 1
+    assert summary.replaced["_CausalSelfAttention -> FusedRefAttention"] == 1
+    assert set(model.state_dict()) == keys
+
+
+def test_patch_encoder_layernorm(monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "reference")
+    model = TransformerEncoder(vocab_size=64, dim=32, n_layers=1, n_heads=2, ffn_dim=64)
+    summary, before, after = _parity(model, torch.randint(0, 64, (2, 7)))
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+    assert summary.replaced["LayerNorm -> LayerNorm"] == 3
+
+
+def _hf(name):
+    if name == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2)
+        return transformers.LlamaForCausalLM(cfg)
+    if name == "bert":
+        cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2)
+        return transformers.BertModel(cfg)
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+EXPECTED = {
+    "llama": {"LlamaRMSNorm -> RMSNorm": 3, "LlamaMLP -> FusedGatedMLP": 1},
+    "bert": {"LayerNorm -> LayerNorm": 3, "BertIntermediate(Linear+GELU) -> FusedLinearGELU": 1},
+    "gpt2": {"LayerNorm -> LayerNorm": 3, "GPT2MLP(Conv1D+GELU) -> FusedLinearGELU": 1},
+}
+
+
+@pytest.mark.parametrize("name", ["llama", "bert", "gpt2"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_patch_hf_models_keeps_outputs(name, backend, monkeypatch):
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TORCHNITRO_KERNELS", backend)
+    model = _hf(name)
+    ids = torch.randint(0, 64, (2, 9))
+    summary, before, after = _parity(model, ids)
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    for label, count in EXPECTED[name].items():
+        assert summary.replaced[label] == count, str(summary)
+    assert summary.attention and "torchnitro" in summary.attention
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0  # padding routes through SDPA and must still match
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(ids, attention_mask=mask)[0]
+        model.set_attn_implementation("torchnitro")
+        got = model(ids, attention_mask=mask)[0]
+    torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
+
+
+def test_patch_plain_gelu_and_rejects_non_module(monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "reference")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU("tanh"), torch.nn.LayerNorm(8))
+    summary, before, after = _parity(model, torch.randn(3, 8))
+    torch.testing.assert_close(after, before)
+    assert summary.total == 2 and "GELU -> GELU" in summary.replaced
+    with pytest.raises(InputError, match="expected a torch.nn.Module"):
+        patch_(lambda x: x)
