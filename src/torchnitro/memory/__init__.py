@@ -11,12 +11,15 @@ from __future__ import annotations
 
 from torchnitro.memory.checkpointing import checkpoint_, find_blocks, selective_policy
 from torchnitro.memory.finder import FinderResult, Trial, find_batch_size
+from torchnitro.memory.pools import PinnedBufferPool, Prefetcher
 from torchnitro.memory.planner import Budget, MemoryPlan, PlanTerm, plan
 from torchnitro.memory.tracker import MemoryReport, MemoryTracker, PeakInfo, track
+from torchnitro.memory.zerocopy import load_into_, load_weights, prepare_inference_, resident_bytes
 
 __all__ = [
     "track", "MemoryTracker", "MemoryReport", "PeakInfo",
     "plan", "MemoryPlan", "PlanTerm", "Budget",
     "checkpoint_", "find_blocks", "selective_policy",
     "find_batch_size", "FinderResult", "Trial",
+    "load_weights", "load_into_", "prepare_inference_", "resident_bytes", "PinnedBufferPool", "Prefetcher",
 ]
