@@ -1,0 +1,63 @@
+"""The ``fused-kernels`` recipe: swap norms, activations, gated MLPs and attention for Triton kernels.
+
+GPU only: on CPU the fused modules run their PyTorch references, so the candidate would be the
+eager model again. Numerics are EXACT up to float reassociation (same dtype, fp32 accumulation).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from torch import nn
+
+from torchnitro.autotune.recipe import Built, BuildContext, NumericClass, Recipe, register_recipe
+from torchnitro.hardware import HardwareInfo
+
+__all__ = ["FusedKernelsRecipe"]
+
+
+@register_recipe
+class FusedKernelsRecipe(Recipe):
+    name = "fused-kernels"
+    numeric_class = NumericClass.EXACT
+    description = "Triton RMSNorm/LayerNorm/GELU/SwiGLU/Linear+GELU/flash attention via kernels.patch_"
+    gpu_only = True
+
+    def unavailable_reason(self, hw: HardwareInfo) -> str | None:
+        reason = super().unavailable_reason(hw)
+        if reason:
+            return f"{reason} (on CPU the fused modules fall back to the eager PyTorch ops)"
+        from torchnitro.kernels._triton import triton_importable
+
+        if not triton_importable():
+            return "the 'triton' package does not import; pip install 'torchnitro[gpu]'"
+        return None
+
+    def inapplicable_reason(self, model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
+        import copy
+
+        from torchnitro.kernels.patch import patch_
+
+        probe = copy.deepcopy(model)  # cheap for the test-sized models; the engine's copy stays untouched
+        if patch_(probe, attention=False).total == 0 and not hasattr(model, "set_attn_implementation"):
+            return "no LayerNorm/RMSNorm/GELU/gated-MLP/attention modules that kernels.patch_ recognises"
+        return None
+
+    def build(self, ctx: BuildContext) -> Built:
+        from torchnitro.kernels.patch import patch_
+
+        model = ctx.model.to(ctx.device)
+        summary = patch_(model)
+        return Built(fn=model, meta={"replaced": dict(summary.replaced)},
+                     notes=f"{summary.total} modules fused" + (f"; {summary.attention}" if summary.attention else ""))
+
+    def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
+        from torchnitro.errors import ArtifactError
+        from torchnitro.kernels.patch import patch_
+
+        if model is None:
+            raise ArtifactError("fused-kernels: the artifact stores no graph; expected the rebuilt eager model to "
+                                "patch; save it with its model factory")
+        patch_(model)
+        return model
