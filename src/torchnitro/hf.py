@@ -161,7 +161,7 @@ class SentenceEncoder(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         hidden = self.encoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, D)
-        emb = _mean_pool(hidden, attention_mask).float()  # (B, D)
+        emb = _mean_pool(hidden.float(), attention_mask)  # (B, D); pooled in fp32 even for a bf16 encoder
         if self.normalize:
             emb = torch.nn.functional.normalize(emb, p=2.0, dim=1)
         return emb

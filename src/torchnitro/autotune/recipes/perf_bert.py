@@ -1,0 +1,166 @@
+"""Padding-aware BERT sentence encoders: compute only on real tokens.
+
+Sentence-embedding workloads pad every sentence of a batch to one length; eager BERT spends its
+GEMMs on the padding too. ``UnpaddedBert`` re-implements the BERT encoder (same weights, same math)
+on the packed real tokens ``(N, D)``, N = attention_mask.sum(), as FlashAttention's varlen/"unpad"
+path and NVIDIA's FasterTransformer "remove padding" do:
+
+- embeddings, every Linear, GELU and LayerNorm run on ``(N, D)`` rows only;
+- Q, K and V are one fused GEMM ``(N, D) @ (D, 3D)``;
+- attention scatters Q/K/V back to ``(B, T, ...)`` for ``scaled_dot_product_attention`` with the
+  key-padding mask, then gathers the real rows again;
+- mean pooling is an ``index_add`` over rows, then L2 normalisation (sentence-transformers).
+
+Real tokens see exactly the same computation as in eager, so the fp32 variant is an EXACT recipe;
+how much it saves is the padding fraction of the inputs (measured, never assumed). The int8 variant
+adds SmoothQuant + accuracy-aware mixed int8 (``perf_int8``) to its Linears.
+
+Applies to ``torchnitro.hf.SentenceEncoder`` around an HF ``BertModel`` with absolute positions.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
+from torchnitro.autotune.recipes.perf_int8 import (calibration_inputs, int8_target, int8_unavailable_reason,
+                                                   linear_names, load_scales, plan_mixed_int8, quantize_linears,
+                                                   save_scales)
+from torchnitro.errors import RecipeError
+
+__all__ = ["UnpaddedBert", "bert_inapplicable_reason", "UnpaddedBertRecipe", "UnpaddedBertInt8"]
+
+
+class _Layer(nn.Module):
+    def __init__(self, hf_layer: nn.Module, n_heads: int):
+        super().__init__()
+        att = hf_layer.attention
+        sa = att.self
+        d = sa.query.in_features
+        self.n_heads, self.head_dim = n_heads, d // n_heads
+        self.qkv = nn.Linear(d, 3 * d)
+        with torch.no_grad():
+            self.qkv.weight.copy_(torch.cat([sa.query.weight, sa.key.weight, sa.value.weight], 0))  # (3D, D)
+            self.qkv.bias.copy_(torch.cat([sa.query.bias, sa.key.bias, sa.value.bias], 0))
+        self.out = att.output.dense
+        self.ln1 = att.output.LayerNorm
+        self.ffn_in = hf_layer.intermediate.dense
+        self.ffn_out = hf_layer.output.dense
+        self.ln2 = hf_layer.output.LayerNorm
+
+    def forward(self, x: Tensor, idx: Tensor, key_mask: Tensor, b: int, t: int) -> Tensor:
+        n, d = x.shape  # (N, D) real tokens
+        qkv = self.qkv(x)  # (N, 3D)
+        padded = qkv.new_zeros(b * t, 3 * d)
+        padded[idx] = qkv
+        q, k, v = padded.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)  # (B, H, T, Dh)
+        ctx = ctx.transpose(1, 2).reshape(b * t, d)[idx]  # (N, D)
+        x = self.ln1(x + self.out(ctx))
+        return self.ln2(x + self.ffn_out(F.gelu(self.ffn_in(x))))
+
+
+class UnpaddedBert(nn.Module):
+    """``(input_ids, attention_mask) -> (B, D)`` normalised mean-pooled embeddings, on real tokens only."""
+
+    def __init__(self, sentence_encoder: nn.Module):
+        super().__init__()
+        bert = sentence_encoder.encoder
+        cfg = bert.config
+        emb = bert.embeddings
+        self.word, self.pos, self.tok_type, self.ln_emb = (emb.word_embeddings, emb.position_embeddings,
+                                                           emb.token_type_embeddings, emb.LayerNorm)
+        self.layers = nn.ModuleList(_Layer(layer, cfg.num_attention_heads)
+                                    for layer in bert.encoder.layer)
+        self.normalize = bool(getattr(sentence_encoder, "normalize", True))
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        b, t = input_ids.shape
+        keep = attention_mask.reshape(-1) != 0  # (B*T,)
+        idx = keep.nonzero().squeeze(1)  # (N,) flat positions of real tokens
+        pos = idx % t  # absolute position of each real token
+        x = self.word(input_ids.reshape(-1)[idx]) + self.pos(pos) + self.tok_type.weight[0]  # (N, D)
+        x = self.ln_emb(x)
+        key_mask = (attention_mask != 0).view(b, 1, 1, t)  # (B, 1, 1, T) True = attend
+        for layer in self.layers:
+            x = layer(x, idx, key_mask, b, t)
+        row = idx // t  # sentence of each real token
+        summed = x.new_zeros(b, x.shape[1]).index_add_(0, row, x)  # (B, D)
+        count = attention_mask.sum(1, keepdim=True).to(x.dtype).clamp(min=1e-9)  # (B, 1)
+        emb = summed / count
+        return F.normalize(emb, p=2.0, dim=1) if self.normalize else emb
+
+
+def bert_inapplicable_reason(model: nn.Module) -> str | None:
+    """None when ``model`` is a SentenceEncoder around a plain HF BERT this module can mirror."""
+    from torchnitro.hf import SentenceEncoder
+
+    if not isinstance(model, SentenceEncoder):
+        return "not a torchnitro.hf.SentenceEncoder (mean-pooled HF encoder)"
+    cfg = getattr(model.encoder, "config", None)
+    if getattr(cfg, "model_type", None) != "bert":
+        return f"encoder model_type is {getattr(cfg, 'model_type', None)!r}; this recipe mirrors 'bert' only"
+    if getattr(cfg, "position_embedding_type", "absolute") != "absolute":
+        return "relative position embeddings are not mirrored"
+    if getattr(cfg, "hidden_act", None) != "gelu":
+        return f"hidden_act {cfg.hidden_act!r}; this recipe mirrors exact (erf) 'gelu' only"
+    return None
+
+
+@register_recipe
+class UnpaddedBertRecipe(Recipe):
+    name = "perf-bert-unpad"
+    numeric_class = NumericClass.EXACT
+    description = "BERT sentence encoder on real tokens only (padding removed), fused QKV GEMM"
+    order = 15
+
+    def inapplicable_reason(self, model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
+        return bert_inapplicable_reason(model)
+
+    def build(self, ctx: BuildContext) -> Built:
+        m = UnpaddedBert(ctx.model).eval()
+        mask = ctx.example_inputs[1]
+        frac = float(mask.float().mean()) if isinstance(mask, Tensor) else 1.0
+        return Built(fn=m, notes=f"{frac:.0%} of the example's tokens are real")
+
+    def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
+        if model is None:
+            raise RecipeError("perf-bert-unpad artifacts are rebuilt from the eager model; pass it to load()")
+        return UnpaddedBert(model.eval()).eval()
+
+
+@register_recipe
+class UnpaddedBertInt8(Recipe):
+    name = "perf-bert-unpad-int8"
+    numeric_class = NumericClass.INT8
+    description = "padding-free BERT + SmoothQuant dynamic int8 Linears, gate-sensitive layers kept fp32"
+    order = 16
+
+    def unavailable_reason(self, hw: Any) -> str | None:
+        return int8_unavailable_reason()
+
+    def inapplicable_reason(self, model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
+        if any(isinstance(x, Tensor) and x.is_cuda for x in example_inputs):
+            return "dynamic int8 kernels run on the CPU only"
+        return bert_inapplicable_reason(model)
+
+    def build(self, ctx: BuildContext) -> Built:
+        base = UnpaddedBert(ctx.model).eval()
+        plan = plan_mixed_int8(base, calibration_inputs(ctx), int8_target(ctx))
+        q = quantize_linears(base, plan["int8"], plan["scales"])
+        save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
+        meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": plan["cosine"]}
+        return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
+                     notes=f"{len(plan['int8'])}/{len(linear_names(base))} Linear int8, fp32 kept: "
+                           f"{', '.join(plan['fp32']) or 'none'}; calibration cosine {plan['cosine']:.4f}")
+
+    def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
+        if model is None:
+            raise RecipeError("perf-bert-unpad-int8 artifacts are rebuilt from the eager model; pass it to load()")
+        base = UnpaddedBert(model.eval()).eval()
+        return quantize_linears(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"))

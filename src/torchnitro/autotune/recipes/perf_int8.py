@@ -1,0 +1,291 @@
+"""Accuracy-aware mixed int8: quantise every Linear, but keep the layers the gate is sensitive to in fp32.
+
+Per-tensor dynamic int8 of a whole transformer often fails the gate (MiniLM: cosine 0.936), because
+a few layers (typically FFN down-projections with activation outliers) carry most of the error. As
+accuracy-aware tuners do (Intel Neural Compressor's "fallback" strategy, ORT's ``nodes_to_exclude``):
+
+1. ``layer_sensitivity``: quantise one Linear at a time (per-channel int8 weights, dynamic per-tensor
+   activations, fbgemm/x86 VNNI kernels) and measure the worst per-row cosine of the model output
+   against fp32 on calibration inputs;
+   SmoothQuant first migrates activation outliers into the weights (``alpha`` = 0.75 by default);
+2. ``plan_mixed_int8``: quantise all Linears, then move the most sensitive layer back to fp32, one at a
+   time, until the worst cosine reaches ``target`` (the gate plus a margin) on the calibration inputs.
+
+The calibration inputs are the search's timing inputs; the gate then checks held-out inputs.
+The plan (which layers stay fp32) is stored in the artifact, so ``load`` re-quantises identically
+without re-running the search.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
+from torchnitro.errors import RecipeError
+from torchnitro.hardware import HardwareInfo
+
+__all__ = ["MixedInt8", "row_cosine", "layer_sensitivity", "plan_mixed_int8", "quantize_linears", "linear_names",
+           "int8_unavailable_reason", "int8_target", "calibration_inputs", "SmoothedInt8Linear", "activation_absmax",
+           "smooth_scales", "save_scales", "load_scales"]
+
+
+def int8_unavailable_reason() -> str | None:
+    engines = torch.backends.quantized.supported_engines
+    if not any(e in engines for e in ("x86", "fbgemm", "onednn")):
+        return f"no x86 quantized engine in this torch build (engines: {engines})"
+    return None
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """Qualified names of every nn.Linear, in module order."""
+    return [n for n, m in model.named_modules() if type(m) is nn.Linear]
+
+
+
+def _flat(out: Any) -> list[Tensor]:
+    from torchnitro.autotune.verify import flatten_outputs
+
+    return [t for _, t in flatten_outputs(out) if t.is_floating_point()]
+
+
+def row_cosine(ref: Any, cand: Any) -> float:
+    """Worst cosine over outputs and over rows (last dim = features): the sentence-embedding gate."""
+    worst = 1.0
+    for r, c in zip(_flat(ref), _flat(cand)):
+        r2 = r.double().reshape(-1, r.shape[-1]) if r.dim() > 1 else r.double().reshape(1, -1)
+        c2 = c.double().reshape(r2.shape)
+        keep = r2.norm(dim=1) > 0  # rows that are exactly zero in fp32 (fully padded) carry no signal
+        if keep.any():
+            worst = min(worst, torch.nn.functional.cosine_similarity(r2[keep], c2[keep], dim=1).min().item())
+    return worst
+
+
+def _score(model: nn.Module, calib: Sequence[tuple[Any, ...]], refs: Sequence[Any]) -> float:
+    with torch.inference_mode():
+        return min(row_cosine(r, model(*x)) for x, r in zip(calib, refs))
+
+
+def _quantized_module(lin: nn.Linear) -> nn.Module:
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantLinear
+    from torch.ao.quantization import per_channel_dynamic_qconfig
+
+    lin.qconfig = per_channel_dynamic_qconfig
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return DynamicQuantLinear.from_float(lin)
+        finally:
+            del lin.qconfig
+
+
+class SmoothedInt8Linear(nn.Module):
+    """``y = int8_linear(x / s)`` with ``W * s`` quantised: SmoothQuant (Xiao et al., 2023) moves
+    per-input-channel activation outliers into the weights, where per-channel scales absorb them."""
+
+    def __init__(self, lin: nn.Linear, scale: Tensor):
+        super().__init__()
+        self.register_buffer("inv_scale", (1.0 / scale).to(lin.weight.dtype))  # (in_features,)
+        moved = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
+        with torch.no_grad():
+            moved.weight.copy_(lin.weight * scale)  # (out, in) * (in,)
+            if lin.bias is not None:
+                moved.bias.copy_(lin.bias)
+        self.q = _quantized_module(moved)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.q(x * self.inv_scale)
+
+
+def activation_absmax(model: nn.Module, calib: Sequence[tuple[Any, ...]], names: Sequence[str]) -> dict[str, Tensor]:
+    """Per-input-channel max |x| seen by each Linear on the calibration inputs."""
+    amax: dict[str, Tensor] = {}
+
+    def hook(name: str):
+        def fn(mod: nn.Module, inp: tuple[Tensor, ...], out: Tensor) -> None:
+            a = inp[0].detach().abs().reshape(-1, inp[0].shape[-1]).amax(0).float()
+            amax[name] = torch.maximum(amax[name], a) if name in amax else a
+        return fn
+
+    handles = [model.get_submodule(n).register_forward_hook(hook(n)) for n in names]
+    try:
+        with torch.inference_mode():
+            for x in calib:
+                model(*x)
+    finally:
+        for h in handles:
+            h.remove()
+    return amax
+
+
+def smooth_scales(model: nn.Module, amax: dict[str, Tensor], alpha: float) -> dict[str, Tensor]:
+    """s_j = max|X_j|^alpha / max|W_:,j|^(1 - alpha) per input channel j (SmoothQuant eq. 4)."""
+    out = {}
+    for n, a in amax.items():
+        w = model.get_submodule(n).weight.detach().abs().amax(0).float().clamp(min=1e-5)
+        out[n] = (a.clamp(min=1e-5) ** alpha / w ** (1.0 - alpha)).clamp(min=1e-5)
+    return out
+
+
+def int8_module(lin: nn.Linear, scale: Tensor | None) -> nn.Module:
+    return _quantized_module(lin) if scale is None else SmoothedInt8Linear(lin, scale)
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def quantize_linears(model: nn.Module, names: Sequence[str], scales: dict[str, Tensor] | None = None) -> nn.Module:
+    """A copy of ``model`` with the Linears ``names`` in dynamic int8 (per-channel weights), smoothed
+    with ``scales[name]`` where given."""
+    q = copy.deepcopy(model).eval()
+    scales = scales or {}
+    for n in names:
+        _set(q, n, int8_module(q.get_submodule(n), scales.get(n)))
+    return q
+
+
+class _Swapper:
+    """Swaps single Linears of a private copy between fp32 and int8 in place (no copy per trial)."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str], scales: dict[str, Tensor]):
+        self.model = copy.deepcopy(model).eval()
+        self.fp32 = {n: self.model.get_submodule(n) for n in names}
+        self.int8 = {n: int8_module(self.fp32[n], scales.get(n)) for n in names}
+
+    def set(self, name: str, int8: bool) -> None:
+        _set(self.model, name, self.int8[name] if int8 else self.fp32[name])
+
+
+def _sens(sw: _Swapper, names: Sequence[str], calib: Sequence[tuple[Any, ...]], refs: Sequence[Any]) -> dict[str, float]:
+    out = {}
+    for n in names:
+        sw.set(n, True)
+        out[n] = 1.0 - _score(sw.model, calib, refs)
+        sw.set(n, False)
+    return out
+
+
+def _rows(x: tuple[Any, ...], k: int) -> tuple[Any, ...]:
+    return tuple(t[:k] if isinstance(t, Tensor) and t.dim() else t for t in x)
+
+
+def layer_sensitivity(model: nn.Module, calib: Sequence[tuple[Any, ...]], names: Sequence[str] | None = None,
+                      scales: dict[str, Tensor] | None = None) -> dict[str, float]:
+    """Cosine loss (1 - worst row cosine) when only that Linear is int8; larger = more sensitive."""
+    names = list(names) if names is not None else linear_names(model)
+    with torch.inference_mode():
+        refs = [model(*x) for x in calib]
+    return _sens(_Swapper(model, names, scales or {}), names, calib, refs)
+
+
+def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: float, *,
+                    names: Sequence[str] | None = None, alpha: float | None = 0.75,
+                    max_fp32_fraction: float = 0.5, sensitivity_rows: int = 8) -> dict[str, Any]:
+    """Pick the Linears to keep in fp32 so the worst calibration cosine is >= ``target``.
+
+    ``alpha`` is the SmoothQuant migration strength (None: no smoothing). Returns ``{"int8": [...],
+    "fp32": [...], "cosine": float, "sensitivity": {...}, "scales": {...}}``; raises RecipeError when
+    more than ``max_fp32_fraction`` of the layers would have to stay fp32.
+    """
+    names = list(names) if names is not None else linear_names(model)
+    if not names:
+        raise RecipeError("mixed int8: the model has no nn.Linear layers; expected at least one to quantise")
+    with torch.inference_mode():
+        refs = [model(*x) for x in calib]
+    scales = smooth_scales(model, activation_absmax(model, calib, names), alpha) if alpha is not None else {}
+    sw = _Swapper(model, names, scales)
+    for n in names:
+        sw.set(n, True)
+    cos = _score(sw.model, calib, refs)
+    sens: dict[str, float] = {}
+    if cos < target:  # rank layers on a slice of the calibration batch: one forward per layer
+        for n in names:
+            sw.set(n, False)
+        small = [_rows(x, sensitivity_rows) for x in calib]
+        with torch.inference_mode():
+            small_refs = [model(*x) for x in small]
+        sens = _sens(sw, names, small, small_refs)
+        for n in names:
+            sw.set(n, True)
+    order = sorted(names, key=lambda n: sens.get(n, 0.0), reverse=True)  # most sensitive first
+    fp32: list[str] = []
+    while True:
+        if fp32:
+            cos = _score(sw.model, calib, refs)
+        if cos >= target:
+            int8 = [n for n in names if n not in fp32]
+            return {"int8": int8, "fp32": fp32, "cosine": cos, "sensitivity": sens,
+                    "scales": {n: scales[n] for n in int8 if n in scales}}
+        if len(fp32) + 1 > max_fp32_fraction * len(names):
+            raise RecipeError(
+                f"mixed int8: with {len(fp32)}/{len(names)} layers kept in fp32 the calibration cosine is {cos:.5f}, "
+                f"expected >= {target}; int8 does not suit this model (use a bf16 recipe), or lower the int8 gate")
+        fp32.append(order[len(fp32)])
+        sw.set(fp32[-1], False)
+
+
+def save_scales(scales: dict[str, Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in scales.items()}, str(path))
+
+
+def load_scales(path: Path) -> dict[str, Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path)) if path.is_file() else {}
+
+
+def calibration_inputs(ctx: BuildContext, max_rows: int = 32) -> list[tuple[Any, ...]]:
+    """The timing inputs cut to ``max_rows`` along the batch dim (when it is declared dynamic):
+    the plan costs a few forwards of this batch."""
+    xs = ctx.example_inputs
+    if not all(0 in ctx.dynamic_dims.get(i, []) for i, x in enumerate(xs) if isinstance(x, Tensor)):
+        return [xs]
+    return [tuple(x[:max_rows] if isinstance(x, Tensor) and x.dim() else x for x in xs)]
+
+
+def int8_target(ctx: BuildContext, margin: float = 0.004) -> float:
+    """The int8 gate's cosine from the search config, plus a margin for held-out inputs."""
+    cos = 0.99
+    if ctx.config is not None and hasattr(ctx.config, "tolerance"):
+        cos = float(ctx.config.tolerance("int8").get("cosine", cos))
+    return min(0.99999, cos + margin)
+
+
+@register_recipe
+class MixedInt8(Recipe):
+    name = "perf-int8-mixed"
+    numeric_class = NumericClass.INT8
+    description = "dynamic int8 Linears (per-channel, VNNI) with the most gate-sensitive layers kept in fp32"
+    order = 46
+
+    def unavailable_reason(self, hw: HardwareInfo) -> str | None:
+        return int8_unavailable_reason()
+
+    def inapplicable_reason(self, model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
+        if not linear_names(model):
+            return "no nn.Linear layers"
+        if any(isinstance(x, Tensor) and x.is_cuda for x in example_inputs):
+            return "dynamic int8 kernels run on the CPU only"
+        return None
+
+    def build(self, ctx: BuildContext) -> Built:
+        plan = plan_mixed_int8(ctx.model, calibration_inputs(ctx), int8_target(ctx))
+        q = quantize_linears(ctx.model, plan["int8"], plan["scales"])
+        save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
+        meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": plan["cosine"]}
+        return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta, notes=f"{len(plan['int8'])} Linear int8, {len(plan['fp32'])} kept fp32 "
+                                              f"(calibration cosine {plan['cosine']:.4f})")
+
+    def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
+        if model is None:
+            raise RecipeError("perf-int8-mixed artifacts are rebuilt from the eager model; pass it to load()")
+        return quantize_linears(model.eval(), meta["int8"], load_scales(directory / "smooth_scales.safetensors"))
