@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any, List, Optional
 
@@ -62,7 +63,7 @@ def optimize_command(
     m, inputs, info = resolve_model(model, input, text=list(text) or None, batch=batch, seq=seq)
     opt = optimize(m, inputs, cfg, info=info)
     path = opt.save(out)
-    con = Console()
+    con = Console(width=None if sys.stdout.isatty() else 200)
     if as_json:
         con.print_json(opt.report.to_json())
     else:

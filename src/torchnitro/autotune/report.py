@@ -38,6 +38,7 @@ class CandidateResult:
     metric: float | None = None
     shape_ms: dict[str, float] = field(default_factory=dict)  # 'BxT' -> p50 ms at each dynamic size
     first_call_ms: dict[str, float] = field(default_factory=dict)  # first call at each new size (recompilation)
+    interleaved: bool = False  # p50/p99/speedup come from the interleaved finalist comparison (else: search timing)
     isolated: bool = False
     cached: bool = False
     notes: str = ""
@@ -57,6 +58,8 @@ def _fmt(v: Any, digits: int = 2) -> str:
         return f"{v:.{digits}f}"
     return str(v)
 
+
+_WHY_WIDTH = 48  # longer reasons are listed in full under the table
 
 _COLUMNS = ("recipe", "class", "status", "p50 ms", "p99 ms", "items/s", "speedup", "mem MB", "rel err",
             "min cos", "build s", "why")
@@ -85,11 +88,19 @@ class Report:
         for c in self.candidates:
             out.append([
                 c.recipe, c.numeric_class, c.status, _fmt(c.p50_ms), _fmt(c.p99_ms), _fmt(c.throughput, 1),
-                _fmt(c.speedup) + ("x" if c.speedup is not None else ""), _fmt(c.peak_mem_mb, 1),
+                ("" if c.interleaved or c.speedup is None else "~") + _fmt(c.speedup)
+                + ("x" if c.speedup is not None else ""), _fmt(c.peak_mem_mb, 1),
                 _fmt(c.norm_rel), _fmt(c.min_cosine, 5), _fmt(c.build_s, 1) + (" (cache)" if c.cached else ""),
                 c.reason or c.notes,
             ])
         return out
+
+    def _footnotes(self) -> list[str]:
+        notes = ["~: estimate from the search timing; other speedups are interleaved with eager in one run"]
+        for c in self.candidates:
+            if c.reason and len(c.reason) > _WHY_WIDTH:
+                notes.append(f"{c.recipe}: {c.reason}")
+        return notes
 
     def _header(self) -> list[str]:
         return [f"model: {self.model}", f"inputs: {self.inputs}", f"objective: {self.objective}",
@@ -101,8 +112,8 @@ class Report:
         lines.append("| " + " | ".join(_COLUMNS) + " |")
         lines.append("| " + " | ".join("---" for _ in _COLUMNS) + " |")
         for r in self.rows():
-            lines.append("| " + " | ".join(x.replace("|", "/") for x in r) + " |")
-        return "\n".join(lines) + "\n"
+            lines.append("| " + " | ".join(x.replace("|", "/").replace("\n", " ") for x in r) + " |")
+        return "\n".join(lines + [""] + [f"- {n}" for n in self._footnotes()]) + "\n"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -121,9 +132,13 @@ class Report:
     def rich(self):  # -> rich.table.Table
         from rich.table import Table
 
-        t = Table(title="torchnitro optimize", caption="\n".join(self._header()), caption_justify="left")
+        t = Table(title="torchnitro optimize", caption="\n".join(self._header() + self._footnotes()),
+                  caption_justify="left")
         for c in _COLUMNS:
-            t.add_column(c, overflow="fold")
+            if c == "why":
+                t.add_column(c, overflow="ellipsis", no_wrap=True, max_width=_WHY_WIDTH, ratio=1)
+            else:
+                t.add_column(c, no_wrap=True, min_width=max(len(c), 8))
         styles = {Status.CHOSEN: "bold green", Status.REJECTED: "red", Status.FAILED: "red", Status.SKIPPED: "dim"}
         for c, r in zip(self.candidates, self.rows()):
             t.add_row(*r, style=styles.get(c.status))
@@ -135,7 +150,7 @@ class Report:
         from rich.console import Console
 
         buf = StringIO()
-        Console(file=buf, width=160, force_terminal=False).print(self.rich())
+        Console(file=buf, width=200, force_terminal=False).print(self.rich())
         return buf.getvalue()
 
     __repr__ = __str__

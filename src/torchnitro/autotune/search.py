@@ -238,6 +238,7 @@ def _finalists(s: _Search, report: Report) -> Recipe:
         c = report.get(name)
         c.p50_ms, c.p99_ms, c.cv, c.throughput = t.median * 1e3, t.p99 * 1e3, t.cv, t.throughput
         c.speedup = base / objective_stat(t, cfg)
+        c.interleaved = True
         if name != "eager" and c.speedup >= required and c.speedup > best_speed:
             best, best_speed = get_recipe(name), c.speedup
     report.notes.append(f"finalists re-timed interleaved with eager; a winner needs >= {required:.2f}x")
