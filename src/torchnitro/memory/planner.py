@@ -227,7 +227,9 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
     phases = {
         "forward": base + acts + logits,
         "backward": base + max(acts + 2 * logits,
-                               acts - logits + recompute + e * V * D + 2 * e * BT * (D + F) if recompute else 0,
+                               # recomputing the last checkpointed block: head freed, head grad made,
+                               # dx of the block output plus two BTF grads inside its MLP backward
+                               stored + recompute + e * V * D + e * BT * (D + 2 * F) if recompute else 0,
                                P + (1 + s["tied"]) * e * V * D),  # end: grads + tied-embedding sum
         "optimizer": base + P + terms[-1].bytes if k_state or optimizer == "sgd" else base,
     }
