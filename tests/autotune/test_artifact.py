@@ -90,14 +90,37 @@ def test_missing_directory_and_python_object_without_factory(tmp_path, fast_cfg)
         torchnitro.load(tmp_path / "nope")
     from fake_recipes import tiny_inputs, tiny_model
 
+    class NoExport(torch.nn.Module):  # data-dependent control flow: torch.export refuses it
+        def __init__(self):
+            super().__init__()
+            self.inner = tiny_model()
+
+        def forward(self, x):
+            return self.inner(x) if float(x.sum()) > -1e9 else x
+
+    model = NoExport().eval()
+    opt = torchnitro.optimize(model, tiny_inputs(), fast_cfg(recipes=[]))
+    with pytest.warns(UserWarning, match="torch.export failed"):
+        path = opt.save(tmp_path / "eager")
+    with pytest.raises(ArtifactError, match="model="):
+        torchnitro.load(path)
+    loaded = torchnitro.load(path, model=NoExport())
+    x = tiny_inputs(2)[0]
+    torch.testing.assert_close(loaded(x), model(x))
+
+
+def test_eager_python_object_saved_as_exported_program(tmp_path, fast_cfg):
+    from fake_recipes import tiny_inputs, tiny_model
+
     model = tiny_model()
     opt = torchnitro.optimize(model, tiny_inputs(), fast_cfg(recipes=[]))
     path = opt.save(tmp_path / "eager")
-    with pytest.raises(ArtifactError, match="model="):
-        torchnitro.load(path)
-    loaded = torchnitro.load(path, model=tiny_model())
-    x = tiny_inputs(2)[0]
-    torch.testing.assert_close(loaded(x), model(x))
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["standalone"] and "candidate/model.pt2" in manifest["files"]
+    loaded = torchnitro.load(path)  # no model code needed
+    for batch in (4, 9):
+        x = tiny_inputs(batch)[0]
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-6)
 
 
 def test_save_refuses_to_overwrite_a_non_artifact_folder(tmp_path, fast_cfg):

@@ -26,7 +26,8 @@ class OptimizedModel:
     def __init__(self, fn: Callable[..., Any], recipe: str, report: Report, signature: dict[str, Any], *,
                  meta: dict[str, Any] | None = None, files: list[str] | None = None, files_dir: Path | None = None,
                  standalone: bool = False, model: nn.Module | None = None, model_ref: dict[str, Any] | None = None,
-                 keepalive: Any = None):
+                 keepalive: Any = None, example_inputs: tuple[Any, ...] = (),
+                 dynamic_dims: dict[int, list[int]] | None = None):
         self._fn = fn
         self.recipe = recipe  # name of the chosen recipe
         self.report = report
@@ -38,6 +39,8 @@ class OptimizedModel:
         self.model = model  # the eager model (kept for non-standalone saves)
         self.model_ref = model_ref or {}
         self._keepalive = keepalive
+        self._example_inputs = example_inputs  # for torch.export when saving eager without a factory
+        self._dynamic_dims = dynamic_dims or {}
 
     @property
     def numeric_class(self) -> str:
@@ -49,10 +52,25 @@ class OptimizedModel:
 
     def save(self, directory: str | Path) -> Path:
         """Write the artifact (see ``torchnitro.autotune.artifact``); returns the directory."""
+        import tempfile
+        import warnings
+
         from torchnitro.autotune.artifact import write_artifact
 
+        standalone, meta, files, files_dir = self.standalone, self.meta, self.files, self.files_dir
+        tmp = None
+        if self.recipe == "eager" and not self.model_ref.get("spec") and self.model is not None and self._example_inputs:
+            from torchnitro.autotune.recipes.eager import export_program
+
+            tmp = tempfile.TemporaryDirectory(prefix="torchnitro-export-")
+            why = export_program(self.model, self._example_inputs, self._dynamic_dims, Path(tmp.name) / "model.pt2")
+            if why is None:
+                standalone, meta, files, files_dir = True, {"exported": True}, ["model.pt2"], Path(tmp.name)
+            else:
+                warnings.warn(f"torch.export failed ({why}); the artifact needs torchnitro.load(dir, model=...)",
+                              stacklevel=2)
         return write_artifact(directory, recipe=self.recipe, numeric_class=self.numeric_class,
-                              standalone=self.standalone, meta=self.meta, files_dir=self.files_dir, files=self.files,
+                              standalone=standalone, meta=meta, files_dir=files_dir, files=files,
                               model=self.model, model_ref=self.model_ref, signature=self.signature,
                               report=self.report, hardware=self.report.hardware)
 
@@ -106,7 +124,7 @@ def optimize(model: nn.Module | str, example_inputs: Any = None, config: Optimiz
     ref = {"spec": info.spec, "name": info.name, "extra": info.extra}
     om = OptimizedModel(out.fn, out.recipe.name, out.report, sig, meta=out.meta, files=out.files,
                         files_dir=out.files_dir, standalone=out.standalone, model=model, model_ref=ref,
-                        keepalive=out.tmp)
+                        keepalive=out.tmp, example_inputs=inputs, dynamic_dims=out.workload.dynamic_dims)
     if cfg.cache and (out.files_dir is None or not str(out.files_dir).startswith(str(out.tmp.name))):
         CandidateCache(cfg.resolved_cache_dir()).put_search(_search_key(model, inputs, cfg), {
             "report": out.report.to_dict(), "recipe": out.recipe.name, "dir": str(out.files_dir or ""),
@@ -159,7 +177,8 @@ def _from_cache(model: nn.Module, inputs: tuple[Any, ...], info: ModelInfo, cfg:
     report.cached = True
     report.search_s = time.perf_counter() - t0
     return OptimizedModel(fn, recipe.name, report, hit["signature"], meta=hit["meta"], files=hit["files"],
-                          files_dir=d, standalone=hit["standalone"], model=eager, model_ref=hit["ref"])
+                          files_dir=d, standalone=hit["standalone"], model=eager, model_ref=hit["ref"],
+                          example_inputs=inputs, dynamic_dims=info.dynamic_dims)
 
 
 def load(directory: str | Path, model: nn.Module | None = None) -> OptimizedModel:
