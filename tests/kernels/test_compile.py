@@ -57,7 +57,7 @@ CASES = {
     "softmax_fwd": (softmax._softmax_fwd_kernel, dict(x_ptr=P16, y_ptr=P16, C=I32), dict(BLOCK=8192)),
     "softmax_bwd": (softmax._softmax_bwd_kernel, dict(dy_ptr=P16, y_ptr=P16, dx_ptr=P16, C=I32), dict(BLOCK=8192)),
     "rope": (rope._rope_kernel, dict(x_ptr=P16, cos_ptr=P32, sin_ptr=P32, y_ptr=P16, H=I32, T=I32, sxb=I32, sxh=I32,
-                                     sxt=I32, scb=I32, sct=I32, HALF=I32), dict(SIGN=-1, BLOCK=64)),
+                                     sxt=I32, scb=I32, sct=I32, HALF=I32), dict(SIGN=-1, BLOCK_H=32, BLOCK=64)),
     "ce_fwd": (cross_entropy._ce_fwd_kernel, dict(z_ptr=P16, stride=I32, t_ptr="*i64", loss_ptr=P32, lse_ptr=P32,
                                                   V=I32, ignore_index=I32, eps=F32), dict(BLOCK=4096)),
     "ce_bwd": (cross_entropy._ce_bwd_kernel, dict(z_ptr=P16, stride=I32, dz_ptr=P16, dz_stride=I32, t_ptr="*i64",

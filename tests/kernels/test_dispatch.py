@@ -51,3 +51,16 @@ def test_auto_falls_back_with_one_warning_when_triton_missing(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert dispatch.select_backend(fake_cuda) == "reference"
+
+
+def test_rows_longer_than_the_row_kernel_use_reference(triton_cpu, monkeypatch):
+    from torchnitro.kernels import softmax
+
+    monkeypatch.setattr(dispatch, "MAX_ROW_COLS", 16)
+    with pytest.raises(BackendUnavailableError, match="exceed the row kernel"):
+        softmax(torch.randn(2, 40))  # explicit TORCHNITRO_KERNELS=triton: refuse
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "auto")
+    monkeypatch.setattr(dispatch, "_warned", set())
+    with pytest.warns(UserWarning, match="using the PyTorch reference"):
+        y = softmax(torch.randn(2, 40))
+    torch.testing.assert_close(y.sum(-1), torch.ones(2))

@@ -54,3 +54,10 @@ def test_rope_gpu(dtype):
     cos, sin = rope_cache(123, 128, device="cuda")
     x = torch.randn(5, 4, 123, 128, device="cuda", dtype=dtype)
     check_against_reference(lambda a: rope(a, cos, sin), lambda a: reference.rope(a, cos, sin), [x], dtype)
+
+
+def test_rope_loops_over_head_blocks(triton_cpu):
+    B, H, T, D = 1, 6, 3, 2048  # 1024-wide halves: 4 heads per block, so two head blocks per position
+    cos, sin = rope_cache(T, D)
+    check_against_reference(lambda a: rope(a, cos, sin), lambda a: reference.rope(a, cos, sin),
+                            [torch.randn(B, H, T, D)], torch.float32)

@@ -21,7 +21,10 @@ import torch
 from torchnitro.errors import BackendUnavailableError, ConfigError
 from torchnitro.kernels._triton import interpreting, triton_importable
 
-__all__ = ["BACKENDS", "requested_backend", "select_backend", "use_triton", "backend_report"]
+__all__ = ["BACKENDS", "MAX_ROW_COLS", "requested_backend", "select_backend", "use_triton", "use_triton_rows",
+           "backend_report"]
+
+MAX_ROW_COLS = 65536  # row kernels keep a whole row in registers; longer rows use the reference
 
 BACKENDS = ("auto", "reference", "triton")
 _warned: set[str] = set()
@@ -73,6 +76,22 @@ def select_backend(*tensors: torch.Tensor | None, op: str = "op") -> str:
 
 def use_triton(*tensors: torch.Tensor | None, op: str = "op") -> bool:
     return select_backend(*tensors, op=op) == "triton"
+
+
+def use_triton_rows(x: torch.Tensor, n_cols: int, op: str) -> bool:
+    """``use_triton`` for one-row-per-program kernels, which handle rows up to ``MAX_ROW_COLS``."""
+    if not use_triton(x, op=op):
+        return False
+    if n_cols <= MAX_ROW_COLS:
+        return True
+    why = f"{op}: rows of {n_cols} columns exceed the row kernel's limit of {MAX_ROW_COLS}"
+    if requested_backend() == "triton":
+        raise BackendUnavailableError(f"{why}; expected at most {MAX_ROW_COLS}; unset TORCHNITRO_KERNELS to use the "
+                                      "PyTorch reference for this shape")
+    if op not in _warned:
+        _warned.add(op)
+        warnings.warn(f"{why}; using the PyTorch reference", stacklevel=3)
+    return False
 
 
 def backend_report() -> dict[str, object]:

@@ -17,7 +17,7 @@ from torchnitro.errors import InputError
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float
 from torchnitro.kernels._triton import LazyKernel, interpreting, row_config
-from torchnitro.kernels.dispatch import use_triton
+from torchnitro.kernels.dispatch import use_triton, use_triton_rows
 from torchnitro.kernels.reference import FP8_MAX
 
 try:
@@ -120,7 +120,7 @@ def fp8_quantize(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_row: b
         raise InputError(f"fp8_quantize: dtype={dtype}; expected torch.float8_e4m3fn or torch.float8_e5m2")
     if per_row and x.dim() == 0:
         raise InputError("fp8_quantize: per_row=True on a 0-d tensor; expected at least 1 dim")
-    if use_triton(x, op="fp8_quantize"):
+    if use_triton_rows(x, x.shape[-1] if per_row else 1, "fp8_quantize"):
         return fp8_quantize_forward(x, dtype, per_row)
     return reference.fp8_quantize(x, dtype, per_row)
 

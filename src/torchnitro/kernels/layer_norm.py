@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float, check_last_dim
 from torchnitro.kernels._triton import LazyKernel, num_programs, row_config
-from torchnitro.kernels.dispatch import use_triton
+from torchnitro.kernels.dispatch import use_triton_rows
 
 try:
     import triton.language as tl
@@ -133,7 +133,7 @@ def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = No
     check_float("layer_norm", x=x, weight=weight, bias=bias)
     check_last_dim("layer_norm", "weight", weight, x.shape[-1])
     check_last_dim("layer_norm", "bias", bias, x.shape[-1])
-    if use_triton(x, op="layer_norm"):
+    if use_triton_rows(x, x.shape[-1], "layer_norm"):
         return LayerNormFunction.apply(x, weight, bias, float(eps))
     return reference.layer_norm(x, weight, bias, eps)
 

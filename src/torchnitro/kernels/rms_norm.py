@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float, check_last_dim, check_same_shape
 from torchnitro.kernels._triton import LazyKernel, num_programs, row_config
-from torchnitro.kernels.dispatch import use_triton
+from torchnitro.kernels.dispatch import use_triton_rows
 
 try:
     import triton.language as tl
@@ -134,7 +134,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float = 1e-6, residual: Tens
     check_last_dim("rms_norm", "weight", weight, x.shape[-1])
     if residual is not None:
         check_same_shape("rms_norm", ("x", "residual"), x, residual)
-    if use_triton(x, op="rms_norm"):
+    if use_triton_rows(x, x.shape[-1], "rms_norm"):
         return RMSNormFunction.apply(x, weight, float(eps), residual)
     return reference.rms_norm(x, weight, eps, residual)
 

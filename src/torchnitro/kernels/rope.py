@@ -27,22 +27,24 @@ __all__ = ["rope", "apply_rope", "rope_forward", "RopeFunction", "RotaryEmbeddin
 
 
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, T, sxb, sxh, sxt, scb, sct, HALF,
-                 SIGN: constexpr, BLOCK: constexpr):
-    pid = tl.program_id(0)  # one (b, h, t) row of D
+                 SIGN: constexpr, BLOCK_H: constexpr, BLOCK: constexpr):
+    pid = tl.program_id(0)  # one (b, t) position: cos/sin are read once and applied to every head
     t = pid % T
-    h = (pid // T) % H
-    b = pid // (T * H)
+    b = pid // T
     cols = tl.arange(0, BLOCK)
-    mask = cols < HALF
-    xb = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t.to(tl.int64) * sxt
+    cmask = cols < HALF
     cb = b.to(tl.int64) * scb + t.to(tl.int64) * sct
-    c = tl.load(cos_ptr + cb + cols, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + cb + cols, mask=mask, other=0.0).to(tl.float32) * SIGN
-    x1 = tl.load(xb + cols, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(xb + HALF + cols, mask=mask, other=0.0).to(tl.float32)
-    yb = y_ptr + pid.to(tl.int64) * (2 * HALF)
-    tl.store(yb + cols, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(yb + HALF + cols, (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=mask)
+    c = tl.load(cos_ptr + cb + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    s = (tl.load(sin_ptr + cb + cols, mask=cmask, other=0.0).to(tl.float32) * SIGN)[None, :]
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        m = (h[:, None] < H) & cmask[None, :]
+        xb = x_ptr + b.to(tl.int64) * sxb + h[:, None].to(tl.int64) * sxh + t.to(tl.int64) * sxt + cols[None, :]
+        x1 = tl.load(xb, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(xb + HALF, mask=m, other=0.0).to(tl.float32)
+        yb = y_ptr + ((b.to(tl.int64) * H + h[:, None]) * T + t) * (2 * HALF) + cols[None, :]  # (B, H, T, D)
+        tl.store(yb, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(yb + HALF, (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=m)
 
 
 _kernel = LazyKernel(_rope_kernel)
@@ -64,8 +66,10 @@ def rope_forward(x: Tensor, cos: Tensor, sin: Tensor, sign: int = 1) -> Tensor:
     c, s, scb, sct = _tables(cos, sin)
     y = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype)
     if y.numel():
-        _kernel[(B * H * T,)](x, c, s, y, H, T, x.stride(0), x.stride(1), x.stride(2), scb, sct, D // 2,
-                              SIGN=sign, BLOCK=next_pow2(D // 2))
+        block = next_pow2(D // 2)
+        block_h = min(next_pow2(H), max(1, 4096 // block))
+        _kernel[(B * T,)](x, c, s, y, H, T, x.stride(0), x.stride(1), x.stride(2), scb, sct, D // 2,
+                          SIGN=sign, BLOCK_H=block_h, BLOCK=block, num_warps=4 if block_h * block <= 2048 else 8)
     return y
 
 

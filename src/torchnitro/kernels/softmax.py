@@ -13,7 +13,7 @@ from torchnitro.errors import InputError
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float
 from torchnitro.kernels._triton import LazyKernel, row_config
-from torchnitro.kernels.dispatch import use_triton
+from torchnitro.kernels.dispatch import use_triton_rows
 
 try:
     import triton.language as tl
@@ -87,7 +87,7 @@ def softmax(x: Tensor, dim: int = -1) -> Tensor:
     check_float("softmax", x=x)
     if x.dim() == 0:
         raise InputError("softmax: received a 0-d tensor; expected at least 1 dim")
-    if use_triton(x, op="softmax"):
+    if use_triton_rows(x, x.shape[dim], "softmax"):
         d = dim % x.dim()
         if d != x.dim() - 1:
             return SoftmaxFunction.apply(x.movedim(d, -1)).movedim(-1, d)
