@@ -58,7 +58,8 @@ def _hf(name):
 
 
 EXPECTED = {
-    "llama": {"LlamaRMSNorm -> RMSNorm": 3, "LlamaMLP -> FusedGatedMLP": 1},
+    "llama": {"LlamaRMSNorm -> RMSNorm": 3, "LlamaMLP -> FusedGatedMLP": 1, "LlamaAttention(RoPE) -> fused RoPE": 1,
+              "LlamaForCausalLM.loss_function -> fused cross_entropy": 1},
     "bert": {"LayerNorm -> LayerNorm": 3, "BertIntermediate(Linear+GELU) -> FusedLinearGELU": 1},
     "gpt2": {"LayerNorm -> LayerNorm": 3, "GPT2MLP(Conv1D+GELU) -> FusedLinearGELU": 1},
 }
@@ -85,6 +86,27 @@ def test_patch_hf_models_keeps_outputs(name, backend, monkeypatch):
         model.set_attn_implementation("torchnitro")
         got = model(ids, attention_mask=mask)[0]
     torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_patched_llama_loss_and_generation_match(backend, monkeypatch):
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TORCHNITRO_KERNELS", backend)
+    model = _hf("llama").eval()
+    ids = torch.randint(0, 64, (1, 8))
+    labels = ids.clone()
+    labels[0, :2] = -100
+    with torch.no_grad():
+        ref = model(ids, labels=labels).loss
+        ref_gen = model.generate(ids[:, :4], attention_mask=torch.ones(1, 4, dtype=torch.long), max_new_tokens=3,
+                                 do_sample=False, pad_token_id=0)
+        patch_(model)
+        got = model(ids, labels=labels).loss
+        gen = model.generate(ids[:, :4], attention_mask=torch.ones(1, 4, dtype=torch.long), max_new_tokens=3,
+                             do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(gen, ref_gen)  # KV-cache decoding goes through the patched RoPE and attention
 
 
 def test_patch_plain_gelu_and_rejects_non_module(monkeypatch):

@@ -11,6 +11,8 @@ transformers is not imported unless the model comes from it):
 - HF attention (Llama, BERT, GPT-2, ...): the model's ``attn_implementation`` is set to ``"torchnitro"``,
   a registered attention function that runs flash attention when no explicit mask is needed and
   SDPA otherwise (padding masks, decoding with a cache offset, attention dropout in training)
+- HF ``LlamaAttention``: RoPE on the fused kernel (per-instance ``forward``)
+- HF causal LMs: ``loss_function`` on the fused cross-entropy (per instance)
 
 Parameters are shared, not copied: ``model.state_dict()`` keys and values are unchanged.
 """
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torchnitro.kernels._hf import patch_hf_causal_lm_loss, patch_hf_rope, route_hf_attention
 from torchnitro.kernels.flash_attention import flash_attention
 from torchnitro.kernels.gelu import GELU
 from torchnitro.kernels.layer_norm import LayerNorm
@@ -32,9 +35,7 @@ from torchnitro.kernels.rms_norm import RMSNorm
 from torchnitro.kernels.rope import rope
 from torchnitro.kernels.swiglu import swiglu
 
-__all__ = ["patch_", "PatchSummary", "HF_ATTENTION_NAME"]
-
-HF_ATTENTION_NAME = "torchnitro"
+__all__ = ["patch_", "PatchSummary"]
 
 
 @dataclass
@@ -125,41 +126,6 @@ class _FusedRefAttention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def _hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                  dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any):
-    """HF attention-interface function: flash attention when no explicit mask is needed, else SDPA."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    tq, tk = query.shape[2], key.shape[2]
-    simple = (attention_mask is None and not kwargs.get("output_attentions") and kwargs.get("softcap") is None
-              and (dropout == 0.0 or not module.training) and kwargs.get("position_bias") is None
-              and (tq == tk or tq == 1))
-    if not simple:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-    out = flash_attention(query, key, value, causal=bool(causal) and tq > 1, window=window, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None  # (B, T, H, D), no weights
-
-
-def _route_hf_attention(model: nn.Module, summary: PatchSummary) -> None:
-    cfg = getattr(model, "config", None)
-    if cfg is None or not hasattr(cfg, "_attn_implementation") or not hasattr(model, "set_attn_implementation"):
-        return
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(HF_ATTENTION_NAME, _hf_attention)
-    AttentionMaskInterface.register(HF_ATTENTION_NAME, sdpa_mask)  # padding masks still reach us (-> SDPA)
-    before = cfg._attn_implementation
-    model.set_attn_implementation(HF_ATTENTION_NAME)
-    summary.attention = f"HF attn_implementation {before!r} -> {HF_ATTENTION_NAME!r} (flash attention, SDPA for masks)"
-    if any(hasattr(m, "rotary_fn") or type(m).__name__.startswith(("Llama", "Mistral", "Qwen2"))
-           for m in model.modules()):
-        summary.notes.append("HF RoPE is applied inside the HF attention module and is left as is")
-
-
 def _replacement(name: str, m: nn.Module) -> nn.Module | None:
     cls = type(m).__name__
     if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
@@ -227,6 +193,14 @@ def patch_(model: nn.Module, attention: bool = True) -> PatchSummary:
             setattr(parent, child_name, new)
             summary.replaced[f"{type(child).__name__} -> {type(new).__name__.lstrip('_')}"] += 1
             summary.modules.append(f"{parent_name}.{child_name}" if parent_name else child_name)
+    for name, m in list(model.named_modules()):
+        if patch_hf_rope(m):
+            summary.replaced[f"{type(m).__name__}(RoPE) -> fused RoPE"] += 1
+            summary.modules.append(name)
+    if patch_hf_causal_lm_loss(model):
+        summary.replaced[f"{type(model).__name__}.loss_function -> fused cross_entropy"] += 1
+        summary.notes.append("the LM head still materialises the logits HF returns; for training loops that only "
+                             "need the loss, use kernels.fused_linear_cross_entropy(hidden, lm_head.weight, labels)")
     if attention:
-        _route_hf_attention(model, summary)
+        summary.attention = route_hf_attention(model)
     return summary
