@@ -15,10 +15,19 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
 
 __all__ = ["Raises", "Hangs", "HangsIsolated", "ExitsIsolated", "SegfaultIsolated", "Wrong", "ReusesBuffer",
-           "Faster", "Slower", "SlowModel", "tiny_model", "tiny_inputs"]
+           "Faster", "Slower", "SlowModel", "tiny_model", "tiny_inputs", "fast_config"]
+
+
+def fast_config(tmp_path, **kw) -> OptimizeConfig:
+    """Cheap timing so a search over tiny models takes seconds on 2 cores."""
+    base = dict(timing_min_iters=2, timing_min_time_s=0.01, final_min_iters=3, final_min_time_s=0.02,
+                progress=False, cache_dir=str(tmp_path / "cache"), candidate_timeout_s=60.0, held_out=2, threads=1)
+    base.update(kw)
+    return OptimizeConfig(**base)
 
 
 def tiny_model() -> nn.Module:

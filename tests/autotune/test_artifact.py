@@ -15,7 +15,7 @@ from torchnitro.errors import ArtifactError
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """One ONNX (standalone) and one dynamic-int8 (state dict + factory) artifact of the mlp."""
-    from conftest import fast_config
+    from fake_recipes import fast_config
 
     tmp = tmp_path_factory.mktemp("art")
     model, inputs, info = resolve_model("mlp", batch=4)

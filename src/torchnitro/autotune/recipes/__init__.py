@@ -1,12 +1,24 @@
 """Built-in recipes. Importing this package registers them all: every module in this folder is
-imported once, in name order, and registers its recipes with ``@register_recipe``."""
+imported once, in name order, and registers its recipes with ``@register_recipe``.
+
+A module that fails to import (a missing optional dependency, a broken install) costs only its own
+recipes: the failure is kept in ``BROKEN`` and reported with one warning, and the others still load.
+"""
 
 from __future__ import annotations
 
 import importlib
 import pkgutil
+import warnings
 
-__all__: list[str] = []
+__all__ = ["BROKEN"]
+
+BROKEN: dict[str, str] = {}  # module name -> why it failed to import
 
 for _info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-    importlib.import_module(f"{__name__}.{_info.name}")
+    try:
+        importlib.import_module(f"{__name__}.{_info.name}")
+    except Exception as _exc:  # noqa: BLE001 - one broken recipe module must not disable the others
+        BROKEN[_info.name] = f"{type(_exc).__name__}: {_exc}"
+        warnings.warn(f"recipe module {__name__}.{_info.name} failed to import ({BROKEN[_info.name]}); "
+                      "its recipes are unavailable", stacklevel=2)
