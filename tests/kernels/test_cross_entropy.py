@@ -50,3 +50,13 @@ def test_fused_linear_cross_entropy_gpu_bf16():
     t = torch.randint(0, 32000, (256,), device="cuda")
     check_against_reference(lambda a, b: fused_linear_cross_entropy(a, b, t),
                             lambda a, b: reference.fused_linear_cross_entropy(a, b, t), [x, w], torch.bfloat16)
+
+
+@pytest.mark.parametrize("accum", [None, torch.float32])
+def test_fused_linear_cross_entropy_fp16_grad_accumulation(triton_cpu, accum):
+    N, D, V = 12, 16, 40
+    x, w = torch.randn(N, D).half(), (torch.randn(V, D) / 4).half()
+    target = torch.randint(0, V, (N,))
+    check_against_reference(
+        lambda a, b: fused_linear_cross_entropy(a, b, target, chunk_size=4, grad_accum_dtype=accum),
+        lambda a, b: reference.fused_linear_cross_entropy(a, b, target), [x, w], torch.float16)

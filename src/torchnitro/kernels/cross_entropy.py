@@ -166,15 +166,16 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,  # type: ignore[override]
-                reduction: str, eps: float, chunk_size: int):
+                reduction: str, eps: float, chunk_size: int, accum_dtype: torch.dtype | None):
         N, D = x.shape
         V = weight.shape[0]
         n_valid = int((target != ignore_index).sum())
         factor = (1.0 / n_valid if n_valid else 0.0) if reduction == "mean" else 1.0
         need_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         dx = torch.empty_like(x) if need_grad else None
-        dw = torch.zeros(V, D, device=x.device, dtype=torch.float32) if weight.requires_grad else None
-        db = torch.zeros(V, device=x.device, dtype=torch.float32) if bias is not None and bias.requires_grad else None
+        acc = accum_dtype or weight.dtype  # weight dtype (Liger's choice) keeps dW at the size of W
+        dw = torch.zeros(V, D, device=x.device, dtype=acc) if weight.requires_grad else None
+        db = torch.zeros(V, device=x.device, dtype=acc) if bias is not None and bias.requires_grad else None
         total = torch.zeros((), device=x.device, dtype=torch.float32)
         scale = torch.full((1,), factor, device=x.device, dtype=torch.float32)
         for s in range(0, N, chunk_size):
@@ -188,9 +189,12 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 cross_entropy_backward(logits, tc, lse, scale, ignore_index, eps, out=logits)  # in place
                 dx[s:s + chunk_size] = logits @ weight
                 if dw is not None:
-                    dw.addmm_(logits.t().float(), xc.float())
+                    if dw.dtype == logits.dtype:
+                        dw.addmm_(logits.t(), xc)
+                    else:  # fp32 accumulation of low-precision chunks: one (V, D) temporary per chunk
+                        dw += (logits.t() @ xc).to(dw.dtype)
                 if db is not None:
-                    db += logits.float().sum(0)
+                    db += logits.sum(0, dtype=torch.float32).to(db.dtype)
         ctx.save_for_backward(dx, dw, db)
         ctx.has = (x.requires_grad, weight.requires_grad, db is not None)
         ctx.w_dtype = weight.dtype
@@ -206,7 +210,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         gx = dx * dout.to(dx.dtype) if hx else None
         gw = (dw * dout).to(ctx.w_dtype) if hw else None
         gb = (db * dout).to(ctx.w_dtype) if hb else None
-        return gx, gw, None, gb, None, None, None, None
+        return gx, gw, None, gb, None, None, None, None, None
 
 
 def _chunk_size(N: int, V: int) -> int:
@@ -216,11 +220,14 @@ def _chunk_size(N: int, V: int) -> int:
 
 def fused_linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
                                ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                               chunk_size: int | None = None) -> Tensor:
+                               chunk_size: int | None = None, grad_accum_dtype: torch.dtype | None = None
+                               ) -> Tensor:
     """cross_entropy(x @ weight.T + bias, target) without materialising the (N, V) logits.
 
     x (N, D), weight (V, D), target (N,). ``reduction`` is 'mean' or 'sum' (per-row losses need the
-    full logits' gradients, so 'none' is not supported by the fused path).
+    full logits' gradients, so 'none' is not supported by the fused path). dW accumulates over row
+    chunks in ``grad_accum_dtype`` (default: the weight's dtype; ``torch.float32`` is more exact for
+    bf16 weights and costs one (V, D) temporary per chunk).
     """
     check_float("fused_linear_cross_entropy", x=x, weight=weight, bias=bias)
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
@@ -235,7 +242,7 @@ def fused_linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: 
     if use_triton(x, op="fused_linear_cross_entropy"):
         cs = chunk_size or _chunk_size(x.shape[0], weight.shape[0])
         return FusedLinearCrossEntropyFunction.apply(x, weight, target, bias, ignore_index, reduction,
-                                                     float(label_smoothing), int(cs))
+                                                     float(label_smoothing), int(cs), grad_accum_dtype)
     return reference.fused_linear_cross_entropy(x, weight, target, bias, ignore_index, reduction, label_smoothing)
 
 
