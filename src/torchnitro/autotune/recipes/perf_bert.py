@@ -53,11 +53,10 @@ class _Layer(nn.Module):
         self.ffn_out = hf_layer.output.dense
         self.ln2 = hf_layer.output.LayerNorm
 
-    def forward(self, x: Tensor, idx: Tensor, key_mask: Tensor, b: int, t: int) -> Tensor:
-        n, d = x.shape  # (N, D) real tokens
-        qkv = self.qkv(x)  # (N, 3D)
-        padded = qkv.new_zeros(b * t, 3 * d)
-        padded[idx] = qkv
+    def forward(self, x: Tensor, idx: Tensor, key_mask: Tensor, padded: Tensor) -> Tensor:
+        d = x.shape[1]  # x: (N, D) real tokens
+        b, t = key_mask.shape[0], key_mask.shape[-1]
+        padded[idx] = self.qkv(x)  # (B*T, 3D); pad rows stay zero (finite keys, masked out)
         q, k, v = padded.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)  # (B, H, T, Dh)
         ctx = ctx.transpose(1, 2).reshape(b * t, d)[idx]  # (N, D)
@@ -87,8 +86,9 @@ class UnpaddedBert(nn.Module):
         x = self.word(input_ids.reshape(-1)[idx]) + self.pos(pos) + self.tok_type.weight[0]  # (N, D)
         x = self.ln_emb(x)
         key_mask = (attention_mask != 0).view(b, 1, 1, t)  # (B, 1, 1, T) True = attend
+        padded = x.new_zeros(b * t, 3 * x.shape[1])  # one zeroed buffer shared by every layer
         for layer in self.layers:
-            x = layer(x, idx, key_mask, b, t)
+            x = layer(x, idx, key_mask, padded)
         row = idx // t  # sentence of each real token
         summed = x.new_zeros(b, x.shape[1]).index_add_(0, row, x)  # (B, D)
         count = attention_mask.sum(1, keepdim=True).to(x.dtype).clamp(min=1e-9)  # (B, 1)

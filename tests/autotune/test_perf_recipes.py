@@ -1,0 +1,137 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from torchnitro.autotune.recipe import BuildContext, NumericClass, get_recipe  # noqa: E402
+from torchnitro.autotune.recipes.perf_bert import UnpaddedBert  # noqa: E402
+from torchnitro.autotune.recipes.perf_int8 import (SmoothedInt8Linear, int8_module, linear_names,  # noqa: E402
+                                                   plan_mixed_int8, quantize_linears, row_cosine)
+from torchnitro.errors import RecipeError  # noqa: E402
+from torchnitro.hardware import hardware_info  # noqa: E402
+from torchnitro.hf import bert_config, random_hf_model  # noqa: E402
+
+
+def _ragged(batch: int, seq: int, seed: int, vocab: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (batch, seq), generator=g)
+    lens = torch.randint(1, seq + 1, (batch,), generator=g)
+    lens[0] = 1  # a one-token sentence
+    lens[-1] = seq  # and a full one
+    mask = (torch.arange(seq)[None] < lens[:, None]).long()
+    return ids * mask, mask
+
+
+@pytest.fixture(scope="module")
+def tiny_bert() -> nn.Module:
+    return random_hf_model(bert_config())
+
+
+def _ctx(model: nn.Module, inputs, tmp_path) -> BuildContext:
+    return BuildContext(model=model, example_inputs=inputs, hardware=hardware_info(), device=torch.device("cpu"),
+                        workdir=tmp_path, dynamic_dims={0: [0, 1], 1: [0, 1]})
+
+
+@pytest.mark.parametrize("shape", [(4, 32), (5, 37)])
+def test_unpadded_bert_matches_eager(tiny_bert, shape):
+    fast = UnpaddedBert(tiny_bert).eval()
+    x = _ragged(*shape, seed=3)
+    with torch.inference_mode():
+        ref, out = tiny_bert(*x), fast(*x)
+    assert out.shape == ref.shape == (shape[0], 64)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)  # fp32: same math, reassociated
+
+
+def test_unpadded_bert_is_not_fooled_by_pad_token_values(tiny_bert):
+    fast = UnpaddedBert(tiny_bert).eval()
+    ids, mask = _ragged(3, 16, seed=4)
+    noisy = torch.where(mask.bool(), ids, torch.randint(1, 1024, ids.shape))  # garbage ids under the padding
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(noisy, mask), tiny_bert(ids, mask), rtol=1e-4, atol=1e-5)
+
+
+def test_smoothquant_beats_plain_int8_with_outlier_channels():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    x = torch.randn(256, 64)
+    x[:, :3] *= 60.0  # a few outlier input channels, as after GELU in transformers
+    scale = (x.abs().amax(0) ** 0.75 / lin.weight.abs().amax(0) ** 0.25).detach()
+    with torch.inference_mode():
+        ref = lin(x)
+        plain = int8_module(lin, None)(x)
+        smooth = SmoothedInt8Linear(lin, scale)(x)
+    err = lambda y: ((y - ref).norm() / ref.norm()).item()  # noqa: E731
+    assert err(smooth) < err(plain)
+    assert row_cosine(ref, smooth) > 0.99
+
+
+def test_row_cosine_is_worst_row():
+    ref = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    cand = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    assert row_cosine(ref, cand) == pytest.approx(2 ** -0.5)
+    assert row_cosine(ref, ref) == pytest.approx(1.0)
+
+
+def test_plan_keeps_sensitive_layers_until_target():
+    model = random_hf_model(bert_config(initializer_range=0.1), seed=1)
+    with torch.no_grad():  # activation outlier channels in layer 1's FFN, as trained transformers have
+        model.encoder.encoder.layer[1].intermediate.dense.weight[:4] *= 40.0
+    base = UnpaddedBert(model).eval()
+    calib = [_ragged(8, 32, seed=5)]
+    loose = plan_mixed_int8(base, calib, target=0.5, alpha=None)
+    assert loose["fp32"] == [] and len(loose["int8"]) == len(linear_names(base))
+    assert loose["cosine"] < 0.99
+    target = 1 - (1 - loose["cosine"]) / 10  # needs the outlier layer back in fp32
+    plan = plan_mixed_int8(base, calib, target=target, alpha=None, max_fp32_fraction=1.0)
+    assert plan["cosine"] >= target
+    assert plan["fp32"][0] == "layers.1.ffn_out"  # the most sensitive layer goes first
+    assert set(plan["fp32"]) | set(plan["int8"]) == set(linear_names(base))
+    with pytest.raises(RecipeError, match="kept in fp32"):
+        plan_mixed_int8(base, calib, target=1.0, alpha=None, max_fp32_fraction=0.1)
+    smooth = plan_mixed_int8(base, calib, target=0.5)  # SmoothQuant alone recovers most of the loss
+    assert smooth["cosine"] > loose["cosine"]
+
+
+def test_perf_recipes_registered_and_honest():
+    assert get_recipe("perf-bert-unpad").numeric_class is NumericClass.EXACT
+    assert get_recipe("perf-bert-unpad-int8").numeric_class is NumericClass.INT8
+    assert get_recipe("perf-int8-mixed").numeric_class is NumericClass.INT8
+    from torchnitro.nn.zoo import get_builtin
+
+    enc = get_builtin("encoder")
+    reason = get_recipe("perf-bert-unpad").inapplicable_reason(enc.build(), enc.inputs(2, 8, 0))
+    assert reason and "SentenceEncoder" in reason
+
+
+@pytest.mark.parametrize("name", ["perf-bert-unpad", "perf-bert-unpad-int8"])
+def test_build_verify_and_reload(tiny_bert, tmp_path, name):
+    recipe = get_recipe(name)
+    x = _ragged(8, 32, seed=6)
+    built = recipe.build(_ctx(tiny_bert, x, tmp_path))
+    held = _ragged(6, 24, seed=7)
+    with torch.inference_mode():
+        ref, out = tiny_bert(*held), built.fn(*held)
+        again = recipe.load(tmp_path, built.meta, tiny_bert)(*held)
+    floor = 0.99999 if recipe.numeric_class is NumericClass.EXACT else 0.98
+    assert row_cosine(ref, out) >= floor
+    torch.testing.assert_close(again, out)  # the artifact rebuilds the same variant
+    for f in built.files:
+        assert (tmp_path / f).is_file()
+
+
+def test_mixed_int8_generic_model(tmp_path):
+    from torchnitro.nn.zoo import get_builtin
+
+    mlp = get_builtin("mlp")
+    model, x = mlp.build(), mlp.inputs(16, 0, 0)
+    recipe = get_recipe("perf-int8-mixed")
+    ctx = BuildContext(model=model, example_inputs=x, hardware=hardware_info(), device=torch.device("cpu"),
+                       workdir=tmp_path, dynamic_dims={0: [0]})
+    built = recipe.build(ctx)
+    held = mlp.inputs(16, 0, 1)
+    with torch.inference_mode():
+        assert row_cosine(model(*held), built.fn(*held)) > 0.98
+        torch.testing.assert_close(recipe.load(tmp_path, built.meta, model)(*held), built.fn(*held))
