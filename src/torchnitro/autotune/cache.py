@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["model_hash", "make_key", "CandidateCache"]
+__all__ = ["model_hash", "make_key", "function_id", "CandidateCache"]
 
 
 def model_hash(model: nn.Module) -> str:
@@ -42,6 +42,16 @@ def model_hash(model: nn.Module) -> str:
         if flat.numel():
             h.update(flat.view(torch.uint8).numpy().tobytes() if flat.dtype != torch.bool else flat.numpy().tobytes())
     return h.hexdigest()
+
+
+def function_id(fn: Any) -> str | None:
+    """Identity of a user function for cache keys: name plus a hash of its bytecode and constants,
+    so two different lambdas do not share cached verdicts."""
+    if fn is None:
+        return None
+    code = getattr(fn, "__code__", None)
+    body = repr((code.co_code, code.co_consts, code.co_names)) if code is not None else repr(fn)
+    return f"{getattr(fn, '__qualname__', type(fn).__name__)}:{hashlib.sha256(body.encode()).hexdigest()[:12]}"
 
 
 def make_key(**parts: Any) -> str:

@@ -27,6 +27,12 @@ _OBJECTIVES = ("latency", "throughput")
 _PERCENTILES = ("p50", "p99")
 
 
+def _function_id(fn: Any) -> str | None:
+    from torchnitro.autotune.cache import function_id
+
+    return function_id(fn)
+
+
 def default_cache_dir() -> Path:
     """$TORCHNITRO_CACHE_DIR, else ~/.cache/torchnitro."""
     env = os.environ.get("TORCHNITRO_CACHE_DIR")
@@ -105,6 +111,6 @@ class OptimizeConfig:
             "recipes": self.recipes, "exclude": sorted(self.exclude), "objective": self.objective,
             "percentile": self.percentile, "tolerances": self.tolerances, "held_out": self.held_out,
             "dynamic_dims": self.dynamic_dims, "shapes": self.shapes, "device": self.device,
-            "metric": getattr(self.metric_fn, "__qualname__", None), "metric_threshold": self.metric_threshold,
+            "metric": _function_id(self.metric_fn), "metric_threshold": self.metric_threshold,
             "min_speedup": self.min_speedup, "threads": self.threads, "finalists": self.finalists,
         }

@@ -206,11 +206,14 @@ def _wait(proc: subprocess.Popen, started: Path, timeout_s: float) -> int | None
 def _child(ppath: str, rpath: str) -> None:
     import importlib.util
 
-    for name, path in json.loads(os.environ.get("TORCHNITRO_PRELOAD", "[]")):  # factories from .py files
-        spec = importlib.util.spec_from_file_location(name, path)
+    for name, path in json.loads(os.environ.get("TORCHNITRO_PRELOAD", "[]")):  # factories, the user's script
+        as_name = "__mp_main__" if name == "__main__" else name  # its __main__ block must not run again
+        spec = importlib.util.spec_from_file_location(as_name, path)
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules[name] = module
+        sys.modules[as_name] = module
         spec.loader.exec_module(module)  # type: ignore[union-attr]
+        if name == "__main__":
+            sys.modules["__main__"] = module
     payload = torch.load(ppath, weights_only=False)  # written by our own parent process, just now
     Path(payload["workdir"], "_started").touch()
     torch.set_num_threads(payload["threads"])

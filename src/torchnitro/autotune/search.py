@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
+from torchnitro.autotune.cache import CandidateCache, function_id, make_key, model_hash
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.evaluate import CandidateTimeout, Evaluation, evaluate, run_isolated, time_limit
 from torchnitro.autotune.inputs import ModelInfo, input_signature
@@ -60,6 +60,7 @@ class _Search:
         self.mhash = model_hash(model) if cfg.cache else ""
         self.fns: dict[str, Callable[..., Any]] = {}  # in-process candidates, kept for the final comparison
         self.where: dict[str, tuple[Path, dict[str, Any], list[str], bool]] = {}  # name -> dir, meta, files, standalone
+        self.notes: set[str] = set()
         self.timing = TimingConfig(warmup=1, warmup_s=0.0, min_iters=cfg.timing_min_iters,
                                    min_time_s=cfg.timing_min_time_s, max_time_s=max(2.0, cfg.timing_min_time_s * 4),
                                    device=device.type)
@@ -72,7 +73,7 @@ class _Search:
     def cand_key(self, r: Recipe) -> str:
         return make_key(**self.base_key(), recipe=r.name, cls=f"{type(r).__module__}.{type(r).__qualname__}",
                         tol=self.cfg.tolerance(r.numeric_class.value),
-                        metric=getattr(self.cfg.metric_fn, "__qualname__", None), thr=self.cfg.metric_threshold)
+                        metric=function_id(self.cfg.metric_fn), thr=self.cfg.metric_threshold)
 
     def ctx(self, r: Recipe) -> BuildContext:
         work = Path(self.tmp.name) / r.name
@@ -94,11 +95,16 @@ class _Search:
                 return res
         ctx = self.ctx(r)
         isolated = (r.isolate or self.cfg.isolate_all) and r.name != "eager"
+        preload = preload_modules(self.info, self.model)
+        if isolated and preload is None:
+            isolated = False
+            self.notes.add("the model's classes are defined interactively, so risky candidates ran in this process "
+                           "(no crash isolation); define the model in a .py file to isolate them")
         res.isolated = isolated
         try:
             if isolated:
                 ev = run_isolated(r, ctx, self.wl.held_out, self.wl.timing_sets, self.timing, self.wl.items_per_call,
-                                  limit_s, preload_modules(self.info))
+                                  limit_s, preload or [])
                 if isinstance(ev, str):
                     res.reason = ev
                     return res
@@ -186,6 +192,7 @@ def _run(s: _Search, recipes: list[Recipe], t_start: float) -> SearchOutcome:
             prog.step(r.name, advance=1)
         prog.step("comparing finalists with eager")
         chosen = _finalists(s, report)
+        report.notes.extend(sorted(s.notes))
     finally:
         prog.close()
     report.chosen = chosen.name

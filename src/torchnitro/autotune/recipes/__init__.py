@@ -15,10 +15,15 @@ __all__ = ["BROKEN"]
 
 BROKEN: dict[str, str] = {}  # module name -> why it failed to import
 
-for _info in sorted(pkgutil.iter_modules(__path__), key=lambda i: i.name):
-    try:
-        importlib.import_module(f"{__name__}.{_info.name}")
-    except Exception as _exc:  # noqa: BLE001 - one broken recipe module must not disable the others
-        BROKEN[_info.name] = f"{type(_exc).__name__}: {_exc}"
-        warnings.warn(f"recipe module {__name__}.{_info.name} failed to import ({BROKEN[_info.name]}); "
-                      "its recipes are unavailable", stacklevel=2)
+
+def _load_all(paths: list[str], package: str) -> None:
+    for info in sorted(pkgutil.iter_modules(paths), key=lambda i: i.name):
+        try:
+            importlib.import_module(f"{package}.{info.name}")
+        except Exception as exc:  # noqa: BLE001 - one broken recipe module must not disable the others
+            BROKEN[info.name] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"recipe module {package}.{info.name} failed to import ({BROKEN[info.name]}); "
+                          "its recipes are unavailable", stacklevel=2)
+
+
+_load_all(list(__path__), __name__)
