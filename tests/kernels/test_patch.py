@@ -117,3 +117,40 @@ def test_patch_plain_gelu_and_rejects_non_module(monkeypatch):
     assert summary.total == 2 and "GELU -> GELU" in summary.replaced
     with pytest.raises(InputError, match="expected a torch.nn.Module"):
         patch_(lambda x: x)
+
+
+def test_count_patchable_does_not_modify(monkeypatch):
+    from torchnitro.kernels.patch import count_patchable
+
+    model = _hf("gpt2")
+    before = [type(m).__name__ for m in model.modules()]
+    assert count_patchable(model) == 4  # 3 LayerNorms + 1 Conv1D+GELU MLP
+    assert [type(m).__name__ for m in model.modules()] == before
+    assert count_patchable(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())) == 0
+
+
+def test_patched_reference_lm_gradients_match(monkeypatch):
+    import copy
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "triton")
+    model = TransformerLM(TransformerConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, n_kv_heads=1))
+    patched = copy.deepcopy(model)
+    patch_(patched)
+    tokens = torch.randint(0, 64, (2, 10))
+    for m in (model, patched):
+        logits = m(tokens)
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 64), tokens[:, 1:].reshape(-1)).backward()
+    for (name, p), q in zip(model.named_parameters(), patched.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.gpu
+def test_patch_llama_bf16_gpu():
+    model = _hf("llama").cuda().to(torch.bfloat16).eval()
+    ids = torch.randint(0, 64, (2, 128), device="cuda")
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        patch_(model)
+        got = model(ids).logits.float()
+    assert (got - ref).abs().max() < 5e-2 * ref.abs().max()

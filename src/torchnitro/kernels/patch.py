@@ -35,7 +35,7 @@ from torchnitro.kernels.rms_norm import RMSNorm
 from torchnitro.kernels.rope import rope
 from torchnitro.kernels.swiglu import swiglu
 
-__all__ = ["patch_", "PatchSummary"]
+__all__ = ["patch_", "PatchSummary", "count_patchable"]
 
 
 @dataclass
@@ -153,19 +153,34 @@ def _replacement(name: str, m: nn.Module) -> nn.Module | None:
     return None
 
 
-def _fuse_linear_gelu(m: nn.Module) -> str | None:
-    """In-place fusion inside BERT intermediates and GPT-2 MLPs; returns the swap label or None."""
+def _fuse_linear_gelu(m: nn.Module, apply: bool = True) -> str | None:
+    """Fusion inside BERT intermediates and GPT-2 MLPs (in place when ``apply``); the swap label or None."""
     dense, act = getattr(m, "dense", None), getattr(m, "intermediate_act_fn", None)
     if isinstance(dense, nn.Linear) and act is not None and _gelu_kind(act) is not None:
-        m.dense = FusedLinearGELU.from_linear(dense, _gelu_kind(act))
-        m.intermediate_act_fn = nn.Identity()
+        if apply:
+            m.dense = FusedLinearGELU.from_linear(dense, _gelu_kind(act))
+            m.intermediate_act_fn = nn.Identity()
         return f"{type(m).__name__}(Linear+GELU) -> FusedLinearGELU"
     conv, act = getattr(m, "c_fc", None), getattr(m, "act", None)
     if type(conv).__name__ == "Conv1D" and act is not None and _gelu_kind(act) is not None:
-        m.c_fc = _Conv1DGELU(conv, _gelu_kind(act))
-        m.act = nn.Identity()
+        if apply:
+            m.c_fc = _Conv1DGELU(conv, _gelu_kind(act))
+            m.act = nn.Identity()
         return f"{type(m).__name__}(Conv1D+GELU) -> FusedLinearGELU"
     return None
+
+
+def count_patchable(model: nn.Module) -> int:
+    """How many submodules ``patch_`` would replace, without changing ``model``."""
+    n, absorbed = 0, set()
+    for m in model.modules():
+        if _fuse_linear_gelu(m, apply=False):
+            n += 1
+            absorbed.update(id(getattr(m, a)) for a in ("intermediate_act_fn", "act") if hasattr(m, a))
+    for name, m in model.named_modules():
+        if name and id(m) not in absorbed and _replacement(name, m) is not None:
+            n += 1
+    return n
 
 
 def patch_(model: nn.Module, attention: bool = True) -> PatchSummary:

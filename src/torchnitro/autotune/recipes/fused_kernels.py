@@ -35,12 +35,9 @@ class FusedKernelsRecipe(Recipe):
         return None
 
     def inapplicable_reason(self, model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
-        import copy
+        from torchnitro.kernels.patch import count_patchable
 
-        from torchnitro.kernels.patch import patch_
-
-        probe = copy.deepcopy(model)  # cheap for the test-sized models; the engine's copy stays untouched
-        if patch_(probe, attention=False).total == 0 and not hasattr(model, "set_attn_implementation"):
+        if count_patchable(model) == 0 and not hasattr(model, "set_attn_implementation"):
             return "no LayerNorm/RMSNorm/GELU/gated-MLP/attention modules that kernels.patch_ recognises"
         return None
 
