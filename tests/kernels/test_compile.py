@@ -7,7 +7,11 @@ with Triton's bundled ptxas catches those without a GPU.
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -82,26 +86,39 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("TRITON_CACHE_DIR", str(tmp_path_factory.mktemp("triton-cache")))
-    mp.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    mp.delenv("TRITON_INTERPRET", raising=False)
-    yield
-    mp.undo()
+def _compile_all() -> dict[str, str | None]:
+    """Compile every case; name -> None on success, else the error (run in a fresh process)."""
+    out: dict[str, str | None] = {}
+    for name, (fn, sig, consts) in CASES.items():
+        try:
+            src = ASTSource(triton.jit(fn), signature={**sig, **{k: C for k in consts}}, constexprs=consts)
+            k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+            out[name] = None if k.asm.get("cubin") else "no cubin produced"
+        except Exception as e:  # noqa: BLE001 - reported per kernel
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    # A fresh interpreter: Triton's interpreter patches triton.language while it runs, so compiling in
+    # a process that already interpreted kernels is not a faithful check.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton-cache")), TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=300)
+    if proc.returncode != 0:
+        pytest.fail(f"compile subprocess failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if all(err and "ptxas" in err and shutil.which("ptxas") is None and "not found" in err
+           for err in result.values()):
+        pytest.skip("Triton's bundled ptxas is unavailable here")
+    return result
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_kernel_compiles_for_sm90(name):
-    fn, sig, consts = CASES[name]
-    sig = {**sig, **{k: C for k in consts}}
-    src = ASTSource(triton.jit(fn), signature=sig, constexprs=consts)
-    try:
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
-    except RuntimeError as e:  # no ptxas / no CUDA toolchain bundled with this triton build
-        if shutil.which("ptxas") is None and "ptxas" in str(e):
-            pytest.skip(f"Triton's ptxas is unavailable here: {e}")
-        raise
-    assert len(k.asm["cubin"]) > 0
-    assert "ttir" in k.asm
+def test_kernel_compiles_for_sm90(compiled, name):
+    assert compiled[name] is None, compiled[name]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_compile_all()))

@@ -5,7 +5,8 @@
 Forward saves only O and the row log-sum-exp L. Backward recomputes P = exp(S - L):
     dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dO * O));  dQ = dS K * scale;  dK = dS^T Q * scale
 Masks: causal (top-left aligned, as SDPA's ``is_causal``), sliding window (|q - k| < window, and
-k <= q when causal); blocks wholly outside the mask are skipped. GQA/MQA: query head h reads K/V
+k <= q when causal); blocks wholly outside the mask are skipped and, in the forward, blocks wholly inside it run without
+masking. GQA/MQA: query head h reads K/V
 head h // (H / Hkv); dK/dV are formed per query head and summed over each group.
 """
 
@@ -63,11 +64,29 @@ def _fa_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, H, G, Tq, Tk, 
             hi = tl.minimum(Tk, (start_m + 1) * BLOCK_M + WINDOW - 1)
     if CAUSAL:
         hi = tl.minimum(Tk, (start_m + 1) * BLOCK_M)
-    for start_n in range(lo, hi, BLOCK_N):
+    mid = lo
+    if not HAS_WINDOW:
+        # key blocks wholly inside the mask (in range, and before this query block when causal) skip all masking
+        full = Tk // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            full = tl.minimum(full, start_m * BLOCK_M // BLOCK_N * BLOCK_N)
+        for start_n in range(0, full, BLOCK_N):
+            cols = start_n + offs_n
+            k = tl.load(k_base + cols[:, None] * skt + offs_d[None, :], mask=dmask[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + cols[:, None] * svt + offs_d[None, :], mask=dmask[None, :], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        mid = full
+    for start_n in range(mid, hi, BLOCK_N):  # boundary blocks: masked
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < Tk) & dmask[None, :]
         k = tl.load(k_base + cols[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         keep = (cols[None, :] < Tk) & (offs_m[:, None] >= 0)
         if CAUSAL:
             keep = keep & (cols[None, :] <= offs_m[:, None])
