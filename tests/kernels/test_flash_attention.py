@@ -23,6 +23,21 @@ def test_flash_attention_fp32_matches_sdpa(triton_cpu, B, H, Hkv, T, D, causal, 
                             torch.float32)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_cross_lengths_and_scale(triton_cpu, causal):
+    q, k, v = torch.randn(1, 2, 20, 32), torch.randn(1, 2, 33, 32), torch.randn(1, 2, 33, 32)
+    check_against_reference(lambda a, b, c: flash_attention(a, b, c, causal, scale=0.3),
+                            lambda a, b, c: reference.flash_attention(a, b, c, causal, scale=0.3), [q, k, v],
+                            torch.float32)
+
+
+def test_flash_attention_strided_inputs(triton_cpu):
+    x = torch.randn(2, 24, 3, 4, 32)  # (B, T, qkv, H, D) as a fused QKV projection lays it out
+    q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))  # (B, H, T, D) views, not contiguous
+    check_against_reference(lambda a, b, c: flash_attention(a, b, c, True),
+                            lambda a, b, c: reference.flash_attention(a, b, c, True), [q, k, v], torch.float32)
+
+
 def _err(fn, q, k, v, ref_out, ref_grads, dy):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out = fn(q, k, v)

@@ -341,8 +341,8 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, windo
     """
     _check(q, k, v, window)
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if q.shape[-1] <= 256 and q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 \
-            and use_triton(q, op="flash_attention"):
+    if q.shape[-1] <= 256 and use_triton(q, op="flash_attention"):
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # kernels need unit-stride D
         return FlashAttentionFunction.apply(q, k, v, causal, window, scale)
     return reference.flash_attention(q, k, v, causal, window, scale)
 
