@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torchnitro.errors import InputError
-from torchnitro.memory.planner import Budget
+from torchnitro.memory.planner import Budget, checkpoint_indices, plan
 
 __all__ = ["checkpoint_", "find_blocks", "selective_policy", "SAVE_OPS", "checkpointed_blocks"]
 
@@ -98,22 +98,18 @@ def checkpointed_blocks(model: nn.Module) -> list[int]:
 
 
 def _budget_count(model: nn.Module, n: int, fraction: float) -> int:
-    """How many of ``n`` blocks to checkpoint so activations fall to ``fraction`` of unchecked."""
-    keep_ratio = 0.0  # share of a block's activations a checkpointed block still holds (its input)
-    head_ratio = 0.0  # activations outside the blocks, relative to one block
-    cfg = getattr(model, "cfg", None)
-    try:
-        from torchnitro.memory.planner import plan
+    """How many of ``n`` blocks to checkpoint so activations fall to ``fraction`` of unchecked.
 
-        p = plan(cfg, batch=1, seq=min(128, cfg.max_seq_len))
-        layer = p.term("activations/layer")
-        keep_ratio = cfg.dim * min(128, cfg.max_seq_len) * 4 / layer
-        head_ratio = p.term("activations/head") / layer
-    except Exception:  # not a TransformerLM: assume activations are all in the blocks
-        pass
-    total = n + head_ratio
-    need = total * (1 - fraction) / max(1e-9, 1 - keep_ratio)
-    return min(n, max(0, math.ceil(need - 1e-9)))
+    For ``TransformerLM`` the planner decides (it knows the head's share and what a checkpointed
+    block still holds); for other models activations are assumed to live in the blocks.
+    """
+    from torchnitro.nn.models import TransformerConfig
+
+    cfg = getattr(model, "cfg", None)
+    if isinstance(cfg, TransformerConfig) and cfg.n_layers == n:
+        p = plan(cfg, batch=1, seq=min(128, cfg.max_seq_len), checkpointing=Budget(fraction))
+        return int(p.inputs["checkpointed_layers"])
+    return min(n, max(0, math.ceil(n * (1 - fraction) - 1e-9)))
 
 
 def _parse(policy: Any) -> tuple[str, int]:
@@ -144,16 +140,8 @@ def checkpoint_(model: nn.Module, policy: Any = "blocks", *, blocks: Sequence[nn
     if kind == "none":
         return model
     L = len(blist)
-    if kind == "blocks":
-        chosen = list(range(L))
-    elif kind == "selective":
-        chosen = list(range(L))
-    elif kind == "every_n":
-        chosen = [i for i in range(L) if (i + 1) % n == 0]
-    else:
-        k = _budget_count(model, L, policy.fraction)
-        chosen = sorted({int(round(j * L / k)) for j in range(k)}) if k else []
-        chosen = [min(i, L - 1) for i in chosen]
+    count = _budget_count(model, L, policy.fraction) if kind == "budget" else 0
+    chosen = checkpoint_indices(kind, L, n, count)
     ctx = functools.partial(create_selective_checkpoint_contexts, selective_policy) if kind == "selective" else None
     for i in chosen:
         _wrap(blist[i], ctx)

@@ -34,7 +34,7 @@ from typing import Any
 
 from torchnitro.errors import InputError
 
-__all__ = ["Budget", "MemoryPlan", "PlanTerm", "plan", "parse_dtype", "DTYPE_BYTES", "CHECKPOINT_POLICIES"]
+__all__ = ["Budget", "checkpoint_indices", "MemoryPlan", "PlanTerm", "plan", "parse_dtype", "DTYPE_BYTES", "CHECKPOINT_POLICIES"]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 _OPTIMIZER_STATE = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
@@ -133,26 +133,37 @@ def _shape(cfg: Any) -> dict[str, int]:
                 F=cfg.hidden_dim, S=cfg.max_seq_len, tied=int(cfg.tie_embeddings))
 
 
-def _groups(policy: Any, L: int) -> tuple[str, int, int]:
-    """Normalise a policy to (kind, checkpointed layers, layers recomputed at once)."""
+def _groups(policy: Any) -> tuple[str, int]:
+    """Normalise a policy to (kind, n) where n is the every_<n> period."""
     if policy in (None, "none"):
-        return "none", 0, 0
-    if policy == "blocks":
-        return "blocks", L, 1
+        return "none", 0
+    if policy in ("blocks", "selective"):
+        return policy, 1
     if isinstance(policy, str) and policy.startswith("every_"):
-        try:
-            n = int(policy.split("_", 1)[1])
-        except ValueError:
-            raise InputError(f"checkpointing: received {policy!r}, expected every_<n> with an integer n") from None
-        if n < 1:
-            raise InputError(f"checkpointing: received {policy!r}, expected every_<n> with n >= 1")
-        return "every_n", L // n, 1
-    if policy == "selective":
-        return "selective", L, 1
+        tail = policy[len("every_"):]
+        if not tail.isdigit() or int(tail) < 1:
+            raise InputError(f"checkpointing: received {policy!r}, expected every_<n> with an integer n >= 1")
+        return "every_n", int(tail)
     if isinstance(policy, Budget):
-        return "budget", -1, 1
+        return "budget", 1
     raise InputError(f"checkpointing: received {policy!r}, expected one of 'none', 'blocks', 'every_<n>', "
                      "'selective' or memory.Budget(fraction)")
+
+
+def checkpoint_indices(kind: str, n_layers: int, every: int = 1, count: int = 0) -> list[int]:
+    """Which block indices a policy checkpoints (shared by the planner and ``checkpoint_``).
+
+    blocks/selective: all; every_<n>: n-1, 2n-1, ... (torchtitan's layer-selective scheme);
+    budget: ``count`` blocks spread evenly from the first.
+    """
+    L = n_layers
+    if kind in ("blocks", "selective"):
+        return list(range(L))
+    if kind == "every_n":
+        return [i for i in range(L) if (i + 1) % every == 0]
+    if kind == "budget" and count > 0:
+        return sorted({min(L - 1, int(round(j * L / count))) for j in range(count)})
+    return []
 
 
 def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimizer: str = "adamw",
@@ -199,15 +210,27 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
     head = norm + 4 * BT * V  # final norm + fp32 log-softmax kept by cross-entropy
     logits = 4 * BT * V
 
-    kind, n_ck, group = _groups(checkpointing, L)
+    kind, every = _groups(checkpointing)
+    count = 0
     if kind == "budget":
         allowed = checkpointing.fraction * (L * layer + head)
         saving = layer - e * BT * D
-        n_ck = min(L, max(0, math.ceil((L * layer + head - allowed) / saving))) if saving > 0 else 0
-    if kind == "selective":
-        stored, recompute = L * sel_layer, layer - sel_layer
-    else:
-        stored, recompute = (L - n_ck) * layer + n_ck * e * BT * D, (layer * group if n_ck else 0)
+        count = min(L, max(0, math.ceil((L * layer + head - allowed) / saving - 1e-9))) if saving > 0 else 0
+    idx = checkpoint_indices(kind, L, every, count)
+    ck, n_ck = set(idx), len(idx)
+
+    def kept(j: int) -> int:  # what block j holds between forward and its backward
+        if kind == "selective":
+            return sel_layer
+        return e * BT * D if j in ck else layer
+
+    stored = sum(kept(j) for j in range(L))
+    recompute = (layer - sel_layer if kind == "selective" else layer) if idx else 0
+    # recomputing block i: blocks <= i still hold theirs, blocks > i have made their weight grads;
+    # plus the head's weight grad, dx of the block output and two BTF grads in its MLP backward
+    layer_grads = e * per_layer_params
+    rec_peak = max((sum(kept(j) for j in range(i + 1)) + recompute + layer_grads * (L - 1 - i)
+                    + e * V * D + e * BT * (D + 2 * F) for i in idx), default=0)
     acts = stored + head
 
     terms = [
@@ -227,9 +250,7 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
     phases = {
         "forward": base + acts + logits,
         "backward": base + max(acts + 2 * logits,
-                               # recomputing the last checkpointed block: head freed, head grad made,
-                               # dx of the block output plus two BTF grads inside its MLP backward
-                               stored + recompute + e * V * D + e * BT * (D + 2 * F) if recompute else 0,
+                               rec_peak,
                                P + (1 + s["tied"]) * e * V * D),  # end: grads + tied-embedding sum
         "optimizer": base + P + terms[-1].bytes if k_state or optimizer == "sgd" else base,
     }
