@@ -69,3 +69,18 @@ def test_block_rejects_unknown_options():
         tnn.TransformerBlock(dim=32, heads=4, mlp="relu")
     with pytest.raises(ConfigError, match="norm='batchnorm'"):
         tnn.TransformerBlock(dim=32, heads=4, norm="batchnorm")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_transformer_block_triton_matches_reference_on_gpu(dtype, monkeypatch):
+    blk = tnn.TransformerBlock(dim=256, heads=4, kv_heads=2, max_seq_len=512).cuda().to(dtype)
+    x = torch.randn(2, 300, 256, device="cuda", dtype=dtype, requires_grad=True)
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "reference")
+    ref = blk(x)
+    (gx_ref,) = torch.autograd.grad(ref.float().square().mean(), x)
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "triton")
+    out = blk(x)
+    (gx,) = torch.autograd.grad(out.float().square().mean(), x)
+    torch.testing.assert_close(out.float(), ref.float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(gx.float(), gx_ref.float(), atol=5e-2, rtol=5e-2)
