@@ -60,3 +60,18 @@ def test_fused_linear_cross_entropy_fp16_grad_accumulation(triton_cpu, accum):
     check_against_reference(
         lambda a, b: fused_linear_cross_entropy(a, b, target, chunk_size=4, grad_accum_dtype=accum),
         lambda a, b: reference.fused_linear_cross_entropy(a, b, target), [x, w], torch.float16)
+
+
+def test_loss_modules_match_torch(triton_cpu):
+    from torchnitro.kernels import CrossEntropyLoss, FusedLinearCrossEntropyLoss
+
+    x, w, t = torch.randn(10, 16), torch.randn(40, 16), torch.randint(0, 40, (10,))
+    ref = torch.nn.CrossEntropyLoss(label_smoothing=0.05)(x @ w.t(), t)
+    torch.testing.assert_close(CrossEntropyLoss(label_smoothing=0.05)(x @ w.t(), t), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(FusedLinearCrossEntropyLoss(label_smoothing=0.05, chunk_size=4)(x, w, t), ref,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_all_targets_ignored_gives_nan_like_torch(triton_cpu):
+    z, t = torch.randn(4, 9), torch.full((4,), -100)
+    assert torch.isnan(cross_entropy(z, t)) and torch.isnan(torch.nn.functional.cross_entropy(z, t))

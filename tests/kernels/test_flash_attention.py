@@ -89,3 +89,11 @@ def test_flash_attention_gpu(D, dtype, causal, window):
     ours = _err(lambda a, b, c: flash_attention(a, b, c, causal, window), *low, out32.detach(), grads32, dy)
     theirs = _err(lambda a, b, c: reference.flash_attention(a, b, c, causal, window), *low, out32.detach(), grads32, dy)
     assert torch.all(ours <= 2 * theirs + 1e-3), f"fused errors {ours.tolist()} vs reference {theirs.tolist()}"
+
+
+def test_flash_attention_module(triton_cpu):
+    from torchnitro.kernels import FlashAttention
+
+    q, k, v = torch.randn(1, 2, 12, 16), torch.randn(1, 1, 12, 16), torch.randn(1, 1, 12, 16)
+    torch.testing.assert_close(FlashAttention(causal=True, window=4)(q, k, v),
+                               reference.flash_attention(q, k, v, True, 4), atol=1e-5, rtol=1e-5)

@@ -25,3 +25,10 @@ def test_softmax_other_dim(triton_cpu):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_softmax_gpu(dtype):
     check_against_reference(softmax, reference.softmax, [torch.randn(5, 123, 123, device="cuda", dtype=dtype)], dtype)
+
+
+def test_softmax_module(triton_cpu):
+    from torchnitro.kernels import Softmax
+
+    x = torch.randn(3, 5, 7)
+    torch.testing.assert_close(Softmax(dim=1)(x), torch.softmax(x, 1), atol=1e-6, rtol=1e-5)

@@ -36,3 +36,12 @@ def test_glu_gpu(dtype):
     g, u = (torch.randn(5, 123, 123, device="cuda", dtype=dtype) for _ in range(2))
     check_against_reference(swiglu, reference.swiglu, [g, u], dtype)
     check_against_reference(geglu, reference.geglu, [g, u], dtype)
+
+
+def test_activation_modules(triton_cpu):
+    from torchnitro.kernels import GeGLUActivation, SwiGLUActivation
+
+    g, u = torch.randn(4, 9), torch.randn(4, 9)
+    torch.testing.assert_close(SwiGLUActivation()(g, u), torch.nn.functional.silu(g) * u, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(GeGLUActivation("tanh")(g, u), torch.nn.functional.gelu(g, approximate="tanh") * u,
+                               atol=1e-6, rtol=1e-5)
