@@ -88,6 +88,19 @@ def test_patch_hf_models_keeps_outputs(name, backend, monkeypatch):
     torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["Mistral", "Qwen2"])
+def test_patch_mistral_qwen2_rope_and_window(arch, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "triton")
+    cfg_cls, model_cls = getattr(transformers, f"{arch}Config"), getattr(transformers, f"{arch}ForCausalLM")
+    extra = {"use_sliding_window": True, "max_window_layers": 0} if arch == "Qwen2" else {}
+    cfg = cfg_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, sliding_window=4, **extra)
+    summary, before, after = _parity(model_cls(cfg), torch.randint(0, 64, (1, 10)))
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    assert summary.replaced[f"{arch}Attention(RoPE) -> fused RoPE"] == 1, str(summary)
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_patched_llama_loss_and_generation_match(backend, monkeypatch):
     if backend == "triton":

@@ -20,7 +20,8 @@ from torchnitro.kernels.rope import rope
 __all__ = ["HF_ATTENTION_NAME", "hf_attention", "route_hf_attention", "patch_hf_rope", "patch_hf_causal_lm_loss"]
 
 HF_ATTENTION_NAME = "torchnitro"
-_ROPE_CLASSES = ("LlamaAttention",)  # forward replicated exactly; others keep their own RoPE
+# attention classes whose forward is replicated exactly -> where their sliding window comes from
+_ROPE_CLASSES = {"LlamaAttention": None, "MistralAttention": "config", "Qwen2Attention": "module"}
 
 
 def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -40,6 +41,9 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if window is not None and tq != tk:  # decode step with a window: positions need the cache offset
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
     out = flash_attention(query, key, value, causal=bool(causal) and tq > 1, window=window, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
@@ -61,7 +65,7 @@ def route_hf_attention(model: nn.Module) -> str | None:
 
 def _llama_attention_forward(self: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],
                              attention_mask: Tensor | None = None, cache: Any = None, **kwargs: Any):
-    """LlamaAttention.forward with the rotary embedding on the fused kernel (same math, same outputs)."""
+    """Llama/Mistral/Qwen2 attention forward with RoPE on the fused kernel (same math, same outputs)."""
     cache = cache if cache is not None else kwargs.pop("past_key_values", None)
     cos, sin = position_embeddings  # (B, T, D): HF duplicates the D/2 angles, rotate_half pairing
     half = cos.shape[-1] // 2
@@ -81,6 +85,11 @@ def _llama_attention_forward(self: nn.Module, hidden_states: Tensor, position_em
     attn = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
     if attn is None:
         from transformers.models.llama.modeling_llama import eager_attention_forward as attn
+    source = _ROPE_CLASSES[type(self).__name__]
+    if source == "config":
+        kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
+    elif source == "module":
+        kwargs["sliding_window"] = self.sliding_window
     out, weights = attn(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
                         scaling=self.scaling, **kwargs)
     out = out.reshape(*input_shape, -1).contiguous()
@@ -88,7 +97,7 @@ def _llama_attention_forward(self: nn.Module, hidden_states: Tensor, position_em
 
 
 def patch_hf_rope(module: nn.Module) -> bool:
-    """Give an HF Llama attention module a forward with fused RoPE; True when it did."""
+    """Give an HF Llama/Mistral/Qwen2 attention module a forward with fused RoPE; True when it did."""
     if type(module).__name__ not in _ROPE_CLASSES or hasattr(module, "_torchnitro_original_forward"):
         return False
     if not all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "layer_idx")):

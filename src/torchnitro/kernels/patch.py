@@ -11,7 +11,7 @@ transformers is not imported unless the model comes from it):
 - HF attention (Llama, BERT, GPT-2, ...): the model's ``attn_implementation`` is set to ``"torchnitro"``,
   a registered attention function that runs flash attention when no explicit mask is needed and
   SDPA otherwise (padding masks, decoding with a cache offset, attention dropout in training)
-- HF ``LlamaAttention``: RoPE on the fused kernel (per-instance ``forward``)
+- HF Llama/Mistral/Qwen2 attention: RoPE on the fused kernel (per-instance ``forward``)
 - HF causal LMs: ``loss_function`` on the fused cross-entropy (per instance)
 
 Parameters are shared, not copied: ``model.state_dict()`` keys and values are unchanged.
