@@ -74,7 +74,7 @@ CASES = {
                     {**FA_CONST, "HAS_WINDOW": False, "BLOCK_M": 128}),
     "fa_bwd_pre": (flash_attention._fa_bwd_pre_kernel, dict(o_ptr=P16, do_ptr=P16, delta_ptr=P32, Tq=I32, D=I32),
                    dict(BLOCK_M=64, BLOCK_D=128)),
-    "fa_bwd_dkdv": (flash_attention._fa_bwd_dkdv_kernel, {**FA_BWD, "dk_ptr": P32, "dv_ptr": P32, **FA_TAIL},
+    "fa_bwd_dkdv": (flash_attention._fa_bwd_dkdv_kernel, {**FA_BWD, "dk_ptr": P16, "dv_ptr": P16, **FA_TAIL},
                     {**FA_CONST, "BLOCK_M": 32}),
     "fa_bwd_dq": (flash_attention._fa_bwd_dq_kernel, {**FA_BWD, "dq_ptr": P16, **FA_TAIL}, {**FA_CONST, "BLOCK_N": 32}),
     "linear_gelu": (linear_gelu._linear_gelu_kernel, dict(x_ptr=P16, w_ptr=P16, b_ptr=P16, y_ptr=P16, z_ptr=P16, M=I32,

@@ -5,9 +5,9 @@
 Forward saves only O and the row log-sum-exp L. Backward recomputes P = exp(S - L):
     dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dO * O));  dQ = dS K * scale;  dK = dS^T Q * scale
 Masks: causal (top-left aligned, as SDPA's ``is_causal``), sliding window (|q - k| < window, and
-k <= q when causal); blocks wholly outside the mask are skipped and, in the forward, blocks wholly inside it run without
-masking. GQA/MQA: query head h reads K/V
-head h // (H / Hkv); dK/dV are formed per query head and summed over each group.
+k <= q when causal); blocks wholly outside the mask are skipped and, in the forward, blocks wholly
+inside it run without masking. GQA/MQA: query head h reads K/V head h // (H / Hkv); in the backward each K/V block loops
+over the query heads of its group and accumulates dK/dV in registers (no per-query-head copies).
 """
 
 from __future__ import annotations
@@ -130,10 +130,10 @@ def _fa_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr,
                         CAUSAL: constexpr, HAS_WINDOW: constexpr, PREC: constexpr,
                         BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr):
     start_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    hk = h // G
+    bk = tl.program_id(1)  # (batch, K/V head): the G query heads sharing it accumulate into one dK/dV
+    Hkv = H // G
+    b = bk // Hkv
+    hk = bk % Hkv
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     dmask = offs_d < D
@@ -142,9 +142,6 @@ def _fa_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr,
                 mask=kv_mask, other=0.0)
     v = tl.load(v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh + offs_n[:, None] * svt + offs_d[None, :],
                 mask=kv_mask, other=0.0)
-    q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
-    do_base = do_ptr + bh.to(tl.int64) * Tq * D
-    row_base = bh.to(tl.int64) * Tq
     dk = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), tl.float32)
     qk_scale = sm_scale * 1.4426950408889634
@@ -156,27 +153,33 @@ def _fa_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr,
         hi = tl.minimum(Tq, (start_n + 1) * BLOCK_N + WINDOW - 1)
         if not CAUSAL:
             lo = tl.maximum(0, start_n * BLOCK_N - WINDOW + 1) // BLOCK_M * BLOCK_M
-    for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        qmask = (offs_m[:, None] < Tq) & dmask[None, :]
-        q = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :], mask=qmask, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
-        lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < Tq, other=0.0)
-        delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < Tq, other=0.0)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
-        keep = (offs_m[None, :] < Tq) & (offs_n[:, None] < Tk)
-        if CAUSAL:
-            keep = keep & (offs_n[:, None] <= offs_m[None, :])
-        if HAS_WINDOW:
-            keep = keep & (offs_m[None, :] - offs_n[:, None] < WINDOW)
-            if not CAUSAL:
-                keep = keep & (offs_n[:, None] - offs_m[None, :] < WINDOW)
-        p_t = tl.where(keep, tl.exp2(s_t - lse[None, :] * 1.4426950408889634), 0.0)
-        dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
-    out = bh.to(tl.int64) * Tk * D + offs_n[:, None] * D + offs_d[None, :]
+    for g in range(0, G):
+        h = hk * G + g
+        bh = b * H + h
+        q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        do_base = do_ptr + bh.to(tl.int64) * Tq * D
+        row_base = bh.to(tl.int64) * Tq
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            qmask = (offs_m[:, None] < Tq) & dmask[None, :]
+            q = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :], mask=qmask, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
+            lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < Tq, other=0.0)
+            delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < Tq, other=0.0)
+            s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
+            keep = (offs_m[None, :] < Tq) & (offs_n[:, None] < Tk)
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= offs_m[None, :])
+            if HAS_WINDOW:
+                keep = keep & (offs_m[None, :] - offs_n[:, None] < WINDOW)
+                if not CAUSAL:
+                    keep = keep & (offs_n[:, None] - offs_m[None, :] < WINDOW)
+            p_t = tl.where(keep, tl.exp2(s_t - lse[None, :] * 1.4426950408889634), 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+    out = bk.to(tl.int64) * Tk * D + offs_n[:, None] * D + offs_d[None, :]  # dK/dV are (B, Hkv, Tk, D)
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
 
@@ -285,20 +288,14 @@ def flash_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Ten
     delta = torch.empty_like(lse)
     _pre[(triton.cdiv(Tq, 64), B * H)](o, do, delta, Tq, D, BLOCK_M=64, BLOCK_D=bd)
     dq = torch.empty(B, H, Tq, D, device=q.device, dtype=q.dtype)
-    acc_dtype = k.dtype if G == 1 else torch.float32  # group sums in fp32
-    dk_h = torch.empty(B, H, Tk, D, device=q.device, dtype=acc_dtype)
-    dv_h = torch.empty_like(dk_h)
+    dk = torch.empty(B, Hkv, Tk, D, device=q.device, dtype=k.dtype)
+    dv = torch.empty_like(dk)
     common = dict(CAUSAL=causal, HAS_WINDOW=window is not None, PREC=_prec(q), BLOCK_D=bd)
     strides = (*_strides(q), *_strides(k), *_strides(v))
-    _bwd_kv[lambda meta: (triton.cdiv(Tk, meta["BLOCK_N"]), B * H)](
-        q, k, v, do, lse, delta, dk_h, dv_h, scale, H, G, Tq, Tk, D, window or 0, *strides, **common)
+    _bwd_kv[lambda meta: (triton.cdiv(Tk, meta["BLOCK_N"]), B * Hkv)](
+        q, k, v, do, lse, delta, dk, dv, scale, H, G, Tq, Tk, D, window or 0, *strides, **common)
     _bwd_q[lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]), B * H)](
         q, k, v, do, lse, delta, dq, scale, H, G, Tq, Tk, D, window or 0, *strides, **common)
-    if G > 1:
-        dk = dk_h.view(B, Hkv, G, Tk, D).sum(2).to(k.dtype)
-        dv = dv_h.view(B, Hkv, G, Tk, D).sum(2).to(v.dtype)
-    else:
-        dk, dv = dk_h, dv_h
     return dq, dk, dv
 
 
