@@ -5,8 +5,8 @@
 Forward saves only O and the row log-sum-exp L. Backward recomputes P = exp(S - L):
     dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dO * O));  dQ = dS K * scale;  dK = dS^T Q * scale
 Masks: causal (top-left aligned, as SDPA's ``is_causal``), sliding window (|q - k| < window, and
-k <= q when causal); blocks wholly outside the mask are skipped and, in the forward, blocks wholly
-inside it run without masking. GQA/MQA: query head h reads K/V head h // (H / Hkv); in the backward each K/V block loops
+k <= q when causal); blocks wholly outside the mask are skipped and, in the forward and dQ kernels,
+blocks wholly inside it run without masking. GQA/MQA: query head h reads K/V head h // (H / Hkv); in the backward each K/V block loops
 over the query heads of its group and accumulates dK/dV in registers (no per-query-head copies).
 """
 
@@ -202,7 +202,7 @@ def _fa_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, s
                 mask=qmask, other=0.0)
     row = bh.to(tl.int64) * Tq + offs_m
     do = tl.load(do_ptr + bh.to(tl.int64) * Tq * D + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
-    lse = tl.load(lse_ptr + row, mask=offs_m < Tq, other=0.0)
+    lse = tl.load(lse_ptr + row, mask=offs_m < Tq, other=float("inf"))
     delta = tl.load(delta_ptr + row, mask=offs_m < Tq, other=0.0)
     k_base = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
@@ -216,7 +216,21 @@ def _fa_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, s
             hi = tl.minimum(Tk, (start_m + 1) * BLOCK_M + WINDOW - 1)
     if CAUSAL:
         hi = tl.minimum(Tk, (start_m + 1) * BLOCK_M)
-    for start_n in range(lo, hi, BLOCK_N):
+    mid = lo
+    if not HAS_WINDOW:  # interior key blocks: no masking (rows past Tq have lse = +inf, so p = 0 there)
+        full = Tk // BLOCK_N * BLOCK_N
+        if CAUSAL:
+            full = tl.minimum(full, start_m * BLOCK_M // BLOCK_N * BLOCK_N)
+        for start_n in range(0, full, BLOCK_N):
+            cols = start_n + offs_n
+            k = tl.load(k_base + cols[:, None] * skt + offs_d[None, :], mask=dmask[None, :], other=0.0)
+            v = tl.load(v_base + cols[:, None] * svt + offs_d[None, :], mask=dmask[None, :], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            p = tl.exp2(s - lse[:, None] * 1.4426950408889634)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PREC)
+        mid = full
+    for start_n in range(mid, hi, BLOCK_N):  # boundary blocks: masked
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < Tk) & dmask[None, :]
         k = tl.load(k_base + cols[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
