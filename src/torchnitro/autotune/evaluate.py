@@ -24,10 +24,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from torchnitro.autotune.recipe import BuildContext, Built, Recipe
 from torchnitro.autotune.verify import collect

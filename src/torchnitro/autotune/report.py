@@ -96,7 +96,7 @@ class Report:
         return out
 
     def _footnotes(self) -> list[str]:
-        notes = ["~: estimate from the search timing; other speedups are interleaved with eager in one run"]
+        notes: list[str] = []
         for c in self.candidates:
             if c.reason and len(c.reason) > _WHY_WIDTH:
                 notes.append(f"{c.recipe}: {c.reason}")

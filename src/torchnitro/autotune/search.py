@@ -220,6 +220,9 @@ def _finalists(s: _Search, report: Report) -> Recipe:
     for c in verified:  # search-time estimate; finalists get the interleaved number below
         c.speedup = eager_res.p50_ms / c.p50_ms if c.p50_ms else None
     eager_res.speedup = 1.0
+    if verified:
+        report.notes.append(f"~: search-time estimate against eager's search-time p50 of {eager_res.p50_ms:.2f} ms "
+                            "(one short measurement each; unmarked speedups come from the interleaved comparison)")
     fns: dict[str, Callable[[], Any]] = {}
     sets = s.wl.timing_sets
     for c in verified[: cfg.finalists]:
