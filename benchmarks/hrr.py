@@ -251,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-time", type=float, default=5.0)
     p.add_argument("--cleanup-shape", nargs=3, type=int, default=[1000, 100_000, 1024], metavar=("Q", "N", "D"))
     p.add_argument("--gemm-iters", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.dims, args.batches, args.min_time, args.max_time = [64, 256], [1, 10], 0.02, 0.5
         args.cleanup_shape, args.gemm_iters = [50, 2000, 64], 3
@@ -271,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         "OPENBLAS_CORETYPE": os.environ.get("OPENBLAS_CORETYPE", "(unset)"),
         "torchhd": getattr(hd, "__version__", None) if hd is not None else "not installed (pip install torch-hd)",
         "python": platform.python_version(),
+        "load_average_at_start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
         "ops": f"superpose bundles {K_SUPERPOSE} vectors per output (normalized); cleanup is top-1 cosine "
                f"against {N_CODEBOOK} items; numpy runs on the CPU; timings are medians, ratios >1 mean "
                "torchnitro is faster",
@@ -289,7 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     cleanup = next(r for r in extra[0].rows if r["what"] == "torchnitro_cleanup")
     table.meta["cleanup vs GEMM"] = (f"{cleanup['pct_of_gemm_2048']:.0f}% of 2048^3 GEMM, "
                                      f"{cleanup['pct_of_same_shape_gemm']:.0f}% of the same-shape GEMM")
-    name = f"hrr_{device}" + ("_quick" if args.quick else "")
+    table.meta["load_average_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    name = f"hrr_{device}" + (f"_t{args.threads}" if args.threads is not None else "") + ("_quick" if args.quick else "")
     json_path, md_path = table.save(name)
     data = json.loads(json_path.read_text())
     data["sections"] = [t.to_json() for t in extra]

@@ -183,8 +183,11 @@ class ItemMemory:
         if device not in self._resident:
             free, _ = torch.cuda.mem_get_info(device)
             nbytes = self._unit.numel() * self._unit.element_size()
-            if nbytes > free // 2:
-                return self._unit.pin_memory() if not self._unit.is_pinned() else self._unit
+            if nbytes > free // 2:  # too big to keep there: stream chunks from pinned host memory
+                host = torch.device("cpu")
+                if host not in self._resident:
+                    self._resident[host] = self._unit.pin_memory()
+                return self._resident[host]
             self._resident[device] = to_device(self._unit, device)
         return self._resident[device]
 

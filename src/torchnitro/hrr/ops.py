@@ -133,7 +133,9 @@ def unitary(
 def bind(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Circular convolution ``(a * b)[i] = sum_j a[j] b[(i - j) mod d]``, broadcast over leading dims."""
     _check_pair(a, b)
-    return irfft(rfft(a) * rfft(b), a.shape[-1], a.dtype)
+    A, B = rfft(a), rfft(b)
+    spec = A.mul_(B) if A.shape == torch.broadcast_shapes(A.shape, B.shape) else A * B  # in place when shapes allow
+    return irfft(spec, a.shape[-1], a.dtype)
 
 
 def inverse(a: torch.Tensor) -> torch.Tensor:
@@ -161,7 +163,7 @@ def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution") -> torc
     _check_pair(c, a, ("c", "a"))
     C, A = rfft(c), rfft(a)
     if method == "involution":
-        spec = C * A.conj()
+        spec = C.mul_(A.conj()) if C.shape == torch.broadcast_shapes(C.shape, A.shape) else C * A.conj()
     elif method == "exact":
         spec = C * A.conj() / (A.real.square() + A.imag.square()).clamp_min(_EPS[A.real.dtype])
     elif method == "projected":
