@@ -58,3 +58,17 @@ def test_nondeterministic_candidate_rejected():
     ref = _refs(lambda a: a * 2, sets)
     res = judge(collect(lambda a: a * 2 + torch.randn_like(a) * 1e-2, sets), ref, {"cosine": 0.9})
     assert not res.passed and "disagree" in res.reason
+
+
+def test_one_bad_row_fails_the_cosine_gate():
+    x = torch.randn(64, 32)
+    sets = [(x,)]
+    ref = _refs(lambda a: a, sets)
+
+    def one_bad(a):
+        out = a.clone()
+        out[7] = -out[7]  # one sample flipped: whole-tensor cosine ~0.97, that row's cosine -1
+        return out
+
+    res = judge(collect(one_bad, sets), ref, {"cosine": 0.9})
+    assert not res.passed and res.min_cosine == pytest.approx(-1.0)

@@ -7,7 +7,8 @@ named tensors. Per output we compute
 * ``max_rel``  = max |ref - cand| / (|ref| + eps)      (reported; elementwise, so noisy near zero)
 * ``norm_rel`` = ||ref - cand||_2 / ||ref||_2           (the 'rel' the exact gate checks: fp32
   reassociation gives ~1e-7, a wrong kernel gives ~1)
-* ``cosine``   = cosine similarity of the flattened outputs (the reduced/int8 gate)
+* ``cosine``   = the worst cosine similarity over the output's rows (vectors along the last dim,
+  one per sample or token): the reduced/int8 gate, so one bad sample cannot hide in the batch
 
 With a user ``metric_fn(reference_outputs, candidate_outputs) -> float`` the metric (worst over the
 input sets, must be >= the threshold) decides instead of the class tolerance; the errors above are
@@ -82,13 +83,16 @@ class GateResult:
 
 
 def _cosine(a: Tensor, b: Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    na, nb = a.norm(), b.norm()
-    if na == 0 and nb == 0:
-        return 1.0
-    if na == 0 or nb == 0:
-        return 0.0
-    return float((a @ b) / (na * nb))
+    """Worst cosine over rows (vectors along the last dim: one per sample/token), so one bad sample
+    in a batch cannot hide behind the good ones; whole-tensor cosine for scalars and 1-D outputs."""
+    a, b = a.double(), b.double()
+    if a.dim() < 2 or a.shape[-1] < 2:
+        a, b = a.reshape(1, -1), b.reshape(1, -1)
+    a, b = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+    na, nb = a.norm(dim=1), b.norm(dim=1)
+    cos = (a * b).sum(dim=1) / (na * nb).clamp_min(1e-300)
+    cos = torch.where((na == 0) & (nb == 0), torch.ones_like(cos), cos)  # both zero: identical rows
+    return float(cos.min()) if cos.numel() else 1.0
 
 
 def compare_outputs(ref: list[tuple[str, Tensor]], cand: list[tuple[str, Tensor]]) -> list[OutputError] | str:
