@@ -5,8 +5,8 @@
 Forward saves only O and the row log-sum-exp L. Backward recomputes P = exp(S - L):
     dV = P^T dO;  dP = dO V^T;  dS = P * (dP - rowsum(dO * O));  dQ = dS K * scale;  dK = dS^T Q * scale
 Masks: causal (top-left aligned, as SDPA's ``is_causal``), sliding window (|q - k| < window, and
-k <= q when causal); blocks wholly outside the mask are skipped and, in the forward and dQ kernels,
-blocks wholly inside it run without masking. GQA/MQA: query head h reads K/V head h // (H / Hkv); in the backward each K/V block loops
+k <= q when causal); blocks wholly outside the mask are skipped and blocks wholly inside it run without
+masking. GQA/MQA: query head h reads K/V head h // (H / Hkv); in the backward each K/V block loops
 over the query heads of its group and accumulates dK/dV in registers (no per-query-head copies).
 """
 
@@ -153,6 +153,14 @@ def _fa_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr,
         hi = tl.minimum(Tq, (start_n + 1) * BLOCK_N + WINDOW - 1)
         if not CAUSAL:
             lo = tl.maximum(0, start_n * BLOCK_N - WINDOW + 1) // BLOCK_M * BLOCK_M
+    # q blocks [first_full, last_full) need no mask: whole blocks in range, and (causal) every query
+    # after every key of this block; the branch below is uniform per program, so it costs no divergence
+    first_full = lo
+    last_full = lo
+    if not HAS_WINDOW:
+        if CAUSAL:
+            first_full = (start_n * BLOCK_N + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        last_full = tl.where((start_n + 1) * BLOCK_N <= Tk, Tq // BLOCK_M * BLOCK_M, 0)
     for g in range(0, G):
         h = hk * G + g
         bh = b * H + h
@@ -164,17 +172,19 @@ def _fa_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr,
             qmask = (offs_m[:, None] < Tq) & dmask[None, :]
             q = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :], mask=qmask, other=0.0)
             do = tl.load(do_base + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
-            lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < Tq, other=0.0)
+            lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < Tq, other=float("inf"))
             delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < Tq, other=0.0)
             s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
-            keep = (offs_m[None, :] < Tq) & (offs_n[:, None] < Tk)
-            if CAUSAL:
-                keep = keep & (offs_n[:, None] <= offs_m[None, :])
-            if HAS_WINDOW:
-                keep = keep & (offs_m[None, :] - offs_n[:, None] < WINDOW)
-                if not CAUSAL:
-                    keep = keep & (offs_n[:, None] - offs_m[None, :] < WINDOW)
-            p_t = tl.where(keep, tl.exp2(s_t - lse[None, :] * 1.4426950408889634), 0.0)
+            p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
+            if (start_m < first_full) | (start_m >= last_full):
+                keep = (offs_m[None, :] < Tq) & (offs_n[:, None] < Tk)
+                if CAUSAL:
+                    keep = keep & (offs_n[:, None] <= offs_m[None, :])
+                if HAS_WINDOW:
+                    keep = keep & (offs_m[None, :] - offs_n[:, None] < WINDOW)
+                    if not CAUSAL:
+                        keep = keep & (offs_n[:, None] - offs_m[None, :] < WINDOW)
+                p_t = tl.where(keep, p_t, 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
             ds_t = p_t * (dp_t - delta[None, :])
