@@ -99,6 +99,7 @@ def test_perf_recipes_registered_and_honest():
     assert get_recipe("perf-bert-unpad").numeric_class is NumericClass.EXACT
     assert get_recipe("perf-bert-unpad-int8").numeric_class is NumericClass.INT8
     assert get_recipe("perf-int8-mixed").numeric_class is NumericClass.INT8
+    assert get_recipe("perf-bert-unpad-bf16").numeric_class is NumericClass.REDUCED
     from torchnitro.nn.zoo import get_builtin
 
     enc = get_builtin("encoder")
@@ -106,7 +107,7 @@ def test_perf_recipes_registered_and_honest():
     assert reason and "SentenceEncoder" in reason
 
 
-@pytest.mark.parametrize("name", ["perf-bert-unpad", "perf-bert-unpad-int8"])
+@pytest.mark.parametrize("name", ["perf-bert-unpad", "perf-bert-unpad-int8", "perf-bert-unpad-bf16"])
 def test_build_verify_and_reload(tiny_bert, tmp_path, name):
     recipe = get_recipe(name)
     x = _ragged(8, 32, seed=6)
@@ -115,7 +116,7 @@ def test_build_verify_and_reload(tiny_bert, tmp_path, name):
     with torch.inference_mode():
         ref, out = tiny_bert(*held), built.fn(*held)
         again = recipe.load(tmp_path, built.meta, tiny_bert)(*held)
-    floor = 0.99999 if recipe.numeric_class is NumericClass.EXACT else 0.98
+    floor = {NumericClass.EXACT: 0.99999, NumericClass.REDUCED: 0.999, NumericClass.INT8: 0.98}[recipe.numeric_class]
     assert row_cosine(ref, out) >= floor
     torch.testing.assert_close(again, out)  # the artifact rebuilds the same variant
     for f in built.files:

@@ -20,6 +20,7 @@ Applies to ``torchnitro.hf.SentenceEncoder`` around an HF ``BertModel`` with abs
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Callable
 
@@ -33,7 +34,7 @@ from torchnitro.autotune.recipes.perf_int8 import (calibration_inputs, int8_targ
                                                    save_scales)
 from torchnitro.errors import RecipeError
 
-__all__ = ["UnpaddedBert", "bert_inapplicable_reason", "UnpaddedBertRecipe", "UnpaddedBertInt8"]
+__all__ = ["UnpaddedBert", "bert_inapplicable_reason", "UnpaddedBertRecipe", "UnpaddedBertInt8", "UnpaddedBertBf16"]
 
 
 class _Layer(nn.Module):
@@ -89,6 +90,7 @@ class UnpaddedBert(nn.Module):
         padded = x.new_zeros(b * t, 3 * x.shape[1])  # one zeroed buffer shared by every layer
         for layer in self.layers:
             x = layer(x, idx, key_mask, padded)
+        x = x.float()  # pool in fp32 whatever the compute dtype
         row = idx // t  # sentence of each real token
         summed = x.new_zeros(b, x.shape[1]).index_add_(0, row, x)  # (B, D)
         count = attention_mask.sum(1, keepdim=True).to(x.dtype).clamp(min=1e-9)  # (B, 1)
@@ -164,3 +166,31 @@ class UnpaddedBertInt8(Recipe):
             raise RecipeError("perf-bert-unpad-int8 artifacts are rebuilt from the eager model; pass it to load()")
         base = UnpaddedBert(model.eval()).eval()
         return quantize_linears(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"))
+
+
+def _bf16(model: nn.Module) -> nn.Module:
+    return UnpaddedBert(copy.deepcopy(model).eval()).to(torch.bfloat16).eval()
+
+
+@register_recipe
+class UnpaddedBertBf16(Recipe):
+    name = "perf-bert-unpad-bf16"
+    numeric_class = NumericClass.REDUCED
+    description = "padding-free BERT with bf16 weights and activations (AVX512-BF16/AMX GEMMs), fp32 pooling"
+    order = 17
+
+    def unavailable_reason(self, hw: Any) -> str | None:
+        if not (hw.cpu_bf16 or hw.has_gpu):
+            return "the CPU has no native bf16 (avx512_bf16/amx_bf16); bf16 would be emulated and slower"
+        return None
+
+    def inapplicable_reason(self, model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
+        return bert_inapplicable_reason(model)
+
+    def build(self, ctx: BuildContext) -> Built:
+        return Built(fn=_bf16(ctx.model), notes="bf16 compute, fp32 mean pooling")
+
+    def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
+        if model is None:
+            raise RecipeError("perf-bert-unpad-bf16 artifacts are rebuilt from the eager model; pass it to load()")
+        return _bf16(model)

@@ -1,0 +1,176 @@
+"""Full ``torchnitro.optimize`` searches on CPU: built-in models and the real all-MiniLM-L6-v2.
+
+Run (one benchmark at a time on a shared machine)::
+
+    flock /tmp/torchnitro-bench.lock python benchmarks/optimize_cpu.py            # everything
+    flock /tmp/torchnitro-bench.lock python benchmarks/optimize_cpu.py --only minilm-b32
+
+For each workload: a full search (fresh cache directory), then the same call again (cached re-run),
+and a table of every candidate (status, p50/p99, speedup vs eager from the search's interleaved
+comparison, min cosine). For MiniLM the gate adds the issue's metric: the minimum cosine over
+sentence embeddings (``row_cosine``) must be >= 0.99. A last table times eager against the chosen
+MiniLM variant side by side on realistic sentences and on full-length (unpadded) text, since a
+padding-aware variant's speedup depends on how much of the batch is padding.
+
+Writes results/optimize_cpu.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from torchnitro.autotune.api import optimize
+from torchnitro.autotune.config import OptimizeConfig
+from torchnitro.autotune.inputs import resolve_model
+from torchnitro.autotune.recipes.perf_int8 import row_cosine
+from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir, save_plot
+from torchnitro.hardware import hardware_info
+
+# name -> (model spec, batch, seq, budget_s, MiniLM embedding gate)
+WORKLOADS = {
+    "minilm-b32": ("minilm", 32, 128, 140.0, True),
+    "minilm-b1": ("minilm", 1, 16, 100.0, True),
+    "encoder": ("encoder", 8, 128, 120.0, False),
+    "lm": ("lm", 4, 128, 120.0, False),
+    "cnn": ("cnn", 16, 0, 120.0, False),
+    "mlp": ("mlp", 64, 0, 90.0, False),
+}
+COLUMNS = ("workload", "recipe", "class", "status", "median ms", "p99 ms", "speedup", "min cosine", "build s", "why")
+
+
+def run(name: str, cache_root: Path) -> tuple[list[dict], dict, object, tuple]:
+    spec, batch, seq, budget, emb_gate = WORKLOADS[name]
+    model, inputs, info = resolve_model(spec, batch=batch, seq=seq)
+    cfg = OptimizeConfig(budget_s=budget, candidate_timeout_s=min(120.0, budget), cache_dir=str(cache_root / name),
+                         metric_fn=row_cosine if emb_gate else None, metric_threshold=0.99 if emb_gate else None,
+                         # the shared machine's load changes within seconds: re-time more of the verified
+                         # candidates interleaved with eager instead of trusting one search-time sample each
+                         finalists=6 if emb_gate else 3)
+    t0 = time.perf_counter()
+    opt = optimize(model, inputs, cfg, info=info)
+    full_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    again = optimize(model, inputs, cfg, info=info)
+    cached_s = time.perf_counter() - t0
+    rows = []
+    for c in opt.report.candidates:
+        cos = c.metric if emb_gate and c.metric is not None else c.min_cosine
+        rows.append({"workload": name, "recipe": c.recipe, "class": c.numeric_class, "status": c.status,
+                     "median ms": c.p50_ms, "p99 ms": c.p99_ms, "speedup": c.speedup, "min cosine": cos,
+                     "build s": c.build_s, "why": (c.reason or c.notes)[:90]})
+    summary = {"workload": name, "inputs": opt.report.inputs, "chosen": opt.recipe, "full_search_s": full_s,
+               "cached_rerun_s": cached_s, "cached_chosen": again.recipe,
+               "chosen_speedup": opt.report.get(opt.recipe).speedup, "objective": opt.report.objective}
+    return rows, summary, opt, (model, inputs)
+
+
+def _variants(opt: object, model: torch.nn.Module, x: tuple, cfg: OptimizeConfig) -> dict[str, object]:
+    """eager, the chosen variant, and the perf recipes built directly, to time side by side."""
+    from torchnitro.autotune.recipe import BuildContext, get_recipe
+
+    out: dict[str, object] = {"eager": model, f"chosen ({opt.recipe})": opt}
+    for name in ("perf-bert-unpad", "perf-bert-unpad-int8", "bf16"):
+        if name == opt.recipe:
+            continue
+        with tempfile.TemporaryDirectory() as wd:
+            ctx = BuildContext(model=copy.deepcopy(model), example_inputs=x, hardware=hardware_info(),
+                               device=torch.device("cpu"), workdir=Path(wd), dynamic_dims={0: [0, 1], 1: [0, 1]},
+                               config=cfg)
+            out[name] = get_recipe(name).build(ctx).fn
+    return out
+
+
+def padding_table(opt: object, model: torch.nn.Module) -> ResultTable:
+    """Eager vs the chosen MiniLM variant (and the perf recipes), interleaved in one run, on
+    realistic sentences and on full-length text."""
+    from torchnitro.hf import minilm_inputs, sample_sentences, tokenize
+
+    t = ResultTable("MiniLM b32x128: variants side by side (one interleaved run per input set)",
+                    ("inputs", "real tokens", "variant", "median ms", "p99 ms", "speedup", "min cosine (held-out)"))
+    full = lambda seed: tokenize(sample_sentences(32, seed, min_words=150, max_words=200), "minilm", 128)  # noqa: E731
+    sets = {"realistic sentences": (minilm_inputs(32, 128, 0), [minilm_inputs(32, 128, s) for s in (501, 502)]),
+            "full-length text": (full(0), [full(501), full(502)])}
+    cfg = TimingConfig(warmup=2, min_iters=10, min_time_s=4.0, max_time_s=60.0)
+    variants = _variants(opt, model, sets["realistic sentences"][0],
+                         OptimizeConfig(metric_fn=row_cosine, metric_threshold=0.99))
+    for label, (x, held) in sets.items():
+        with torch.inference_mode():
+            refs = [model(*h) for h in held]
+            cos = {n: min(row_cosine(r, f(*h)) for h, r in zip(held, refs)) for n, f in variants.items()}
+            res = compare({n: (lambda f=f: f(*x)) for n, f in variants.items()}, cfg, items_per_call=32)
+        real = f"{float(x[1].float().mean()):.0%}"
+        for v, tm in res.items():
+            t.add(**{"inputs": label, "real tokens": real, "variant": v, "median ms": tm.median * 1e3,
+                     "p99 ms": tm.p99 * 1e3, "speedup": res["eager"].median / tm.median,
+                     "min cosine (held-out)": cos[v]})
+    return t
+
+
+def plot(rows: list[dict], path_name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = sorted({r["workload"] for r in rows}, key=list(WORKLOADS).index)
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 4), squeeze=False)
+    for ax, n in zip(axes[0], names):
+        rs = [r for r in rows if r["workload"] == n and r["speedup"]]
+        colors = ["tab:green" if r["status"] == "chosen" else "tab:blue" if r["status"] == "verified" else "tab:red"
+                  for r in rs]
+        ax.barh([r["recipe"] for r in rs], [r["speedup"] for r in rs], color=colors)
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_title(n)
+        ax.set_xlabel("speedup vs eager (green chosen, red rejected)")
+    save_plot(fig, path_name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", choices=list(WORKLOADS), help="run only these workloads")
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    names = args.only or list(WORKLOADS)
+    hw = hardware_info()
+    machine = f"{hw.cpu_name}, {hw.cpu_cores} cores, flags {' '.join(hw.cpu_flags)}, torch {torch.__version__}"
+    all_rows, summaries, extra = [], [], None
+    with tempfile.TemporaryDirectory(prefix="torchnitro-bench-cache-") as cache_root:
+        for name in names:
+            rows, summary, opt, (model, _) = run(name, Path(cache_root))
+            all_rows += rows
+            summaries.append(summary)
+            print(json.dumps(summary))
+            if name == "minilm-b32":
+                extra = padding_table(opt, model)
+    table = ResultTable("torchnitro optimize on CPU: every candidate", COLUMNS, all_rows,
+                        meta={"machine": machine, "command": "flock /tmp/torchnitro-bench.lock python "
+                              "benchmarks/optimize_cpu.py" + (f" --only {' '.join(args.only)}" if args.only else ""),
+                              "gate (minilm)": "min cosine of sentence embeddings >= 0.99, plus the class gate"})
+    st = ResultTable("search time and chosen variant", ("workload", "inputs", "chosen", "chosen_speedup",
+                                                        "full_search_s", "cached_rerun_s", "cached_chosen"),
+                     [{k: s[k] for k in ("workload", "inputs", "chosen", "chosen_speedup", "full_search_s",
+                                         "cached_rerun_s", "cached_chosen")} for s in summaries],
+                     meta={"targets": "full search <= 180 s, cached re-run <= 20 s"})
+    d = results_dir()
+    table.save("optimize_cpu")
+    md = st.to_markdown() + "\n" + (extra.to_markdown() + "\n" if extra else "") + table.to_markdown()
+    (d / "optimize_cpu.md").write_text(md)
+    data = {"candidates": table.to_json(), "summary": st.to_json(), "padding": extra.to_json() if extra else None}
+    (d / "optimize_cpu.json").write_text(json.dumps(data, indent=2, default=str))
+    plot(all_rows, "optimize_cpu")
+    st.print()
+    if extra:
+        extra.print()
+    table.print()
+
+
+if __name__ == "__main__":
+    main()
