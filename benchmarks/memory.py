@@ -1,0 +1,240 @@
+"""Memory benchmark on the reference TransformerLM: checkpointing, planner, finder, FP8.
+
+    flock /tmp/torchnitro-bench.lock python benchmarks/memory.py [--quick]
+
+Writes results/memory_<device>.{json,md} and results/memory_<device>.png. Sections:
+
+1. activation memory (tracker, exact) and train-step time (bench.compare, interleaved) for each
+   checkpointing policy; targets: blocks >= 60% less activation memory at <= 30% extra time,
+   selective at least halfway between none and blocks in memory at <= 15% extra time;
+2. planner error against the tracker over a grid of configs x dtypes x policies (target: < 10%);
+3. batch-size finder vs the true limit under a byte budget (target: within one margin, in at most
+   2*log2(max_val) trials), from the planner's start and from 1;
+4. FP8 (Float8Linear on torch._scaled_mm) vs bf16 step time: GPU with capability >= 8.9 only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import platform
+import sys
+
+import torch
+import torch.nn.functional as F
+from rich.progress import track as progress
+
+from torchnitro.bench import ResultTable, TimingConfig, compare, save_plot
+from torchnitro.hardware import hardware_info
+from torchnitro.memory import checkpoint_, find_batch_size, plan, track
+from torchnitro.nn.models import TransformerConfig, TransformerLM
+from torchnitro.precision import scaled_mm_available, to_float8_
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_step(cfg: TransformerConfig, batch: int, seq: int, dtype: str = "fp32", policy: object = "none",
+              fp8: bool = False):
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).to(device=DEV, dtype=DT[dtype])
+    checkpoint_(model, policy)
+    if fp8:
+        to_float8_(model, "dynamic")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=DEV == "cuda")
+    x = torch.randint(0, cfg.vocab_size, (batch, seq), device=DEV)
+
+    def step() -> None:
+        F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, opt, step
+
+
+def tracked(cfg, batch, seq, dtype="fp32", policy="none"):
+    model, opt, step = make_step(cfg, batch, seq, dtype, policy)
+    step()
+    with track(model, opt) as t:
+        step()
+    return t.report()
+
+
+def checkpointing_section(cfg, batch, seq, tcfg, dtype):
+    policies = ["none", "selective", "every_2", "blocks"]
+    table = ResultTable(f"checkpointing policies ({dtype} TransformerLM D{cfg.dim} L{cfg.n_layers} "
+                        f"V{cfg.vocab_size}, batch {batch} x seq {seq}, AdamW train step)",
+                        ["policy", "activations MiB", "block activations MiB", "reduction", "peak MiB",
+                         "planned peak MiB", "step ms", "extra time", "cv"])
+    acts, peaks = {}, {}
+    for pol in progress(policies, description="tracking policies"):
+        r = tracked(cfg, batch, seq, dtype, pol)
+        acts[pol] = r.per_phase["forward"].by_category["activations"]
+        peaks[pol] = r.peak.bytes
+    head = plan(cfg, batch=batch, seq=seq, dtype=dtype).term("activations/head")
+    steps = {pol: make_step(cfg, batch, seq, dtype, pol)[2] for pol in policies}
+    times = compare(steps, tcfg, baseline="none")
+    rows = {}
+    for pol in policies:
+        block = acts[pol] - head
+        rows[pol] = dict(
+            policy=pol, **{"activations MiB": acts[pol] / 2**20, "block activations MiB": block / 2**20,
+                           "reduction": 1 - block / (acts["none"] - head), "peak MiB": peaks[pol] / 2**20,
+                           "planned peak MiB": plan(cfg, batch=batch, seq=seq, dtype=dtype,
+                                                    checkpointing=pol).peak_bytes / 2**20,
+                           "step ms": times[pol].median * 1e3,
+                           "extra time": times[pol].median / times["none"].median - 1, "cv": times[pol].cv})
+        table.add(**rows[pol])
+    b_none, b_blk = (acts["none"] - head), (acts["blocks"] - head)
+    sel = acts["selective"] - head
+    table.meta["targets"] = ("blocks: reduction >= 60% at extra time <= 30%; selective: block activations <= "
+                             "midpoint of none and blocks at extra time <= 15%")
+    table.meta["blocks met"] = rows["blocks"]["reduction"] >= 0.6 and rows["blocks"]["extra time"] <= 0.30
+    table.meta["selective met"] = sel <= (b_none + b_blk) / 2 and rows["selective"]["extra time"] <= 0.15
+    table.meta["selective position"] = f"{(b_none - sel) / (b_none - b_blk):.0%} of the way from none to blocks"
+    return table, rows
+
+
+GRID = [
+    (dict(vocab_size=2048, dim=256, n_layers=4, n_heads=4, max_seq_len=512), 4, 256),
+    (dict(vocab_size=2048, dim=128, n_layers=4, n_heads=4, max_seq_len=512), 4, 256),
+    (dict(vocab_size=8192, dim=256, n_layers=2, n_heads=4, max_seq_len=512), 2, 128),
+    (dict(vocab_size=1024, dim=192, n_layers=3, n_heads=6, n_kv_heads=2, max_seq_len=512), 3, 200),
+    (dict(vocab_size=4096, dim=96, n_layers=2, n_heads=3, max_seq_len=512), 1, 32),
+]
+
+
+def planner_section(quick: bool):
+    table = ResultTable("planner vs tracker (peak bytes of a steady-state AdamW step)",
+                        ["config", "dtype", "policy", "measured MiB", "planned MiB", "error", "phase"])
+    grid = GRID[1:3] if quick else GRID
+    cases = [(c, b, t, dt, pol) for c, b, t in grid for dt in ("fp32", "bf16")
+             for pol in ("none", "blocks", "selective", "every_2")]
+    worst = 0.0
+    for c, b, t, dt, pol in progress(cases, description="planner grid"):
+        cfg = TransformerConfig(**c)
+        r = tracked(cfg, b, t, dt, pol)
+        p = plan(cfg, batch=b, seq=t, dtype=dt, checkpointing=pol, foreach=DEV == "cuda")
+        err = p.peak_bytes / r.peak.bytes - 1
+        worst = max(worst, abs(err))
+        table.add(config=f"D{cfg.dim} L{cfg.n_layers} H{cfg.n_heads}/{cfg.kv_heads} V{cfg.vocab_size} B{b} T{t}",
+                  dtype=dt, policy=pol, **{"measured MiB": r.peak.bytes / 2**20, "planned MiB": p.peak_bytes / 2**20,
+                                           "error": err, "phase": f"{r.peak.phase}/{p.peak_phase}"})
+    table.meta["worst |error|"] = f"{worst:.1%} (target < 10%)"
+    return table, worst
+
+
+def finder_section(quick: bool):
+    cfg = TransformerConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, max_seq_len=64)
+    seq, max_val, margin = 32, 256, 0.05
+    model, opt, _ = make_step(cfg, 1, seq)
+    data = torch.randint(0, cfg.vocab_size, (max_val, seq), device=DEV)
+
+    def step(b: int) -> None:
+        F.cross_entropy(model(data[:b]).flatten(0, 1).float(), data[:b].flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def est(b: int) -> int:
+        return plan(cfg, batch=b, seq=seq).peak_bytes
+
+    table = ResultTable("batch-size finder vs true limit", ["budget MiB", "start", "mode", "found", "true limit",
+                                                            "within margin", "trials", "trial bound"])
+    budgets = [4, 8] if quick else [4, 8, 16]
+    for mib in progress(budgets, description="finder"):
+        budget = mib * 2**20
+        truth = find_batch_size(step, budget_bytes=budget, margin=1e-9, max_val=max_val, model=model,
+                                optimizer=opt).batch_size  # bisect to hi - lo == 1: the exact limit
+        for start, kw in (("planner", dict(estimate=est)), ("1", {})):
+            r = find_batch_size(step, budget_bytes=budget, margin=margin, max_val=max_val, model=model,
+                                optimizer=opt, **kw)
+            table.add(**{"budget MiB": mib, "start": f"{start} ({r.start})", "mode": "binsearch",
+                         "found": r.batch_size, "true limit": truth,
+                         "within margin": truth - r.batch_size <= max(1, margin * r.batch_size),
+                         "trials": r.n_trials, "trial bound": int(2 * math.log2(max_val))})
+    return table
+
+
+def fp8_section(tcfg):
+    table = ResultTable("FP8 vs bf16 train step", ["config", "bf16 ms", "fp8 ms", "speedup", "note"])
+    if not scaled_mm_available():
+        table.add(config="-", note="not measured: needs a CUDA GPU with capability >= 8.9 (H100); "
+                                   "this machine has none. The emulated path is for numerics, not speed.")
+        return table
+    for dim, L, B, T in ((2048, 4, 8, 1024), (4096, 2, 4, 1024)):
+        cfg = TransformerConfig(vocab_size=32768, dim=dim, n_layers=L, n_heads=dim // 128, max_seq_len=T)
+        _, _, bf = make_step(cfg, B, T, "bf16")
+        _, _, f8 = make_step(cfg, B, T, "bf16", fp8=True)
+        r = compare({"bf16": bf, "fp8": f8}, tcfg, baseline="bf16")
+        table.add(config=f"D{dim} L{L} B{B} T{T}", **{"bf16 ms": r["bf16"].median * 1e3,
+                                                      "fp8 ms": r["fp8"].median * 1e3,
+                                                      "speedup": r["bf16"].median / r["fp8"].median},
+                  note="Float8Linear dynamic scaling, torch._scaled_mm; lm_head in bf16")
+    return table
+
+
+def plot(rows_by_dtype, planner: ResultTable, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
+    ax = a1.twinx()
+    width = 0.4
+    for k, (dt, rows) in enumerate(rows_by_dtype.items()):
+        pols = list(rows)
+        xs = [i + (k - 0.5) * width for i in range(len(pols))]
+        a1.bar(xs, [rows[p]["block activations MiB"] for p in pols], width, label=f"{dt} memory")
+        ax.plot(xs, [rows[p]["extra time"] * 100 for p in pols], "o--", label=f"{dt} extra time")
+    a1.set_xticks(range(len(pols)), pols)
+    a1.set_ylabel("block activation memory (MiB)")
+    ax.set_ylabel("extra step time vs none (%)")
+    a1.legend(loc="upper center")
+    ax.legend(loc="upper right")
+    a1.set_title("checkpointing policies")
+    errs = [r["error"] * 100 for r in planner.rows]
+    a2.bar(range(len(errs)), errs, color=["tab:green" if abs(e) < 10 else "tab:red" for e in errs])
+    a2.axhline(10, ls="--", c="k")
+    a2.axhline(-10, ls="--", c="k")
+    a2.set_ylabel("planner error vs tracker (%)")
+    a2.set_xlabel("grid case")
+    a2.set_title("planner error")
+    save_plot(fig, name)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="smaller grid and shorter timing")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    tcfg = TimingConfig(min_iters=5, min_time_s=1.0, max_time_s=20.0) if args.quick else \
+        TimingConfig(min_iters=25, min_time_s=5.0, max_time_s=60.0)
+    hw = hardware_info()
+    machine = hw.gpu_name or f"{hw.cpu_name}, {hw.cpu_cores} cores, flags {' '.join(hw.cpu_flags)}"
+    cfg = TransformerConfig(vocab_size=2048, dim=256, n_layers=4, n_heads=4, max_seq_len=512)
+    ck32, rows32 = checkpointing_section(cfg, 4, 256, tcfg, "fp32")
+    ck16, rows16 = checkpointing_section(cfg, 4, 256, tcfg, "bf16")
+    pl, _ = planner_section(args.quick)
+    fi = finder_section(args.quick)
+    f8 = fp8_section(tcfg)
+    name = f"memory_{DEV}"
+    combined = ResultTable("memory benchmark", ["section"], meta={
+        "machine": machine, "torch": torch.__version__, "python": platform.python_version(),
+        "command": "flock /tmp/torchnitro-bench.lock python benchmarks/memory.py" + (" --quick" if args.quick else "")})
+    for t in (ck32, ck16, pl, fi, f8):
+        t.meta.setdefault("machine", machine)
+        t.print()
+    jp, mp = combined.save(name)
+    import json
+
+    jp.write_text(json.dumps({"meta": combined.meta, "sections": [t.to_json() for t in (ck32, ck16, pl, fi, f8)]},
+                             indent=2, default=str))
+    mp.write_text("\n".join([f"# memory benchmark ({DEV})", ""] + [f"- {k}: {v}" for k, v in combined.meta.items()]
+                            + [""] + [t.to_markdown() for t in (ck32, ck16, pl, fi, f8)]))
+    plot({"fp32": rows32, "bf16": rows16}, pl, name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
