@@ -27,8 +27,9 @@ def test_optimize_writes_artifact_and_prints_report(run, tmp_path):
                    "  final_min_iters: 3\n  final_min_time_s: 0.02\n  threads: 1\n")
     out = tmp_path / "opt"
     rc, stdout, err = run("optimize", "--model", "mlp", "--batch", "4", "--recipe", "torchscript", "--out", str(out),
-                          "--config", str(cfg))
+                          "--config", str(cfg), "--shape", "2")
     assert rc == 0, err
+    assert "float32[4x512] + float32[2x512]" in stdout
     assert "torchscript" in stdout and "eager" in stdout and "artifact written" in stdout
     assert (out / "manifest.json").is_file()
     rc, stdout, err = run("inspect", str(out))
@@ -47,7 +48,7 @@ def _factory(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["bad-input", "missing-path", "missing-hf", "unknown-recipe", "yaml-unknown",
-                                  "model-fails", "missing-config"])
+                                  "model-fails", "missing-config", "bad-shape"])
 def test_errors_are_one_paragraph_exit_2(run, tmp_path, case):
     f = _factory(tmp_path)
     args = {
@@ -58,11 +59,13 @@ def test_errors_are_one_paragraph_exit_2(run, tmp_path, case):
         "yaml-unknown": ["--config", str(tmp_path / "c.yaml")],
         "model-fails": ["--model", f"{f}:build", "--input", "2x5", "--recipe", "torchscript"],
         "missing-config": ["--config", str(tmp_path / "absent.yaml")],
+        "bad-shape": ["--model", "mlp", "--shape", "2x3x4"],
     }[case]
     (tmp_path / "c.yaml").write_text("version: 1\noptimize:\n  budgett: 3\n")
     expect = {"bad-input": "not an input spec", "missing-path": "does not exist", "missing-hf": "does not exist",
               "unknown-recipe": "unknown recipe 'turbo'", "yaml-unknown": "budgett",
-              "model-fails": "example inputs", "missing-config": "does not exist"}[case]
+              "model-fails": "example inputs", "missing-config": "does not exist",
+              "bad-shape": "BATCHxSEQ"}[case]
     rc, _, err = run("optimize", "--out", str(tmp_path / "o"), *args)
     assert rc == 2, err
     assert expect in err and "Traceback" not in err and "--debug" in err

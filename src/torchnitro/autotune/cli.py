@@ -31,6 +31,16 @@ def _config(path: Optional[Path], overrides: dict[str, Any]):
         raise ConfigError(f"options {sorted(changes)}: {exc}") from exc
 
 
+def _parse_shape(text: str) -> list[int]:
+    try:
+        dims = [int(d) for d in text.lower().split("x")]
+    except ValueError:
+        dims = []
+    if not dims or len(dims) > 2 or any(d < 1 for d in dims):
+        raise InputError(f"--shape {text!r}: expected BATCH or BATCHxSEQ with positive integers, e.g. '1x16' or '32'")
+    return dims
+
+
 def optimize_command(
     model: Optional[str] = typer.Option(None, "--model", "-m", help=_MODEL_HELP + " (default: encoder)"),
     input: List[str] = typer.Option([], "--input", "-i", help="input spec per model input, e.g. 32x128:int64"),
@@ -44,6 +54,8 @@ def optimize_command(
     exclude: List[str] = typer.Option([], "--exclude", "-x", help="never these recipes (repeatable)"),
     objective: Optional[str] = typer.Option(None, "--objective", help="latency or throughput"),
     percentile: Optional[str] = typer.Option(None, "--percentile", help="p50 or p99 (latency objective)"),
+    shape: List[str] = typer.Option([], "--shape", help="extra dynamic size to verify and time, BATCH or BATCHxSEQ "
+                                    "(repeatable), e.g. --shape 1x16 --shape 32x128"),
     no_cache: bool = typer.Option(False, "--no-cache", help="ignore and do not write the on-disk cache"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON instead of a table"),
 ) -> None:
@@ -56,7 +68,8 @@ def optimize_command(
     if batch is not None and batch < 1 or seq is not None and seq < 1:
         raise InputError(f"--batch {batch} --seq {seq}: expected positive integers")
     cfg = _config(config, {"budget_s": budget, "recipes": list(recipe) or None, "exclude": list(exclude),
-                           "objective": objective, "percentile": percentile, "cache": False if no_cache else None})
+                           "objective": objective, "percentile": percentile, "cache": False if no_cache else None,
+                           "shapes": [_parse_shape(s) for s in shape]})
     from torchnitro.autotune.workload import select_recipes
 
     select_recipes(cfg)  # unknown recipe names fail before any work
