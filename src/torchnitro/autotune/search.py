@@ -37,7 +37,7 @@ from torchnitro.hardware import hardware_info
 
 __all__ = ["search", "resolve_device"]
 
-_VERSION = "1"  # bump when the meaning of cached entries changes
+_VERSION = "2"  # bump when the meaning of cached entries changes (2: per-row cosine gate)
 
 
 def resolve_device(cfg: OptimizeConfig) -> torch.device:
