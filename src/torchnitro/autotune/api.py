@@ -133,11 +133,12 @@ def optimize(model: nn.Module | str, example_inputs: Any = None, config: Optimiz
 
 
 def _search_key(model: nn.Module, inputs: tuple[Any, ...], cfg: OptimizeConfig) -> str:
-    from torchnitro.autotune.search import _VERSION, resolve_device
+    from torchnitro.autotune.cache import CACHE_VERSION
+    from torchnitro.autotune.search import resolve_device
     from torchnitro.autotune.workload import select_recipes
     from torchnitro.hardware import hardware_info
 
-    return make_key(v=_VERSION, model=model_hash(model), inputs=input_signature(inputs), cfg=cfg.cache_key_fields(),
+    return make_key(v=CACHE_VERSION, model=model_hash(model), inputs=input_signature(inputs), cfg=cfg.cache_key_fields(),
                     recipes=[r.name for r in select_recipes(cfg)], hw=hardware_info().fingerprint,
                     device=str(resolve_device(cfg)), threads=cfg.resolved_threads())
 

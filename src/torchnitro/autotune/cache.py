@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["model_hash", "make_key", "function_id", "CandidateCache"]
+__all__ = ["CACHE_VERSION", "model_hash", "make_key", "function_id", "CandidateCache"]
+
+CACHE_VERSION = "2"  # bump when the meaning of cached entries changes (2: per-row cosine gate)
 
 
 def model_hash(model: nn.Module) -> str:

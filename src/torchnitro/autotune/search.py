@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from torchnitro.autotune.cache import CandidateCache, function_id, make_key, model_hash
+from torchnitro.autotune.cache import CACHE_VERSION, CandidateCache, function_id, make_key, model_hash
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.evaluate import CandidateTimeout, Evaluation, evaluate, run_isolated, time_limit
 from torchnitro.autotune.inputs import ModelInfo, input_signature
@@ -37,7 +37,6 @@ from torchnitro.hardware import hardware_info
 
 __all__ = ["search", "resolve_device"]
 
-_VERSION = "2"  # bump when the meaning of cached entries changes (2: per-row cosine gate)
 
 
 def resolve_device(cfg: OptimizeConfig) -> torch.device:
@@ -66,7 +65,7 @@ class _Search:
                                    device=device.type)
 
     def base_key(self) -> dict[str, Any]:
-        return {"v": _VERSION, "model": self.mhash, "inputs": [input_signature(s) for s in self.wl.timing_sets],
+        return {"v": CACHE_VERSION, "model": self.mhash, "inputs": [input_signature(s) for s in self.wl.timing_sets],
                 "held": [input_signature(h) for h in self.wl.held_out], "hw": self.hw.fingerprint,
                 "device": str(self.device), "threads": torch.get_num_threads(), "seed": self.cfg.seed}
 
