@@ -47,3 +47,15 @@ def test_cache_ignores_corrupt_entries(tmp_path):
     assert d is not None and c.get_candidate("k") is not None
     (d / "f.bin").unlink()
     assert c.get_candidate("k") is None  # a missing file is a miss, not a crash
+
+
+def test_cached_non_standalone_winner_saves_fp32_weights(fast_cfg, tmp_path):
+    """A cached re-run whose winner converts the model (dynamic int8) still saves the eager fp32 weights."""
+    model, inputs, info = resolve_model("mlp", batch=4)
+    cfg = fast_cfg(recipes=["dynamic-int8"], min_speedup=0.0)
+    first = torchnitro.optimize(model, inputs, cfg, info=info)
+    again = torchnitro.optimize(model, inputs, cfg, info=info)
+    assert again.report.cached and again.recipe == first.recipe == "dynamic-int8"
+    loaded = torchnitro.load(again.save(tmp_path / "a"))
+    x = torch.randn(2, 512)
+    torch.testing.assert_close(loaded(x), first(x), rtol=0, atol=0)
