@@ -211,7 +211,7 @@ def test_ragged_requests_are_padded_and_unpadded():
 
 
 def test_worker_crash_fails_its_batch_and_is_restarted():
-    cfg = BatchingConfig(max_batch_size=1, max_wait_ms=0)
+    cfg = BatchingConfig(max_batch_size=8192, max_wait_ms=0)
     with serving("torchnitro.serve.testing:affine", "affine", cfg, workers=2, threads=1) as (srv, base):
         c = httpx.Client(base_url=base, timeout=30)
         pids = set(srv.models["affine"].pool.pids)
@@ -231,3 +231,7 @@ def test_worker_crash_fails_its_batch_and_is_restarted():
         assert len(new_pids - pids) == 1 and len(new_pids) == 2
         results = _concurrent(base, [{"model": "affine", **req(i)} for i in range(6)])
         assert all(r.status_code == 200 for _, r in results)
+        # a reply larger than the pipe buffer (5000 x 4 floats) arrives whole
+        big = {"inputs": [{"name": "x", "shape": [5000, 4], "datatype": "FP32", "data": list(range(20000))}]}
+        r = c.post("/v2/models/affine/infer", json=big)
+        assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [2.0 * v + 1 for v in range(20000)]

@@ -8,7 +8,12 @@ grows with ``B``, so the best size is the largest one whose worst case fits the 
     wait + lat(B) (own batch) + lat(B) (the batch already running on a busy worker) <= target
 
 and the wait is the smaller of what the target leaves over and the time the arrival rate needs to
-fill ``B`` rows (waiting longer than that adds latency without adding rows). Before the first batch
+fill ``B`` rows (waiting longer than that adds latency without adding rows). That rate is measured
+on the wait windows themselves (rows that arrived while a batch waited, per second waited), because
+in a closed loop clients only send after their answer and the plain arrival rate overstates what
+waiting brings. When not even one more row is expected it does not wait, except for an occasional
+short probe window. A waiting batch also closes early once the queue has been quiet for 1.5 mean
+inter-arrival gaps: with a fixed client population, everyone who could join has joined. Before the first batch
 the policy uses the configured ``max_batch_size`` / ``max_wait_ms``; with one size seen it assumes
 cost proportional to rows, and refines as load varies the sizes it sees.
 """
@@ -87,6 +92,13 @@ class AdaptivePolicy:
         self.rate = 0.0  # arrivals (rows) per second, EWMA
         self._last_arrival: float | None = None
         self.choice = (config.max_batch_size, config.max_wait_ms / 1e3)
+        # what waiting actually bought: decayed sums of seconds waited and rows that arrived meanwhile.
+        # (In a closed loop the arrival rate says nothing about whether waiting brings company.)
+        self.waited_s = 0.0
+        self.gained_rows = 0.0
+        self._decisions = 0
+        self._last_gain = -1  # rows the last wait window gained (-1: none yet)
+        self.probe_every = 16  # with no evidence that waiting helps, still probe now and then
 
     def on_arrival(self, now: float, rows: int = 1) -> None:
         if self._last_arrival is not None:
@@ -98,6 +110,17 @@ class AdaptivePolicy:
     def on_batch(self, rows: int, seconds: float) -> None:
         self.curve.add(rows, seconds)
 
+    def on_window(self, waited_s: float, gained_rows: int) -> None:
+        """A batch waited ``waited_s`` for company and ``gained_rows`` arrived meanwhile."""
+        self.waited_s = 0.7 * self.waited_s + waited_s
+        self.gained_rows = 0.7 * self.gained_rows + gained_rows
+        self._last_gain = gained_rows
+
+    @property
+    def wait_rate(self) -> float:
+        """Rows gained per second of waiting (falls back to the arrival rate before any window)."""
+        return self.gained_rows / self.waited_s if self.waited_s > 1e-6 else self.rate
+
     def best_size(self) -> int:
         """Largest batch whose worst-case latency fits the target (at least 1)."""
         budget = self.target_s * self.headroom
@@ -107,19 +130,28 @@ class AdaptivePolicy:
                 best = b
         return best
 
+    def idle_gap(self) -> float:
+        """Close a waiting batch after this long without a new arrival (1.5 mean gaps, >= 0.5 ms)."""
+        return max(1.5 / self.rate, 5e-4) if self.rate > 0 else self.config.max_wait_ms / 1e3
+
     def choose(self, now: float) -> tuple[int, float]:
         if not self.curve.fitted:
             return self.config.max_batch_size, self.config.max_wait_ms / 1e3
         size = self.best_size()
         slack = max(self.target_s * self.headroom - 2 * self.curve.predict(size), 0.0)
-        fill = (size - 1) / self.rate if self.rate > 0 else 0.0
+        rate = self.wait_rate
+        fill = (size - 1) / rate if rate > 0 else 0.0
         wait = min(slack, fill, max(self.config.max_wait_ms, self.target_s * 1e3) / 1e3)
-        if not math.isfinite(wait):
-            wait = 0.0
+        self._decisions += 1
+        if not math.isfinite(wait) or rate * wait < 1.0 or self._last_gain == 0:
+            # not even one more row expected in the window: waiting only adds latency; but probe
+            # with a short window now and then, so a rise in load is noticed
+            probe = self._decisions % self.probe_every == 0
+            wait = min(slack, self.config.max_wait_ms / 1e3) if probe else 0.0
         self.choice = (size, wait)
         return self.choice
 
     def to_dict(self) -> dict[str, Any]:
         size, wait = self.choice
         return {"target_ms": self.target_s * 1e3, "batch_size": size, "wait_ms": wait * 1e3,
-                "arrival_rate_per_s": self.rate, "curve": self.curve.to_dict()}
+                "arrival_rate_per_s": self.rate, "rows_per_s_waited": self.wait_rate, "curve": self.curve.to_dict()}

@@ -300,10 +300,12 @@ class DynamicBatcher:
             self.observer.on_queue_depth(self._queue.live)
 
     # ------------------------------------------------------------------ batching
-    def _limits(self) -> tuple[int, float]:
+    def _limits(self) -> tuple[int, float, float | None]:
+        """(max rows, wait window, idle gap that closes the batch early or None)."""
         if self.adaptive is not None:
-            return self.adaptive.choose(self.clock())
-        return self.config.max_batch_size, self.config.max_wait_ms / 1e3
+            size, wait = self.adaptive.choose(self.clock())
+            return size, wait, self.adaptive.idle_gap()
+        return self.config.max_batch_size, self.config.max_wait_ms / 1e3, None
 
     async def _wait_for_work(self, timeout: float | None) -> None:
         assert self._wakeup is not None
@@ -324,10 +326,12 @@ class DynamicBatcher:
             if first is not None:
                 break
             await self._wait_for_work(None)
-        max_rows, wait_s = self._limits()
+        max_rows, wait_s, idle_s = self._limits()
         q.pop(first)
         batch, rows, bucket = [first], first.rows, first.bucket
         close_at = first.arrival + wait_s
+        waited, rows_before_wait = 0.0, None
+        last_add = self.clock()
         while rows < max_rows:
             r = q.best(self.clock(), bucket)
             if r is not None:
@@ -336,13 +340,22 @@ class DynamicBatcher:
                 q.pop(r)
                 batch.append(r)
                 rows += r.rows
+                last_add = self.clock()
                 continue
             remaining = close_at - self.clock()
+            if idle_s is not None:  # adaptive: a quiet queue means the clients are all in already
+                remaining = min(remaining, last_add + idle_s - self.clock())
             if remaining <= 0 or not self._accepting:
                 break
             if rows in self.config.preferred_batch_sizes and self._queue.live == 0:
                 break  # on a size the model likes and nothing else is waiting: go now
+            if rows_before_wait is None:
+                rows_before_wait = rows
+            t0 = self.clock()
             await self._wait_for_work(remaining)
+            waited += self.clock() - t0
+        if self.adaptive is not None and rows_before_wait is not None:
+            self.adaptive.on_window(waited, rows - rows_before_wait)
         self._observe_depth()
         return batch
 

@@ -177,6 +177,7 @@ class ProcessPool:
             if fut.done():
                 return
             try:
+                os.set_blocking(fd, True)  # uvloop leaves watched fds non-blocking; recv needs whole messages
                 fut.set_result(proc.conn.recv())
             except BaseException as exc:  # noqa: BLE001 - EOF means the process died
                 fut.set_exception(exc)

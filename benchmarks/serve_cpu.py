@@ -1,0 +1,337 @@
+"""Serving on CPU: dynamic batching vs no batching vs the offline ceiling vs LitServe, in one run.
+
+    flock /tmp/torchnitro-bench.lock python benchmarks/serve_cpu.py            # full run
+    python benchmarks/serve_cpu.py --quick                                       # smoke run
+
+For each model (all-MiniLM-L6-v2 with real weights, 32-token requests; the built-in ``mlp``):
+  1. offline: the model alone, batched, in this process (the ceiling), via torchnitro.bench.measure;
+  2. torchnitro server, max_batch_size=1 (no batching);
+  3. torchnitro server, dynamic batching (max_batch_size=32, max_wait_ms=5);
+  4. torchnitro server, adaptive batching (latency target);
+  5. LitServe with its own batching (max_batch_size=32, batch_timeout=5 ms) on the same model.
+Each server runs in its own process; the load generator (closed loop, keep-alive connections)
+runs here. Concurrency 32 for throughput, concurrency 1 for per-request overhead.
+Writes results/serve_cpu.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from torchnitro.bench import ResultTable, TimingConfig, measure, save_plot
+from torchnitro.serve.loadtest import HttpClient, LoadTarget, closed_loop, v2_target
+
+SEQ = {"minilm": 32, "mlp": 0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- LitServe side
+try:
+    import litserve as ls
+
+    class LitModelAPI(ls.LitAPI):
+        """The same built-in model behind LitServe, with LitServe's own batching."""
+
+        def __init__(self, model: str, threads: int, **kw: Any):
+            super().__init__(**kw)
+            self.model_name, self.threads = model, threads
+
+        def setup(self, device: str) -> None:
+            from torchnitro.nn.zoo import get_builtin
+
+            torch.set_num_threads(self.threads)
+            self.model = get_builtin(self.model_name).build().eval()
+
+        def decode_request(self, request):  # noqa: ANN001 - LitServe reads the annotation; none = JSON body
+            return [torch.tensor(t["data"], dtype=getattr(torch, t["dtype"])).view(t["shape"])
+                    for t in request["inputs"]]
+
+        def batch(self, inputs: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+            return [torch.cat([x[k] for x in inputs]) for k in range(len(inputs[0]))]
+
+        def predict(self, xs: list[torch.Tensor]) -> torch.Tensor:
+            with torch.inference_mode():
+                return self.model(*xs)
+
+        def unbatch(self, out: torch.Tensor) -> list[torch.Tensor]:
+            return list(out.split(1))
+
+        def encode_response(self, out: torch.Tensor) -> dict[str, Any]:
+            return {"output": out.reshape(-1).tolist(), "shape": list(out.shape)}
+except ImportError:  # the bench extra is not installed: the LitServe rows are skipped
+    ls = None
+
+
+def litserve_main(model: str, port: int, max_batch: int, timeout_s: float, threads: int) -> None:
+    api = LitModelAPI(model, threads, max_batch_size=max_batch, batch_timeout=timeout_s)
+    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60)
+    server.run(port=port, log_level="warning", generate_client_file=False)
+
+
+def litserve_target(v2: LoadTarget, url: str) -> LoadTarget:
+    dt = {"INT64": "int64", "FP32": "float32"}
+
+    def body(i: int) -> bytes:
+        req = json.loads(v2.body(i))
+        return json.dumps({"inputs": [{"data": t["data"], "shape": t["shape"], "dtype": dt[t["datatype"]]}
+                                      for t in req["inputs"]]}).encode()
+
+    bodies = [body(i) for i in range(64)]
+    return LoadTarget(url, "/predict", lambda i: bodies[i % 64], metrics_path=None)
+
+
+# ----------------------------------------------------------------------------- helpers
+def wait_ready(proc: subprocess.Popen, url: str, path: str, timeout_s: float = 180) -> None:
+    end = time.monotonic() + timeout_s
+
+    async def probe() -> int:
+        return (await HttpClient(url, 2).request("GET", path))[0]
+
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if asyncio.run(probe()) == 200:
+                return
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError, IndexError):
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"server at {url} not ready after {timeout_s} s")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+def metric_means(url: str, model: str) -> dict[str, float]:
+    async def get() -> str:
+        return (await HttpClient(url, 5).request("GET", "/metrics"))[1].decode()
+
+    out: dict[str, float] = {}
+    for line in asyncio.run(get()).splitlines():
+        if f'model="{model}"' not in line:
+            continue
+        for m in ("request_seconds", "compute_seconds", "batch_size"):
+            for kind in ("sum", "count"):
+                if line.startswith(f"torchnitro_{m}_{kind}"):
+                    out[f"{m}_{kind}"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def load(target: LoadTarget, conc: int, duration: float, warmup: float) -> Any:
+    async def main() -> Any:
+        await closed_loop(target, conc, warmup)
+        return await closed_loop(target, conc, duration)
+
+    return asyncio.run(main())
+
+
+def offline(model: str, batch_sizes: list[int], threads: int, quick: bool) -> dict[int, Any]:
+    from torchnitro.nn.zoo import get_builtin
+
+    torch.set_num_threads(threads)
+    b = get_builtin(model)
+    m = b.build().eval()
+    cfg = TimingConfig(min_time_s=0.5 if quick else 2.0, max_time_s=10.0)
+    out = {}
+    for bs in batch_sizes:
+        xs = b.inputs(bs, SEQ[model], 0) if SEQ[model] else b.inputs(bs, 0, 0)
+        if model == "minilm":  # same synthetic 32-token requests the servers get: no padding
+            xs = (torch.randint(1000, 2000, (bs, SEQ[model])), torch.ones(bs, SEQ[model], dtype=torch.int64))
+        with torch.inference_mode():
+            out[bs] = measure(lambda: m(*xs), cfg, items_per_call=bs)
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: dict[str, Any]) -> None:
+    threads = args.threads
+    dur, warm = args.duration, args.warmup
+    configs = [
+        ("no batching", ["--max-batch-size", "1", "--max-wait-ms", "0"]),
+        ("dynamic", ["--max-batch-size", "32", "--max-wait-ms", "5"]),
+        ("adaptive", ["--max-batch-size", "32", "--max-wait-ms", "5", "--adaptive", "--latency-target-ms",
+                      str(args.target_ms)]),
+    ]
+    res: dict[str, dict[int, Any]] = {}
+    server_side: dict[str, dict[str, float]] = {}
+    for label, flags in configs:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen([sys.executable, "-m", "torchnitro", "serve", model, "--port", str(port),
+                                 "--workers", str(args.workers), "--threads", str(threads), *flags],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            wait_ready(proc, url, "/v2/health/ready")
+            target = asyncio.run(v2_target(url, model, seq=SEQ[model] or 1))
+            res[label] = {}
+            before = metric_means(url, model)
+            res[label][1] = load(target, 1, dur, warm)
+            after = metric_means(url, model)
+            server_side[label] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+            res[label][args.concurrency] = load(target, args.concurrency, dur, warm)
+        finally:
+            stop(proc)
+    if not args.no_litserve and ls is not None:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen([sys.executable, __file__, "--litserve-server", model, "--port", str(port),
+                                 "--threads", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            wait_ready(proc, url, "/health")
+            v2 = asyncio.run(_v2_shape_only(model))
+            target = litserve_target(v2, url)
+            res["litserve"] = {1: load(target, 1, dur, warm), args.concurrency: load(target, args.concurrency, dur, warm)}
+        finally:
+            stop(proc)
+    mean_b = res["dynamic"][args.concurrency].mean_batch or 1.0
+    sizes = sorted({1, max(1, round(mean_b)), 32})
+    off = offline(model, sizes, threads, args.quick)
+    c = args.concurrency
+    unb = res["no batching"][c].throughput
+    for label, levels in res.items():
+        for conc, r in sorted(levels.items()):
+            table.add(model=model, config=label, concurrency=conc, throughput=r.throughput, p50_ms=r.p50_ms,
+                      p99_ms=r.p99_ms, mean_batch=r.mean_batch, errors=str(r.errors) if r.errors else "",
+                      vs_unbatched=r.throughput / unb if conc == c else None)
+    for bs, t in off.items():
+        table.add(model=model, config=f"offline batch {bs}", concurrency=None, throughput=t.throughput,
+                  p50_ms=t.median * 1e3, p99_ms=t.p99 * 1e3, mean_batch=bs, errors="", vs_unbatched=None)
+    dyn = res["dynamic"][c]
+    ceiling = off[max(1, round(mean_b))].throughput
+    summary: dict[str, Any] = {
+        "dynamic_vs_unbatched_c32": dyn.throughput / unb,
+        "dynamic_vs_offline_same_batch": dyn.throughput / ceiling,
+        "dynamic_mean_batch": mean_b,
+        "adaptive_vs_unbatched_c32": res["adaptive"][c].throughput / unb,
+        "offline_batch1_ms": off[1].median * 1e3,
+    }
+    for label in ("no batching", "adaptive"):
+        s = server_side[label]
+        if s.get("request_seconds_count"):
+            inside = s["request_seconds_sum"] / s["request_seconds_count"]
+            compute = s["compute_seconds_sum"] / max(s["compute_seconds_count"], 1)
+            summary[f"server_overhead_ms_{label.replace(' ', '_')}"] = (inside - compute) * 1e3
+        summary[f"client_p50_minus_model_ms_{label.replace(' ', '_')}"] = res[label][1].p50_ms - off[1].median * 1e3
+    if "litserve" in res:
+        lit = res["litserve"][c]
+        summary["dynamic_vs_litserve_c32"] = dyn.throughput / lit.throughput
+        summary["best_vs_litserve_c32"] = max(dyn.throughput, res["adaptive"][c].throughput) / lit.throughput
+        summary["p99_dynamic_ms"], summary["p99_litserve_ms"] = dyn.p99_ms, lit.p99_ms
+    raw[model] = {"summary": summary,
+                  "runs": {k: {str(n): r.to_dict() for n, r in v.items()} for k, v in res.items()},
+                  "offline": {str(k): v.to_dict() for k, v in off.items()}}
+
+
+async def _v2_shape_only(model: str) -> LoadTarget:
+    """v2-style request bodies without a server (for LitServe): same data the v2 servers get."""
+    from torchnitro.serve.loadtest import _fake_tensor
+    from torchnitro.serve.models import resolve_model
+
+    sig = resolve_model(model).signature
+    seq = SEQ[model] or 1
+    bodies = [json.dumps({"inputs": [_fake_tensor(s.to_dict(), 1, seq, i) for s in sig.inputs]}).encode()
+              for i in range(64)]
+    return LoadTarget("", "", lambda i: bodies[i % 64])
+
+
+def plot(raw: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(raw), figsize=(6 * len(raw), 4), squeeze=False)
+    for ax, (model, d) in zip(axes[0], raw.items()):
+        for label, levels in d["runs"].items():
+            pts = sorted((r["throughput"], r["p99_ms"]) for r in levels.values() if r["p99_ms"] is not None)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+        for bs, t in d["offline"].items():
+            ax.axvline(t["throughput_per_s"], ls=":", color="gray")
+            ax.text(t["throughput_per_s"], ax.get_ylim()[1] * 0.9, f"offline b{bs}", rotation=90, fontsize=7)
+        ax.set_xlabel("throughput (requests/s)")
+        ax.set_ylabel("p99 latency (ms)")
+        ax.set_yscale("log")
+        ax.set_title(f"{model}: concurrency 1 and 32")
+        ax.legend(fontsize=8)
+    save_plot(fig, "serve_cpu")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="minilm,mlp")
+    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target-ms", type=float, default=300.0)
+    ap.add_argument("--no-litserve", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--litserve-server")
+    ap.add_argument("--port", type=int, default=8000)
+    args = ap.parse_args()
+    if args.litserve_server:
+        litserve_main(args.litserve_server, args.port, 32, 0.005, args.threads)
+        return
+    if args.quick:
+        args.duration, args.warmup = 2.0, 0.5
+    from torchnitro.hardware import hardware_info
+
+    hw = hardware_info()
+    table = ResultTable("serve_cpu: requests/s and latency on this machine",
+                        ["model", "config", "concurrency", "throughput", "p50_ms", "p99_ms", "mean_batch",
+                         "errors", "vs_unbatched"],
+                        meta={"machine": f"{hw.cpu_name}, {hw.cpu_cores} cores, no GPU",
+                              "command": "flock /tmp/torchnitro-bench.lock python benchmarks/serve_cpu.py "
+                                         + " ".join(sys.argv[1:]),
+                              "workers": args.workers, "threads_per_worker": args.threads,
+                              "duration_s": args.duration, "concurrency": args.concurrency})
+    raw: dict[str, Any] = {}
+    models = args.models.split(",")
+    if "minilm" in models:
+        try:
+            import torchnitro.hf  # noqa: F401
+        except ImportError as exc:
+            table.meta["note"] = f"torchnitro.hf unavailable ({exc}); served the built-in encoder instead"
+            models = ["encoder" if m == "minilm" else m for m in models]
+            SEQ["encoder"] = 32
+    for model in models:
+        bench_model(model, args, table, raw)
+    for model, d in raw.items():
+        table.meta[f"summary {model}"] = json.dumps({k: round(v, 3) for k, v in d["summary"].items()})
+    table.print()
+    table.save("serve_cpu")
+    from torchnitro.bench.report import results_dir
+
+    (results_dir() / "serve_cpu_raw.json").write_text(json.dumps(raw, indent=2, default=str))
+    plot(raw)
+    for model, d in raw.items():
+        print(model, json.dumps(d["summary"], indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
