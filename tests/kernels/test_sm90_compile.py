@@ -22,6 +22,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 import importlib  # noqa: E402
 
+from torchnitro.kernels._triton import jit  # noqa: E402  (injects `tl` into the kernel's module)
+
 
 def _mod(name: str):
     # the package re-exports functions named like their modules (kernels.gelu is the function)
@@ -95,7 +97,7 @@ def _compile_all() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name, (fn, sig, consts) in CASES.items():
         try:
-            src = ASTSource(triton.jit(fn), signature={**sig, **{k: C for k in consts}}, constexprs=consts)
+            src = ASTSource(jit(fn), signature={**sig, **{k: C for k in consts}}, constexprs=consts)
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
             out[name] = None if k.asm.get("cubin") else "no cubin produced"
         except Exception as e:  # noqa: BLE001 - reported per kernel

@@ -12,16 +12,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 from typing import Any, Callable
 
-__all__ = ["triton_importable", "interpreting", "LazyKernel", "next_pow2", "num_programs", "row_config"]
+__all__ = ["triton_importable", "interpreting", "LazyKernel", "jit", "cdiv", "next_pow2", "num_programs",
+           "row_config"]
 
 
 @functools.lru_cache(maxsize=1)
 def triton_importable() -> bool:
     try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
+        _import_language()
     except Exception:
         return False
     return True
@@ -30,6 +31,38 @@ def triton_importable() -> bool:
 def interpreting() -> bool:
     """True when ``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors through the interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _import_language() -> Any:
+    """``triton.language``, imported in compiled mode even while ``TRITON_INTERPRET=1`` is set.
+
+    Triton builds its own ``@jit`` helpers (``tl.sum``, ...) for the mode in force at import. Building
+    them compiled keeps GPU launches working in a process that also interprets (the interpreter
+    gets interpreted twins per launch, see ``_interpretable_stdlib``).
+    """
+    if "triton.language" not in sys.modules:
+        saved = os.environ.pop("TRITON_INTERPRET", None)
+        try:
+            import triton.language  # noqa: F401
+        finally:
+            if saved is not None:
+                os.environ["TRITON_INTERPRET"] = saved
+    return sys.modules["triton.language"]
+
+
+def jit(fn: Callable[..., Any]) -> Any:
+    """``triton.jit(fn)`` after making ``tl`` visible to the kernel body (kernel modules do not import
+    triton at import time)."""
+    tl = _import_language()
+    import triton
+
+    fn.__globals__.setdefault("tl", tl)
+    fn.__globals__.setdefault("constexpr", tl.constexpr)
+    return triton.jit(fn)
 
 
 def next_pow2(n: int) -> int:
@@ -95,11 +128,13 @@ def _interpretable_stdlib():
 class LazyKernel:
     """A Triton kernel jitted on first launch, per interpreter mode.
 
-    ``configs`` (a list of ``triton.Config``) with ``key`` turns on ``@triton.autotune`` on GPU;
+    ``configs`` (a function returning ``triton.Config`` objects) with ``key`` turns on
+    ``@triton.autotune`` on GPU;
     when interpreting, ``interpret_kwargs`` (default ``configs[0]``) is applied directly instead.
     """
 
-    def __init__(self, fn: Callable[..., Any], configs: list[Any] | None = None, key: list[str] | None = None,
+    def __init__(self, fn: Callable[..., Any], configs: Callable[[], list[Any]] | None = None,
+                 key: list[str] | None = None,
                  reset_to_zero: list[str] | None = None, interpret_kwargs: dict[str, Any] | None = None):
         self.fn = fn
         self.interpret_kwargs = interpret_kwargs
@@ -115,9 +150,9 @@ class LazyKernel:
         if k is None:
             import triton
 
-            k = triton.jit(self.fn)
+            k = jit(self.fn)
             if self.configs and not mode:
-                k = triton.autotune(configs=self.configs, key=self.key, reset_to_zero=self.reset_to_zero)(k)
+                k = triton.autotune(configs=self.configs(), key=self.key, reset_to_zero=self.reset_to_zero)(k)
             self._built[mode] = k
         return k
 
@@ -125,7 +160,7 @@ class LazyKernel:
         kernel = self._kernel()
         if not interpreting():
             return kernel[grid]
-        fixed = (self.interpret_kwargs if self.interpret_kwargs is not None else self.configs[0].kwargs) \
+        fixed = (self.interpret_kwargs if self.interpret_kwargs is not None else self.configs()[0].kwargs) \
             if self.configs else {}
 
         def launch(*args: Any, **kwargs: Any) -> Any:

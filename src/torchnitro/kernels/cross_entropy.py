@@ -11,6 +11,8 @@ dW (the Liger-Kernel FLCE scheme), so peak extra memory is one (chunk, V) block.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import math
 
 import torch
@@ -22,11 +24,9 @@ from torchnitro.kernels._common import check_float
 from torchnitro.kernels._triton import LazyKernel, next_pow2
 from torchnitro.kernels.dispatch import use_triton
 
-try:
+if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
-except Exception:  # pragma: no cover
-    tl = constexpr = None  # type: ignore[assignment]
 
 __all__ = [
     "cross_entropy", "CrossEntropyLoss", "cross_entropy_forward", "cross_entropy_backward",

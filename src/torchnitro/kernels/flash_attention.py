@@ -12,6 +12,8 @@ over the query heads of its group and accumulates dK/dV in registers (no per-que
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable
+
 import math
 
 import torch
@@ -20,15 +22,12 @@ from torch import Tensor, nn
 from torchnitro.errors import InputError, ShapeError
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float
-from torchnitro.kernels._triton import LazyKernel, next_pow2
+from torchnitro.kernels._triton import LazyKernel, cdiv, next_pow2
 from torchnitro.kernels.dispatch import use_triton
 
-try:
-    import triton
+if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
-except Exception:  # pragma: no cover
-    triton = tl = constexpr = None  # type: ignore[assignment]
 
 __all__ = ["flash_attention", "FlashAttention", "flash_attention_forward", "flash_attention_backward",
            "FlashAttentionFunction"]
@@ -261,10 +260,14 @@ def _fa_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, s
              (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=qmask)
 
 
-def _configs(pairs: list[tuple[int, int, int, int]]) -> list | None:
-    if triton is None:
-        return None
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
+def _configs(pairs: list[tuple[int, int, int, int]]) -> Callable[[], list]:
+    """Autotune configs, built on first use (so triton is imported only when a kernel runs)."""
+    def make() -> list:
+        import triton
+
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
+
+    return make
 
 
 _SMALL = {"BLOCK_M": 16, "BLOCK_N": 16}  # interpreter: tiny blocks keep the numpy emulation fast
@@ -295,7 +298,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, windo
     Hkv, Tk = k.shape[1], k.shape[2]
     o = torch.empty(B, H, Tq, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B * H, Tq, device=q.device, dtype=torch.float32)
-    grid = lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]), B * H)  # noqa: E731
+    grid = lambda meta: (cdiv(Tq, meta["BLOCK_M"]), B * H)  # noqa: E731
     _fwd[grid](q, k, v, o, lse, scale, H, H // Hkv, Tq, Tk, D, window or 0, *_strides(q), *_strides(k),
                *_strides(v), *_strides(o), CAUSAL=causal, HAS_WINDOW=window is not None, PREC=_prec(q),
                BLOCK_D=max(16, next_pow2(D)))
@@ -310,15 +313,15 @@ def flash_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Ten
     do = do.contiguous()
     bd = max(16, next_pow2(D))
     delta = torch.empty_like(lse)
-    _pre[(triton.cdiv(Tq, 64), B * H)](o, do, delta, Tq, D, BLOCK_M=64, BLOCK_D=bd)
+    _pre[(cdiv(Tq, 64), B * H)](o, do, delta, Tq, D, BLOCK_M=64, BLOCK_D=bd)
     dq = torch.empty(B, H, Tq, D, device=q.device, dtype=q.dtype)
     dk = torch.empty(B, Hkv, Tk, D, device=q.device, dtype=k.dtype)
     dv = torch.empty_like(dk)
     common = dict(CAUSAL=causal, HAS_WINDOW=window is not None, PREC=_prec(q), BLOCK_D=bd)
     strides = (*_strides(q), *_strides(k), *_strides(v))
-    _bwd_kv[lambda meta: (triton.cdiv(Tk, meta["BLOCK_N"]), B * Hkv)](
+    _bwd_kv[lambda meta: (cdiv(Tk, meta["BLOCK_N"]), B * Hkv)](
         q, k, v, do, lse, delta, dk, dv, scale, H, G, Tq, Tk, D, window or 0, *strides, **common)
-    _bwd_q[lambda meta: (triton.cdiv(Tq, meta["BLOCK_M"]), B * H)](
+    _bwd_q[lambda meta: (cdiv(Tq, meta["BLOCK_M"]), B * H)](
         q, k, v, do, lse, delta, dq, scale, H, G, Tq, Tk, D, window or 0, *strides, **common)
     return dq, dk, dv
 

@@ -10,6 +10,8 @@ different rounding site); on a GPU the kernel writes FP8 directly. Quantization 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
@@ -20,11 +22,9 @@ from torchnitro.kernels._triton import LazyKernel, interpreting, row_config
 from torchnitro.kernels.dispatch import use_triton, use_triton_rows
 from torchnitro.kernels.reference import FP8_MAX
 
-try:
+if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
-except Exception:  # pragma: no cover
-    tl = constexpr = None  # type: ignore[assignment]
 
 __all__ = ["fp8_quantize", "fp8_dequantize", "fp8_quantize_forward", "fp8_dequantize_forward", "FP8_DTYPES"]
 

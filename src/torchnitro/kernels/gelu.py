@@ -7,19 +7,19 @@ dy/dx (exact) = Phi(x) + x phi(x);  tanh is computed as 2 sigmoid(2z) - 1 (no li
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_approximate, check_float
-from torchnitro.kernels._triton import LazyKernel
+from torchnitro.kernels._triton import LazyKernel, cdiv
 from torchnitro.kernels.dispatch import use_triton
 
-try:
+if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
-except Exception:  # pragma: no cover - triton missing: only the reference runs
-    tl = constexpr = None  # type: ignore[assignment]
 
 __all__ = ["gelu", "GELU", "gelu_forward", "gelu_backward", "GeluFunction"]
 
@@ -65,7 +65,7 @@ def gelu_forward(x: Tensor, approximate: str = "none") -> Tensor:
     y = torch.empty_like(x)
     n = x.numel()
     if n:
-        _fwd[(triton_cdiv(n, BLOCK),)](x, y, n, APPROX=approximate == "tanh", BLOCK=BLOCK)
+        _fwd[(cdiv(n, BLOCK),)](x, y, n, APPROX=approximate == "tanh", BLOCK=BLOCK)
     return y
 
 
@@ -74,12 +74,8 @@ def gelu_backward(dy: Tensor, x: Tensor, approximate: str = "none") -> Tensor:
     dx = torch.empty_like(x)
     n = x.numel()
     if n:
-        _bwd[(triton_cdiv(n, BLOCK),)](dy, x, dx, n, APPROX=approximate == "tanh", BLOCK=BLOCK)
+        _bwd[(cdiv(n, BLOCK),)](dy, x, dx, n, APPROX=approximate == "tanh", BLOCK=BLOCK)
     return dx
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 class GeluFunction(torch.autograd.Function):

@@ -8,6 +8,8 @@ Forward: one program per row. Backward: persistent programs accumulate dw/db par
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
@@ -16,11 +18,9 @@ from torchnitro.kernels._common import check_float, check_last_dim
 from torchnitro.kernels._triton import LazyKernel, num_programs, row_config
 from torchnitro.kernels.dispatch import use_triton_rows
 
-try:
+if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
-except Exception:  # pragma: no cover
-    tl = constexpr = None  # type: ignore[assignment]
 
 __all__ = ["layer_norm", "LayerNorm", "layer_norm_forward", "layer_norm_backward", "LayerNormFunction"]
 

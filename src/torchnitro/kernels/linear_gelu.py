@@ -9,22 +9,21 @@ Tile loop and grouped program order follow the Triton matmul tutorial (L2 reuse 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
 from torchnitro.errors import ShapeError
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_approximate, check_float
-from torchnitro.kernels._triton import LazyKernel
+from torchnitro.kernels._triton import LazyKernel, cdiv
 from torchnitro.kernels.dispatch import use_triton
 from torchnitro.kernels.gelu import gelu_backward
 
-try:
-    import triton
+if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
-except Exception:  # pragma: no cover
-    triton = tl = constexpr = None  # type: ignore[assignment]
 
 __all__ = ["linear_gelu", "FusedLinearGELU", "linear_gelu_forward", "linear_gelu_backward", "LinearGeluFunction"]
 
@@ -65,16 +64,17 @@ def _linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K, sxm, sxk, sw
     tl.store(y_ptr + out, y.to(y_ptr.dtype.element_ty), mask=omask)
 
 
-def _configs() -> list | None:
-    if triton is None:
-        return None
+def _configs() -> list:
+    """Autotune configs (called on first launch, so triton is imported only when a kernel runs)."""
+    import triton
+
     shapes = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 32, 4, 4),
               (64, 64, 32, 4, 5), (256, 128, 64, 8, 3)]
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8}, num_warps=w, num_stages=s)
             for m, n, k, w, s in shapes]
 
 
-_kernel = LazyKernel(_linear_gelu_kernel, _configs(), key=["M", "N", "K"],
+_kernel = LazyKernel(_linear_gelu_kernel, _configs, key=["M", "N", "K"],
                      interpret_kwargs={"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2})
 
 
@@ -86,7 +86,7 @@ def linear_gelu_forward(x2: Tensor, weight: Tensor, bias: Tensor | None, approxi
     y = torch.empty(M, N, device=x2.device, dtype=x2.dtype)
     z = torch.empty_like(y) if store_z else None
     if M and N:
-        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+        grid = lambda meta: (cdiv(M, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
         _kernel[grid](x2, weight, bias if bias is not None else x2, y, z if z is not None else y, M, N, K,
                       x2.stride(0), x2.stride(1), weight.stride(0), weight.stride(1), y.stride(0),
                       HAS_BIAS=bias is not None, APPROX=approximate == "tanh", STORE_Z=store_z,

@@ -9,6 +9,8 @@ rows' dw in fp32 registers and writes one partial row (Liger-Kernel's layout).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
@@ -17,11 +19,9 @@ from torchnitro.kernels._common import check_float, check_last_dim, check_same_s
 from torchnitro.kernels._triton import LazyKernel, num_programs, row_config
 from torchnitro.kernels.dispatch import use_triton_rows
 
-try:
+if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
-except Exception:  # pragma: no cover
-    tl = constexpr = None  # type: ignore[assignment]
 
 __all__ = ["rms_norm", "RMSNorm", "rms_norm_forward", "rms_norm_backward", "RMSNormFunction"]
 

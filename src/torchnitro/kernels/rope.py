@@ -8,6 +8,8 @@ q/k may be strided views (B, H, T, D) (e.g. after ``transpose(1, 2)``); only D m
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
@@ -17,11 +19,9 @@ from torchnitro.kernels._common import check_float
 from torchnitro.kernels._triton import LazyKernel, next_pow2
 from torchnitro.kernels.dispatch import use_triton
 
-try:
+if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
-except Exception:  # pragma: no cover
-    tl = constexpr = None  # type: ignore[assignment]
 
 __all__ = ["rope", "apply_rope", "rope_forward", "RopeFunction", "RotaryEmbedding"]
 

@@ -6,6 +6,8 @@ Rows up to 65536 columns stay in registers (one read, one write per pass).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
@@ -15,11 +17,9 @@ from torchnitro.kernels._common import check_float
 from torchnitro.kernels._triton import LazyKernel, row_config
 from torchnitro.kernels.dispatch import use_triton_rows
 
-try:
+if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
-except Exception:  # pragma: no cover
-    tl = constexpr = None  # type: ignore[assignment]
 
 __all__ = ["softmax", "Softmax", "softmax_forward", "softmax_backward", "SoftmaxFunction"]
 

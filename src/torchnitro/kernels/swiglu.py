@@ -8,6 +8,8 @@ it, so the op stores nothing beyond its inputs:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
@@ -16,11 +18,9 @@ from torchnitro.kernels._common import check_approximate, check_float, check_sam
 from torchnitro.kernels._triton import LazyKernel
 from torchnitro.kernels.dispatch import use_triton
 
-try:
+if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
-except Exception:  # pragma: no cover
-    tl = constexpr = None  # type: ignore[assignment]
 
 __all__ = [
     "swiglu", "geglu", "SwiGLUActivation", "GeGLUActivation", "glu_forward", "glu_backward", "GLUFunction",
