@@ -61,7 +61,7 @@ class OptimizeConfig:
     device: str = "auto"  # 'auto' (cuda when visible), 'cpu' or 'cuda'
     isolate_all: bool = False  # build every candidate in a subprocess, not only the risky ones
     finalists: int = 3  # verified candidates re-timed side by side (interleaved) with eager
-    min_speedup: float = 1.03  # a candidate must beat eager by this factor (and by the noise) to be chosen
+    min_speedup: float = 1.03  # a candidate must beat eager by this factor and by eager's noise (< 1: accept slower, to force a recipe)
     timing_min_iters: int = 5  # samples per candidate during the search
     timing_min_time_s: float = 0.5  # measured seconds per candidate during the search
     final_min_iters: int = 10  # samples per finalist in the interleaved comparison
