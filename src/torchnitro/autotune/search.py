@@ -236,7 +236,8 @@ def _finalists(s: _Search, report: Report) -> Recipe:
         return eager
     efn = s.callable_for(eager)
     fns = {"eager": lambda: [efn(*x) for x in sets], **fns}
-    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=cfg.final_min_iters, min_time_s=cfg.final_min_time_s,
+    iters = max(cfg.final_min_iters, 30) if cfg.percentile == "p99" else cfg.final_min_iters  # a p99 needs samples
+    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=iters, min_time_s=cfg.final_min_time_s,
                       max_time_s=max(5.0, cfg.final_min_time_s * 3), device=s.device.type)
     with torch.inference_mode():
         res = compare(fns, tc, items_per_call=s.wl.items_per_call, baseline="eager")
