@@ -137,3 +137,12 @@ def test_isolate_all_runs_in_child(fake_recipes, fast_cfg):
     opt = _run(fr, fast_cfg(recipes=["test-wrong"], isolate_all=True))
     wrong = opt.report.get("test-wrong")
     assert wrong.isolated and wrong.status == Status.REJECTED and "relative error" in wrong.reason
+
+
+@pytest.mark.parametrize("kw,text", [({"objective": "throughput"}, "throughput (items/s) on float32[4x16]"),
+                                     ({"percentile": "p99"}, "latency p99 on float32[4x16]")])
+def test_objective_is_stated(fake_recipes, fast_cfg, kw, text):
+    fr = fake_recipes
+    opt = _run(fr, fast_cfg(recipes=["test-faster"], **kw), model=fr.SlowModel())
+    assert opt.report.objective == text
+    assert opt.recipe == "test-faster" and opt.report.get("test-faster").interleaved
