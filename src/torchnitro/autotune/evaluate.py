@@ -60,7 +60,8 @@ class time_limit:
 
     def __init__(self, seconds: float):
         self.seconds = seconds
-        self.active = threading.current_thread() is threading.main_thread() and seconds > 0
+        self.active = (threading.current_thread() is threading.main_thread() and seconds > 0
+                       and hasattr(signal, "setitimer"))  # POSIX main thread only
 
     def _fire(self, signum: int, frame: Any) -> None:
         raise CandidateTimeout(f"ran past its {self.seconds:.0f} s limit")
