@@ -75,3 +75,14 @@ def test_loss_modules_match_torch(triton_cpu):
 def test_all_targets_ignored_gives_nan_like_torch(triton_cpu):
     z, t = torch.randn(4, 9), torch.full((4,), -100)
     assert torch.isnan(cross_entropy(z, t)) and torch.isnan(torch.nn.functional.cross_entropy(z, t))
+
+
+def test_fused_linear_cross_entropy_follows_autocast(triton_cpu):
+    x, w = torch.randn(8, 16, requires_grad=True), torch.randn(40, 16, requires_grad=True)
+    t = torch.randint(0, 40, (8,))
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = fused_linear_cross_entropy(x, w, t, chunk_size=3)
+        ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(x, w).float(), t)
+    torch.testing.assert_close(loss, ref, atol=2e-2, rtol=2e-2)
+    loss.backward()
+    assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()

@@ -44,3 +44,15 @@ def test_linear_gelu_gpu(dtype):
     w = (torch.randn(384, 256, device="cuda") / 16).to(dtype)
     b = torch.randn(384, device="cuda", dtype=dtype)
     check_against_reference(linear_gelu, reference.linear_gelu, [x, w, b], dtype, tol_scale=2.0)
+
+
+def test_linear_gelu_follows_autocast(triton_cpu):
+    lin = torch.nn.Linear(33, 20)
+    x = torch.randn(3, 33, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = linear_gelu(x, lin.weight, lin.bias)
+        ref = torch.nn.functional.gelu(lin(x))
+    assert y.dtype == ref.dtype == torch.float16
+    torch.testing.assert_close(y.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    y.float().sum().backward()
+    assert lin.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32

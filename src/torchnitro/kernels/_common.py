@@ -8,7 +8,8 @@ import torch
 
 from torchnitro.errors import InputError, ShapeError
 
-__all__ = ["check_float", "check_same_shape", "check_last_dim", "check_approximate", "FLOAT_DTYPES"]
+__all__ = ["check_float", "check_same_shape", "check_last_dim", "check_approximate", "autocast_inputs",
+           "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -42,3 +43,13 @@ def check_last_dim(op: str, name: str, t: torch.Tensor | None, size: int) -> Non
 def check_approximate(op: str, approximate: str) -> None:
     if approximate not in ("none", "tanh"):
         raise InputError(f"{op}: approximate={approximate!r}; expected 'none' (exact erf) or 'tanh'")
+
+
+def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Cast GEMM inputs as ``torch.autocast`` would cast them for ``F.linear`` (the fused GEMMs run
+    outside autocast's dispatcher, so they apply its policy themselves). A no-op outside autocast."""
+    first = next((t for t in tensors if t is not None), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return tensors
+    dt = torch.get_autocast_dtype(first.device.type)
+    return tuple(t.to(dt) if t is not None and t.is_floating_point() else t for t in tensors)

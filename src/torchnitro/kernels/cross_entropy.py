@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from torchnitro.errors import InputError, ShapeError
 from torchnitro.kernels import reference
-from torchnitro.kernels._common import check_float
+from torchnitro.kernels._common import autocast_inputs, check_float
 from torchnitro.kernels._triton import LazyKernel, next_pow2
 from torchnitro.kernels.dispatch import use_triton
 
@@ -240,6 +240,7 @@ def fused_linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: 
         raise InputError("fused_linear_cross_entropy: reduction='none'; expected 'mean' or 'sum'; use "
                          "cross_entropy(F.linear(x, w), target, reduction='none') for per-token losses")
     if use_triton(x, op="fused_linear_cross_entropy"):
+        x, weight, bias = autocast_inputs(x, weight, bias)
         cs = chunk_size or _chunk_size(x.shape[0], weight.shape[0])
         return FusedLinearCrossEntropyFunction.apply(x, weight, target, bias, ignore_index, reduction,
                                                      float(label_smoothing), int(cs), grad_accum_dtype)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from torchnitro.errors import ShapeError
 from torchnitro.kernels import reference
-from torchnitro.kernels._common import check_approximate, check_float
+from torchnitro.kernels._common import autocast_inputs, check_approximate, check_float
 from torchnitro.kernels._triton import LazyKernel, cdiv
 from torchnitro.kernels.dispatch import use_triton
 from torchnitro.kernels.gelu import gelu_backward
@@ -130,6 +130,7 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None, approxima
             f"{None if bias is None else tuple(bias.shape)}; expected x (..., K), weight (N, K), bias (N,)"
         )
     if use_triton(x, op="linear_gelu"):
+        x, weight, bias = autocast_inputs(x, weight, bias)
         if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
             x2 = x.reshape(-1, x.shape[-1])
             y, _ = linear_gelu_forward(x2, weight, bias, approximate, store_z=False)
