@@ -86,3 +86,12 @@ def test_fused_linear_cross_entropy_follows_autocast(triton_cpu):
     torch.testing.assert_close(loss, ref, atol=2e-2, rtol=2e-2)
     loss.backward()
     assert w.grad.dtype == torch.float32 and torch.isfinite(w.grad).all()
+
+
+def test_kernel_turns_bad_class_into_nan_without_reading_out_of_row(triton_cpu):
+    import importlib
+
+    ce = importlib.import_module("torchnitro.kernels.cross_entropy")
+    z = torch.randn(3, 10)
+    loss, _ = ce.cross_entropy_forward(z, torch.tensor([1, 10, -100]), -100, 0.0)  # 10 is out of range
+    assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0

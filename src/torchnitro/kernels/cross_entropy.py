@@ -50,8 +50,10 @@ def _ce_fwd_kernel(z_ptr, stride, t_ptr, loss_ptr, lse_ptr, V, ignore_index, eps
         zsum += tl.sum(tl.where(cols < V, z, 0.0), axis=0)
         m = m_new
     lse = m + tl.log(s)
-    zt = tl.load(zb + tl.where(target == ignore_index, 0, target)).to(tl.float32)
+    in_range = (target >= 0) & (target < V)
+    zt = tl.load(zb + tl.where(in_range, target, 0)).to(tl.float32)  # never read outside the row
     loss = (1.0 - eps) * (lse - zt) + eps * (lse - zsum / V)
+    loss = tl.where(in_range, loss, float("nan"))  # a bad class index shows up as NaN, not garbage
     loss = tl.where(target == ignore_index, 0.0, loss)
     tl.store(loss_ptr + row, loss)
     tl.store(lse_ptr + row, lse)
@@ -102,15 +104,23 @@ def cross_entropy_backward(logits: Tensor, target: Tensor, lse: Tensor, dloss: T
     return dz
 
 
-def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, float]:
+def _mean_factor(target: Tensor, ignore_index: int, reduction: str) -> Tensor:
+    """d reduced / d row loss as a device scalar (no host sync): 1 / #non-ignored for 'mean', else 1.
+    With every target ignored the mean is NaN (as in torch) and the gradient 0."""
+    if reduction != "mean":
+        return torch.ones((), device=target.device, dtype=torch.float32)
+    n = (target != ignore_index).sum().float()
+    return torch.where(n > 0, 1.0 / n.clamp(min=1.0), 0.0)
+
+
+def _reduce(loss: Tensor, target: Tensor, ignore_index: int, reduction: str) -> tuple[Tensor, Tensor]:
     """(reduced loss, factor d reduced / d row loss)."""
+    factor = _mean_factor(target, ignore_index, reduction)
     if reduction == "none":
-        return loss, 1.0
+        return loss, factor
     if reduction == "sum":
-        return loss.sum(), 1.0
-    n_valid = int((target != ignore_index).sum())
-    factor = 1.0 / n_valid if n_valid else 0.0
-    return (loss.sum() * factor if n_valid else loss.sum() * float("nan")), factor
+        return loss.sum(), factor
+    return loss.sum() / (target != ignore_index).sum(), factor
 
 
 class CrossEntropyFunction(torch.autograd.Function):
@@ -120,14 +130,14 @@ class CrossEntropyFunction(torch.autograd.Function):
             logits = logits.contiguous()
         loss, lse = cross_entropy_forward(logits, target, ignore_index, eps)
         out, factor = _reduce(loss, target, ignore_index, reduction)
-        ctx.save_for_backward(logits, target, lse)
-        ctx.args = (ignore_index, reduction, eps, factor)
+        ctx.save_for_backward(logits, target, lse, factor)
+        ctx.args = (ignore_index, reduction, eps)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):  # type: ignore[override]
-        logits, target, lse = ctx.saved_tensors
-        ignore_index, reduction, eps, factor = ctx.args
+        logits, target, lse, factor = ctx.saved_tensors
+        ignore_index, reduction, eps = ctx.args
         dloss = dout if reduction == "none" else dout * factor
         return cross_entropy_backward(logits, target, lse, dloss, ignore_index, eps), None, None, None, None
 
@@ -145,6 +155,8 @@ def _check_ce(op: str, logits: Tensor, target: Tensor, reduction: str, label_smo
         raise InputError(f"{op}: reduction={reduction!r}; expected 'mean', 'sum' or 'none'")
     if not 0.0 <= label_smoothing < 1.0:
         raise InputError(f"{op}: label_smoothing={label_smoothing}; expected a value in [0, 1)")
+    if target.is_cuda:  # checking needs a device sync; the kernels turn a bad index into a NaN loss instead
+        return
     bad = (target != ignore_index) & ((target < 0) | (target >= V))
     if target.numel() and bool(bad.any()):
         t = target[bad][0].item()
@@ -169,15 +181,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 reduction: str, eps: float, chunk_size: int, accum_dtype: torch.dtype | None):
         N, D = x.shape
         V = weight.shape[0]
-        n_valid = int((target != ignore_index).sum())
-        factor = (1.0 / n_valid if n_valid else 0.0) if reduction == "mean" else 1.0
         need_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
         dx = torch.empty_like(x) if need_grad else None
         acc = accum_dtype or weight.dtype  # weight dtype (Liger's choice) keeps dW at the size of W
         dw = torch.zeros(V, D, device=x.device, dtype=acc) if weight.requires_grad else None
         db = torch.zeros(V, device=x.device, dtype=acc) if bias is not None and bias.requires_grad else None
         total = torch.zeros((), device=x.device, dtype=torch.float32)
-        scale = torch.full((1,), factor, device=x.device, dtype=torch.float32)
+        scale = _mean_factor(target, ignore_index, reduction)  # device scalar: no host sync per step
         for s in range(0, N, chunk_size):
             xc, tc = x[s:s + chunk_size], target[s:s + chunk_size]
             logits = xc @ weight.t()  # (chunk, V): the only vocab-sized buffer alive
@@ -198,10 +208,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ctx.save_for_backward(dx, dw, db)
         ctx.has = (x.requires_grad, weight.requires_grad, db is not None)
         ctx.w_dtype = weight.dtype
-        out = total * factor if reduction == "mean" else total
-        if reduction == "mean" and not n_valid:
-            out = out * float("nan")
-        return out
+        return total / (target != ignore_index).sum() if reduction == "mean" else total
 
     @staticmethod
     def backward(ctx, dout: Tensor):  # type: ignore[override]
