@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from torchnitro.errors import InputError, ShapeError
 from torchnitro.kernels import reference
-from torchnitro.kernels._common import check_float
+from torchnitro.kernels._common import autocast_inputs, check_float
 from torchnitro.kernels._triton import LazyKernel, cdiv, next_pow2
 from torchnitro.kernels.dispatch import use_triton
 
@@ -366,6 +366,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, windo
     _check(q, k, v, window)
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if q.shape[-1] <= 256 and use_triton(q, op="flash_attention"):
+        q, k, v = autocast_inputs(q, k, v)  # as SDPA under torch.autocast
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # kernels need unit-stride D
         return FlashAttentionFunction.apply(q, k, v, causal, window, scale)
     return reference.flash_attention(q, k, v, causal, window, scale)
