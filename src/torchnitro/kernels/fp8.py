@@ -113,6 +113,11 @@ def fp8_dequantize_forward(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tens
     return y
 
 
+def _fp8_native(t: Tensor) -> bool:
+    """Triton converts to/from FP8 natively from compute capability 8.9 (Ada, Hopper); older GPUs use torch."""
+    return t.device.type != "cuda" or torch.cuda.get_device_capability(t.device) >= (8, 9)
+
+
 def fp8_quantize(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_row: bool = False) -> tuple[Tensor, Tensor]:
     """Scaled cast of ``x`` to FP8; returns (q, scale) with fp32 ``scale`` of shape () or (..., 1)."""
     check_float("fp8_quantize", x=x)
@@ -120,7 +125,7 @@ def fp8_quantize(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn, per_row: b
         raise InputError(f"fp8_quantize: dtype={dtype}; expected torch.float8_e4m3fn or torch.float8_e5m2")
     if per_row and x.dim() == 0:
         raise InputError("fp8_quantize: per_row=True on a 0-d tensor; expected at least 1 dim")
-    if use_triton_rows(x, x.shape[-1] if per_row else 1, "fp8_quantize"):
+    if _fp8_native(x) and use_triton_rows(x, x.shape[-1] if per_row else 1, "fp8_quantize"):
         return fp8_quantize_forward(x, dtype, per_row)
     return reference.fp8_quantize(x, dtype, per_row)
 
@@ -132,6 +137,6 @@ def fp8_dequantize(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32)
     if scale.numel() != 1 and tuple(scale.shape) != (*q.shape[:-1], 1):
         raise InputError(f"fp8_dequantize: scale {tuple(scale.shape)} does not fit q {tuple(q.shape)}; expected () "
                          f"or {(*q.shape[:-1], 1)}")
-    if use_triton(q, op="fp8_dequantize"):
+    if _fp8_native(q) and use_triton(q, op="fp8_dequantize"):
         return fp8_dequantize_forward(q, scale, dtype)
     return reference.fp8_dequantize(q, scale, dtype)
