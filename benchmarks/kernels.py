@@ -44,7 +44,7 @@ class Case:
     flops_fwd: float = 0.0  # for attention and GEMMs
     flops_bwd: float = 0.0
     backward: bool = True
-    notes: list[str] = field(default_factory=list)
+    params: list = field(default_factory=list)  # extra leaves whose .grad is reset between runs (models)
 
 
 def _liger(name: str) -> Callable | None:
@@ -161,12 +161,51 @@ def build_cases(dev: str, dt: torch.dtype, quick: bool, smoke: bool, use_compile
             prov["sdpa_flash"] = lambda q, k, v, c=causal: _sdpa_flash(q, k, v, c)
         cases.append(Case(f"flash_attention{' causal' if causal else ''}", f"({Ba},{Ha},{Ta},{Da})",
                           lambda: [t(Ba, Ha, Ta, Da) for _ in range(3)], prov, flops_fwd=fl, flops_bwd=2.5 * fl))
+    if not (tiny or quick):  # sequence-length sweep of causal attention against SDPA's flash backend
+        for T2 in (1024, 2048, 8192):
+            fl = 2 * Ba * Ha * T2 * T2 * Da
+            prov = {"torchnitro": lambda q, k, v: K.flash_attention(q, k, v, causal=True),
+                    "sdpa_flash": lambda q, k, v: _sdpa_flash(q, k, v, True)}
+            cases.append(Case("flash_attention causal", f"({Ba},{Ha},{T2},{Da})",
+                              lambda T2=T2: [t(Ba, Ha, T2, Da) for _ in range(3)], prov, flops_fwd=fl,
+                              flops_bwd=2.5 * fl))
+    cases.append(_lm_step_case(dev, dt, tiny, quick, use_compile))
     Nq, Cq = (8, 64) if tiny else (16384 // s, 8192)
     for per_row in (False, True):
         add(f"fp8_quantize({'row' if per_row else 'tensor'})", f"({Nq}, {Cq})", lambda: [t(Nq, Cq, grad=False)],
             lambda x, p=per_row: K.fp8_quantize(x, per_row=p)[0], lambda x, p=per_row: R.fp8_quantize(x, per_row=p)[0],
             None, bytes_fwd=Nq * Cq * (esz + 1), backward=False)
     return cases
+
+
+def _lm_step_case(dev: str, dt: torch.dtype, tiny: bool, quick: bool, use_compile: bool) -> Case:
+    """One training step (forward, loss, backward) of the reference TransformerLM: eager vs patch_."""
+    from torchnitro.nn.models import TransformerConfig, TransformerLM
+
+    if tiny:
+        cfg, B, T = TransformerConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16), 1, 16
+    else:
+        d = 1024 if quick else 2048
+        cfg = TransformerConfig(vocab_size=32000, dim=d, n_layers=4 if quick else 8, n_heads=d // 128,
+                                n_kv_heads=d // 512, max_seq_len=2048)
+        B, T = 4, 2048
+    base = TransformerLM(cfg).to(dev, dt)
+    models = {"eager": base}
+    patched = TransformerLM(cfg).to(dev, dt)
+    patched.load_state_dict(base.state_dict())
+    K.patch_(patched)
+    models["torchnitro"] = patched
+    if use_compile:
+        models["compile"] = torch.compile(base)
+    tokens = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
+
+    def step(m):
+        return lambda tok: F.cross_entropy(m(tok)[:, :-1].reshape(-1, cfg.vocab_size).float(), tok[:, 1:].reshape(-1))
+
+    n_params = sum(p.numel() for p in base.parameters())
+    return Case("TransformerLM train step", f"d{cfg.dim} L{cfg.n_layers} B{B} T{T}", lambda: [tokens],
+                {name: step(m) for name, m in models.items()}, flops_fwd=2 * n_params * B * T,
+                flops_bwd=4 * n_params * B * T, params=list(base.parameters()) + list(patched.parameters()))
 
 
 def _rope_tables(T: int, D: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +225,7 @@ def _fwd_bwd(fn, inputs, grads):
 
 def time_case(case: Case, name: str, fn: Callable, do_bench: Callable) -> dict:
     inputs = case.make()
-    leaves = [x for x in inputs if x.requires_grad]
+    leaves = [x for x in inputs if x.requires_grad] + case.params
     y = fn(*inputs)
     row: dict = {"fwd_ms": do_bench(lambda: fn(*inputs))}
     if case.backward and leaves:
@@ -237,6 +276,37 @@ def smoke(cases: list[Case]) -> int:
     return 1 if failed else 0
 
 
+def run_cases(cases: list[Case], do_bench: Callable, bw: float, table: ResultTable) -> dict:
+    """Time every provider of every case, derive GB/s, TFLOP/s and speedups, fill ``table``."""
+    from rich.progress import track
+
+    results: dict[tuple[str, str, str], dict] = {}
+    for c in track(cases, description="kernels"):
+        for name, fn in c.providers.items():
+            try:
+                results[(c.op, c.shape, name)] = r = time_case(c, name, fn, do_bench)
+            except Exception as e:  # one failing provider (OOM, missing op) must not stop the run
+                results[(c.op, c.shape, name)] = r = {"error": f"{type(e).__name__}: {e}"[:120]}
+                torch.cuda.empty_cache()
+            if "fwd_ms" in r:
+                if c.bytes_fwd:
+                    r["GB/s"] = c.bytes_fwd / (r["fwd_ms"] * 1e-3) / 1e9
+                    r["%copy_bw"] = 100 * r["GB/s"] / bw
+                if c.flops_fwd:
+                    r["TFLOP/s"] = c.flops_fwd / (r["fwd_ms"] * 1e-3) / 1e12
+        key = "fwdbwd_ms" if c.backward else "fwd_ms"
+        for name in c.providers:
+            r = results[(c.op, c.shape, name)]
+            e, lg = results.get((c.op, c.shape, "eager"), {}), results.get((c.op, c.shape, "liger"), {})
+            if key in r and key in e:
+                r["x_eager"] = e[key] / r[key]
+            if key in r and key in lg:
+                r["x_liger"] = lg[key] / r[key]
+            table.add(op=c.op, shape=c.shape, provider=name if "error" not in r else f"{name} ({r['error']})",
+                      **{k: v for k, v in r.items() if k in table.columns})
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller shapes, skip torch.compile")
@@ -266,32 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                          "TFLOP/s", "x_eager", "x_liger"],
                         meta={"gpu": gpu, "copy_bw_GBps": round(bw, 1), "dtype": args.dtype, "timer": "triton.testing.do_bench",
                               "command": "python benchmarks/kernels.py " + " ".join(argv or sys.argv[1:])})
-    from rich.progress import track
-
-    results: dict[tuple[str, str], dict] = {}
-    for c in track(cases, description="kernels"):
-        for name, fn in c.providers.items():
-            try:
-                results[(c.op, name)] = r = time_case(c, name, fn, do_bench)
-            except Exception as e:  # one failing provider (OOM, missing op) must not stop the run
-                results[(c.op, name)] = r = {"error": f"{type(e).__name__}: {e}"[:120]}
-                torch.cuda.empty_cache()
-            if "fwd_ms" in r:
-                if c.bytes_fwd:
-                    r["GB/s"] = c.bytes_fwd / (r["fwd_ms"] * 1e-3) / 1e9
-                    r["%copy_bw"] = 100 * r["GB/s"] / bw
-                if c.flops_fwd:
-                    r["TFLOP/s"] = c.flops_fwd / (r["fwd_ms"] * 1e-3) / 1e12
-        key = "fwdbwd_ms" if c.backward else "fwd_ms"
-        for name in c.providers:
-            r = results[(c.op, name)]
-            e, lg = results.get((c.op, "eager"), {}), results.get((c.op, "liger"), {})
-            if key in r and key in e:
-                r["x_eager"] = e[key] / r[key]
-            if key in r and key in lg:
-                r["x_liger"] = lg[key] / r[key]
-            table.add(op=c.op, shape=c.shape, provider=name if "error" not in r else f"{name} ({r['error']})",
-                      **{k: v for k, v in r.items() if k in table.columns})
+    results = run_cases(cases, do_bench, bw, table)
     table.print()
     targets = check_targets(cases, results)
     table.meta["targets"] = targets
@@ -306,7 +351,7 @@ def check_targets(cases: list[Case], res: dict) -> list[str]:
     out = []
     mem_ops = {"rms_norm", "layer_norm", "gelu", "swiglu", "geglu_tanh", "softmax", "rope(q,k)", "cross_entropy"}
     for c in cases:
-        ours = res.get((c.op, "torchnitro"), {})
+        ours = res.get((c.op, c.shape, "torchnitro"), {})
         if c.op in mem_ops and "%copy_bw" in ours:
             out.append(f"{c.op}: fwd {ours['%copy_bw']:.0f}% of copy bandwidth (target >= 80%): "
                        f"{'PASS' if ours['%copy_bw'] >= 80 else 'MISS'}")
@@ -314,13 +359,13 @@ def check_targets(cases: list[Case], res: dict) -> list[str]:
             out.append(f"{c.op}: {ours['x_liger']:.2f}x Liger fwd+bwd (target >= 1.0x): "
                        f"{'PASS' if ours['x_liger'] >= 1.0 else 'MISS'}")
         if c.op.startswith("flash_attention"):
-            sd = res.get((c.op, "sdpa_flash"), {})
+            sd = res.get((c.op, c.shape, "sdpa_flash"), {})
             if "fwd_ms" in sd and "fwd_ms" in ours:
                 ratio = sd["fwd_ms"] / ours["fwd_ms"]
                 out.append(f"{c.op} {c.shape}: fwd {ratio:.2f}x SDPA flash (target >= 0.9x): "
                            f"{'PASS' if ratio >= 0.9 else 'MISS'}")
         if c.op == "linear+cross_entropy":
-            e = res.get((c.op, "eager"), {})
+            e = res.get((c.op, c.shape, "eager"), {})
             if "peak_mb" in e and "peak_mb" in ours:
                 ratio = ours["peak_mb"] / e["peak_mb"]
                 out.append(f"fused linear+CE peak memory {ratio:.2f}x unfused at {c.shape} (target <= 0.3x): "
@@ -338,10 +383,11 @@ def _plot(cases: list[Case], res: dict, name: str, gpu: str) -> None:
     fig, ax = plt.subplots(figsize=(12, 5))
     width = 0.2
     for i, p in enumerate(provs):
-        ys = [res.get((c.op, p), {}).get("x_eager", math.nan) for c in cases]
+        ys = [res.get((c.op, c.shape, p), {}).get("x_eager", math.nan) for c in cases]
         ax.bar([j + i * width for j in range(len(cases))], ys, width, label=p)
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks([j + 1.5 * width for j in range(len(cases))], [c.op for c in cases], rotation=40, ha="right")
+    labels = [c.op if sum(d.op == c.op for d in cases) == 1 else f"{c.op} {c.shape}" for c in cases]
+    ax.set_xticks([j + 1.5 * width for j in range(len(cases))], labels, rotation=40, ha="right")
     ax.set_ylabel("speedup vs eager (fwd+bwd)")
     ax.set_title(f"torchnitro fused kernels, {gpu}")
     ax.legend()
