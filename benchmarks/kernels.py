@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_cases(cases, do_bench, bw, table)
     table.print()
     targets = check_targets(cases, results)
-    table.meta["targets"] = targets
+    table.meta["targets"] = "; ".join(targets) or "none measured"
     table.save(f"kernels_{tag}")
     _plot(cases, results, f"kernels_{tag}", gpu)
     for t in targets:
