@@ -136,3 +136,27 @@ def test_mixed_int8_generic_model(tmp_path):
     with torch.inference_mode():
         assert row_cosine(model(*held), built.fn(*held)) > 0.98
         torch.testing.assert_close(recipe.load(tmp_path, built.meta, model)(*held), built.fn(*held))
+
+
+def test_full_range_activations_are_more_accurate():
+    from torchnitro.autotune.recipes.perf_int8 import full_range_ok
+
+    if not full_range_ok():
+        pytest.skip("8-bit activations need VNNI/AMX int8 dot products; this CPU has neither")
+    torch.manual_seed(1)
+    lin = nn.Linear(128, 64)
+    x = torch.randn(512, 128) * torch.linspace(0.1, 8.0, 128)
+    with torch.inference_mode():
+        ref = lin(x)
+        err7 = (int8_module(lin, None, full_range=False)(x) - ref).norm() / ref.norm()
+        err8 = (int8_module(lin, None, full_range=True)(x) - ref).norm() / ref.norm()
+    assert err8 < err7 * 0.8
+
+
+def test_full_range_artifact_on_a_cpu_without_vnni_warns(monkeypatch):
+    import torchnitro.autotune.recipes.perf_int8 as p
+
+    monkeypatch.setattr(p, "full_range_ok", lambda: False)
+    with pytest.warns(UserWarning, match="no VNNI"):
+        assert p.load_full_range({"full_range": True}) is False
+    assert p.load_full_range({"full_range": False}) is False

@@ -30,8 +30,8 @@ from torch import Tensor, nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
 from torchnitro.autotune.recipes.perf_int8 import (calibration_inputs, int8_target, int8_unavailable_reason,
-                                                   linear_names, load_scales, plan_mixed_int8, quantize_linears,
-                                                   save_scales)
+                                                   linear_names, load_full_range, load_scales, plan_mixed_int8,
+                                                   quantize_linears, save_scales)
 from torchnitro.errors import RecipeError
 
 __all__ = ["UnpaddedBert", "bert_inapplicable_reason", "UnpaddedBertRecipe", "UnpaddedBertInt8", "UnpaddedBertBf16"]
@@ -154,9 +154,10 @@ class UnpaddedBertInt8(Recipe):
     def build(self, ctx: BuildContext) -> Built:
         base = UnpaddedBert(ctx.model).eval()
         plan = plan_mixed_int8(base, calibration_inputs(ctx), int8_target(ctx))
-        q = quantize_linears(base, plan["int8"], plan["scales"])
+        q = quantize_linears(base, plan["int8"], plan["scales"], plan["full_range"])
         save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
-        meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": plan["cosine"]}
+        meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": plan["cosine"],
+                "full_range": plan["full_range"]}
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
                      notes=f"{len(plan['int8'])}/{len(linear_names(base))} Linear int8, fp32 kept: "
                            f"{', '.join(plan['fp32']) or 'none'}; calibration cosine {plan['cosine']:.4f}")
@@ -165,7 +166,8 @@ class UnpaddedBertInt8(Recipe):
         if model is None:
             raise RecipeError("perf-bert-unpad-int8 artifacts are rebuilt from the eager model; pass it to load()")
         base = UnpaddedBert(model.eval()).eval()
-        return quantize_linears(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"))
+        return quantize_linears(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"),
+                                load_full_range(meta))
 
 
 def _bf16(model: nn.Module) -> nn.Module:

@@ -32,7 +32,7 @@ from torchnitro.hardware import HardwareInfo
 
 __all__ = ["MixedInt8", "row_cosine", "layer_sensitivity", "plan_mixed_int8", "quantize_linears", "linear_names",
            "int8_unavailable_reason", "int8_target", "calibration_inputs", "SmoothedInt8Linear", "activation_absmax",
-           "smooth_scales", "save_scales", "load_scales"]
+           "smooth_scales", "save_scales", "load_scales", "full_range_ok", "load_full_range"]
 
 
 def int8_unavailable_reason() -> str | None:
@@ -71,7 +71,29 @@ def _score(model: nn.Module, calib: Sequence[tuple[Any, ...]], refs: Sequence[An
         return min(row_cosine(r, model(*x)) for x, r in zip(calib, refs))
 
 
-def _quantized_module(lin: nn.Linear) -> nn.Module:
+def full_range_ok() -> bool:
+    """8-bit activations are exact in fbgemm only with VNNI/AMX dot products (no int16 saturation);
+    without them torch's default 7-bit activation range ("reduce_range") is needed."""
+    from torchnitro.hardware import hardware_info
+
+    return hardware_info().cpu_vnni
+
+
+def _full_range_linear_cls() -> type:
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantLinear
+
+    class FullRangeDynamicLinear(DynamicQuantLinear):
+        """Dynamic int8 Linear with 8-bit (not 7-bit) activation quantisation: twice the resolution,
+        same speed on VNNI CPUs. Lets MiniLM keep every Linear in int8 (cosine 0.997 vs 0.993)."""
+
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.ops.quantized.linear_dynamic(x, self._packed_params._packed_params,
+                                                      reduce_range=False).to(x.dtype)
+
+    return FullRangeDynamicLinear
+
+
+def _quantized_module(lin: nn.Linear, full_range: bool = False) -> nn.Module:
     from torch.ao.nn.quantized.dynamic import Linear as DynamicQuantLinear
     from torch.ao.quantization import per_channel_dynamic_qconfig
 
@@ -79,16 +101,31 @@ def _quantized_module(lin: nn.Linear) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return DynamicQuantLinear.from_float(lin)
+            q = DynamicQuantLinear.from_float(lin)
         finally:
             del lin.qconfig
+    if full_range:
+        q.__class__ = _FULL_RANGE
+    return q
+
+
+_FULL_RANGE = _full_range_linear_cls()
+
+
+def load_full_range(meta: dict[str, Any]) -> bool:
+    """The artifact's activation range, if this machine can run it; else warn once and use 7 bits."""
+    if meta.get("full_range") and not full_range_ok():
+        warnings.warn("this int8 artifact was tuned with 8-bit activations (VNNI); this CPU has no VNNI, so it "
+                      "runs with 7-bit activations and may score slightly lower on the gate", stacklevel=2)
+        return False
+    return bool(meta.get("full_range"))
 
 
 class SmoothedInt8Linear(nn.Module):
     """``y = int8_linear(x / s)`` with ``W * s`` quantised: SmoothQuant (Xiao et al., 2023) moves
     per-input-channel activation outliers into the weights, where per-channel scales absorb them."""
 
-    def __init__(self, lin: nn.Linear, scale: Tensor):
+    def __init__(self, lin: nn.Linear, scale: Tensor, full_range: bool = False):
         super().__init__()
         self.register_buffer("inv_scale", (1.0 / scale).to(lin.weight.dtype))  # (in_features,)
         moved = nn.Linear(lin.in_features, lin.out_features, bias=lin.bias is not None)
@@ -96,7 +133,7 @@ class SmoothedInt8Linear(nn.Module):
             moved.weight.copy_(lin.weight * scale)  # (out, in) * (in,)
             if lin.bias is not None:
                 moved.bias.copy_(lin.bias)
-        self.q = _quantized_module(moved)
+        self.q = _quantized_module(moved, full_range)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.q(x * self.inv_scale)
@@ -132,8 +169,8 @@ def smooth_scales(model: nn.Module, amax: dict[str, Tensor], alpha: float) -> di
     return out
 
 
-def int8_module(lin: nn.Linear, scale: Tensor | None) -> nn.Module:
-    return _quantized_module(lin) if scale is None else SmoothedInt8Linear(lin, scale)
+def int8_module(lin: nn.Linear, scale: Tensor | None, full_range: bool = False) -> nn.Module:
+    return _quantized_module(lin, full_range) if scale is None else SmoothedInt8Linear(lin, scale, full_range)
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -141,23 +178,24 @@ def _set(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
-def quantize_linears(model: nn.Module, names: Sequence[str], scales: dict[str, Tensor] | None = None) -> nn.Module:
+def quantize_linears(model: nn.Module, names: Sequence[str], scales: dict[str, Tensor] | None = None,
+                     full_range: bool = False) -> nn.Module:
     """A copy of ``model`` with the Linears ``names`` in dynamic int8 (per-channel weights), smoothed
-    with ``scales[name]`` where given."""
+    with ``scales[name]`` where given; ``full_range``: 8-bit activations (VNNI CPUs only)."""
     q = copy.deepcopy(model).eval()
     scales = scales or {}
     for n in names:
-        _set(q, n, int8_module(q.get_submodule(n), scales.get(n)))
+        _set(q, n, int8_module(q.get_submodule(n), scales.get(n), full_range))
     return q
 
 
 class _Swapper:
     """Swaps single Linears of a private copy between fp32 and int8 in place (no copy per trial)."""
 
-    def __init__(self, model: nn.Module, names: Sequence[str], scales: dict[str, Tensor]):
+    def __init__(self, model: nn.Module, names: Sequence[str], scales: dict[str, Tensor], full_range: bool):
         self.model = copy.deepcopy(model).eval()
         self.fp32 = {n: self.model.get_submodule(n) for n in names}
-        self.int8 = {n: int8_module(self.fp32[n], scales.get(n)) for n in names}
+        self.int8 = {n: int8_module(self.fp32[n], scales.get(n), full_range) for n in names}
 
     def set(self, name: str, int8: bool) -> None:
         _set(self.model, name, self.int8[name] if int8 else self.fp32[name])
@@ -177,30 +215,33 @@ def _rows(x: tuple[Any, ...], k: int) -> tuple[Any, ...]:
 
 
 def layer_sensitivity(model: nn.Module, calib: Sequence[tuple[Any, ...]], names: Sequence[str] | None = None,
-                      scales: dict[str, Tensor] | None = None) -> dict[str, float]:
+                      scales: dict[str, Tensor] | None = None, full_range: bool = False) -> dict[str, float]:
     """Cosine loss (1 - worst row cosine) when only that Linear is int8; larger = more sensitive."""
     names = list(names) if names is not None else linear_names(model)
     with torch.inference_mode():
         refs = [model(*x) for x in calib]
-    return _sens(_Swapper(model, names, scales or {}), names, calib, refs)
+    return _sens(_Swapper(model, names, scales or {}, full_range), names, calib, refs)
 
 
 def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: float, *,
                     names: Sequence[str] | None = None, alpha: float | None = 0.75,
-                    max_fp32_fraction: float = 0.5, sensitivity_rows: int = 8) -> dict[str, Any]:
+                    max_fp32_fraction: float = 0.5, sensitivity_rows: int = 8,
+                    full_range: bool | None = None) -> dict[str, Any]:
     """Pick the Linears to keep in fp32 so the worst calibration cosine is >= ``target``.
 
     ``alpha`` is the SmoothQuant migration strength (None: no smoothing). Returns ``{"int8": [...],
-    "fp32": [...], "cosine": float, "sensitivity": {...}, "scales": {...}}``; raises RecipeError when
-    more than ``max_fp32_fraction`` of the layers would have to stay fp32.
+    "fp32": [...], "cosine": float, "sensitivity": {...}, "scales": {...}, "full_range": bool}``; raises
+    RecipeError when more than ``max_fp32_fraction`` of the layers would have to stay fp32.
+    ``full_range`` (8-bit activations) defaults to whether this CPU has VNNI.
     """
+    full_range = full_range_ok() if full_range is None else full_range
     names = list(names) if names is not None else linear_names(model)
     if not names:
         raise RecipeError("mixed int8: the model has no nn.Linear layers; expected at least one to quantise")
     with torch.inference_mode():
         refs = [model(*x) for x in calib]
     scales = smooth_scales(model, activation_absmax(model, calib, names), alpha) if alpha is not None else {}
-    sw = _Swapper(model, names, scales)
+    sw = _Swapper(model, names, scales, full_range)
     for n in names:
         sw.set(n, True)
     cos = _score(sw.model, calib, refs)
@@ -221,7 +262,7 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
             cos = _score(sw.model, calib, refs)
         if cos >= target:
             int8 = [n for n in names if n not in fp32]
-            return {"int8": int8, "fp32": fp32, "cosine": cos, "sensitivity": sens,
+            return {"int8": int8, "fp32": fp32, "cosine": cos, "sensitivity": sens, "full_range": full_range,
                     "scales": {n: scales[n] for n in int8 if n in scales}}
         if len(fp32) + 1 > max_fp32_fraction * len(names):
             raise RecipeError(
@@ -279,13 +320,15 @@ class MixedInt8(Recipe):
 
     def build(self, ctx: BuildContext) -> Built:
         plan = plan_mixed_int8(ctx.model, calibration_inputs(ctx), int8_target(ctx))
-        q = quantize_linears(ctx.model, plan["int8"], plan["scales"])
+        q = quantize_linears(ctx.model, plan["int8"], plan["scales"], plan["full_range"])
         save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
-        meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": plan["cosine"]}
+        meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": plan["cosine"],
+                "full_range": plan["full_range"]}
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta, notes=f"{len(plan['int8'])} Linear int8, {len(plan['fp32'])} kept fp32 "
                                               f"(calibration cosine {plan['cosine']:.4f})")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         if model is None:
             raise RecipeError("perf-int8-mixed artifacts are rebuilt from the eager model; pass it to load()")
-        return quantize_linears(model.eval(), meta["int8"], load_scales(directory / "smooth_scales.safetensors"))
+        return quantize_linears(model.eval(), meta["int8"], load_scales(directory / "smooth_scales.safetensors"),
+                                load_full_range(meta))
