@@ -271,3 +271,15 @@ def test_config_validation_and_from_dict():
         BatchingConfig(adaptive=True)
     with pytest.raises(ConfigError, match="unknown key"):
         from_dict(BatchingConfig, {"max_batch": 3})
+
+
+def test_exact_lengths_only_batches_equal_lengths():
+    async def main():
+        rec = Recorder()
+        cfg = BatchingConfig(max_batch_size=8, max_wait_ms=30, bucket_boundaries=(64,))
+        async with DynamicBatcher(rec, cfg, exact_lengths=True) as b:
+            lengths = [3, 4, 3, 5, 4, 3]
+            await asyncio.gather(*(b.submit(n, length=n) for n in lengths))
+        assert sorted(sorted(x) for x in rec.batches) == [[3, 3, 3], [4, 4], [5]]
+
+    run(main())

@@ -8,7 +8,8 @@ Per request: a priority (0 is the most urgent) that ages, so a waiting low-prior
 one level every ``aging_ms`` and is never starved; a deadline (expired requests are answered with
 ``DeadlineExceededError`` and never computed); cancellation (a cancelled ``submit`` leaves the
 queue and is skipped); an optional length, which puts it in a bucket so one batch only mixes
-similar lengths (the function pads to the batch's longest and unpads, see ``protocol``).
+similar lengths (the function pads to the batch's longest and unpads, see ``protocol``); with
+``exact_lengths`` (models that padding would change) only equal lengths share a batch.
 
 The queue is bounded: a full queue raises ``QueueFullError`` at once instead of waiting.
 """
@@ -154,8 +155,9 @@ class DynamicBatcher:
 
     def __init__(self, fn: Callable[[list[Any]], Sequence[Any] | Awaitable[Sequence[Any]]],
                  config: BatchingConfig | None = None, *, observer: Any = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, exact_lengths: bool = False):
         self.fn = fn
+        self.exact_lengths = exact_lengths  # only equal lengths share a batch (padding would change results)
         self.config = config or BatchingConfig()
         self.observer = observer
         self.clock = clock
@@ -218,7 +220,11 @@ class DynamicBatcher:
 
     # ------------------------------------------------------------------ submit
     def _bucket(self, length: int | None) -> int:
-        if length is None or not self.config.bucket_boundaries:
+        if length is None:
+            return 0
+        if self.exact_lengths:
+            return length
+        if not self.config.bucket_boundaries:
             return 0
         return bisect.bisect_left(self.config.bucket_boundaries, length)
 

@@ -77,7 +77,8 @@ def signature_from_example(name: str, model: Callable[..., Any], example: Sequen
         shape = tuple(-1 if d == 0 or (seq is not None and d == 1 and s == seq) else s
                       for d, s in enumerate(t.shape))
         ospecs.append(TensorSpec(n, datatype_of(t.dtype), shape))
-    return ModelSignature(name, ins, ospecs)
+    # a mask input makes padding invisible to each row's result; without one, only equal lengths batch
+    return ModelSignature(name, ins, ospecs, padding_safe=any(s.name == "attention_mask" for s in ins))
 
 
 def _from_builtin(name: str) -> ServedModel:
@@ -130,7 +131,13 @@ def resolve_model(spec: str | ServedModel, name: str | None = None) -> ServedMod
         except (ImportError, AttributeError) as exc:
             raise InputError(f"model spec {spec!r}: cannot import {attr!r} from {mod!r} ({exc}); "
                              "expected 'package.module:function' returning a ServedModel") from None
-        sm = factory()
+        if not callable(factory):
+            raise InputError(f"model spec {spec!r}: {attr!r} is a {type(factory).__name__}, expected a "
+                             "zero-argument function returning a ServedModel")
+        try:
+            sm = factory()
+        except Exception as exc:  # noqa: BLE001 - the user's factory: report it as bad input
+            raise InputError(f"model spec {spec!r}: the factory raised {type(exc).__name__}: {exc}") from exc
         if isinstance(sm, nn.Module) or not isinstance(sm, ServedModel):
             raise InputError(f"model spec {spec!r} returned {type(sm).__name__}, expected a ServedModel "
                              "(wrap the module: ServedModel(module, signature_from_example(...)))")

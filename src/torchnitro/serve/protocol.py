@@ -73,6 +73,9 @@ class ModelSignature:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     allow_nan: bool = False  # reject NaN/inf in float inputs with a 400 unless the model wants them
+    # padding a ragged input leaves each row's result unchanged (the model takes an attention mask,
+    # or is position-wise); if False, only requests of exactly equal length share a batch
+    padding_safe: bool = False
     platform: str = "pytorch_torchnitro"
     versions: list[str] = field(default_factory=lambda: ["1"])
 

@@ -80,7 +80,10 @@ class ModelEndpoint:
     async def start(self, metrics: ServeMetrics) -> None:
         await self.pool.start()
         cfg = dataclasses.replace(self.batching, concurrency=self.pool.size)
-        self.batcher = await DynamicBatcher(self.pool.run, cfg, observer=metrics.observer(self.name)).start()
+        sig = self.pool.signature
+        exact = any(s.ragged for s in sig.inputs) and not sig.padding_safe
+        self.batcher = await DynamicBatcher(self.pool.run, cfg, observer=metrics.observer(self.name),
+                                            exact_lengths=exact).start()
         self.ready = True
 
     @property

