@@ -96,6 +96,7 @@ def test_add_remove_and_lookup():
         (lambda: ItemMemory(torch.zeros(2, 4), ["a"]), "1 labels for 2 vectors"),
         (lambda: ItemMemory(torch.zeros(2, 4, dtype=torch.int64)), "int64"),
         (lambda: ItemMemory(torch.ones(2, 4), device="tpu"), "tpu"),
+        (lambda: ItemMemory(torch.ones(2, 4), chunk_size=0), "chunk_size: received 0"),
         (lambda: ItemMemory(torch.ones(2, 4), device="cpu").cleanup(torch.ones(5)), "dimension 5"),
         (lambda: ItemMemory(torch.ones(2, 4), device="cpu").cleanup(torch.ones(4), k=0), "k: received 0"),
     ],

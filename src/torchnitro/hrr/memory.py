@@ -31,6 +31,12 @@ def _auto_chunk(q: int, n: int, itemsize: int) -> int:
     return max(1024, min(n, _SCORE_BYTES // max(1, q * itemsize)))
 
 
+def _check_chunk(chunk_size: int | None) -> int | None:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise InputError(f"chunk_size: received {chunk_size!r}, expected a positive int or None (automatic)")
+    return chunk_size
+
+
 def topk_chunked(
     queries: torch.Tensor, unit: torch.Tensor, k: int, chunk_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,9 +86,7 @@ class ItemMemory:
             cb = cb.float()
         labels = [str(i) for i in range(cb.shape[0])] if labels is None else list(labels)
         self._check_labels(labels, cb.shape[0])
-        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-            raise InputError(f"chunk_size: received {chunk_size!r}, expected a positive int or None (automatic)")
-        self.chunk_size = chunk_size
+        self.chunk_size = _check_chunk(chunk_size)
         self.dispatcher = dispatcher or Dispatcher(device, d=cb.shape[1])
         norms = torch.linalg.vector_norm(cb, dim=1)
         self._unit = (cb / norms.clamp_min(1e-30).unsqueeze(1)).cpu()  # (N, d) unit rows
@@ -251,7 +255,7 @@ class ItemMemory:
         """Load a saved memory after verifying every checksum. ``mmap`` maps the codebook instead of reading it."""
         tensors, labels, _ = load_store(directory, format=_FORMAT, mmap=mmap)
         mem = cls.__new__(cls)
-        mem.chunk_size = chunk_size
+        mem.chunk_size = _check_chunk(chunk_size)
         mem._unit, mem._norms = tensors["unit"], tensors["norms"]
         mem.dispatcher = Dispatcher(device, d=mem._unit.shape[1])
         mem._check_labels(list(labels), mem._unit.shape[0])
