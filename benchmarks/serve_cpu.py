@@ -115,14 +115,27 @@ def wait_ready(proc: subprocess.Popen, url: str, path: str, timeout_s: float = 1
     raise RuntimeError(f"server at {url} not ready after {timeout_s} s")
 
 
+def start(cmd: list[str]) -> subprocess.Popen:
+    """Start a server in its own process group, so stop() reaches the workers it spawns."""
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+
+
 def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    """SIGTERM the server's process group (LitServe leaves its workers running otherwise)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+    time.sleep(0.5)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # anything of this group still alive
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
 
 
 def metric_means(url: str, model: str) -> dict[str, float]:
@@ -180,9 +193,8 @@ def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: d
     for label, flags in configs:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen([sys.executable, "-m", "torchnitro", "serve", model, "--port", str(port),
-                                 "--workers", str(args.workers), "--threads", str(threads), *flags],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = start([sys.executable, "-m", "torchnitro", "serve", model, "--port", str(port),
+                      "--workers", str(args.workers), "--threads", str(threads), *flags])
         try:
             wait_ready(proc, url, "/v2/health/ready")
             target = asyncio.run(v2_target(url, model, seq=SEQ[model] or 1))
@@ -197,8 +209,8 @@ def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: d
     if not args.no_litserve and ls is not None:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        proc = subprocess.Popen([sys.executable, __file__, "--litserve-server", model, "--port", str(port),
-                                 "--threads", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = start([sys.executable, __file__, "--litserve-server", model, "--port", str(port),
+                      "--threads", str(threads)])
         try:
             wait_ready(proc, url, "/health")
             v2 = asyncio.run(_v2_shape_only(model))
@@ -286,7 +298,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)  # 2 OMP threads collapse on a shared 2-core box
     ap.add_argument("--target-ms", type=float, default=300.0)
     ap.add_argument("--no-litserve", action="store_true")
     ap.add_argument("--quick", action="store_true")

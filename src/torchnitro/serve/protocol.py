@@ -18,10 +18,16 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from torchnitro.errors import InputError
+
+try:  # orjson parses and writes JSON (and numpy arrays) several times faster than the stdlib
+    import orjson
+except ImportError:  # pragma: no cover - the serve extra installs it
+    orjson = None
 
 __all__ = ["DATATYPES", "TensorSpec", "ModelSignature", "InferItem", "parse_infer_request",
            "encode_infer_response", "assemble", "split_outputs", "datatype_of"]
@@ -33,6 +39,8 @@ DATATYPES: dict[str, torch.dtype] = {
     "FP32": torch.float32, "FP64": torch.float64,
 }
 _NAMES = {v: k for k, v in DATATYPES.items()}
+_NP = {"BOOL": np.bool_, "UINT8": np.uint8, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
+       "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64}
 
 
 def datatype_of(dtype: torch.dtype) -> str:
@@ -124,7 +132,13 @@ def _to_tensor(spec: TensorSpec, obj: dict[str, Any], allow_nan: bool) -> Tensor
         raise _bad(f"input {name!r}: 'data' must be a (flat or nested) JSON list, received "
                    f"{type(data).__name__}")
     try:
-        t = torch.tensor(data, dtype=spec.dtype)
+        if spec.datatype in _NP:  # numpy reads a list of numbers ~3x faster than torch.tensor
+            arr = np.asarray(data, dtype=_NP[spec.datatype])
+            if arr.dtype == object:
+                raise ValueError("ragged nested lists")
+            t = torch.from_numpy(arr)
+        else:
+            t = torch.tensor(data, dtype=spec.dtype)
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise _bad(f"input {name!r}: 'data' could not be read as {spec.datatype}: {exc}; "
                    "send numbers only, in a list") from None
@@ -143,7 +157,7 @@ def parse_infer_request(body: bytes | str | dict[str, Any], sig: ModelSignature)
         req = body
     else:
         try:
-            req = json.loads(body)
+            req = _loads(body)
         except (ValueError, UnicodeDecodeError) as exc:
             raise _bad(f"request body is not valid JSON ({exc}); expected "
                        '{"inputs": [{"name", "shape", "datatype", "data"}, ...]}') from None
@@ -183,16 +197,28 @@ def parse_infer_request(body: bytes | str | dict[str, Any], sig: ModelSignature)
                      None if rid is None else str(rid), priority, None if timeout is None else float(timeout))
 
 
+def _loads(body: bytes | str) -> Any:
+    if orjson is not None:
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass  # the stdlib also reads NaN/Infinity literals (answered with a clear 400 later)
+    return json.loads(body)
+
+
 def encode_infer_response(sig: ModelSignature, outputs: Sequence[Tensor], rid: str | None) -> bytes:
     outs = []
     for spec, t in zip(sig.outputs, outputs):
-        if t.dtype == torch.bfloat16:
+        if t.dtype in (torch.bfloat16, torch.float16):
             t = t.float()
-        outs.append({"name": spec.name, "datatype": spec.datatype, "shape": list(t.shape),
-                     "data": t.reshape(-1).tolist()})
+        flat = t.detach().reshape(-1).contiguous()
+        data = flat.numpy() if orjson is not None else flat.tolist()
+        outs.append({"name": spec.name, "datatype": spec.datatype, "shape": list(t.shape), "data": data})
     body: dict[str, Any] = {"model_name": sig.name, "model_version": sig.versions[0], "outputs": outs}
     if rid is not None:
         body["id"] = rid
+    if orjson is not None:
+        return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
     return json.dumps(body, allow_nan=True).encode()
 
 
