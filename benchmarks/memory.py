@@ -1,6 +1,6 @@
 """Memory benchmark on the reference TransformerLM: checkpointing, planner, finder, FP8.
 
-    flock /tmp/torchnitro-bench.lock python benchmarks/memory.py [--quick]
+    flock /tmp/torchnitro-bench.lock python benchmarks/memory.py [--quick] [--threads N]
 
 Writes results/memory_<device>.{json,md} and results/memory_<device>.png. Sections:
 
@@ -28,19 +28,19 @@ from torchnitro.bench import ResultTable, TimingConfig, compare, save_plot
 from torchnitro.hardware import hardware_info
 from torchnitro.memory import checkpoint_, find_batch_size, plan, track
 from torchnitro.nn.models import TransformerConfig, TransformerLM
-from torchnitro.precision import scaled_mm_available, to_float8_
+from torchnitro.precision import Float8Config, scaled_mm_available, to_float8_
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DT = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def make_step(cfg: TransformerConfig, batch: int, seq: int, dtype: str = "fp32", policy: object = "none",
-              fp8: bool = False):
+              fp8: str | None = None):
     torch.manual_seed(0)
     model = TransformerLM(cfg).to(device=DEV, dtype=DT[dtype])
     checkpoint_(model, policy)
-    if fp8:
-        to_float8_(model, "dynamic")
+    if fp8:  # "ours" (Float8Linear) or "torchao" (torchao.float8 training)
+        to_float8_(model, config=Float8Config("dynamic", backend="torchao" if fp8 == "torchao" else "auto"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=DEV == "cuda")
     x = torch.randint(0, cfg.vocab_size, (batch, seq), device=DEV)
 
@@ -156,20 +156,29 @@ def finder_section(quick: bool):
 
 
 def fp8_section(tcfg):
-    table = ResultTable("FP8 vs bf16 train step", ["config", "bf16 ms", "fp8 ms", "speedup", "note"])
+    table = ResultTable("FP8 vs bf16 train step", ["config", "bf16 ms", "fp8 ms", "speedup", "torchao fp8 ms",
+                                                    "torchao speedup", "note"])
     if not scaled_mm_available():
         table.add(config="-", note="not measured: needs a CUDA GPU with capability >= 8.9 (H100); "
                                    "this machine has none. The emulated path is for numerics, not speed.")
         return table
     for dim, L, B, T in ((2048, 4, 8, 1024), (4096, 2, 4, 1024)):
         cfg = TransformerConfig(vocab_size=32768, dim=dim, n_layers=L, n_heads=dim // 128, max_seq_len=T)
-        _, _, bf = make_step(cfg, B, T, "bf16")
-        _, _, f8 = make_step(cfg, B, T, "bf16", fp8=True)
-        r = compare({"bf16": bf, "fp8": f8}, tcfg, baseline="bf16")
-        table.add(config=f"D{dim} L{L} B{B} T{T}", **{"bf16 ms": r["bf16"].median * 1e3,
-                                                      "fp8 ms": r["fp8"].median * 1e3,
-                                                      "speedup": r["bf16"].median / r["fp8"].median},
-                  note="Float8Linear dynamic scaling, torch._scaled_mm; lm_head in bf16")
+        fns = {"bf16": make_step(cfg, B, T, "bf16")[2], "fp8": make_step(cfg, B, T, "bf16", fp8="ours")[2]}
+        try:
+            fns["torchao"] = make_step(cfg, B, T, "bf16", fp8="torchao")[2]
+        except Exception as exc:  # noqa: BLE001 - torchao missing or unsupported: reported, not fatal
+            note = f"torchao not compared: {exc}"
+        else:
+            note = "torchao.float8 convert_to_float8_training, same module filter"
+        r = compare(fns, tcfg, baseline="bf16")
+        ao = r.get("torchao")
+        table.add(config=f"D{dim} L{L} B{B} T{T}", **{
+            "bf16 ms": r["bf16"].median * 1e3, "fp8 ms": r["fp8"].median * 1e3,
+            "speedup": r["bf16"].median / r["fp8"].median,
+            "torchao fp8 ms": ao.median * 1e3 if ao else None,
+            "torchao speedup": r["bf16"].median / ao.median if ao else None},
+            note="Float8Linear dynamic scaling on torch._scaled_mm, lm_head in bf16; " + note)
     return table
 
 
@@ -206,7 +215,11 @@ def plot(rows_by_dtype, planner: ResultTable, name: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="smaller grid and shorter timing")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads; 1 on a shared box keeps OpenMP barriers from stalling")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     tcfg = TimingConfig(min_iters=5, min_time_s=1.0, max_time_s=20.0) if args.quick else \
         TimingConfig(min_iters=25, min_time_s=5.0, max_time_s=60.0)
@@ -221,7 +234,8 @@ def main() -> int:
     name = f"memory_{DEV}"
     combined = ResultTable("memory benchmark", ["section"], meta={
         "machine": machine, "torch": torch.__version__, "python": platform.python_version(),
-        "command": "flock /tmp/torchnitro-bench.lock python benchmarks/memory.py" + (" --quick" if args.quick else "")})
+        "command": "flock /tmp/torchnitro-bench.lock python benchmarks/memory.py" + (" --quick" if args.quick else "")
+        + (f" --threads {args.threads}" if args.threads else ""), "torch threads": torch.get_num_threads()})
     for t in (ck32, ck16, pl, fi, f8):
         t.meta.setdefault("machine", machine)
         t.print()
