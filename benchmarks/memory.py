@@ -182,34 +182,52 @@ def fp8_section(tcfg):
     return table
 
 
-def plot(rows_by_dtype, planner: ResultTable, name: str) -> None:
+def plot(rows_by_dtype, planner_rows, name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4))
-    ax = a1.twinx()
+    fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(15, 4))
     width = 0.4
+    pols: list[str] = []
     for k, (dt, rows) in enumerate(rows_by_dtype.items()):
         pols = list(rows)
         xs = [i + (k - 0.5) * width for i in range(len(pols))]
-        a1.bar(xs, [rows[p]["block activations MiB"] for p in pols], width, label=f"{dt} memory")
-        ax.plot(xs, [rows[p]["extra time"] * 100 for p in pols], "o--", label=f"{dt} extra time")
-    a1.set_xticks(range(len(pols)), pols)
-    a1.set_ylabel("block activation memory (MiB)")
-    ax.set_ylabel("extra step time vs none (%)")
-    a1.legend(loc="upper center")
-    ax.legend(loc="upper right")
-    a1.set_title("checkpointing policies")
-    errs = [r["error"] * 100 for r in planner.rows]
-    a2.bar(range(len(errs)), errs, color=["tab:green" if abs(e) < 10 else "tab:red" for e in errs])
-    a2.axhline(10, ls="--", c="k")
-    a2.axhline(-10, ls="--", c="k")
-    a2.set_ylabel("planner error vs tracker (%)")
-    a2.set_xlabel("grid case")
-    a2.set_title("planner error")
+        a1.bar(xs, [rows[p]["block activations MiB"] for p in pols], width, label=dt)
+        a2.bar(xs, [rows[p]["extra time"] * 100 for p in pols], width, label=dt)
+    for ax, title, ylabel in ((a1, "activation memory of the blocks", "MiB"),
+                              (a2, "extra train-step time vs none", "%")):
+        ax.set_xticks(range(len(pols)), pols)
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.legend()
+    a2.axhline(30, ls="--", c="k", lw=0.8)
+    a2.axhline(15, ls=":", c="k", lw=0.8)
+    errs = [r["error"] * 100 for r in planner_rows]
+    a3.bar(range(len(errs)), errs, color=["tab:green" if abs(e) < 10 else "tab:red" for e in errs])
+    a3.axhline(10, ls="--", c="k")
+    a3.axhline(-10, ls="--", c="k")
+    a3.set_ylim(-12, 12)
+    a3.set_ylabel("%")
+    a3.set_xlabel("grid case (config x dtype x policy)")
+    a3.set_title("planner error vs tracker")
+    fig.tight_layout()
     save_plot(fig, name)
+
+
+def replot(name: str) -> None:
+    """Redraw the PNG from a saved results JSON (no measuring)."""
+    import json
+
+    from torchnitro.bench import results_dir
+
+    data = json.loads((results_dir() / f"{name}.json").read_text())
+    secs = data["sections"]
+    ck = {("bf16" if "bf16" in t["title"] else "fp32"): {r["policy"]: r for r in t["rows"]}
+          for t in secs if t["title"].startswith("checkpointing")}
+    pl = next(t["rows"] for t in secs if t["title"].startswith("planner"))
+    plot(ck, pl, name)
 
 
 def main() -> int:
@@ -217,7 +235,11 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="smaller grid and shorter timing")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads; 1 on a shared box keeps OpenMP barriers from stalling")
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the saved JSON")
     args = ap.parse_args()
+    if args.replot:
+        replot(f"memory_{DEV}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -246,7 +268,7 @@ def main() -> int:
                              indent=2, default=str))
     mp.write_text("\n".join([f"# memory benchmark ({DEV})", ""] + [f"- {k}: {v}" for k, v in combined.meta.items()]
                             + [""] + [t.to_markdown() for t in (ck32, ck16, pl, fi, f8)]))
-    plot({"fp32": rows32, "bf16": rows16}, pl, name)
+    plot({"fp32": rows32, "bf16": rows16}, pl.rows, name)
     return 0
 
 
