@@ -126,3 +126,18 @@ def test_device_pool_matches_cpu_reference():
         ref = [module(it.tensors[0]) for it in items]
     for o, r in zip(first + second, ref):
         torch.testing.assert_close(o[0], r, rtol=1e-3, atol=1e-3)  # TF32 may be on for GPU matmuls
+
+
+def test_make_pool_device_choice():
+    pytest.importorskip("uvicorn")
+    from torchnitro.errors import ConfigError
+    from torchnitro.serve.server import ServeConfig, make_pool
+
+    with pytest.raises(ConfigError, match="'tpu'"):
+        ServeConfig(device="tpu")
+    cpu = make_pool("mlp", "mlp", ServeConfig(device="cpu", workers=0))
+    assert isinstance(cpu, InlinePool)
+    if not torch.cuda.is_available():
+        with pytest.raises(BackendUnavailableError, match="CUDA"):
+            make_pool("mlp", "mlp", ServeConfig(device="cuda"))
+        assert isinstance(make_pool("mlp", "mlp", ServeConfig(device="auto", workers=2)), ProcessPool)

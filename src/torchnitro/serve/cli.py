@@ -59,6 +59,7 @@ def register(app: typer.Typer) -> None:
         port: Optional[int] = typer.Option(None, help="Port (default 8000)."),
         workers: Optional[int] = typer.Option(None, help="Model replicas (processes); 0 = in-process."),
         threads: Optional[int] = typer.Option(None, help="Torch threads per worker (default cores // workers)."),
+        device: Optional[str] = typer.Option(None, help="auto (default), cpu, or cuda (replicas on GPU streams)."),
         max_batch_size: Optional[int] = typer.Option(None, help="Rows per batch."),
         max_wait_ms: Optional[float] = typer.Option(None, help="Wait window from a batch's first request."),
         max_queue_size: Optional[int] = typer.Option(None, help="Waiting requests before 429."),
@@ -79,7 +80,8 @@ def register(app: typer.Typer) -> None:
         from torchnitro.serve.server import InferenceServer, ModelEndpoint, make_pool
 
         batching, scfg = build_configs(
-            config, host=host, port=port, workers=workers, threads=threads, max_batch_size=max_batch_size,
+            config, host=host, port=port, workers=workers, threads=threads, device=device,
+            max_batch_size=max_batch_size,
             max_wait_ms=max_wait_ms, max_queue_size=max_queue_size, priority_levels=priority_levels,
             default_timeout_ms=timeout_ms, bucket_boundaries=_ints(buckets, "--buckets") or None,
             preferred_batch_sizes=_ints(preferred, "--preferred") or None, adaptive=adaptive,

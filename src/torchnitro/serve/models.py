@@ -31,6 +31,7 @@ class ServedModel:
 
     fn: Callable[..., Any]
     signature: ModelSignature
+    module: nn.Module | None = None  # the nn.Module behind fn, if any (GPU replicas copy it per device)
 
     def __call__(self, *inputs: Tensor) -> list[Tensor]:
         out = self.fn(*inputs)
@@ -89,11 +90,8 @@ def _from_builtin(name: str) -> ServedModel:
     seq = 7 if b.default_seq else 0  # odd length so sequence dims are told apart from hidden dims
     example = b.inputs(2, seq, 0) if seq else b.inputs(2, 0, 0)
 
-    def fn(*xs: Tensor) -> Any:
-        return model(*xs)
-
     sig = signature_from_example(name, model, example, b.dynamic_dims)
-    return ServedModel(fn, sig)
+    return ServedModel(model, sig, module=model)
 
 
 def _spec_list(items: Any, what: str) -> list[TensorSpec]:

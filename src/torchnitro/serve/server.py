@@ -45,6 +45,8 @@ class ServeConfig:
     port: int = 8000
     workers: int = 1  # model replicas (processes on CPU); 0 runs the model in the server process
     threads: int | None = None  # torch threads per worker; default: usable cores // workers
+    device: str = "auto"  # "cuda": replicas on GPUs (streams per device); "cpu": processes; auto: cuda if seen
+    streams: int = 2  # CUDA streams (replicas) per GPU: overlap one batch's copies with another's compute
     max_body_bytes: int = 8 * 2**20  # larger request bodies get 413 before they are read
     auth_token: str | None = None  # if set, every route but /v2/health/* needs "Bearer <token>"
     drain_timeout_s: float = 30.0  # SIGTERM: how long accepted requests may take to finish
@@ -54,15 +56,29 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.workers < 0:
             raise ConfigError(f"ServeConfig.workers: received {self.workers}, expected >= 0")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError(f"ServeConfig.device: received {self.device!r}, expected 'auto', 'cpu' or 'cuda'")
         if self.max_body_bytes < 1:
             raise ConfigError(f"ServeConfig.max_body_bytes: received {self.max_body_bytes}, expected >= 1")
 
 
 def make_pool(spec: Any, name: str, config: ServeConfig, on_restart: Any = None) -> Any:
-    """A worker pool for ``spec``: processes for string specs, in-process for objects or workers=0."""
-    from torchnitro.serve.models import resolve_model
-    from torchnitro.serve.workers import InlinePool, ProcessPool
+    """A worker pool for ``spec``: CUDA streams on GPUs; else processes for string specs, in-process
+    for objects or workers=0."""
+    import torch
 
+    from torchnitro.errors import BackendUnavailableError
+    from torchnitro.serve.models import resolve_model
+    from torchnitro.serve.workers import DevicePool, InlinePool, ProcessPool
+
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        sm = resolve_model(spec, name)
+        if sm.module is None:
+            if config.device == "cuda":
+                raise BackendUnavailableError(f"model {name!r} is not an nn.Module, so it cannot be copied to "
+                                              "GPUs; serve it with --device cpu")
+        else:
+            return DevicePool(sm, sm.module, streams=config.streams)
     if config.workers == 0 or not isinstance(spec, str):
         return InlinePool(resolve_model(spec, name), replicas=max(1, config.workers))
     return ProcessPool(spec, name, config.workers, threads=config.threads, on_restart=on_restart)
