@@ -146,3 +146,10 @@ def test_objective_is_stated(fake_recipes, fast_cfg, kw, text):
     opt = _run(fr, fast_cfg(recipes=["test-faster"], **kw), model=fr.SlowModel())
     assert opt.report.objective == text
     assert opt.recipe == "test-faster" and opt.report.get("test-faster").interleaved
+
+
+def test_min_speedup_below_one_forces_a_slower_verified_recipe(fake_recipes, fast_cfg):
+    fr = fake_recipes
+    opt = _run(fr, fast_cfg(recipes=["test-slower", "test-wrong"], min_speedup=0.0))
+    assert opt.recipe == "test-slower" and opt.report.get("test-slower").speedup < 1
+    assert opt.report.get("test-wrong").status == Status.REJECTED  # forcing never bypasses the gate

@@ -166,7 +166,7 @@ def _from_cache(model: nn.Module, inputs: tuple[Any, ...], info: ModelInfo, cfg:
         eager = copy.deepcopy(model).eval().to(device)
         # recipes may convert the model they load (bf16, int8): give them a copy, keep eager fp32 for save()
         fn = eager if recipe.name == "eager" else recipe.load(d, hit["meta"], None if hit["standalone"] else copy.deepcopy(eager))
-        wl = prepare_workload(eager, inputs, info, cfg, device)
+        wl = prepare_workload(eager, inputs, info, cfg, device, recheck=True)
         gate = judge(collect(fn, wl.held_out), wl.references, cfg.tolerance(recipe.numeric_class.value),
                      metric_fn=cfg.metric_fn, metric_threshold=cfg.metric_threshold, reference_raw=wl.reference_raw)
     except InputError:

@@ -244,7 +244,7 @@ def _finalists(s: _Search, report: Report) -> Recipe:
     base = objective_stat(res["eager"], cfg)
     # below 1 the user accepts a slower verified candidate on purpose (forcing a recipe); else beat the noise too
     required = cfg.min_speedup if cfg.min_speedup < 1 else max(cfg.min_speedup, 1.0 + min(res["eager"].cv, 0.10))
-    best, best_speed = eager, 1.0
+    best, best_speed = eager, 0.0  # eager unless some candidate clears the bar
     for name, t in res.items():
         c = report.get(name)
         c.p50_ms, c.p99_ms, c.cv, c.throughput = t.median * 1e3, t.p99 * 1e3, t.cv, t.throughput

@@ -68,7 +68,9 @@ def _resize(inputs: tuple[Any, ...], dyn: dict[int, list[int]], sizes: Sequence[
 
 
 def prepare_workload(model: nn.Module, example_inputs: tuple[Any, ...], info: ModelInfo, cfg: OptimizeConfig,
-                     device: torch.device) -> Workload:
+                     device: torch.device, *, recheck: bool = False) -> Workload:
+    """Held-out and timing inputs plus eager references. ``recheck``: one held-out set only, for
+    re-checking a cached winner (the full search already verified every size)."""
     dyn = cfg.dynamic_dims if cfg.dynamic_dims is not None else dict(info.dynamic_dims)
     first = next((t for t in example_inputs if isinstance(t, Tensor)), None)
     base = [int(first.shape[d]) for d in sorted(dyn.get(0, []))] if first is not None else []
@@ -78,10 +80,11 @@ def prepare_workload(model: nn.Module, example_inputs: tuple[Any, ...], info: Mo
             return tuple(info.make_inputs(int(sizes[0]), int(sizes[1]) if len(sizes) > 1 else (info.seq or 0), seed))
         return _resize(example_inputs, dyn, sizes, seed)
 
-    held = [make(base, cfg.seed + k) if base else random_like(example_inputs, cfg.seed + k) for k in range(cfg.held_out)]
-    if base:  # one smaller size too: a candidate that baked the example's shape in fails here, not in serving
+    n_held = 1 if recheck else cfg.held_out
+    held = [make(base, cfg.seed + k) if base else random_like(example_inputs, cfg.seed + k) for k in range(n_held)]
+    if base and not recheck:  # one smaller size too: a candidate that baked the example's shape in fails here, not in serving
         held.append(make([max(1, b // 2) for b in base], cfg.seed + 99))
-    for k, shape in enumerate(cfg.shapes):
+    for k, shape in enumerate([] if recheck else cfg.shapes):
         held.append(make(shape, cfg.seed + 200 + k))
     timing_sets = [example_inputs] + [make(shape, 0) for shape in cfg.shapes]
     to = lambda xs: tuple(x.to(device) if isinstance(x, Tensor) else x for x in xs)  # noqa: E731
@@ -89,8 +92,8 @@ def prepare_workload(model: nn.Module, example_inputs: tuple[Any, ...], info: Mo
     timing_sets = [to(s) for s in timing_sets]
     refs, raws = [], []
     with torch.inference_mode():
-        try:
-            eager_out = model(*timing_sets[0])
+        try:  # recheck: the first held-out set doubles as the probe of the output structure
+            eager_out = model(*(held[0] if recheck else timing_sets[0]))
         except Exception as exc:
             raise InputError(
                 f"the model raised {type(exc).__name__}: {exc} on its example inputs ({input_signature(example_inputs)}); "
@@ -100,9 +103,9 @@ def prepare_workload(model: nn.Module, example_inputs: tuple[Any, ...], info: Mo
         if not kind["names"]:
             raise InputError(f"the model returned {type(eager_out).__name__} with no tensors; expected tensor outputs")
         eager_flat = clone_outputs(eager_out)
-        for h in held:
-            raw = model(*h)
-            refs.append(clone_outputs(raw))
+        for i, h in enumerate(held):
+            raw = eager_out if (recheck and i == 0) else model(*h)
+            refs.append(eager_flat if (recheck and i == 0) else clone_outputs(raw))
             raws.append(raw)
     items = sum(int(s[0].shape[0]) if isinstance(s[0], Tensor) and s[0].dim() else 1 for s in timing_sets)
     return Workload(timing_sets[0], held, refs, raws, timing_sets, items, kind, dyn, eager_flat)
