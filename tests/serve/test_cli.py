@@ -94,3 +94,22 @@ def test_serve_rejects_bad_flags():
 
     assert main(["serve", "torchnitro.serve.testing:affine", "--buckets", "a,b"]) == 2
     assert main(["serve", "no_such_module_xyz:f", "--workers", "0"]) == 2
+
+
+def test_loadtest_command_writes_results(tmp_results):
+    from torchnitro.cli import main
+    from torchnitro.serve.server import InferenceServer, ModelEndpoint, ServeConfig, make_pool
+
+    cfg = ServeConfig(port=0, workers=0)
+    srv = InferenceServer([ModelEndpoint("affine", make_pool("torchnitro.serve.testing:affine", "affine", cfg))],
+                          cfg).start_in_thread()
+    try:
+        code = main(["loadtest", f"http://127.0.0.1:{srv.port}", "--model", "affine", "--concurrency", "2",
+                     "--rate", "50", "--duration", "0.3", "--out", "lt_cli"])
+    finally:
+        srv.stop()
+    assert code == 0
+    rows = json.loads((tmp_results / "lt_cli.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["closed", "open"] and all(r["ok"] > 0 for r in rows)
+    assert (tmp_results / "lt_cli.png").stat().st_size > 0
+    assert main(["loadtest", f"http://127.0.0.1:{free_port()}", "--model", "affine"]) == 2  # nothing listening

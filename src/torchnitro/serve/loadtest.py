@@ -239,7 +239,11 @@ async def v2_target(url: str, model: str, *, seq: int = 32, rows: int = 1, token
                     variants: int = 64) -> LoadTarget:
     """A KServe v2 target whose requests are synthesised from the model's metadata."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    status, data = await HttpClient(url, 10.0).request("GET", f"/v2/models/{model}", headers=headers)
+    try:
+        status, data = await HttpClient(url, 10.0).request("GET", f"/v2/models/{model}", headers=headers)
+    except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+        raise InputError(f"could not reach {url} ({type(exc).__name__}: {exc}); expected a running "
+                         "`torchnitro serve` there - check the address and port") from None
     if status != 200:
         raise InputError(f"GET {url}/v2/models/{model} answered {status}: {data[:200]!r}; "
                          "check the model name and that the server is ready")
