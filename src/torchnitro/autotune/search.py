@@ -60,6 +60,7 @@ class _Search:
         self.fns: dict[str, Callable[..., Any]] = {}  # in-process candidates, kept for the final comparison
         self.where: dict[str, tuple[Path, dict[str, Any], list[str], bool]] = {}  # name -> dir, meta, files, standalone
         self.notes: set[str] = set()
+        self.p50: dict[str, float] = {}  # search-time p50 of live in-process candidates
         self.timing = TimingConfig(warmup=1, warmup_s=0.0, min_iters=cfg.timing_min_iters,
                                    min_time_s=cfg.timing_min_time_s, max_time_s=max(2.0, cfg.timing_min_time_s * 4),
                                    device=device.type)
@@ -121,6 +122,8 @@ class _Search:
         if res.status == Status.VERIFIED:
             if ev.built is not None:
                 self.fns[r.name] = ev.built.fn
+                self.p50[r.name] = res.p50_ms or 0.0
+                self._trim()
             self.where[r.name] = (ctx.workdir, ev.meta, ev.files, ev.standalone)
         if key and r.name != "eager":
             stored = self.cache.put_candidate(key, {"record": res.to_dict(), "meta": ev.meta,
@@ -128,6 +131,13 @@ class _Search:
             if stored is not None and r.name in self.where:
                 self.where[r.name] = (stored, ev.meta, ev.files, ev.standalone)
         return res
+
+    def _trim(self) -> None:
+        """Keep live only the in-process candidates that can still be finalists (each may hold a model
+        copy); the others are rebuilt with ``recipe.load`` if they are needed after all."""
+        ranked = sorted((n for n in self.fns if n != "eager"), key=lambda n: self.p50[n])
+        for name in ranked[self.cfg.finalists:]:
+            del self.fns[name]
 
     def _fill(self, res: CandidateResult, r: Recipe, ev: Evaluation) -> None:
         kind = self.wl.output_kind
