@@ -48,8 +48,14 @@ def _factory(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["bad-input", "missing-path", "missing-hf", "unknown-recipe", "yaml-unknown",
-                                  "model-fails", "missing-config", "bad-shape"])
+                                  "model-fails", "missing-config", "bad-shape", "unavailable"])
 def test_errors_are_one_paragraph_exit_2(run, tmp_path, case):
+    if case == "unavailable":
+        from torchnitro.autotune.recipe import get_recipe
+        from torchnitro.hardware import hardware_info
+
+        if get_recipe("tensorrt").unavailable_reason(hardware_info()) is None:
+            pytest.skip("tensorrt can run here")
     f = _factory(tmp_path)
     args = {
         "bad-input": ["--model", f"{f}:build", "--input", "8xfoo"],
@@ -60,12 +66,13 @@ def test_errors_are_one_paragraph_exit_2(run, tmp_path, case):
         "model-fails": ["--model", f"{f}:build", "--input", "2x5", "--recipe", "torchscript"],
         "missing-config": ["--config", str(tmp_path / "absent.yaml")],
         "bad-shape": ["--model", "mlp", "--shape", "2x3x4"],
+        "unavailable": ["--model", "mlp", "--recipe", "tensorrt"],
     }[case]
     (tmp_path / "c.yaml").write_text("version: 1\noptimize:\n  budgett: 3\n")
     expect = {"bad-input": "not an input spec", "missing-path": "does not exist", "missing-hf": "does not exist",
               "unknown-recipe": "unknown recipe 'turbo'", "yaml-unknown": "budgett",
               "model-fails": "example inputs", "missing-config": "does not exist",
-              "bad-shape": "BATCHxSEQ"}[case]
+              "bad-shape": "BATCHxSEQ", "unavailable": "cannot run here"}[case]
     rc, _, err = run("optimize", "--out", str(tmp_path / "o"), *args)
     assert rc == 2, err
     assert expect in err and "Traceback" not in err and "--debug" in err

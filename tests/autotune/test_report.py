@@ -11,12 +11,12 @@ from torchnitro.autotune.report import Report
 def test_report_content(fake_recipes, fast_cfg):
     fr = fake_recipes
     opt = torchnitro.optimize(fr.tiny_model(), fr.tiny_inputs(), fast_cfg(recipes=["test-raises", "test-wrong",
-                                                                                 "torchscript", "cuda-graphs"]))
+                                                                                 "torchscript", "conv-bn-fold"]))
     rep = opt.report
-    assert [c.recipe for c in rep.candidates] == ["eager", "torchscript", "cuda-graphs", "test-raises", "test-wrong"]
+    assert [c.recipe for c in rep.candidates] == ["eager", "torchscript", "conv-bn-fold", "test-raises", "test-wrong"]
     statuses = {c.recipe: c.status for c in rep.candidates}
     assert statuses["test-raises"] == "failed" and statuses["test-wrong"] == "rejected"
-    assert statuses["cuda-graphs"] == "skipped" and "CUDA" in rep.get("cuda-graphs").reason
+    assert statuses["conv-bn-fold"] == "skipped" and "no Conv" in rep.get("conv-bn-fold").reason
     assert statuses[opt.recipe] == "chosen" and list(statuses.values()).count("chosen") == 1
     eager = rep.get("eager")
     for field in ("p50_ms", "p99_ms", "throughput", "speedup", "build_s", "norm_rel", "min_cosine"):

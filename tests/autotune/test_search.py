@@ -153,3 +153,18 @@ def test_min_speedup_below_one_forces_a_slower_verified_recipe(fake_recipes, fas
     opt = _run(fr, fast_cfg(recipes=["test-slower", "test-wrong"], min_speedup=0.0))
     assert opt.recipe == "test-slower" and opt.report.get("test-slower").speedup < 1
     assert opt.report.get("test-wrong").status == Status.REJECTED  # forcing never bypasses the gate
+
+
+def test_explicit_unavailable_recipe_raises_auto_selected_is_skipped(fast_cfg):
+    from torchnitro.errors import BackendUnavailableError
+    from fake_recipes import tiny_inputs, tiny_model
+
+    if torch.cuda.is_available():
+        pytest.skip("cuda-graphs is available on this machine")
+    with pytest.raises(BackendUnavailableError, match="'cuda-graphs' was requested but cannot run here"):
+        torchnitro.optimize(tiny_model(), tiny_inputs(), fast_cfg(recipes=["cuda-graphs"]))
+    from torchnitro.autotune.recipe import list_recipes
+
+    others = [n for n in list_recipes() if n not in ("eager", "cuda-graphs")]
+    opt = torchnitro.optimize(tiny_model(), tiny_inputs(), fast_cfg(exclude=others))  # auto-selected: skipped
+    assert opt.report.get("cuda-graphs").status == Status.SKIPPED and "CUDA" in opt.report.get("cuda-graphs").reason

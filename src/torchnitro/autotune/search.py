@@ -183,6 +183,16 @@ def _run(s: _Search, recipes: list[Recipe], t_start: float) -> SearchOutcome:
     cfg, hw = s.cfg, s.hw
     report = Report(model=s.info.name, inputs=input_signature(s.wl.example_inputs),
                     objective=objective_text(cfg, s.wl), hardware=_hw_text(hw, s.device))
+    if cfg.recipes is not None:  # explicitly requested: a recipe that cannot run on this machine is an error
+        for r in recipes:
+            why = r.unavailable_reason(hw) or ("needs a CUDA device; this search runs on the CPU"
+                                               if r.gpu_only and s.device.type != "cuda" else None)
+            if why is not None and r.name in cfg.recipes:
+                from torchnitro.errors import BackendUnavailableError
+
+                raise BackendUnavailableError(
+                    f"recipe {r.name!r} was requested but cannot run here: {why}. Remove it from the recipe list "
+                    "(or leave the list empty to try every recipe that can run here)")
     prog = SearchProgress(cfg.progress, len(recipes) + 1)
     try:
         for r in recipes:
