@@ -18,7 +18,7 @@ from torch import nn
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
 
-__all__ = ["Raises", "Hangs", "HangsIsolated", "ExitsIsolated", "SegfaultIsolated", "Wrong", "ReusesBuffer",
+__all__ = ["Raises", "Hangs", "HangsIsolated", "ExitsIsolated", "SegfaultIsolated", "BadCheck", "Wrong", "ReusesBuffer",
            "Faster", "Slower", "SlowModel", "tiny_model", "tiny_inputs", "fast_config"]
 
 
@@ -82,6 +82,18 @@ class SegfaultIsolated(_Fake):
     def build(self, ctx: BuildContext) -> Built:
         os.kill(os.getpid(), signal.SIGSEGV)
         time.sleep(5)
+        raise AssertionError("unreachable")
+
+
+class BadCheck(_Fake):
+    """Its applicability check itself raises."""
+
+    name = "test-bad-check"
+
+    def inapplicable_reason(self, model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
+        raise KeyError("config.hidden_size")
+
+    def build(self, ctx: BuildContext) -> Built:
         raise AssertionError("unreachable")
 
 

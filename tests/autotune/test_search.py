@@ -21,8 +21,9 @@ def test_search_survives_raise_hang_exit_and_segfault(fake_recipes, fast_cfg):
     fr = fake_recipes
     t0 = time.perf_counter()
     opt = _run(fr, fast_cfg(recipes=["test-raises", "test-hangs", "test-hangs-isolated", "test-exits",
-                                     "test-segfault"], candidate_timeout_s=3.0))
+                                     "test-segfault", "test-bad-check"], candidate_timeout_s=3.0))
     rep = opt.report
+    assert rep.get("test-bad-check").status == Status.SKIPPED and "raised KeyError" in rep.get("test-bad-check").reason
     assert rep.get("test-raises").status == Status.FAILED and "boom from test-raises" in rep.get("test-raises").reason
     assert rep.get("test-hangs").status == Status.FAILED and "limit" in rep.get("test-hangs").reason
     assert rep.get("test-hangs-isolated").status == Status.FAILED and "killed" in rep.get("test-hangs-isolated").reason

@@ -163,11 +163,27 @@ class _Search:
         return fn
 
 
+def _not_here(r: Recipe, hw: Any, device: torch.device) -> str | None:
+    """Why ``r`` cannot run on this machine/device, or None."""
+    why = r.unavailable_reason(hw)
+    if why is None and r.gpu_only and device.type != "cuda":
+        why = "needs a CUDA device; this search runs on the CPU"
+    return why
+
+
 def search(model: nn.Module, example_inputs: tuple[Any, ...], info: ModelInfo, cfg: OptimizeConfig) -> SearchOutcome:
     """Run the search (see the module docstring) and return the chosen variant with the report."""
     t_start = time.perf_counter()
     device = resolve_device(cfg)
     recipes = select_recipes(cfg)
+    for r in recipes if cfg.recipes is not None else []:  # explicitly requested: unable to run here is an error
+        why = _not_here(r, hardware_info(), device) if r.name in cfg.recipes else None
+        if why is not None:
+            from torchnitro.errors import BackendUnavailableError
+
+            raise BackendUnavailableError(
+                f"recipe {r.name!r} was requested but cannot run here: {why}. Remove it from the recipe list "
+                "(or leave the list empty to try every recipe that can run here)")
     model = copy.deepcopy(model).eval().to(device)
     old_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.resolved_threads())
@@ -183,24 +199,15 @@ def _run(s: _Search, recipes: list[Recipe], t_start: float) -> SearchOutcome:
     cfg, hw = s.cfg, s.hw
     report = Report(model=s.info.name, inputs=input_signature(s.wl.example_inputs),
                     objective=objective_text(cfg, s.wl), hardware=_hw_text(hw, s.device))
-    if cfg.recipes is not None:  # explicitly requested: a recipe that cannot run on this machine is an error
-        for r in recipes:
-            why = r.unavailable_reason(hw) or ("needs a CUDA device; this search runs on the CPU"
-                                               if r.gpu_only and s.device.type != "cuda" else None)
-            if why is not None and r.name in cfg.recipes:
-                from torchnitro.errors import BackendUnavailableError
-
-                raise BackendUnavailableError(
-                    f"recipe {r.name!r} was requested but cannot run here: {why}. Remove it from the recipe list "
-                    "(or leave the list empty to try every recipe that can run here)")
     prog = SearchProgress(cfg.progress, len(recipes) + 1)
     try:
         for r in recipes:
             prog.step(f"{r.name}: building")
             remaining = cfg.budget_s - (time.perf_counter() - t_start)
-            why = r.unavailable_reason(hw) or r.inapplicable_reason(s.model, s.wl.example_inputs)
-            if r.gpu_only and s.device.type != "cuda":
-                why = why or "needs a CUDA device; this search runs on the CPU"
+            try:
+                why = _not_here(r, hw, s.device) or r.inapplicable_reason(s.model, s.wl.example_inputs)
+            except Exception as exc:  # noqa: BLE001 - a buggy check costs only its own recipe
+                why = f"its applicability check raised {type(exc).__name__}: {exc}"[:300]
             if why is None and r.name != "eager" and remaining < 1.0:
                 why = f"time budget of {cfg.budget_s:.0f} s spent (raise budget_s)"
             if why is not None and r.name != "eager":
