@@ -131,3 +131,16 @@ def test_save_refuses_to_overwrite_a_non_artifact_folder(tmp_path, fast_cfg):
     with pytest.raises(ArtifactError, match="not an artifact directory"):
         opt.save(tmp_path)
     assert (tmp_path / "keep.txt").exists()
+
+
+def test_recipe_that_cannot_rebuild_gives_artifact_error(saved, tmp_path, monkeypatch):
+    from torchnitro.autotune.recipes import onnx as onnx_recipes
+
+    _, path = saved["onnxruntime"]
+
+    def broken(*a, **k):
+        raise ImportError("onnxruntime is not installed")
+
+    monkeypatch.setattr(onnx_recipes, "OrtRunner", broken)
+    with pytest.raises(ArtifactError, match="could not rebuild.*onnxruntime is not installed"):
+        torchnitro.load(path)

@@ -154,5 +154,10 @@ def load_artifact(directory: str | Path, model: nn.Module | None = None) -> tupl
             raise ArtifactError(f"load: the saved weights do not fit the model {type(model).__name__} ({exc}); "
                                 "pass the same architecture the artifact was made from") from exc
         eager = model.eval()
-    fn = recipe.load(d / "candidate", manifest.get("meta", {}), eager)
+    try:
+        fn = recipe.load(d / "candidate", manifest.get("meta", {}), eager)
+    except Exception as exc:  # noqa: BLE001 - e.g. a runtime missing on this machine: one clear message
+        raise ArtifactError(f"load: recipe {manifest['recipe']!r} could not rebuild the artifact in {str(d)!r}: "
+                            f"{type(exc).__name__}: {exc}. Expected the libraries it was saved with "
+                            f"(see 'hardware' in manifest.json); install them or re-run torchnitro optimize here") from exc
     return manifest, fn, eager
