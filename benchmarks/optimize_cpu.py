@@ -88,17 +88,18 @@ def _variants(opt: object, model: torch.nn.Module, x: tuple, cfg: OptimizeConfig
     return out
 
 
-def padding_table(opt: object, model: torch.nn.Module) -> ResultTable:
+def padding_table(opt: object, model: torch.nn.Module, rounds: int = 12) -> ResultTable:
     """Eager vs the chosen MiniLM variant (and the perf recipes), interleaved in one run, on
     realistic sentences and on full-length text."""
     from torchnitro.hf import minilm_inputs, sample_sentences, tokenize
 
     t = ResultTable("MiniLM b32x128: variants side by side (one interleaved run per input set)",
-                    ("inputs", "real tokens", "variant", "median ms", "p99 ms", "speedup", "min cosine (held-out)"))
+                    ("inputs", "real tokens", "variant", "median ms", "min ms", "p99 ms", "speedup", "speedup (min)",
+                     "min cosine (held-out)"))
     full = lambda seed: tokenize(sample_sentences(32, seed, min_words=150, max_words=200), "minilm", 128)  # noqa: E731
     sets = {"realistic sentences": (minilm_inputs(32, 128, 0), [minilm_inputs(32, 128, s) for s in (501, 502)]),
             "full-length text": (full(0), [full(501), full(502)])}
-    cfg = TimingConfig(warmup=2, min_iters=10, min_time_s=4.0, max_time_s=60.0)
+    cfg = TimingConfig(warmup=2, min_iters=rounds, min_time_s=4.0, max_time_s=150.0)
     variants = _variants(opt, model, sets["realistic sentences"][0],
                          OptimizeConfig(metric_fn=row_cosine, metric_threshold=0.99))
     for label, (x, held) in sets.items():
@@ -109,8 +110,8 @@ def padding_table(opt: object, model: torch.nn.Module) -> ResultTable:
         real = f"{float(x[1].float().mean()):.0%}"
         for v, tm in res.items():
             t.add(**{"inputs": label, "real tokens": real, "variant": v, "median ms": tm.median * 1e3,
-                     "p99 ms": tm.p99 * 1e3, "speedup": res["eager"].median / tm.median,
-                     "min cosine (held-out)": cos[v]})
+                     "min ms": tm.min * 1e3, "p99 ms": tm.p99 * 1e3, "speedup": res["eager"].median / tm.median,
+                     "speedup (min)": res["eager"].min / tm.min, "min cosine (held-out)": cos[v]})
     return t
 
 
@@ -133,14 +134,36 @@ def plot(rows: list[dict], path_name: str) -> None:
     save_plot(fig, path_name)
 
 
+def variants_only(rounds: int) -> None:
+    """The MiniLM side-by-side table alone: a full search (fresh cache) picks the variant, then eager,
+    the chosen one and the perf recipes are timed interleaved for ``rounds`` rounds per input set."""
+    with tempfile.TemporaryDirectory(prefix="torchnitro-bench-cache-") as cache_root:
+        _, summary, opt, (model, _) = run("minilm-b32", Path(cache_root))
+    t = padding_table(opt, model, rounds)
+    t.meta.update(command=f"flock /tmp/torchnitro-bench.lock python benchmarks/optimize_cpu.py --variants {rounds}",
+                  machine=_machine(), search=json.dumps({k: summary[k] for k in ("chosen", "full_search_s")}, default=str))
+    t.save("optimize_cpu_minilm_variants")
+    t.print()
+
+
+def _machine() -> str:
+    hw = hardware_info()
+    return f"{hw.cpu_name}, {hw.cpu_cores} cores, flags {' '.join(hw.cpu_flags)}, torch {torch.__version__}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", choices=list(WORKLOADS), help="run only these workloads")
+    ap.add_argument("--variants", type=int, default=0, metavar="ROUNDS",
+                    help="only the MiniLM side-by-side table, with this many interleaved rounds; writes "
+                         "results/optimize_cpu_minilm_variants.{json,md}")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
+    if args.variants:
+        variants_only(args.variants)
+        return
     names = args.only or list(WORKLOADS)
-    hw = hardware_info()
-    machine = f"{hw.cpu_name}, {hw.cpu_cores} cores, flags {' '.join(hw.cpu_flags)}, torch {torch.__version__}"
+    machine = _machine()
     all_rows, summaries, extra = [], [], None
     with tempfile.TemporaryDirectory(prefix="torchnitro-bench-cache-") as cache_root:
         for name in names:
