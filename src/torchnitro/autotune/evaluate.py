@@ -92,6 +92,30 @@ def _rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+class _RssPeak:
+    """Highest resident-set size seen by a 5 ms sampler thread while active (CPU peak memory).
+
+    Stopped before timing, so the sampler never competes with the measured calls."""
+
+    def __init__(self) -> None:
+        self.peak = _rss_mb()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, _rss_mb())
+
+    def __enter__(self) -> "_RssPeak":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_mb())
+
+
 def evaluate(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any, ...]],
              timing_sets: Sequence[tuple[Any, ...]], timing: TimingConfig, items_per_call: int,
              keep_raw: bool = True) -> Evaluation:
@@ -99,14 +123,15 @@ def evaluate(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any, ..
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rss0 = _rss_mb()
-    t0 = time.perf_counter()
-    built = recipe.build(ctx)
-    fn = built.fn
-    with torch.inference_mode():
-        fn(*ctx.example_inputs)  # lazy compilation is part of building
-    synchronize(str(ctx.device))
-    build_s = time.perf_counter() - t0
-    outputs = [(f, s, r if keep_raw else None, later) for f, s, r, later in collect(fn, held_out)]
+    with _RssPeak() as rss:
+        t0 = time.perf_counter()
+        built = recipe.build(ctx)
+        fn = built.fn
+        with torch.inference_mode():
+            fn(*ctx.example_inputs)  # lazy compilation is part of building
+        synchronize(str(ctx.device))
+        build_s = time.perf_counter() - t0
+        outputs = [(f, s, r if keep_raw else None, later) for f, s, r, later in collect(fn, held_out)]
     with torch.inference_mode():
         first_ms: dict[str, float] = {}
         for inputs in timing_sets[1:]:  # first call at each new size: recompilation shows here
@@ -121,7 +146,7 @@ def evaluate(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any, ..
             quick = timing.quick()
             for s in sets:
                 shape_ms[_size_label(s)] = measure(lambda s=s: fn(*s), quick).median * 1e3
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else max(0.0, _rss_mb() - rss0)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else max(0.0, max(rss.peak, _rss_mb()) - rss0)
     return Evaluation(built, outputs, tm.to_dict(), build_s, first_ms, shape_ms, peak, dict(built.meta),
                       list(built.files), built.standalone, built.notes)
 

@@ -30,7 +30,7 @@ class CandidateResult:
     cv: float | None = None  # coefficient of variation of the samples
     throughput: float | None = None  # items (batch rows) per second at p50
     speedup: float | None = None  # eager p50 / this p50 (>1 is faster), from the interleaved comparison when a finalist
-    peak_mem_mb: float | None = None  # GPU: peak allocated; CPU: resident-set growth while running
+    peak_mem_mb: float | None = None  # GPU: peak allocated; CPU: peak resident-set growth (5 ms sampling)
     max_abs: float | None = None
     max_rel: float | None = None
     norm_rel: float | None = None
