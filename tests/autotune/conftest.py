@@ -16,7 +16,7 @@ def fake_recipes():
     """Register every recipe in fake_recipes for one test."""
     import fake_recipes as fr
 
-    classes = [fr.Raises, fr.Hangs, fr.HangsIsolated, fr.ExitsIsolated, fr.SegfaultIsolated, fr.BadCheck, fr.Wrong,
+    classes = [fr.Raises, fr.Hangs, fr.HangsIsolated, fr.ExitsIsolated, fr.SegfaultIsolated, fr.BadCheck, fr.Hog, fr.Wrong,
                fr.ReusesBuffer, fr.Faster, fr.Slower]
     for c in classes:
         register_recipe(c)

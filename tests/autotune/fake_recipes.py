@@ -18,7 +18,7 @@ from torch import nn
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
 
-__all__ = ["Raises", "Hangs", "HangsIsolated", "ExitsIsolated", "SegfaultIsolated", "BadCheck", "Wrong", "ReusesBuffer",
+__all__ = ["Raises", "Hangs", "HangsIsolated", "ExitsIsolated", "SegfaultIsolated", "BadCheck", "Hog", "Wrong", "ReusesBuffer",
            "Faster", "Slower", "SlowModel", "tiny_model", "tiny_inputs", "fast_config"]
 
 
@@ -95,6 +95,18 @@ class BadCheck(_Fake):
 
     def build(self, ctx: BuildContext) -> Built:
         raise AssertionError("unreachable")
+
+
+class Hog(_Fake):
+    """Touches 256 MB while building, then frees it: the peak-memory column must see it."""
+
+    name = "test-hog"
+
+    def build(self, ctx: BuildContext) -> Built:
+        big = torch.ones(64 * 2**20)  # 256 MB, written so the pages are resident
+        time.sleep(0.05)
+        del big
+        return Built(fn=ctx.model)
 
 
 class Wrong(_Fake):

@@ -30,3 +30,10 @@ def test_report_content(fake_recipes, fast_cfg):
     back = Report.from_dict(json.loads(rep.to_json()))
     assert back.to_markdown() == md
     assert "test-wrong" in str(rep)
+
+
+def test_peak_memory_sees_a_transient_allocation(fake_recipes, fast_cfg):
+    fr = fake_recipes
+    opt = torchnitro.optimize(fr.tiny_model(), fr.tiny_inputs(), fast_cfg(recipes=["test-hog"]))
+    assert opt.report.get("test-hog").peak_mem_mb > 128
+    assert opt.report.get("eager").peak_mem_mb < 128
