@@ -100,7 +100,7 @@ def _import_factory(spec: str) -> Callable[[], Any]:
             raise InputError(f"--model {spec!r}: file {str(path)!r} does not exist; pass an existing .py file")
         uspec = importlib.util.spec_from_file_location(path.stem, path)
         module = importlib.util.module_from_spec(uspec)  # type: ignore[arg-type]
-        sys.modules.setdefault(path.stem, module)
+        sys.modules[path.stem] = module  # so pickling (isolated candidates) finds these classes
         uspec.loader.exec_module(module)  # type: ignore[union-attr]
     else:
         if "" not in sys.path and str(Path.cwd()) not in sys.path:
