@@ -169,3 +169,22 @@ def test_explicit_unavailable_recipe_raises_auto_selected_is_skipped(fast_cfg):
     others = [n for n in list_recipes() if n not in ("eager", "cuda-graphs")]
     opt = torchnitro.optimize(tiny_model(), tiny_inputs(), fast_cfg(exclude=others))  # auto-selected: skipped
     assert opt.report.get("cuda-graphs").status == Status.SKIPPED and "CUDA" in opt.report.get("cuda-graphs").reason
+
+
+def test_model_from_factory_file_runs_isolated(fast_cfg, tmp_path):
+    from torchnitro.autotune.inputs import resolve_model
+
+    f = tmp_path / "netfile.py"
+    f.write_text("import torch\n"
+                 "class FileNet(torch.nn.Module):\n"
+                 "    def __init__(self):\n"
+                 "        super().__init__()\n"
+                 "        self.lin = torch.nn.Linear(8, 4)\n"
+                 "    def forward(self, x):\n"
+                 "        return self.lin(x).tanh()\n"
+                 "def build():\n"
+                 "    return FileNet()\n")
+    model, inputs, info = resolve_model(f"{f}:build", ["4x8"])
+    opt = torchnitro.optimize(model, inputs, fast_cfg(recipes=["onnxruntime"], min_speedup=0.0), info=info)
+    c = opt.report.get("onnxruntime")
+    assert c.isolated and c.status == Status.CHOSEN, c.reason
