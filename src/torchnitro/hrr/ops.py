@@ -76,12 +76,15 @@ def _fft_dtype(x: torch.Tensor) -> torch.dtype:
 
 def rfft(x: torch.Tensor) -> torch.Tensor:
     """Half spectrum (..., d // 2 + 1) in the FFT dtype of ``x``."""
-    return torch.fft.rfft(x.to(_fft_dtype(x)), dim=-1)
+    if x.dtype not in (torch.float32, torch.float64):
+        x = x.to(_fft_dtype(x))
+    return torch.fft.rfft(x, dim=-1)
 
 
 def irfft(spec: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
     """Back to (..., d) real vectors of ``dtype``; ``n=d`` keeps odd lengths."""
-    return torch.fft.irfft(spec, n=d, dim=-1).to(dtype)
+    out = torch.fft.irfft(spec, n=d, dim=-1)
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def random(
@@ -134,7 +137,7 @@ def bind(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Circular convolution ``(a * b)[i] = sum_j a[j] b[(i - j) mod d]``, broadcast over leading dims."""
     _check_pair(a, b)
     A, B = rfft(a), rfft(b)
-    spec = A.mul_(B) if A.shape == torch.broadcast_shapes(A.shape, B.shape) else A * B  # in place when shapes allow
+    spec = A.mul_(B) if A.shape == B.shape else A * B  # in place when no broadcasting is needed
     return irfft(spec, a.shape[-1], a.dtype)
 
 
@@ -163,7 +166,7 @@ def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution") -> torc
     _check_pair(c, a, ("c", "a"))
     C, A = rfft(c), rfft(a)
     if method == "involution":
-        spec = C.mul_(A.conj()) if C.shape == torch.broadcast_shapes(C.shape, A.shape) else C * A.conj()
+        spec = C.mul_(A.conj()) if C.shape == A.shape else C * A.conj()
     elif method == "exact":
         spec = C * A.conj() / (A.real.square() + A.imag.square()).clamp_min(_EPS[A.real.dtype])
     elif method == "projected":
