@@ -273,6 +273,10 @@ class DynamicBatcher:
             self._finish(req, "cancelled", exc=asyncio.CancelledError())
             raise
 
+    def cancel(self, req: Request) -> None:
+        """Withdraw a request (its client went away): it leaves the queue and is never computed."""
+        self._finish(req, "cancelled", exc=asyncio.CancelledError())
+
     def _finish(self, req: Request, status: str, result: Any = None, exc: BaseException | None = None) -> None:
         if req.future.done():
             return

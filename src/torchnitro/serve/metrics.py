@@ -21,17 +21,20 @@ class _Observer:
 
     def __init__(self, m: "ServeMetrics", model: str):
         self.m, self.model = m, model
+        # labelled children resolved once: .labels() costs a lock and a dict lookup per call
+        self.queue, self.batch = m.queue.labels(model), m.batch.labels(model)
+        self.compute, self.depth = m.compute.labels(model), m.depth.labels(model)
 
     def on_request_done(self, status: str, queue_s: float | None, total_s: float) -> None:
         if queue_s is not None:
-            self.m.queue.labels(self.model).observe(queue_s)
+            self.queue.observe(queue_s)
 
     def on_batch(self, rows: int, compute_s: float) -> None:
-        self.m.batch.labels(self.model).observe(rows)
-        self.m.compute.labels(self.model).observe(compute_s)
+        self.batch.observe(rows)
+        self.compute.observe(compute_s)
 
     def on_queue_depth(self, depth: int) -> None:
-        self.m.depth.labels(self.model).set(depth)
+        self.depth.set(depth)
 
 
 class ServeMetrics:

@@ -115,10 +115,12 @@ def _error(msg: str, status: int, headers: dict[str, str] | None = None) -> Resp
     return _json({"error": msg}, status, headers)
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def _cancel_on_disconnect(request: Request, batcher: DynamicBatcher, req: Any) -> None:
+    """Drop ``req`` from the batcher when the client goes away (never computed if still queued)."""
     while True:
         msg = await request.receive()
         if msg["type"] == "http.disconnect":
+            batcher.cancel(req)
             return
 
 
@@ -312,20 +314,19 @@ class InferenceServer:
         except ServeError as exc:
             hdr = {"Retry-After": str(self.config.retry_after_s)} if exc.status_code == 429 else None
             return _error(str(exc), exc.status_code, hdr)
-        work = asyncio.ensure_future(ep.batcher.wait(req))
-        gone = asyncio.ensure_future(_wait_disconnect(request))
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():  # the client went away: drop its request (never computed if still queued)
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            return _error("client disconnected", 499)
-        gone.cancel()
+        watch = asyncio.ensure_future(_cancel_on_disconnect(request, ep.batcher, req))
         try:
-            outputs = work.result()
+            outputs = await ep.batcher.wait(req)
+        except asyncio.CancelledError:
+            if watch.done() and not watch.cancelled():  # the client went away, not the server
+                return _error("client disconnected", 499)
+            raise
         except ServeError as exc:
             return _error(str(exc), exc.status_code)
         except NitroError as exc:
             return _error(str(exc), 400 if isinstance(exc, InputError) else 500)
         except Exception as exc:  # noqa: BLE001 - one failing batch answers its requests with 500
             return _error(f"the model failed on this batch: {type(exc).__name__}: {exc}", 500)
+        finally:
+            watch.cancel()
         return Response(encode_infer_response(ep.signature, outputs, item.id), media_type="application/json")
