@@ -43,7 +43,8 @@ WORKLOADS = {
     "cnn": ("cnn", 16, 0, 120.0, False),
     "mlp": ("mlp", 64, 0, 90.0, False),
 }
-COLUMNS = ("workload", "recipe", "class", "status", "median ms", "p99 ms", "speedup", "min cosine", "build s", "why")
+COLUMNS = ("workload", "recipe", "class", "status", "median ms", "p99 ms", "speedup", "timed", "min cosine", "build s",
+           "why")
 
 
 def run(name: str, cache_root: Path) -> tuple[list[dict], dict, object, tuple]:
@@ -64,7 +65,9 @@ def run(name: str, cache_root: Path) -> tuple[list[dict], dict, object, tuple]:
     for c in opt.report.candidates:
         cos = c.metric if emb_gate and c.metric is not None else c.min_cosine
         rows.append({"workload": name, "recipe": c.recipe, "class": c.numeric_class, "status": c.status,
-                     "median ms": c.p50_ms, "p99 ms": c.p99_ms, "speedup": c.speedup, "min cosine": cos,
+                     "median ms": c.p50_ms, "p99 ms": c.p99_ms, "speedup": c.speedup,
+                     "timed": "interleaved" if c.interleaved else ("search estimate" if c.speedup else None),
+                     "min cosine": cos,
                      "build s": c.build_s, "why": (c.reason or c.notes)[:90]})
     summary = {"workload": name, "inputs": opt.report.inputs, "chosen": opt.recipe, "full_search_s": full_s,
                "cached_rerun_s": cached_s, "cached_chosen": again.recipe,
@@ -127,10 +130,14 @@ def plot(rows: list[dict], path_name: str) -> None:
         rs = [r for r in rows if r["workload"] == n and r["speedup"]]
         colors = ["tab:green" if r["status"] == "chosen" else "tab:blue" if r["status"] == "verified" else "tab:red"
                   for r in rs]
-        ax.barh([r["recipe"] for r in rs], [r["speedup"] for r in rs], color=colors)
+        bars = ax.barh([r["recipe"] for r in rs], [r["speedup"] for r in rs], color=colors)
+        for bar, r in zip(bars, rs):
+            if r.get("timed") != "interleaved":  # one search-time sample: hatched, lighter
+                bar.set_hatch("//")
+                bar.set_alpha(0.45)
         ax.axvline(1.0, color="k", lw=0.8)
         ax.set_title(n)
-        ax.set_xlabel("speedup vs eager (green chosen, red rejected)")
+        ax.set_xlabel("speedup vs eager (green chosen; hatched: search estimate)")
     save_plot(fig, path_name)
 
 
