@@ -78,3 +78,21 @@ def test_bad_input():
         plan("gpt2", batch=1, seq=8)
     with pytest.raises(InputError, match="Budget"):
         Budget(1.5)
+
+
+@pytest.mark.parametrize("kv", [None, 2])
+def test_planner_math_attention_matches_tracker(kv):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from torchnitro.memory import track
+
+    from ._steps import lm_step
+
+    c = TransformerConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=kv, max_seq_len=128)
+    model, opt, step = lm_step(c, 2, 96, torch.bfloat16)
+    with sdpa_kernel(SDPBackend.MATH):  # materialised softmax: memory grows with T^2
+        step()
+        with track(model, opt) as t:
+            step()
+    p = plan(c, batch=2, seq=96, dtype="bf16", attention="math")
+    assert abs(p.peak_bytes / t.report().peak.bytes - 1) < 0.10, p.table()

@@ -9,8 +9,9 @@ Saved for backward, per layer (each line is what autograd holds, read from the o
 - 2 RMSNorms: the fp32 input (the residual stream itself when e = 4), rsqrt (4BT), the fp32
   normalised x and the e-byte output: ``(8 + e)BTD + 4BT`` each; a third one after the last block;
 - attention: q and k after RoPE, v, the SDPA output and the transposed copy fed to ``wo``:
-  ``e(3BTD + 2BT*Hkv*Dh)``, plus SDPA's fp32 log-sum-exp ``4BHT`` (flash kernels) or its
-  softmax probabilities ``e*BHT^2`` and the scaled q (math kernel);
+  ``e(3BTD + 2BT*Hkv*Dh)``, plus SDPA's fp32 log-sum-exp ``4BHT`` (flash kernels); the CPU math
+  kernel instead keeps fp32 copies of scaled q, k^T and v (expanded to H heads), the fp32 softmax
+  ``4BHT^2`` and the e-byte output copy;
 - SwiGLU: w1 and w3 outputs, silu(w1) and their product: ``4e*BTF``;
 - loss: the fp32 log-softmax of the logits ``4BTV``.
 
@@ -202,7 +203,8 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
     if attention == "flash":
         attn = e * (3 * BT * D + 2 * BT * Hkv * Dh) + 4 * B * H * T
     else:
-        attn = e * (4 * BT * D + 2 * BT * Hkv * Dh) + e * B * H * T * T
+        # CPU math kernel: fp32 scaled q, k^T and v expanded to H heads, fp32 softmax, output copy
+        attn = 4 * 3 * BT * H * Dh + 4 * B * H * T * T + e * BT * D
     mlp = 4 * e * BT * F
     layer = 2 * norm + attn + mlp
     # selective keeps matmul and attention outputs: block input, q/k/v/wo/w2 projections, w1/w3, SDPA out
