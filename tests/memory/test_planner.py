@@ -96,3 +96,39 @@ def test_planner_math_attention_matches_tracker(kv):
             step()
     p = plan(c, batch=2, seq=96, dtype="bf16", attention="math")
     assert abs(p.peak_bytes / t.report().peak.bytes - 1) < 0.10, p.table()
+
+
+@pytest.mark.parametrize("cfg,batch,seq", [GRID[0], GRID[2], GRID[3]])
+def test_planner_autocast_matches_tracker(cfg, batch, seq):
+    import torch.nn.functional as F
+
+    from torchnitro.memory import track
+
+    c = TransformerConfig(**cfg)
+    model = TransformerLM(c)
+    opt = torch.optim.AdamW(model.parameters(), foreach=False)
+    x = torch.randint(0, c.vocab_size, (batch, seq))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # fp32 master weights, bf16 matmuls
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with track(model, opt) as t:
+        step()
+    r = t.report()
+    p = plan(c, batch=batch, seq=seq, amp="bf16")
+    assert abs(p.peak_bytes / r.peak.bytes - 1) < 0.10, p.table()
+    fwd_acts = r.per_phase["forward"].by_category["activations"]
+    assert abs(p.activation_bytes / fwd_acts - 1) < 0.10
+
+
+def test_autocast_bad_combinations():
+    c = TransformerConfig(vocab_size=100, dim=32, n_layers=1, max_seq_len=16)
+    with pytest.raises(InputError, match="fp32 parameters"):
+        plan(c, batch=1, seq=8, dtype="bf16", amp="bf16")
+    with pytest.raises(InputError, match="not modelled"):
+        plan(c, batch=1, seq=8, amp="bf16", checkpointing="blocks")

@@ -31,6 +31,7 @@ class MemoryConfig:
     batch: int = 8  # micro-batch size to plan for
     seq: int = 512  # sequence length
     dtype: str = "fp32"  # model dtype: fp32, bf16, fp16
+    amp: Optional[str] = None  # autocast dtype over fp32 params (bf16/fp16), as TrainStep runs; None: off
     optimizer: str = "adamw"  # adamw, adam, sgd_momentum, sgd, none
     checkpointing: str = "none"  # none, blocks, every_<n>, selective
     attention: str = "flash"  # flash (SDPA flash/efficient kernels) or math
@@ -81,15 +82,17 @@ def plan_command(
     dtype: Optional[str] = typer.Option(None, help="fp32, bf16 or fp16."),
     checkpointing: Optional[str] = typer.Option(None, help="none, blocks, every_<n>, selective."),
     optimizer: Optional[str] = typer.Option(None, help="adamw, adam, sgd_momentum, sgd, none."),
+    amp: Optional[str] = typer.Option(None, help="Autocast dtype over fp32 params: bf16 or fp16."),
 ) -> None:
     """Estimate a training step's memory for a TransformerLM config, term by term."""
     from torchnitro.memory.planner import plan
 
     model_cfg, mem = _load(config, dict(batch=batch, seq=seq, dtype=dtype, checkpointing=checkpointing,
-                                        optimizer=optimizer))
+                                        optimizer=optimizer, amp=amp))
     p = plan(model_cfg, batch=mem.batch, seq=mem.seq, dtype=mem.dtype, optimizer=mem.optimizer,
-             checkpointing=_policy(mem), attention=mem.attention, foreach=mem.foreach)
-    t = Table(title=f"memory plan: batch {mem.batch}, seq {mem.seq}, {mem.dtype}, {mem.optimizer}, "
+             checkpointing=_policy(mem), attention=mem.attention, foreach=mem.foreach, amp=mem.amp)
+    t = Table(title=f"memory plan: batch {mem.batch}, seq {mem.seq}, {mem.dtype}"
+                    f"{' + autocast ' + mem.amp if mem.amp else ''}, {mem.optimizer}, "
                     f"checkpointing {mem.checkpointing}")
     t.add_column("term")
     t.add_column("MiB", justify="right")

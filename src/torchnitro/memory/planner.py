@@ -168,8 +168,13 @@ def checkpoint_indices(kind: str, n_layers: int, every: int = 1, count: int = 0)
 
 
 def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimizer: str = "adamw",
-         checkpointing: Any = "none", attention: str = "flash", foreach: bool = False) -> MemoryPlan:
+         checkpointing: Any = "none", attention: str = "flash", foreach: bool = False,
+         amp: str | None = None) -> MemoryPlan:
     """Estimate a training step's memory for a ``TransformerConfig`` (or a dict of its fields).
+
+    ``amp="bf16"``/``"fp16"`` models ``torch.autocast`` over fp32 parameters (what ``TrainStep``
+    does): matmuls in the low dtype, each Linear keeps its own cast of its input and of its weight,
+    norms and the residual stream stay fp32. (Checkpointing under autocast is not modelled.)
 
     ``foreach`` selects the optimizer's multi-tensor path (CUDA's default); the CPU default is the
     per-tensor loop. ``attention`` is 'flash' (flash/efficient SDPA kernels: CPU and CUDA default)
@@ -199,17 +204,31 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
     k_state = _OPTIMIZER_STATE[optimizer]
     state = k_state * P + (4 * n_tensors if optimizer in ("adam", "adamw") else 0)
 
+    if amp is not None:
+        c = parse_dtype(amp)
+        if e != 4 or c == 4:
+            raise InputError(f"amp={amp!r} with dtype={dtype!r}: expected fp32 parameters (dtype='fp32') and a "
+                             "16-bit autocast dtype ('bf16' or 'fp16')")
+        if checkpointing not in (None, "none"):
+            raise InputError("amp with checkpointing is not modelled by the planner; measure it with memory.track")
+    c = parse_dtype(amp) if amp is not None else e  # bytes of what the matmuls produce
     norm = (8 + e) * BT * D + 4 * BT
     if attention == "flash":
-        attn = e * (3 * BT * D + 2 * BT * Hkv * Dh) + 4 * B * H * T
+        attn = c * (3 * BT * D + 2 * BT * Hkv * Dh) + 4 * B * H * T
     else:
         # CPU math kernel: fp32 scaled q, k^T and v expanded to H heads, fp32 softmax, output copy
-        attn = 4 * 3 * BT * H * Dh + 4 * B * H * T * T + e * BT * D
-    mlp = 4 * e * BT * F
-    layer = 2 * norm + attn + mlp
+        attn = 4 * 3 * BT * H * Dh + 4 * B * H * T * T + c * BT * D
+    mlp = 4 * c * BT * F
+    if amp is None:
+        layer = 2 * norm + attn + mlp
+    else:  # fp32 x and x*rsqrt per norm; one input cast per Linear (3 attn + 2 mlp); weight casts
+        amp_norms = 2 * (8 * BT * D + 4 * BT) + 5 * c * BT * D
+        layer = amp_norms + attn + mlp + c * (per_layer_params - 2 * D) + 4 * T * (Dh // 2) * c
     # selective keeps matmul and attention outputs: block input, q/k/v/wo/w2 projections, w1/w3, SDPA out
     sel_layer = e * (BT * D + 2 * BT * D + 2 * BT * Hkv * Dh + BT * D + 2 * BT * F + BT * D) + 4 * B * H * T
     head = norm + 4 * BT * V  # final norm + fp32 log-softmax kept by cross-entropy
+    if amp is not None:  # fp32 norm + lm_head input cast + lm_head weight cast
+        head = 8 * BT * D + 4 * BT + c * BT * D + c * V * D + 4 * BT * V
     logits = 4 * BT * V
 
     kind, every = _groups(checkpointing)
@@ -258,6 +277,6 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
     }
     if optimizer == "none":
         phases.pop("optimizer")
-    inputs = dict(batch=B, seq=T, dtype=str(dtype), optimizer=optimizer, checkpointing=kind,
+    inputs = dict(batch=B, seq=T, dtype=str(dtype), amp=amp, optimizer=optimizer, checkpointing=kind,
                   checkpointed_layers=n_ck, attention=attention, foreach=foreach)
     return MemoryPlan(terms, phases, inputs)
