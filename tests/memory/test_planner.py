@@ -98,14 +98,15 @@ def test_planner_math_attention_matches_tracker(kv):
     assert abs(p.peak_bytes / t.report().peak.bytes - 1) < 0.10, p.table()
 
 
-@pytest.mark.parametrize("cfg,batch,seq", [GRID[0], GRID[2], GRID[3]])
-def test_planner_autocast_matches_tracker(cfg, batch, seq):
+@pytest.mark.parametrize("cfg,batch,seq,policy", [(*GRID[0], "none"), (*GRID[2], "none"), (*GRID[3], "none"),
+                                                 (*GRID[1], "blocks"), (*GRID[0], "selective")])
+def test_planner_autocast_matches_tracker(cfg, batch, seq, policy):
     import torch.nn.functional as F
 
-    from torchnitro.memory import track
+    from torchnitro.memory import checkpoint_, track
 
     c = TransformerConfig(**cfg)
-    model = TransformerLM(c)
+    model = checkpoint_(TransformerLM(c), policy)
     opt = torch.optim.AdamW(model.parameters(), foreach=False)
     x = torch.randint(0, c.vocab_size, (batch, seq))
 
@@ -120,7 +121,7 @@ def test_planner_autocast_matches_tracker(cfg, batch, seq):
     with track(model, opt) as t:
         step()
     r = t.report()
-    p = plan(c, batch=batch, seq=seq, amp="bf16")
+    p = plan(c, batch=batch, seq=seq, amp="bf16", checkpointing=policy)
     assert abs(p.peak_bytes / r.peak.bytes - 1) < 0.10, p.table()
     fwd_acts = r.per_phase["forward"].by_category["activations"]
     assert abs(p.activation_bytes / fwd_acts - 1) < 0.10
@@ -130,5 +131,5 @@ def test_autocast_bad_combinations():
     c = TransformerConfig(vocab_size=100, dim=32, n_layers=1, max_seq_len=16)
     with pytest.raises(InputError, match="fp32 parameters"):
         plan(c, batch=1, seq=8, dtype="bf16", amp="bf16")
-    with pytest.raises(InputError, match="not modelled"):
-        plan(c, batch=1, seq=8, amp="bf16", checkpointing="blocks")
+    with pytest.raises(InputError, match="amp"):
+        plan(c, batch=1, seq=8, amp="fp32")

@@ -174,7 +174,7 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
 
     ``amp="bf16"``/``"fp16"`` models ``torch.autocast`` over fp32 parameters (what ``TrainStep``
     does): matmuls in the low dtype, each Linear keeps its own cast of its input and of its weight,
-    norms and the residual stream stay fp32. (Checkpointing under autocast is not modelled.)
+    norms and the residual stream stay fp32; autocast's weight-cast cache lives until it exits.
 
     ``foreach`` selects the optimizer's multi-tensor path (CUDA's default); the CPU default is the
     per-tensor loop. ``attention`` is 'flash' (flash/efficient SDPA kernels: CPU and CUDA default)
@@ -209,8 +209,6 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
         if e != 4 or c == 4:
             raise InputError(f"amp={amp!r} with dtype={dtype!r}: expected fp32 parameters (dtype='fp32') and a "
                              "16-bit autocast dtype ('bf16' or 'fp16')")
-        if checkpointing not in (None, "none"):
-            raise InputError("amp with checkpointing is not modelled by the planner; measure it with memory.track")
     c = parse_dtype(amp) if amp is not None else e  # bytes of what the matmuls produce
     norm = (8 + e) * BT * D + 4 * BT
     if attention == "flash":
@@ -225,7 +223,7 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
         amp_norms = 2 * (8 * BT * D + 4 * BT) + 5 * c * BT * D
         layer = amp_norms + attn + mlp + c * (per_layer_params - 2 * D) + 4 * T * (Dh // 2) * c
     # selective keeps matmul and attention outputs: block input, q/k/v/wo/w2 projections, w1/w3, SDPA out
-    sel_layer = e * (BT * D + 2 * BT * D + 2 * BT * Hkv * Dh + BT * D + 2 * BT * F + BT * D) + 4 * B * H * T
+    sel_layer = e * BT * D + c * (2 * BT * D + 2 * BT * Hkv * Dh + BT * D + 2 * BT * F + BT * D) + 4 * B * H * T
     head = norm + 4 * BT * V  # final norm + fp32 log-softmax kept by cross-entropy
     if amp is not None:  # fp32 norm + lm_head input cast + lm_head weight cast
         head = 8 * BT * D + 4 * BT + c * BT * D + c * V * D + 4 * BT * V
@@ -251,7 +249,7 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
     # plus the head's weight grad, dx of the block output and two BTF grads in its MLP backward
     layer_grads = e * per_layer_params
     rec_peak = max((sum(kept(j) for j in range(i + 1)) + recompute + layer_grads * (L - 1 - i)
-                    + e * V * D + e * BT * (D + 2 * F) for i in idx), default=0)
+                    + e * V * D + e * BT * D + 2 * c * BT * F for i in idx), default=0)
     acts = stored + head
 
     terms = [
@@ -269,7 +267,8 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
     ]
     base = P + buffers + state
     phases = {
-        "forward": base + acts + logits,
+        # autocast caches weight casts until it exits: checkpointed blocks hold theirs there too
+        "forward": base + acts + logits + (c * (per_layer_params - 2 * D) * n_ck if amp is not None else 0),
         "backward": base + max(acts + 2 * logits,
                                rec_peak,
                                P + (1 + s["tied"]) * e * V * D),  # end: grads + tied-embedding sum
