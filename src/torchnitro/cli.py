@@ -74,6 +74,10 @@ def doctor() -> None:
     for r in all_recipes():
         why = r.unavailable_reason(hw)
         rt.add_row(r.name, r.numeric_class.value, "yes" if why is None else f"no: {why}")
+    from torchnitro.autotune.recipes import BROKEN
+
+    for module, why in BROKEN.items():
+        rt.add_row(f"[red]{module}[/red] (module)", "-", f"no: failed to import: {why}")
     con.print(rt)
 
 
