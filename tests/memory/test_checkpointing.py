@@ -111,3 +111,22 @@ def test_budget_uses_planner_rule_and_meets_fraction():
     measured = {pol: tracked_peak(cfg, 2, 128, torch.float32, pol).per_phase["forward"].by_category["activations"]
                 for pol in ("none", Budget(0.5))}
     assert measured[Budget(0.5)] <= 0.5 * measured["none"] * 1.02
+
+
+def test_selective_custom_save_ops_trade_memory():
+    cfg = TransformerConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, max_seq_len=128)
+    only_attn = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+    acts = {}
+    for name, kw in (("default", {}), ("attn only", {"save_ops": only_attn})):
+        torch.manual_seed(0)
+        m = checkpoint_(TransformerLM(cfg), "selective", **kw)
+        x = torch.randint(0, 128, (2, 64))
+        from torchnitro.memory import track
+
+        with track(m) as t:
+            out = m(x)
+        acts[name] = t.report().per_phase["forward"].by_category["activations"]
+        out.sum().backward()
+    assert acts["attn only"] < acts["default"]
+    with pytest.raises(InputError, match="selective"):
+        checkpoint_(TransformerLM(cfg), "blocks", save_ops=only_attn)

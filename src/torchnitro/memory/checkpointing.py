@@ -55,9 +55,10 @@ SAVE_OPS = _ops(
 )
 
 
-def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Save matmul/attention outputs, recompute everything else."""
-    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def selective_policy(ctx: Any, op: Any, *args: Any, save_ops: Any = None, **kwargs: Any) -> CheckpointPolicy:
+    """Save outputs of ``save_ops`` (default: matmul/attention ops), recompute everything else."""
+    keep = SAVE_OPS if save_ops is None else save_ops
+    return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def find_blocks(model: nn.Module) -> nn.ModuleList:
@@ -125,11 +126,13 @@ def _parse(policy: Any) -> tuple[str, int]:
                      "'selective', 'none' or memory.Budget(fraction)")
 
 
-def checkpoint_(model: nn.Module, policy: Any = "blocks", *, blocks: Sequence[nn.Module] | None = None) -> nn.Module:
+def checkpoint_(model: nn.Module, policy: Any = "blocks", *, blocks: Sequence[nn.Module] | None = None,
+                save_ops: Any = None) -> nn.Module:
     """Apply activation checkpointing to ``model``'s blocks in place; returns ``model``.
 
     Calling it again replaces the previous policy. Outputs and gradients are the same as without
-    checkpointing (the recompute runs the same ops with the same RNG state).
+    checkpointing (the recompute runs the same ops with the same RNG state). ``save_ops`` (a set of
+    ``torch.ops.aten`` overloads) replaces ``SAVE_OPS`` for the ``selective`` policy.
     """
     if not isinstance(model, nn.Module):
         raise InputError(f"checkpoint_: received {type(model).__name__}, expected an nn.Module")
@@ -142,7 +145,10 @@ def checkpoint_(model: nn.Module, policy: Any = "blocks", *, blocks: Sequence[nn
     L = len(blist)
     count = _budget_count(model, L, policy.fraction) if kind == "budget" else 0
     chosen = checkpoint_indices(kind, L, n, count)
-    ctx = functools.partial(create_selective_checkpoint_contexts, selective_policy) if kind == "selective" else None
+    if save_ops is not None and kind != "selective":
+        raise InputError(f"save_ops applies to policy 'selective' only; received policy {policy!r}")
+    pol = functools.partial(selective_policy, save_ops=frozenset(save_ops)) if save_ops is not None else selective_policy
+    ctx = functools.partial(create_selective_checkpoint_contexts, pol) if kind == "selective" else None
     for i in chosen:
         _wrap(blist[i], ctx)
     return model
