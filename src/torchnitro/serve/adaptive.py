@@ -13,7 +13,8 @@ on the wait windows themselves (rows that arrived while a batch waited, per seco
 in a closed loop clients only send after their answer and the plain arrival rate overstates what
 waiting brings. When not even one more row is expected it does not wait, except for an occasional
 short probe window. A waiting batch also closes early once the queue has been quiet for 1.5 mean
-inter-arrival gaps: with a fixed client population, everyone who could join has joined. Before the first batch
+inter-arrival gaps (at least a quarter of the batch's compute time): with a fixed client
+population, everyone who could join has joined. Before the first batch
 the policy uses the configured ``max_batch_size`` / ``max_wait_ms``; with one size seen it assumes
 cost proportional to rows, and refines as load varies the sizes it sees.
 """
@@ -131,8 +132,15 @@ class AdaptivePolicy:
         return best
 
     def idle_gap(self) -> float:
-        """Close a waiting batch after this long without a new arrival (1.5 mean gaps, >= 0.5 ms)."""
-        return max(1.5 / self.rate, 5e-4) if self.rate > 0 else self.config.max_wait_ms / 1e3
+        """Close a waiting batch after this long without a new arrival.
+
+        1.5 mean arrival gaps, but at least a quarter of the chosen batch's compute time (a closed
+        loop's clients come back in a burst that a busy client process spreads out; waiting a
+        fraction of one batch for them costs little) and at least 0.5 ms.
+        """
+        if self.rate <= 0:
+            return self.config.max_wait_ms / 1e3
+        return max(1.5 / self.rate, 0.25 * self.curve.predict(self.choice[0]), 5e-4)
 
     def choose(self, now: float) -> tuple[int, float]:
         if not self.curve.fitted:
