@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-from torchnitro.errors import BackendUnavailableError, ConfigError, WorkerError
+from torchnitro.errors import BackendUnavailableError, ConfigError, ServeError, WorkerError
 from torchnitro.serve.models import ServedModel, resolve_model
 from torchnitro.serve.protocol import InferItem, ModelSignature, assemble, split_outputs
 
@@ -88,7 +88,8 @@ class InlinePool:
         return split_outputs([o.clone() for o in outs], items, self.signature, padded)
 
     async def run(self, items: list[InferItem]) -> list[list[Tensor]]:
-        assert self._free is not None, "start() the pool first"
+        if self._free is None:
+            raise ServeError("the worker pool is not started; `await pool.start()` first")
         buffers = await self._free.get()
         try:
             return await asyncio.get_running_loop().run_in_executor(None, self._compute, items, buffers)
@@ -239,7 +240,8 @@ class ProcessPool:
             return
 
     async def _acquire(self) -> _Proc:
-        assert self._free is not None, "start() the pool first"
+        if self._free is None:
+            raise ServeError("the worker pool is not started; `await pool.start()` first")
         while True:
             idx = await self._free.get()
             proc = self._procs[idx]
@@ -361,7 +363,8 @@ class DevicePool:
         return split_outputs(host, items, self.signature, padded)
 
     async def run(self, items: list[InferItem]) -> list[list[Tensor]]:
-        assert self._free is not None, "start() the pool first"
+        if self._free is None:
+            raise ServeError("the worker pool is not started; `await pool.start()` first")
         i = await self._free.get()
         try:
             return await asyncio.get_running_loop().run_in_executor(None, self._compute, i, items)
