@@ -128,3 +128,24 @@ def test_cuda_matches_max_memory_allocated():
     cuda_peak = torch.cuda.max_memory_allocated()
     tracked = t.report().peak.bytes + (base - t.report().baseline_bytes)
     assert abs(tracked - cuda_peak) / cuda_peak < 0.10
+
+
+def test_peak_lists_owning_modules_and_nodes():
+    m = nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 8))
+    x = torch.randn(64, 32)
+    with track(m) as t:
+        m(x).sum().backward()
+    r = t.report()
+    fwd = r.per_phase["forward"].by_owner
+    assert fwd["0"] == 64 * 256 * 4 and fwd["1"] == 64 * 256 * 4  # Linear output, GELU output
+    assert any(k.endswith("Backward0") for k in r.per_phase["backward"].by_owner)
+
+    class Boom(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    with track(m) as t2:
+        with pytest.raises(RuntimeError):
+            Boom()(x)
+        m(x)
+    assert t2._module_stack == []  # the failing module did not leave a stale entry

@@ -20,7 +20,9 @@ Categories are settled by what a storage turned out to be:
 - ``inputs``: storages that existed before tracking and are none of the above.
 
 Peaks keep references to the live records at the moment of the peak, so their category split uses
-the settled categories, not the guess made when the op ran.
+the settled categories, not the guess made when the op ran. Each record also remembers its owner:
+the innermost module running (qualified name when the model was passed in) or, in backward, the
+autograd node; ``PeakInfo.by_owner`` lists the ten largest owners of activations and temporaries.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ PHASES = ("forward", "backward", "optimizer")
 
 
 class _Record:
-    __slots__ = ("nbytes", "phase", "category", "freed_phase", "device", "__weakref__")
+    __slots__ = ("nbytes", "phase", "category", "freed_phase", "device", "owner", "__weakref__")
 
-    def __init__(self, nbytes: int, phase: str, category: str, device: str):
+    def __init__(self, nbytes: int, phase: str, category: str, device: str, owner: str = ""):
         self.nbytes, self.phase, self.category, self.device = nbytes, phase, category, device
+        self.owner = owner  # module (forward) or autograd node (backward) that allocated it
         self.freed_phase: str | None = None
 
 
@@ -61,9 +64,11 @@ class PeakInfo:
     bytes: int
     phase: str
     by_category: dict[str, int]
+    by_owner: dict[str, int] = field(default_factory=dict)  # largest allocating modules/nodes, bytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"bytes": self.bytes, "phase": self.phase, "by_category": dict(self.by_category)}
+        return {"bytes": self.bytes, "phase": self.phase, "by_category": dict(self.by_category),
+                "by_owner": dict(self.by_owner)}
 
 
 @dataclass
@@ -126,6 +131,7 @@ class MemoryTracker(TorchDispatchMode):
         self._optimizers: list[torch.optim.Optimizer] = [optimizer] if optimizer is not None else []
         self._params: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._hooks: list[Any] = []
+        self._module_stack: list[str] = []
         self.baseline_bytes = 0
         self.final_bytes = 0
         self._report: MemoryReport | None = None
@@ -149,7 +155,7 @@ class MemoryTracker(TorchDispatchMode):
         key = _storage_key(st)
         if key in self._records:
             return
-        rec = _Record(n, phase, category, str(st.device))
+        rec = _Record(n, phase, category, str(st.device), self._owner() if phase != "pre" else "")
         self._records[key] = rec
         self._refs[key] = weakref.ref(st, self._on_free(key, rec))
         self._live += n
@@ -179,6 +185,12 @@ class MemoryTracker(TorchDispatchMode):
         best = self._phase_peak.get(phase)
         if best is None or live > best[0]:
             self._phase_peak[phase] = (live, list(self._records.values()))
+
+    def _owner(self) -> str:
+        if self._module_stack:
+            return self._module_stack[-1]
+        node = torch._C._current_autograd_node()
+        return node.name() if node is not None else ""
 
     def _phase(self) -> str:
         if self._forced_phase:
@@ -246,7 +258,19 @@ class MemoryTracker(TorchDispatchMode):
         def post(opt: torch.optim.Optimizer, *_a: Any) -> None:
             self._opt_depth = max(0, self._opt_depth - 1)
 
-        self._hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+        names = {id(mod): name or type(mod).__name__ for m in self._models for name, mod in m.named_modules()}
+
+        def enter(mod: nn.Module, *_a: Any) -> None:
+            self._module_stack.append(names.get(id(mod), type(mod).__name__))
+
+        def leave(mod: nn.Module, *_a: Any) -> None:
+            if self._module_stack:
+                self._module_stack.pop()
+
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+        self._hooks = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post),
+                       register_module_forward_pre_hook(enter), register_module_forward_hook(leave, always_call=True)]
         for m in self._models:
             for t in [*m.parameters(), *m.buffers()]:
                 self._add(t, "pre", "parameters")
@@ -296,9 +320,17 @@ class MemoryTracker(TorchDispatchMode):
             out[r.category] = out.get(r.category, 0) + r.nbytes
         return out
 
+    @staticmethod
+    def _owners(recs: list[_Record], top: int = 10) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in recs:
+            if r.owner and r.category in ("activations", "temporaries"):
+                out[r.owner] = out.get(r.owner, 0) + r.nbytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1])[:top])
+
     def _build_report(self) -> MemoryReport:
-        per = {p: PeakInfo(b, p, self._split(recs)) for p, (b, recs) in self._phase_peak.items()}
-        peak = PeakInfo(self._peak, self._peak_phase, self._split(self._peak_recs))
+        per = {p: PeakInfo(b, p, self._split(recs), self._owners(recs)) for p, (b, recs) in self._phase_peak.items()}
+        peak = PeakInfo(self._peak, self._peak_phase, self._split(self._peak_recs), self._owners(self._peak_recs))
         return MemoryReport(peak, per, self.baseline_bytes, self.final_bytes, list(self._timeline))
 
     def report(self) -> MemoryReport:
