@@ -62,7 +62,8 @@ class _Layer(nn.Module):
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)  # (B, H, T, Dh)
         ctx = ctx.transpose(1, 2).reshape(b * t, d)[idx]  # (N, D)
         x = self.ln1(x + self.out(ctx))
-        return self.ln2(x + self.ffn_out(F.gelu(self.ffn_in(x))))
+        h = F.gelu(self.ffn_in(x))  # (N, 4D), a temporary: an int8 ffn_out may smooth it in place
+        return self.ln2(x + self.ffn_out(h))
 
 
 class UnpaddedBert(nn.Module):
@@ -91,11 +92,22 @@ class UnpaddedBert(nn.Module):
         for layer in self.layers:
             x = layer(x, idx, key_mask, padded)
         x = x.float()  # pool in fp32 whatever the compute dtype
-        row = idx // t  # sentence of each real token
-        summed = x.new_zeros(b, x.shape[1]).index_add_(0, row, x)  # (B, D)
+        full = x.new_zeros(b * t, x.shape[1])
+        full[idx] = x  # back to (B*T, D) with zero padding: a dense sum beats index_add_ on CPU
+        summed = full.view(b, t, -1).sum(1)  # (B, D)
         count = attention_mask.sum(1, keepdim=True).to(x.dtype).clamp(min=1e-9)  # (B, 1)
         emb = summed / count
         return F.normalize(emb, p=2.0, dim=1) if self.normalize else emb
+
+
+def _int8(base: UnpaddedBert, names: list[str], scales: dict[str, Tensor], full_range: bool) -> nn.Module:
+    from torchnitro.autotune.recipes.perf_int8 import SmoothedInt8Linear
+
+    q = quantize_linears(base, names, scales, full_range)
+    for layer in q.layers:
+        if isinstance(layer.ffn_out, SmoothedInt8Linear):
+            layer.ffn_out.inplace = True  # its input is the GELU temporary
+    return q
 
 
 def bert_inapplicable_reason(model: nn.Module) -> str | None:
@@ -154,7 +166,7 @@ class UnpaddedBertInt8(Recipe):
     def build(self, ctx: BuildContext) -> Built:
         base = UnpaddedBert(ctx.model).eval()
         plan = plan_mixed_int8(base, calibration_inputs(ctx), int8_target(ctx))
-        q = quantize_linears(base, plan["int8"], plan["scales"], plan["full_range"])
+        q = _int8(base, plan["int8"], plan["scales"], plan["full_range"])
         save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
         meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": plan["cosine"],
                 "full_range": plan["full_range"]}
@@ -166,8 +178,7 @@ class UnpaddedBertInt8(Recipe):
         if model is None:
             raise RecipeError("perf-bert-unpad-int8 artifacts are rebuilt from the eager model; pass it to load()")
         base = UnpaddedBert(model.eval()).eval()
-        return quantize_linears(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"),
-                                load_full_range(meta))
+        return _int8(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"), load_full_range(meta))
 
 
 def _bf16(model: nn.Module) -> nn.Module:

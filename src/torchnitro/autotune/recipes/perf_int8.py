@@ -135,8 +135,10 @@ class SmoothedInt8Linear(nn.Module):
                 moved.bias.copy_(lin.bias)
         self.q = _quantized_module(moved, full_range)
 
+    inplace = False  # set by callers that pass a temporary input: saves an allocation per call
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.q(x * self.inv_scale)
+        return self.q(x.mul_(self.inv_scale) if self.inplace else x * self.inv_scale)
 
 
 def activation_absmax(model: nn.Module, calib: Sequence[tuple[Any, ...]], names: Sequence[str]) -> dict[str, Tensor]:
