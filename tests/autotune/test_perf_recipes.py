@@ -160,3 +160,17 @@ def test_full_range_artifact_on_a_cpu_without_vnni_warns(monkeypatch):
     with pytest.warns(UserWarning, match="no VNNI"):
         assert p.load_full_range({"full_range": True}) is False
     assert p.load_full_range({"full_range": False}) is False
+
+
+def test_fold_smoothing_is_exact_in_fp32(tiny_bert):
+    from torchnitro.autotune.recipes.perf_bert import fold_smoothing
+    from torchnitro.autotune.recipes.perf_int8 import activation_absmax, smooth_scales
+
+    base = UnpaddedBert(tiny_bert).eval()
+    x = _ragged(5, 37, seed=8)
+    scales = smooth_scales(base, activation_absmax(base, [x], linear_names(base)), 0.75)
+    folded, left = fold_smoothing(base, scales)
+    assert sorted(left) == [n for n in sorted(scales) if n.endswith("ffn_out")]  # only the GELU input stays
+    with torch.inference_mode():
+        torch.testing.assert_close(folded(*x), base(*x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(base(*x), tiny_bert(*x), rtol=1e-4, atol=1e-5)  # base untouched

@@ -34,7 +34,7 @@ from torchnitro.autotune.recipes.perf_int8 import (calibration_inputs, int8_targ
                                                    quantize_linears, save_scales)
 from torchnitro.errors import RecipeError
 
-__all__ = ["UnpaddedBert", "bert_inapplicable_reason", "UnpaddedBertRecipe", "UnpaddedBertInt8", "UnpaddedBertBf16"]
+__all__ = ["UnpaddedBert", "fold_smoothing", "bert_inapplicable_reason", "UnpaddedBertRecipe", "UnpaddedBertInt8", "UnpaddedBertBf16"]
 
 
 class _Layer(nn.Module):
@@ -53,6 +53,14 @@ class _Layer(nn.Module):
         self.ffn_in = hf_layer.intermediate.dense
         self.ffn_out = hf_layer.output.dense
         self.ln2 = hf_layer.output.LayerNorm
+        # SmoothQuant scales folded into the LayerNorm that feeds qkv / ffn_in (see fold_smoothing):
+        # that LayerNorm then emits x / s, and the residual adds x back as addcmul(y, x / s, s).
+        self.res_in: Tensor | None = None
+        self.res_mid: Tensor | None = None
+
+    @staticmethod
+    def _residual(y: Tensor, x: Tensor, scale: Tensor | None) -> Tensor:
+        return x + y if scale is None else torch.addcmul(y, x, scale)
 
     def forward(self, x: Tensor, idx: Tensor, key_mask: Tensor, padded: Tensor) -> Tensor:
         d = x.shape[1]  # x: (N, D) real tokens
@@ -61,9 +69,9 @@ class _Layer(nn.Module):
         q, k, v = padded.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
         ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)  # (B, H, T, Dh)
         ctx = ctx.transpose(1, 2).reshape(b * t, d)[idx]  # (N, D)
-        x = self.ln1(x + self.out(ctx))
+        x = self.ln1(self._residual(self.out(ctx), x, self.res_in))
         h = F.gelu(self.ffn_in(x))  # (N, 4D), a temporary: an int8 ffn_out may smooth it in place
-        return self.ln2(x + self.ffn_out(h))
+        return self.ln2(self._residual(self.ffn_out(h), x, self.res_mid))
 
 
 class UnpaddedBert(nn.Module):
@@ -100,10 +108,49 @@ class UnpaddedBert(nn.Module):
         return F.normalize(emb, p=2.0, dim=1) if self.normalize else emb
 
 
+def _scale_ln(ln: nn.LayerNorm, s: Tensor) -> None:
+    with torch.no_grad():
+        ln.weight.div_(s)
+        ln.bias.div_(s)
+
+
+def fold_smoothing(base: UnpaddedBert, scales: dict[str, Tensor]) -> tuple[UnpaddedBert, dict[str, Tensor]]:
+    """A copy of ``base`` with SmoothQuant scales folded into weights where that is exact, so the
+    int8 Linears need no ``x / s`` multiply: the attention output's scale goes into the V rows of
+    qkv (attention is linear in V), qkv's and ffn_in's into the LayerNorm that feeds them (its
+    residual becomes ``addcmul``). Returns the copy and the scales still to apply at run time."""
+    m = copy.deepcopy(base)
+    left = dict(scales)
+    prev_ln = m.ln_emb
+    for i, layer in enumerate(m.layers):
+        d = layer.out.in_features
+        s = left.pop(f"layers.{i}.out", None)
+        if s is not None:
+            with torch.no_grad():
+                layer.qkv.weight[2 * d:] /= s[:, None]  # V rows: ctx comes out divided by s
+                layer.qkv.bias[2 * d:] /= s
+                layer.out.weight *= s  # columns: out(ctx / s) with W * s == out(ctx)
+        s = left.pop(f"layers.{i}.qkv", None)
+        if s is not None:
+            _scale_ln(prev_ln, s)
+            with torch.no_grad():
+                layer.qkv.weight *= s
+            layer.res_in = s  # the previous LayerNorm now emits x / s; only this layer reads it
+        s = left.pop(f"layers.{i}.ffn_in", None)
+        if s is not None:
+            _scale_ln(layer.ln1, s)
+            with torch.no_grad():
+                layer.ffn_in.weight *= s
+            layer.res_mid = s
+        prev_ln = layer.ln2
+    return m, left
+
+
 def _int8(base: UnpaddedBert, names: list[str], scales: dict[str, Tensor], full_range: bool) -> nn.Module:
     from torchnitro.autotune.recipes.perf_int8 import SmoothedInt8Linear
 
-    q = quantize_linears(base, names, scales, full_range)
+    folded, left = fold_smoothing(base, scales)
+    q = quantize_linears(folded, names, left, full_range)
     for layer in q.layers:
         if isinstance(layer.ffn_out, SmoothedInt8Linear):
             layer.ffn_out.inplace = True  # its input is the GELU temporary
