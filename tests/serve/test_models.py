@@ -51,3 +51,25 @@ def test_minilm_signature_if_available():
     assert [s.name for s in sig.inputs] == ["input_ids", "attention_mask"]
     assert all(s.shape == (-1, -1) and s.datatype == "INT64" for s in sig.inputs)
     assert sig.outputs[0].shape == (-1, 384)
+
+
+def test_artifact_dir_uses_manifest_signature(tmp_path, monkeypatch):
+    import torchnitro
+
+    class Fake:
+        signature = {"inputs": [{"name": "input_ids", "dtype": "int64", "shape": [8, -1]},
+                                {"name": "attention_mask", "dtype": "int64", "shape": [8, -1]}],
+                     "outputs": [{"name": "emb", "dtype": "float32", "shape": [8, 384]}]}
+
+        def __call__(self, ids, mask):
+            return torch.zeros(ids.shape[0], 384)
+
+    monkeypatch.setattr(torchnitro, "load", lambda path: Fake(), raising=False)
+    sm = resolve_model(str(tmp_path), "art")
+    sig = sm.signature
+    assert [s.shape for s in sig.inputs] == [(-1, -1), (-1, -1)]  # batch dim always free
+    assert sig.outputs[0].shape == (-1, 384) and sig.padding_safe
+    assert sm(torch.zeros(3, 5, dtype=torch.int64), torch.ones(3, 5, dtype=torch.int64))[0].shape == (3, 384)
+    Fake.signature = {"inputs": [], "outputs": []}
+    with pytest.raises(InputError, match="no usable input/output signature"):
+        resolve_model(str(tmp_path))

@@ -99,7 +99,10 @@ def _spec_list(items: Any, what: str) -> list[TensorSpec]:
     for i, s in enumerate(items or []):
         name = s.get("name", f"{what}_{i}")
         dt = s.get("datatype") or datatype_of(getattr(torch, str(s.get("dtype", "float32")).replace("torch.", "")))
-        out.append(TensorSpec(name, dt, tuple(s.get("shape", (-1,)))))
+        shape = [int(d) for d in s.get("shape", (-1,))]
+        if shape:
+            shape[0] = -1  # the server batches requests: dimension 0 is always the batch
+        out.append(TensorSpec(name, dt, tuple(shape)))
     return out
 
 
@@ -109,7 +112,9 @@ def _from_artifact(path: Path) -> ServedModel:
     model = torchnitro.load(path)
     sig = getattr(model, "signature", None)
     if isinstance(sig, dict):
-        sig = ModelSignature(path.name, _spec_list(sig.get("inputs"), "input"), _spec_list(sig.get("outputs"), "output"))
+        ins = _spec_list(sig.get("inputs"), "input")
+        sig = ModelSignature(path.name, ins, _spec_list(sig.get("outputs"), "output"),
+                             padding_safe=any(s.name == "attention_mask" for s in ins))
     if not isinstance(sig, ModelSignature) or not sig.inputs or not sig.outputs:
         raise InputError(f"artifact {str(path)!r} has no usable input/output signature (received {sig!r}); "
                          "re-run `torchnitro optimize` with example inputs so the manifest records them")
