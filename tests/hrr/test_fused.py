@@ -102,3 +102,17 @@ def test_triton_on_gpu_matches_torch(d):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     torch.testing.assert_close(fused.bind_normalize(keys[:, 0], values[:, 0], backend="triton"),
                                h.normalize(h.bind(keys[:, 0], values[:, 0])), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("normalized", [False, True])
+def test_blocked_cpu_path_matches_reference(monkeypatch, dtype, normalized):
+    monkeypatch.setattr(fused, "_BLOCK_BYTES", 2048)  # force many small blocks
+    keys, values = _pairs((2, 7), 3, 65, dtype, seed=6)  # two batch dims, odd d
+    w = torch.rand(2, 7, 3, dtype=dtype)
+    assert fused._blocked_applies(keys, values, torch.Size((2, 7, 3)))
+    for k_in, weights in ((keys, w), (keys[0, 0], None), (keys[0, 0], torch.rand(3, dtype=dtype))):
+        got = fused.bind_superpose(k_in, values, weights, normalized=normalized, backend="torch")
+        want = fused.bind_superpose_reference(k_in, values, weights, normalized=normalized)
+        assert got.shape == (2, 7, 65)
+        torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=0)
