@@ -19,13 +19,12 @@ from __future__ import annotations
 import asyncio
 import bisect
 import inspect
-import itertools
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from torchnitro.errors import ConfigError, DeadlineExceededError, DrainingError, InputError, QueueFullError
+from torchnitro.serve.queue import Request, RequestQueue
 
 __all__ = ["BatchingConfig", "DynamicBatcher", "BatchObserver", "Request"]
 
@@ -80,71 +79,6 @@ class BatchObserver(Protocol):
     def on_queue_depth(self, depth: int) -> None: ...
 
 
-_ids = itertools.count()
-
-
-@dataclass(eq=False)
-class Request:
-    """One submitted item; ``rows`` counts toward the batch size (a request may carry several)."""
-
-    item: Any
-    rows: int
-    priority: int
-    bucket: int
-    arrival: float
-    deadline: float | None
-    future: asyncio.Future = field(repr=False)
-    started: float | None = None  # when its batch was handed to the function
-    seq: int = field(default_factory=lambda: next(_ids))
-
-    @property
-    def live(self) -> bool:
-        return not self.future.done()
-
-
-class _Queue:
-    """Per-(bucket, priority) FIFO deques; picks the most urgent head after aging."""
-
-    def __init__(self, levels: int, aging_s: float):
-        self.levels, self.aging_s = levels, aging_s
-        self.lanes: dict[tuple[int, int], deque[Request]] = {}
-        self.live = 0  # live requests (dead ones are dropped lazily)
-
-    def push(self, r: Request) -> None:
-        self.lanes.setdefault((r.bucket, r.priority), deque()).append(r)
-        self.live += 1
-
-    def discard(self) -> None:
-        """A queued request finished early (timeout/cancel); it leaves lazily."""
-        self.live -= 1
-
-    def _head(self, lane: deque[Request]) -> Request | None:
-        while lane and not lane[0].live:
-            lane.popleft()
-        return lane[0] if lane else None
-
-    def best(self, now: float, bucket: int | None = None) -> Request | None:
-        """Most urgent live head: lowest aged priority, then oldest."""
-        best, key = None, None
-        for (b, _), lane in self.lanes.items():
-            if bucket is not None and b != bucket:
-                continue
-            r = self._head(lane)
-            if r is None:
-                continue
-            k = (r.priority - int((now - r.arrival) / self.aging_s), r.arrival, r.seq)
-            if key is None or k < key:
-                best, key = r, k
-        return best
-
-    def pop(self, r: Request) -> None:
-        lane = self.lanes[(r.bucket, r.priority)]
-        if lane[0] is not r:  # pragma: no cover - only heads are ever popped
-            raise RuntimeError("internal: popped a request that is not at the head of its lane")
-        lane.popleft()
-        self.live -= 1
-
-
 class DynamicBatcher:
     """Collects ``submit``-ted items into batches for ``fn(items) -> results`` (one result per item).
 
@@ -163,7 +97,7 @@ class DynamicBatcher:
         self.clock = clock
         self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None))
-        self._queue = _Queue(self.config.priority_levels, self.config.aging_ms / 1e3)
+        self._queue = RequestQueue(self.config.priority_levels, self.config.aging_ms / 1e3)
         self._wakeup: asyncio.Event | None = None
         self._consumers: list[asyncio.Task] = []
         self._inflight: set[Request] = set()
