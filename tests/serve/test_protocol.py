@@ -96,3 +96,13 @@ def test_encode_response_round_trip():
     d = json.loads(out)
     assert d["id"] == "abc" and d["outputs"][0]["shape"] == [2, 4]
     assert d["outputs"][0]["data"] == list(range(8))
+
+
+def test_out_of_range_float_is_rejected_without_warnings():
+    import warnings
+
+    req = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 1e40, 3, 4]}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(InputError, match="NaN or infinity"):
+            parse_infer_request(req, FSIG)

@@ -133,7 +133,8 @@ def _to_tensor(spec: TensorSpec, obj: dict[str, Any], allow_nan: bool) -> Tensor
                    f"{type(data).__name__}")
     try:
         if spec.datatype in _NP:  # numpy reads a list of numbers ~3x faster than torch.tensor
-            arr = np.asarray(data, dtype=_NP[spec.datatype])
+            with np.errstate(over="ignore", invalid="ignore"):  # out-of-range -> inf: rejected below
+                arr = np.asarray(data, dtype=_NP[spec.datatype])
             if arr.dtype == object:
                 raise ValueError("ragged nested lists")
             t = torch.from_numpy(arr)
