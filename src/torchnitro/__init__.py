@@ -22,6 +22,15 @@ _EXPORTS: dict[str, str] = {
     # serving
     "DynamicBatcher": "torchnitro.serve.batcher",
     "BatchingConfig": "torchnitro.serve.batcher",
+    "ServeConfig": "torchnitro.serve.server",
+    "InferenceServer": "torchnitro.serve.server",
+    # kernels
+    "patch_": "torchnitro.kernels.patch",
+    # memory and precision
+    "checkpoint_": "torchnitro.memory.checkpointing",
+    "find_batch_size": "torchnitro.memory.finder",
+    "TrainStep": "torchnitro.precision.train_step",
+    "to_float8_": "torchnitro.precision.float8_linear",
     # timing
     "measure": "torchnitro.bench.timing",
     "compare": "torchnitro.bench.timing",
