@@ -169,7 +169,7 @@ def machine_roofline(device: str = "cpu") -> MachineRoofline:
         b = torch.randn(n, n, device=dev).to(dt)
         t = measure(lambda: torch.mm(a, b), cfg)
         peaks[str(dt).replace("torch.", "")] = 2 * n**3 / t.median
-    src = torch.empty(64 * 2**20 // 4, device=dev)  # 64 MiB: far beyond the last-level cache
+    src = torch.empty(128 * 2**20 // 4, device=dev)  # 128 MiB each way: beyond server L3 caches (~100 MiB)
     dst = torch.empty_like(src)
     t = measure(lambda: dst.copy_(src), cfg)
     name = hw.gpu_name if dev.type == "cuda" and hw.gpu_name else f"{hw.cpu_name} ({hw.cpu_cores} cores)"
