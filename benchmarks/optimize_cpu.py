@@ -30,7 +30,7 @@ import torch
 from torchnitro.autotune.api import optimize
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.inputs import resolve_model
-from torchnitro.autotune.recipes.perf_int8 import row_cosine
+from torchnitro.autotune.recipes.int8_mixed import row_cosine
 from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir, save_plot
 from torchnitro.hardware import hardware_info
 
@@ -76,11 +76,11 @@ def run(name: str, cache_root: Path) -> tuple[list[dict], dict, object, tuple]:
 
 
 def _variants(opt: object, model: torch.nn.Module, x: tuple, cfg: OptimizeConfig) -> dict[str, object]:
-    """eager, the chosen variant, and the perf recipes built directly, to time side by side."""
+    """eager, the chosen variant, and the encoder recipes built directly, to time side by side."""
     from torchnitro.autotune.recipe import BuildContext, get_recipe
 
     out: dict[str, object] = {"eager": model, f"chosen ({opt.recipe})": opt}
-    for name in ("perf-bert-unpad", "perf-bert-unpad-int8", "bf16"):
+    for name in ("bert-unpad", "bert-unpad-int8", "bf16"):
         if name == opt.recipe:
             continue
         with tempfile.TemporaryDirectory() as wd:
@@ -92,7 +92,7 @@ def _variants(opt: object, model: torch.nn.Module, x: tuple, cfg: OptimizeConfig
 
 
 def padding_table(opt: object, model: torch.nn.Module, rounds: int = 12) -> ResultTable:
-    """Eager vs the chosen MiniLM variant (and the perf recipes), interleaved in one run, on
+    """Eager vs the chosen MiniLM variant (and the encoder recipes), interleaved in one run, on
     realistic sentences and on full-length text."""
     from torchnitro.hf import minilm_inputs, sample_sentences, tokenize
 
@@ -143,7 +143,7 @@ def plot(rows: list[dict], path_name: str) -> None:
 
 def variants_only(rounds: int) -> None:
     """The MiniLM side-by-side table alone: a full search (fresh cache) picks the variant, then eager,
-    the chosen one and the perf recipes are timed interleaved for ``rounds`` rounds per input set."""
+    the chosen one and the encoder recipes are timed interleaved for ``rounds`` rounds per input set."""
     with tempfile.TemporaryDirectory(prefix="torchnitro-bench-cache-") as cache_root:
         _, summary, opt, (model, _) = run("minilm-b32", Path(cache_root))
     t = padding_table(opt, model, rounds)

@@ -13,7 +13,7 @@ path and NVIDIA's FasterTransformer "remove padding" do:
 
 Real tokens see exactly the same computation as in eager, so the fp32 variant is an EXACT recipe;
 how much it saves is the padding fraction of the inputs (measured, never assumed). The int8 variant
-adds SmoothQuant + accuracy-aware mixed int8 (``perf_int8``) to its Linears.
+adds SmoothQuant + accuracy-aware mixed int8 (``int8_mixed``) to its Linears.
 
 Applies to ``torchnitro.hf.SentenceEncoder`` around an HF ``BertModel`` with absolute positions.
 """
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
-from torchnitro.autotune.recipes.perf_int8 import (calibration_inputs, int8_target, int8_unavailable_reason,
+from torchnitro.autotune.recipes.int8_mixed import (calibration_inputs, int8_target, int8_unavailable_reason,
                                                    linear_names, load_full_range, load_scales, plan_mixed_int8,
                                                    quantize_linears, save_scales)
 from torchnitro.errors import RecipeError
@@ -147,7 +147,7 @@ def fold_smoothing(base: UnpaddedBert, scales: dict[str, Tensor]) -> tuple[Unpad
 
 
 def _int8(base: UnpaddedBert, names: list[str], scales: dict[str, Tensor], full_range: bool) -> nn.Module:
-    from torchnitro.autotune.recipes.perf_int8 import SmoothedInt8Linear
+    from torchnitro.autotune.recipes.int8_mixed import SmoothedInt8Linear
 
     folded, left = fold_smoothing(base, scales)
     q = quantize_linears(folded, names, left, full_range)
@@ -175,7 +175,7 @@ def bert_inapplicable_reason(model: nn.Module) -> str | None:
 
 @register_recipe
 class UnpaddedBertRecipe(Recipe):
-    name = "perf-bert-unpad"
+    name = "bert-unpad"
     numeric_class = NumericClass.EXACT
     description = "BERT sentence encoder on real tokens only (padding removed), fused QKV GEMM"
     order = 15
@@ -191,13 +191,13 @@ class UnpaddedBertRecipe(Recipe):
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         if model is None:
-            raise RecipeError("perf-bert-unpad artifacts are rebuilt from the eager model; pass it to load()")
+            raise RecipeError("bert-unpad artifacts are rebuilt from the eager model; pass it to load()")
         return UnpaddedBert(model.eval()).eval()
 
 
 @register_recipe
 class UnpaddedBertInt8(Recipe):
-    name = "perf-bert-unpad-int8"
+    name = "bert-unpad-int8"
     numeric_class = NumericClass.INT8
     description = "padding-free BERT + SmoothQuant dynamic int8 Linears, gate-sensitive layers kept fp32"
     order = 16
@@ -223,7 +223,7 @@ class UnpaddedBertInt8(Recipe):
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         if model is None:
-            raise RecipeError("perf-bert-unpad-int8 artifacts are rebuilt from the eager model; pass it to load()")
+            raise RecipeError("bert-unpad-int8 artifacts are rebuilt from the eager model; pass it to load()")
         base = UnpaddedBert(model.eval()).eval()
         return _int8(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"), load_full_range(meta))
 
@@ -234,7 +234,7 @@ def _bf16(model: nn.Module) -> nn.Module:
 
 @register_recipe
 class UnpaddedBertBf16(Recipe):
-    name = "perf-bert-unpad-bf16"
+    name = "bert-unpad-bf16"
     numeric_class = NumericClass.REDUCED
     description = "padding-free BERT with bf16 weights and activations (AVX512-BF16/AMX GEMMs), fp32 pooling"
     order = 17
@@ -252,5 +252,5 @@ class UnpaddedBertBf16(Recipe):
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         if model is None:
-            raise RecipeError("perf-bert-unpad-bf16 artifacts are rebuilt from the eager model; pass it to load()")
+            raise RecipeError("bert-unpad-bf16 artifacts are rebuilt from the eager model; pass it to load()")
         return _bf16(model)

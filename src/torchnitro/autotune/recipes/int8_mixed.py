@@ -305,7 +305,7 @@ def int8_target(ctx: BuildContext, margin: float = 0.004) -> float:
 
 @register_recipe
 class MixedInt8(Recipe):
-    name = "perf-int8-mixed"
+    name = "int8-mixed"
     numeric_class = NumericClass.INT8
     description = "dynamic int8 Linears (per-channel, VNNI) with the most gate-sensitive layers kept in fp32"
     order = 46
@@ -331,6 +331,6 @@ class MixedInt8(Recipe):
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         if model is None:
-            raise RecipeError("perf-int8-mixed artifacts are rebuilt from the eager model; pass it to load()")
+            raise RecipeError("int8-mixed artifacts are rebuilt from the eager model; pass it to load()")
         return quantize_linears(model.eval(), meta["int8"], load_scales(directory / "smooth_scales.safetensors"),
                                 load_full_range(meta))

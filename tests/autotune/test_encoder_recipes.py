@@ -7,8 +7,8 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from torchnitro.autotune.recipe import BuildContext, NumericClass, get_recipe  # noqa: E402
-from torchnitro.autotune.recipes.perf_bert import UnpaddedBert  # noqa: E402
-from torchnitro.autotune.recipes.perf_int8 import (SmoothedInt8Linear, int8_module, linear_names,  # noqa: E402
+from torchnitro.autotune.recipes.bert_unpad import UnpaddedBert  # noqa: E402
+from torchnitro.autotune.recipes.int8_mixed import (SmoothedInt8Linear, int8_module, linear_names,  # noqa: E402
                                                    plan_mixed_int8, quantize_linears, row_cosine)
 from torchnitro.errors import RecipeError  # noqa: E402
 from torchnitro.hardware import hardware_info  # noqa: E402
@@ -95,19 +95,19 @@ def test_plan_keeps_sensitive_layers_until_target():
     assert smooth["cosine"] > loose["cosine"]
 
 
-def test_perf_recipes_registered_and_honest():
-    assert get_recipe("perf-bert-unpad").numeric_class is NumericClass.EXACT
-    assert get_recipe("perf-bert-unpad-int8").numeric_class is NumericClass.INT8
-    assert get_recipe("perf-int8-mixed").numeric_class is NumericClass.INT8
-    assert get_recipe("perf-bert-unpad-bf16").numeric_class is NumericClass.REDUCED
+def test_encoder_recipes_registered_and_honest():
+    assert get_recipe("bert-unpad").numeric_class is NumericClass.EXACT
+    assert get_recipe("bert-unpad-int8").numeric_class is NumericClass.INT8
+    assert get_recipe("int8-mixed").numeric_class is NumericClass.INT8
+    assert get_recipe("bert-unpad-bf16").numeric_class is NumericClass.REDUCED
     from torchnitro.nn.zoo import get_builtin
 
     enc = get_builtin("encoder")
-    reason = get_recipe("perf-bert-unpad").inapplicable_reason(enc.build(), enc.inputs(2, 8, 0))
+    reason = get_recipe("bert-unpad").inapplicable_reason(enc.build(), enc.inputs(2, 8, 0))
     assert reason and "SentenceEncoder" in reason
 
 
-@pytest.mark.parametrize("name", ["perf-bert-unpad", "perf-bert-unpad-int8", "perf-bert-unpad-bf16"])
+@pytest.mark.parametrize("name", ["bert-unpad", "bert-unpad-int8", "bert-unpad-bf16"])
 def test_build_verify_and_reload(tiny_bert, tmp_path, name):
     recipe = get_recipe(name)
     x = _ragged(8, 32, seed=6)
@@ -128,7 +128,7 @@ def test_mixed_int8_generic_model(tmp_path):
 
     mlp = get_builtin("mlp")
     model, x = mlp.build(), mlp.inputs(16, 0, 0)
-    recipe = get_recipe("perf-int8-mixed")
+    recipe = get_recipe("int8-mixed")
     ctx = BuildContext(model=model, example_inputs=x, hardware=hardware_info(), device=torch.device("cpu"),
                        workdir=tmp_path, dynamic_dims={0: [0]})
     built = recipe.build(ctx)
@@ -139,7 +139,7 @@ def test_mixed_int8_generic_model(tmp_path):
 
 
 def test_full_range_activations_are_more_accurate():
-    from torchnitro.autotune.recipes.perf_int8 import full_range_ok
+    from torchnitro.autotune.recipes.int8_mixed import full_range_ok
 
     if not full_range_ok():
         pytest.skip("8-bit activations need VNNI/AMX int8 dot products; this CPU has neither")
@@ -154,7 +154,7 @@ def test_full_range_activations_are_more_accurate():
 
 
 def test_full_range_artifact_on_a_cpu_without_vnni_warns(monkeypatch):
-    import torchnitro.autotune.recipes.perf_int8 as p
+    import torchnitro.autotune.recipes.int8_mixed as p
 
     monkeypatch.setattr(p, "full_range_ok", lambda: False)
     with pytest.warns(UserWarning, match="no VNNI"):
@@ -163,8 +163,8 @@ def test_full_range_artifact_on_a_cpu_without_vnni_warns(monkeypatch):
 
 
 def test_fold_smoothing_is_exact_in_fp32(tiny_bert):
-    from torchnitro.autotune.recipes.perf_bert import fold_smoothing
-    from torchnitro.autotune.recipes.perf_int8 import activation_absmax, smooth_scales
+    from torchnitro.autotune.recipes.bert_unpad import fold_smoothing
+    from torchnitro.autotune.recipes.int8_mixed import activation_absmax, smooth_scales
 
     base = UnpaddedBert(tiny_bert).eval()
     x = _ragged(5, 37, seed=8)
