@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
-from torchnitro.errors import ConfigError, DeadlineExceededError, DrainingError, InputError, QueueFullError
+from torchnitro.errors import ConfigError, DeadlineExceededError, DrainingError, InputError, QueueFullError, ServeError
 from torchnitro.serve.queue import Request, RequestQueue
 
 __all__ = ["BatchingConfig", "DynamicBatcher", "BatchObserver", "Request"]
@@ -252,13 +252,15 @@ class DynamicBatcher:
         return self.config.max_batch_size, self.config.max_wait_ms / 1e3, None
 
     async def _wait_for_work(self, timeout: float | None) -> None:
-        assert self._wakeup is not None
-        self._wakeup.clear()
+        wakeup = self._wakeup
+        if wakeup is None:
+            raise ServeError("the batcher is not started; use `async with DynamicBatcher(...)` or `await start()`")
+        wakeup.clear()
         try:
             if timeout is None:
-                await self._wakeup.wait()
+                await wakeup.wait()
             elif timeout > 0:
-                await asyncio.wait_for(self._wakeup.wait(), timeout)
+                await asyncio.wait_for(wakeup.wait(), timeout)
         except asyncio.TimeoutError:
             pass
 

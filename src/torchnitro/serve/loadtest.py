@@ -54,28 +54,28 @@ class HttpClient:
             raise
 
     async def _request(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        if self._w is None:
+        if self._r is None or self._w is None:
             self._r, self._w = await asyncio.open_connection(self.host, self.port)
+        reader = self._r
         extra = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
         head = (f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\n{extra}\r\n").encode()
         self._w.write(head + body)
-        assert self._r is not None
-        raw = await self._r.readuntil(b"\r\n\r\n")
+        raw = await reader.readuntil(b"\r\n\r\n")
         lines = raw.decode("latin-1").split("\r\n")
         status = int(lines[0].split(" ", 2)[1])
         hdrs = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:] if ln)}
         if "content-length" in hdrs:
-            data = await self._r.readexactly(int(hdrs["content-length"]))
+            data = await reader.readexactly(int(hdrs["content-length"]))
         elif hdrs.get("transfer-encoding", "").lower() == "chunked":
             data = b""
             while True:
-                size = int((await self._r.readuntil(b"\r\n")).strip(), 16)
-                data += await self._r.readexactly(size + 2)
+                size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+                data += await reader.readexactly(size + 2)
                 if size == 0:
                     break
         else:
-            data = await self._r.read()
+            data = await reader.read()
             await self.close()
         if hdrs.get("connection", "").lower() == "close":
             await self.close()

@@ -235,15 +235,23 @@ class ProcessPool:
             except WorkerError:
                 await asyncio.sleep(1.0)  # keep trying; the other workers serve meanwhile
                 continue
-            assert self._free is not None
-            self._free.put_nowait(idx)
+            self._free_queue().put_nowait(idx)
             return
 
-    async def _acquire(self) -> _Proc:
+    def _free_queue(self) -> asyncio.Queue[int]:
         if self._free is None:
             raise ServeError("the worker pool is not started; `await pool.start()` first")
+        return self._free
+
+    def _signature(self) -> ModelSignature:
+        if self.signature is None:
+            raise ServeError("the worker pool has no model signature yet; `await pool.start()` first")
+        return self.signature
+
+    async def _acquire(self) -> _Proc:
+        free = self._free_queue()
         while True:
-            idx = await self._free.get()
+            idx = await free.get()
             proc = self._procs[idx]
             if proc.process.is_alive():
                 return proc
@@ -251,11 +259,11 @@ class ProcessPool:
 
     def _layout(self, items: list[InferItem], proc: _Proc) -> tuple[list[Tensor] | None, list[Any]]:
         """Typed views into the worker's arena for each batch input, or None if it does not fit."""
-        assert self.signature is not None
+        signature = self._signature()
         rows = sum(it.rows for it in items)
         lengths = [it.length for it in items if it.length is not None]
         views, layout, off = [], [], 0
-        for k, spec in enumerate(self.signature.inputs):
+        for k, spec in enumerate(signature.inputs):
             shape = [rows, *items[0].tensors[k].shape[1:]]
             if spec.ragged:
                 shape[1] = max(lengths)
@@ -271,13 +279,13 @@ class ProcessPool:
         return views, layout
 
     async def run(self, items: list[InferItem]) -> list[list[Tensor]]:
-        assert self.signature is not None
+        signature = self._signature()
         proc = await self._acquire()
         bid = next(self._bids)
         healthy = True
         try:
             views, layout = self._layout(items, proc)
-            batch, padded = assemble(items, self.signature, views)
+            batch, padded = assemble(items, signature, views)
             inline = None if views is not None else [_encode(t) for t in batch]
             try:
                 proc.conn.send(("batch", bid, layout if views is not None else None, inline))
@@ -294,8 +302,7 @@ class ProcessPool:
                     "the request") from None
         finally:
             if healthy:
-                assert self._free is not None
-                self._free.put_nowait(proc.idx)
+                self._free_queue().put_nowait(proc.idx)
             else:
                 self._schedule_restart(proc.idx)
         if reply[0] == "err":
