@@ -113,14 +113,12 @@ class _FusedRefAttention(nn.Module):
     def __init__(self, attn: nn.Module):
         super().__init__()
         self.cfg = attn.cfg
-        self.wq, self.wk, self.wv, self.wo = attn.wq, attn.wk, attn.wv, attn.wo
+        self.wq, self.wk, self.wv, self.wo = attn.wq, attn.wk, attn.wv, attn.wo  # same names: same state-dict keys
+        self._heads = type(attn).heads  # the reference projection to heads, run on these same weights
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
-        c = self.cfg
-        q = self.wq(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, T, Dh)
-        k = self.wk(x).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
-        v = self.wv(x).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
+        q, k, v = self._heads(self, x)  # (B, H, T, Dh), (B, Hkv, T, Dh) x2
         y = flash_attention(rope(q, cos, sin), rope(k, cos, sin), v, causal=True)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 

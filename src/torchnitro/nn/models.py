@@ -86,14 +86,20 @@ class _CausalSelfAttention(nn.Module):
         self.wv = nn.Linear(cfg.dim, kv * hd, bias=False)
         self.wo = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def heads(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Project (B, T, D) to q (B, H, T, Dh) and k, v (B, Hkv, T, Dh), before RoPE."""
         B, T, _ = x.shape
         c = self.cfg
         q = self.wq(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, T, Dh)
         k = self.wk(x).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)  # (B, Hkv, T, Dh)
         v = self.wv(x).view(B, T, c.kv_heads, c.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.heads(x)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=c.kv_heads != c.n_heads)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.cfg.kv_heads != self.cfg.n_heads)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))  # (B, T, D)
 
 
