@@ -59,7 +59,8 @@ def list_builtins() -> list[str]:
 
 
 def get_builtin(name: str) -> Builtin:
-    _load_optional_builtins()
+    if name not in _REGISTRY:  # only names we do not know yet pay for importing the optional extras
+        _load_optional_builtins()
     if name not in _REGISTRY:
         raise InputError(
             f"unknown built-in model {name!r}; known: {sorted(_REGISTRY)}. "
