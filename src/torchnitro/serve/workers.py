@@ -64,6 +64,17 @@ def _run_model(model: ServedModel, inputs: Sequence[Tensor]) -> list[Tensor]:
 
 
 # --------------------------------------------------------------------------- in-process
+
+async def _run_on_free_slot(free: asyncio.Queue[Any] | None, compute: Callable[[Any], Any]) -> Any:
+    """Take a free slot (buffers or a stream index), run ``compute(slot)`` in a thread, give it back."""
+    if free is None:
+        raise ServeError("the worker pool is not started; `await pool.start()` first")
+    slot = await free.get()
+    try:
+        return await asyncio.get_running_loop().run_in_executor(None, compute, slot)
+    finally:
+        free.put_nowait(slot)
+
 class InlinePool:
     """Replicas in this process, each on its own thread with its own reused input buffers."""
 
@@ -88,13 +99,7 @@ class InlinePool:
         return split_outputs([o.clone() for o in outs], items, self.signature, padded)
 
     async def run(self, items: list[InferItem]) -> list[list[Tensor]]:
-        if self._free is None:
-            raise ServeError("the worker pool is not started; `await pool.start()` first")
-        buffers = await self._free.get()
-        try:
-            return await asyncio.get_running_loop().run_in_executor(None, self._compute, items, buffers)
-        finally:
-            self._free.put_nowait(buffers)
+        return await _run_on_free_slot(self._free, lambda buffers: self._compute(items, buffers))
 
     async def close(self) -> None:
         return None
@@ -370,13 +375,7 @@ class DevicePool:
         return split_outputs(host, items, self.signature, padded)
 
     async def run(self, items: list[InferItem]) -> list[list[Tensor]]:
-        if self._free is None:
-            raise ServeError("the worker pool is not started; `await pool.start()` first")
-        i = await self._free.get()
-        try:
-            return await asyncio.get_running_loop().run_in_executor(None, self._compute, i, items)
-        finally:
-            self._free.put_nowait(i)
+        return await _run_on_free_slot(self._free, lambda i: self._compute(i, items))
 
     async def close(self) -> None:
         return None
