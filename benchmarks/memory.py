@@ -138,6 +138,8 @@ def finder_section(quick: bool):
     def est(b: int) -> int:
         return plan(cfg, batch=b, seq=seq).peak_bytes
 
+    step(1)  # CUDA: the cuBLAS workspace and optimizer state exist before the first trial
+
     table = ResultTable("batch-size finder vs true limit", ["budget MiB", "start", "mode", "found", "true limit",
                                                             "within margin", "trials", "trial bound"])
     budgets = [4, 8] if quick else [4, 8, 16]

@@ -121,3 +121,29 @@ def test_bad_input():
         find_batch_size(FakeStep(4), margin=2)
     with pytest.raises(BudgetError, match="batch size 1 does not fit"):
         find_batch_size(FakeStep(0), steps_per_trial=1)
+
+
+@pytest.mark.gpu
+def test_budget_on_cuda_counts_only_the_step_not_foreign_allocations():
+    cfg = TransformerConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, max_seq_len=32)
+    model, opt, _ = lm_step(cfg, 1, 32)
+    model.cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    x_all = torch.randint(0, cfg.vocab_size, (64, 32), device="cuda")
+
+    def step(b: int) -> None:
+        x = x_all[:b]
+        nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step(1)  # create the cuBLAS workspace and optimizer state outside the trials
+    budget = plan(cfg, batch=12, seq=32).peak_bytes
+    alone = find_batch_size(step, budget_bytes=budget, model=model, optimizer=opt, max_val=64, margin=0.05)
+    hog = torch.empty(512 * 2**20, dtype=torch.uint8, device="cuda")  # held by someone else in the process
+    crowded = find_batch_size(step, budget_bytes=budget, model=model, optimizer=opt, max_val=64, margin=0.05)
+    del hog
+    assert all(t.peak_bytes is not None and t.peak_bytes <= budget for t in crowded.trials if t.fits)
+    assert any(not t.fits for t in crowded.trials)  # the budget binds below max_val
+    assert abs(crowded.batch_size - alone.batch_size) <= max(1, 0.05 * alone.batch_size)
+    assert 6 <= alone.batch_size <= 24  # allocator peak near the planner's estimate for batch 12

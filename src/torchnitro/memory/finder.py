@@ -108,6 +108,40 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def _runs_on_cuda(model: nn.Module | None) -> bool:
+    """Measure with the CUDA allocator when the model lives on a GPU (or, without a model, when one is visible)."""
+    if not torch.cuda.is_available():
+        return False
+    if model is None:
+        return True
+    p = next(iter(model.parameters()), None)
+    return p is None or p.device.type == "cuda"
+
+
+def _owned_cuda_bytes(model: nn.Module | None, optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of CUDA tensors the trial counts as its own: parameters, gradients, optimizer state."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: object) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.is_cuda and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+
+    if model is not None:
+        for p in model.parameters():
+            add(p)
+            add(p.grad)
+        for buf in model.buffers():
+            add(buf)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            for v in state.values():
+                add(v)
+    return total
+
+
 def _start_from_estimate(estimate: Callable[[int], int], budget: int, max_val: int) -> int:
     if estimate(1) > budget:
         raise BudgetError(f"budget_bytes={budget:,} is smaller than the estimated peak at batch 1 "
@@ -166,6 +200,7 @@ def find_batch_size(
     else:
         start = 1
     snap = _Snapshot(model, optimizer)
+    on_cuda = _runs_on_cuda(model)
     trials: list[Trial] = []
     results: dict[int, bool] = {}
 
@@ -174,7 +209,7 @@ def find_batch_size(
             return results[b]
         t0, peak, reason, ok = time.perf_counter(), None, "", True
         try:
-            if budget_bytes is not None and not torch.cuda.is_available():
+            if budget_bytes is not None and not on_cuda:
                 from torchnitro.memory.tracker import track
 
                 with track(model, optimizer) as tr:
@@ -182,12 +217,15 @@ def find_batch_size(
                         step_fn(b)
                 peak = tr.peak_bytes
             else:
-                if torch.cuda.is_available():
+                if on_cuda:
+                    # the step's own peak: allocator peak minus what other objects in the process hold
+                    # (earlier models, cached data, the cuBLAS workspace), plus the model and optimizer
+                    foreign = torch.cuda.memory_allocated() - _owned_cuda_bytes(model, optimizer)
                     torch.cuda.reset_peak_memory_stats()
                 for _ in range(steps_per_trial):
                     step_fn(b)
-                if torch.cuda.is_available():
-                    peak = torch.cuda.max_memory_allocated()
+                if on_cuda:
+                    peak = torch.cuda.max_memory_allocated() - max(0, foreign)
             if budget_bytes is not None and peak is not None and peak > budget_bytes:
                 ok, reason = False, f"peak {peak:,} B > budget {budget_bytes:,} B"
         except BaseException as exc:  # noqa: BLE001 - classified right below
