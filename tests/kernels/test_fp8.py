@@ -39,3 +39,21 @@ def test_fp8_gpu():
         q_ref, s_ref = reference.fp8_quantize(x, per_row=per_row)
         torch.testing.assert_close(s, s_ref)
         assert (q.float() != q_ref.float()).float().mean() < 1e-3  # rounding ties may differ
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_recipe_cast_matches_the_precision_recipe(triton_cpu, dtype, margin):
+    from torchnitro.kernels.fp8 import fp8_recipe_cast
+    from torchnitro.precision.fp8 import amax_to_scale, cast_to_fp8
+
+    prev = torch.tensor(3.0)
+    for x in (torch.randn(3, 1000) * 7, torch.zeros(5, 17), torch.tensor([1.0, float("inf"), -2.0])):
+        q, s, inv, amax = fp8_recipe_cast(x, prev, dtype, margin)
+        s_ref = amax_to_scale(x.abs().amax(), dtype, margin, prev)
+        torch.testing.assert_close(amax, x.abs().amax(), rtol=0, atol=0)
+        torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+        torch.testing.assert_close(inv, 1 / s_ref, rtol=1e-6, atol=0)
+        assert q.dtype == dtype and q.shape == x.shape
+        torch.testing.assert_close(q.float(), cast_to_fp8(x, s_ref, dtype).float(), rtol=0, atol=0)
+    assert s.item() == 3.0  # inf amax keeps the previous scale

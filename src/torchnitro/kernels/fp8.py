@@ -26,7 +26,8 @@ if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importi
     import triton.language as tl
     from triton.language import constexpr
 
-__all__ = ["fp8_quantize", "fp8_dequantize", "fp8_quantize_forward", "fp8_dequantize_forward", "FP8_DTYPES"]
+__all__ = ["fp8_quantize", "fp8_dequantize", "fp8_quantize_forward", "fp8_dequantize_forward", "fp8_recipe_cast",
+           "FP8_DTYPES"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 BLOCK = 1024
@@ -71,7 +72,26 @@ def _dequant_kernel(q_ptr, s_ptr, y_ptr, n, C, PER_ROW: constexpr, BLOCK: conste
     tl.store(y_ptr + offs, (q * s).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _recipe_cast_kernel(x_ptr, amax_ptr, prev_ptr, q_ptr, s_ptr, inv_ptr, n, FMAX: constexpr, MARGIN_DIV: constexpr,
+                        BLOCK: constexpr):
+    # scale = fmax / amax / 2**margin; amax == 0 -> 1; non-finite amax -> the previous scale
+    a = tl.load(amax_ptr)
+    prev = tl.load(prev_ptr)
+    finite = a == a and a < float("inf")
+    raw = tl.minimum(FMAX / tl.where(a > 0, a, 1.0) / MARGIN_DIV, 3.4028234663852886e38)
+    scale = tl.where(finite, tl.where(a > 0, raw, 1.0), prev)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    q = tl.minimum(tl.maximum(x * scale, -FMAX), FMAX)
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    if tl.program_id(0) == 0:
+        tl.store(s_ptr, scale)
+        tl.store(inv_ptr, 1.0 / scale)
+
+
 _amax = LazyKernel(_amax_kernel)
+_recipe_cast = LazyKernel(_recipe_cast_kernel)
 _scale_cast = LazyKernel(_scale_cast_kernel)
 _row_quant = LazyKernel(_row_quant_kernel)
 _dequant = LazyKernel(_dequant_kernel)
@@ -98,6 +118,31 @@ def fp8_quantize_forward(x: Tensor, dtype: torch.dtype, per_row: bool) -> tuple[
             _amax[grid](x, amax, n, BLOCK=BLOCK)
             _scale_cast[grid](x, amax, q, s, n, FMAX=fmax, BLOCK=BLOCK)
     return (q.to(dtype) if stage_fp32 else q), s
+
+
+def fp8_recipe_cast(x: Tensor, prev_scale: Tensor, dtype: torch.dtype, margin: int = 0
+                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Dynamic-recipe cast in two passes: ``(q, scale, inv_scale, amax)``.
+
+    Same math as ``torchnitro.precision.fp8``: ``scale = fp8_max / amax / 2**margin`` (1 when amax is 0,
+    ``prev_scale`` when amax is inf/NaN), ``q = fp8(clamp(x * scale))``. Pass one reduces amax with an
+    atomic max; pass two derives the scale on the device (no host sync) and casts. ``x`` must be on
+    a device Triton runs on (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+    """
+    fmax = FP8_MAX[dtype]
+    x = x.contiguous()
+    n = x.numel()
+    stage_fp32 = interpreting()
+    q = torch.empty(x.shape, device=x.device, dtype=torch.float32 if stage_fp32 else dtype)
+    amax = torch.zeros((), device=x.device, dtype=torch.float32)
+    s = torch.empty((), device=x.device, dtype=torch.float32)
+    inv = torch.empty((), device=x.device, dtype=torch.float32)
+    grid = (max(1, (n + BLOCK - 1) // BLOCK),)
+    if n:
+        _amax[grid](x, amax, n, BLOCK=BLOCK)
+    _recipe_cast[grid](x, amax, prev_scale.reshape(()).float(), q, s, inv, n, FMAX=fmax,
+                       MARGIN_DIV=float(2.0 ** margin), BLOCK=BLOCK)
+    return (q.to(dtype) if stage_fp32 else q), s, inv, amax
 
 
 def fp8_dequantize_forward(q: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:

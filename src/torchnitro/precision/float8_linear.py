@@ -53,41 +53,64 @@ def _col_major(t: Tensor) -> Tensor:
     return t.t().contiguous().t()
 
 
-def _mm(a_q: Tensor, a_s: Tensor, b_q: Tensor, b_s: Tensor, out_dtype: torch.dtype, hw: bool) -> Tensor:
-    """``(a_q / a_s) @ (b_q / b_s)`` for 2-D fp8 operands, on tensor cores or emulated."""
+def _quantize(state: ScaleState, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """``(q, scale, inv_scale)`` of ``x`` under ``state``'s recipe.
+
+    Dynamic scaling where the fused Triton cast runs (CUDA; CPU under ``TRITON_INTERPRET=1``): two
+    passes over ``x`` and no host sync. Otherwise the PyTorch path of ``torchnitro.precision.fp8``.
+    """
+    if state.config.scaling == "dynamic":
+        from torchnitro.kernels.dispatch import use_triton
+        from torchnitro.kernels.fp8 import _fp8_native, fp8_recipe_cast
+
+        if _fp8_native(x) and use_triton(x, op="fp8_recipe_cast"):
+            state.sync_device(x.device)
+            q, scale, inv, _ = fp8_recipe_cast(x, state.scale, dtype, state.config.margin)
+            state.scale = scale
+            return q, scale, inv
+    scale = state.scale_for(x)
+    return cast_to_fp8(x, scale, dtype), scale, scale.reciprocal()
+
+
+def _mm(a_q: Tensor, a: tuple[Tensor, Tensor], b_q: Tensor, b: tuple[Tensor, Tensor], out_dtype: torch.dtype,
+        hw: bool, bias: Tensor | None = None) -> Tensor:
+    """``(a_q / a_scale) @ (b_q / b_scale) [+ bias]`` for 2-D fp8 operands; ``a``/``b`` are (scale, inv_scale)."""
     if hw:
-        one = torch.ones((), device=a_q.device, dtype=torch.float32)
-        out = torch._scaled_mm(a_q.contiguous(), _col_major(b_q), scale_a=one / a_s, scale_b=one / b_s,
-                               out_dtype=out_dtype)
-        return out[0] if isinstance(out, tuple) else out
-    return ((a_q.float() / a_s) @ (b_q.float() / b_s)).to(out_dtype)
+        fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
+        out = torch._scaled_mm(a_q.contiguous(), _col_major(b_q), scale_a=a[1], scale_b=b[1],
+                               bias=bias if fused_bias else None, out_dtype=out_dtype)
+        out = out[0] if isinstance(out, tuple) else out
+        return out + bias.to(out_dtype) if bias is not None and not fused_bias else out
+    out = ((a_q.float() / a[0]) @ (b_q.float() / b[0])).to(out_dtype)
+    return out + bias.to(out_dtype) if bias is not None else out
 
 
 class _Float8MatmulFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, layer: "Float8Linear") -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, layer: "Float8Linear") -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        sx = layer.scale_x.scale_for(x2)
-        sw = layer.scale_w.scale_for(weight)
-        xq, wq = cast_to_fp8(x2, sx, E4M3), cast_to_fp8(weight, sw, E4M3)  # (M, K), (N, K)
+        xq, sx, ix = _quantize(layer.scale_x, x2, E4M3)
+        wq, sw, iw = _quantize(layer.scale_w, weight, E4M3)  # (N, K)
         hw = layer._use_hw(x2.shape[0], x2.shape[1], weight.shape[0], x.device)
-        y = _mm(xq, sx, wq.t(), sw, x.dtype, hw)  # (M, N)
-        ctx.save_for_backward(xq, wq, sx, sw)
-        ctx.layer, ctx.hw, ctx.x_shape, ctx.dtypes = layer, hw, x.shape, (x.dtype, weight.dtype)
+        y = _mm(xq, (sx, ix), wq.t(), (sw, iw), x.dtype, hw, bias)  # (M, N)
+        ctx.save_for_backward(xq, wq, sx, ix, sw, iw)
+        ctx.layer, ctx.hw, ctx.x_shape = layer, hw, x.shape
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        xq, wq, sx, sw = ctx.saved_tensors
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
+        xq, wq, sx, ix, sw, iw = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
-        sg = ctx.layer.scale_g.scale_for(g2)
-        gq = cast_to_fp8(g2, sg, E5M2)
-        dx = dw = None
+        gq, sg, ig = _quantize(ctx.layer.scale_g, g2, E5M2)
+        dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = _mm(gq, sg, wq, sw, ctx.dtypes[0], ctx.hw).reshape(ctx.x_shape)  # (M, N) @ (N, K)
+            dx = _mm(gq, (sg, ig), wq, (sw, iw), ctx.dtypes[0], ctx.hw).reshape(ctx.x_shape)  # (M, N) @ (N, K)
         if ctx.needs_input_grad[1]:
-            dw = _mm(gq.t(), sg, xq, sx, ctx.dtypes[1], ctx.hw)  # (N, M) @ (M, K)
-        return dx, dw, None
+            dw = _mm(gq.t(), (sg, ig), xq, (sx, ix), ctx.dtypes[1], ctx.hw)  # (N, M) @ (M, K)
+        if ctx.needs_input_grad[2]:
+            db = g2.sum(0, dtype=torch.float32).to(ctx.dtypes[2])  # bias gradient in high precision
+        return dx, dw, db, None
 
 
 class Float8Linear(nn.Linear):
@@ -136,8 +159,7 @@ class Float8Linear(nn.Linear):
         return ok
 
     def forward(self, x: Tensor) -> Tensor:
-        y = _Float8MatmulFn.apply(x, self.weight, self)
-        return y + self.bias.to(y.dtype) if self.bias is not None else y
+        return _Float8MatmulFn.apply(x, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scaling={self.config.scaling}, backend={self.config.backend}"

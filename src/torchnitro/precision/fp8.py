@@ -110,11 +110,15 @@ class ScaleState:
             return self.history[(self.steps - 1) % self.history.numel()]
         return self.history.max()
 
+    def sync_device(self, device: torch.device) -> None:
+        """Keep the state on the device of the tensors it scales."""
+        if self.history.device != device:
+            self.history, self.scale = self.history.to(device), self.scale.to(device)
+
     @torch.no_grad()
     def scale_for(self, x: Tensor) -> Tensor:
         """Scale to cast ``x`` with now; records ``x``'s amax for the delayed recipe."""
-        if self.history.device != x.device:
-            self.history, self.scale = self.history.to(x.device), self.scale.to(x.device)
+        self.sync_device(x.device)
         amax = x.detach().abs().amax().float()
         if self.config.scaling == "dynamic":
             self.scale = amax_to_scale(amax, self.dtype, self.config.margin, self.scale)
