@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-
 import torch
 from torch import Tensor, nn
 
