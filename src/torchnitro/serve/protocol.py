@@ -131,19 +131,25 @@ def _to_tensor(spec: TensorSpec, obj: dict[str, Any], allow_nan: bool) -> Tensor
     if not isinstance(data, list):
         raise _bad(f"input {name!r}: 'data' must be a (flat or nested) JSON list, received "
                    f"{type(data).__name__}")
+    n = math.prod(shape)
     try:
         if spec.datatype in _NP:  # numpy reads a list of numbers ~3x faster than torch.tensor
             with np.errstate(over="ignore", invalid="ignore"):  # out-of-range -> inf: rejected below
                 arr = np.asarray(data, dtype=_NP[spec.datatype])
             if arr.dtype == object:
                 raise ValueError("ragged nested lists")
-            t = torch.from_numpy(arr)
         else:
             t = torch.tensor(data, dtype=spec.dtype)
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
         raise _bad(f"input {name!r}: 'data' could not be read as {spec.datatype}: {exc}; "
                    "send numbers only, in a list") from None
-    n = math.prod(shape)
+    if spec.datatype in _NP:  # checked in numpy: each torch op per request costs more than this check
+        if arr.size != n:
+            raise _bad(f"input {name!r}: 'data' has {arr.size} elements, shape {shape} needs {n}")
+        arr = arr.reshape(shape)
+        if arr.dtype.kind == "f" and not allow_nan and not np.isfinite(arr).all():
+            raise _bad(f"input {name!r}: contains NaN or infinity; this model expects finite values")
+        return torch.from_numpy(arr)
     if t.numel() != n:
         raise _bad(f"input {name!r}: 'data' has {t.numel()} elements, shape {shape} needs {n}")
     t = t.reshape(shape)

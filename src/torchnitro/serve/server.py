@@ -26,15 +26,15 @@ from typing import Any, AsyncIterator, Sequence
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 import torchnitro
-from torchnitro.errors import ConfigError, InputError, NitroError, ServeError
+from torchnitro.errors import ConfigError, ServeError
 from torchnitro.serve.batcher import BatchingConfig, DynamicBatcher
 from torchnitro.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
-from torchnitro.serve.protocol import encode_infer_response, parse_infer_request
+from torchnitro.serve.fastpath import InferPath
 
 __all__ = ["ServeConfig", "ModelEndpoint", "InferenceServer", "make_pool"]
 
@@ -115,15 +115,6 @@ def _error(msg: str, status: int, headers: dict[str, str] | None = None) -> Resp
     return _json({"error": msg}, status, headers)
 
 
-async def _cancel_on_disconnect(request: Request, batcher: DynamicBatcher, req: Any) -> None:
-    """Drop ``req`` from the batcher when the client goes away (never computed if still queued)."""
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            batcher.cancel(req)
-            return
-
-
 class _Uvicorn(uvicorn.Server):
     """uvicorn whose first SIGTERM/SIGINT drains the batchers before shutting down."""
 
@@ -147,12 +138,13 @@ class InferenceServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._uvicorn: _Uvicorn | None = None
         self._thread: threading.Thread | None = None
-        self.app = Starlette(routes=[
+        self.starlette = Starlette(routes=[
             Route("/v2", self.server_meta), Route("/v2/health/live", self.live),
             Route("/v2/health/ready", self.ready), Route("/v2/models/{name}", self.model_meta),
             Route("/v2/models/{name}/ready", self.model_ready),
             Route("/v2/models/{name}/infer", self.infer, methods=["POST"]), Route("/metrics", self.prom),
         ], lifespan=self._lifespan, exception_handlers={HTTPException: self._http_error})
+        self.app = InferPath(self, self.starlette)  # POST .../infer skips Starlette: the hot path
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
@@ -186,7 +178,8 @@ class InferenceServer:
 
     def _server(self) -> _Uvicorn:
         cfg = uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level=self.config.log_level,
-                             lifespan="on", access_log=False, timeout_graceful_shutdown=self.config.drain_timeout_s)
+                             lifespan="on", access_log=False,
+                             proxy_headers=False, server_header=False, timeout_graceful_shutdown=self.config.drain_timeout_s)
         self._uvicorn = _Uvicorn(cfg, self)
         return self._uvicorn
 
@@ -269,64 +262,7 @@ class InferenceServer:
     async def prom(self, request: Request) -> Response:
         return self._auth(request) or Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    async def _body(self, request: Request) -> bytes | Response:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return _error(f"request body is {declared} bytes, the limit is {limit}; split the batch or "
-                          "raise --max-body-bytes", 413)
-        chunks, size = [], 0
-        try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    return _error(f"request body exceeds the {limit}-byte limit; split the batch or raise "
-                                  "--max-body-bytes", 413)
-                chunks.append(chunk)
-        except ClientDisconnect:
-            return _error("client disconnected while sending the body", 499)
-        return b"".join(chunks)
-
     async def infer(self, request: Request) -> Response:
-        t0 = time.monotonic()
-        ep = self._auth(request) or self._endpoint(request)
-        if isinstance(ep, Response):
-            self.metrics.requests.labels("", str(ep.status_code)).inc()
-            return ep
-        resp = await self._infer(request, ep)
-        self.metrics.requests.labels(ep.name, str(resp.status_code)).inc()
-        if resp.status_code == 200:
-            self.metrics.latency.labels(ep.name).observe(time.monotonic() - t0)
-        return resp
-
-    async def _infer(self, request: Request, ep: ModelEndpoint) -> Response:
-        if self.draining or not ep.ready or ep.batcher is None:
-            return _error("the server is draining or not ready; retry on another replica", 503)
-        body = await self._body(request)
-        if isinstance(body, Response):
-            return body
-        try:
-            item = parse_infer_request(body, ep.signature)
-            req = ep.batcher.enqueue(item, priority=item.priority, timeout_ms=item.timeout_ms,
-                                     rows=item.rows, length=item.length)
-        except InputError as exc:
-            return _error(str(exc), 400)
-        except ServeError as exc:
-            hdr = {"Retry-After": str(self.config.retry_after_s)} if exc.status_code == 429 else None
-            return _error(str(exc), exc.status_code, hdr)
-        watch = asyncio.ensure_future(_cancel_on_disconnect(request, ep.batcher, req))
-        try:
-            outputs = await ep.batcher.wait(req)
-        except asyncio.CancelledError:
-            if watch.done() and not watch.cancelled():  # the client went away, not the server
-                return _error("client disconnected", 499)
-            raise
-        except ServeError as exc:
-            return _error(str(exc), exc.status_code)
-        except NitroError as exc:
-            return _error(str(exc), 400 if isinstance(exc, InputError) else 500)
-        except Exception as exc:  # noqa: BLE001 - one failing batch answers its requests with 500
-            return _error(f"the model failed on this batch: {type(exc).__name__}: {exc}", 500)
-        finally:
-            watch.cancel()
-        return Response(encode_infer_response(ep.signature, outputs, item.id), media_type="application/json")
+        # POST is answered by the raw ASGI path (InferPath) before Starlette sees it; this route
+        # exists so other methods on the infer URL get Starlette's 405
+        return _error("use POST for inference", 405)  # pragma: no cover - unreachable for POST

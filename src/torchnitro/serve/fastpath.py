@@ -1,0 +1,159 @@
+"""The inference route as a raw ASGI handler: the per-request hot path of the server.
+
+``POST /v2/models/{name}/infer`` is answered here, in front of Starlette: no routing table, no
+``Request``/``Response`` objects, no middleware stack. Each request costs one body read, one JSON
+parse into numpy-backed tensors, one enqueue into the batcher, one wait and one JSON write (orjson
+writes numpy arrays directly). Status codes and messages are the same as the Starlette routes':
+400 bad input, 401 token, 404 unknown model, 413 body too large, 429 queue full (``Retry-After``),
+499 client gone, 500 model failure, 503 draining, 504 deadline.
+
+A client that disconnects while its request waits has the request withdrawn from the batcher (it
+is never computed if still queued): a small watcher awaits the ASGI ``http.disconnect`` message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
+
+from torchnitro.errors import InputError, NitroError, ServeError
+from torchnitro.serve.protocol import encode_infer_response, parse_infer_request
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torchnitro.serve.server import InferenceServer
+
+__all__ = ["InferPath"]
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_PREFIX, _SUFFIX = "/v2/models/", "/infer"
+_JSON = (b"content-type", b"application/json")
+
+
+def _err(msg: str, status: int, headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, bytes, list]:
+    return status, json.dumps({"error": msg}).encode(), headers or []
+
+
+async def _watch_disconnect(receive: Receive, cancel: Callable[[], None]) -> None:
+    """Withdraw the request when the client goes away (uvicorn answers ``receive`` only then)."""
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            cancel()
+            return
+
+
+class InferPath:
+    """ASGI app: answers ``POST /v2/models/{name}/infer`` itself, passes everything else to ``app``."""
+
+    def __init__(self, server: "InferenceServer", app: Any):
+        self.server, self.app = server, app
+        cfg = server.config
+        self._token = f"Bearer {cfg.auth_token}".encode() if cfg.auth_token else None
+        self._limit = cfg.max_body_bytes
+        self._retry = [(b"retry-after", str(cfg.retry_after_s).encode())]
+        self._counters: dict[tuple[str, int], Any] = {}  # (model, status) -> prometheus child
+        self._latency: dict[str, Any] = {}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            path: str = scope["path"]
+            if path.startswith(_PREFIX) and path.endswith(_SUFFIX):
+                name = path[len(_PREFIX):-len(_SUFFIX)]
+                if name and "/" not in name:
+                    await self._infer(name, scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+    def _count(self, model: str, status: int) -> None:
+        c = self._counters.get((model, status))
+        if c is None:
+            c = self._counters[(model, status)] = self.server.metrics.requests.labels(model, str(status))
+        c.inc()
+
+    async def _infer(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
+        t0 = time.monotonic()
+        status, body, headers = await self._answer(name, scope, receive)
+        model = name if name in self.server.models and status != 401 else ""
+        self._count(model, status)
+        if status == 200:
+            h = self._latency.get(model)
+            if h is None:
+                h = self._latency[model] = self.server.metrics.latency.labels(model)
+            h.observe(time.monotonic() - t0)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [_JSON, (b"content-length", str(len(body)).encode()), *headers]})
+        await send({"type": "http.response.body", "body": body})
+
+    def _headers(self, scope: Scope) -> tuple[bytes | None, bytes | None]:
+        auth = length = None
+        for k, v in scope["headers"]:
+            if k == b"authorization":
+                auth = v
+            elif k == b"content-length":
+                length = v
+        return auth, length
+
+    async def _read_body(self, receive: Receive, declared: bytes | None) -> bytes | tuple[int, bytes, list]:
+        limit = self._limit
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return _err(f"request body is {declared.decode()} bytes, the limit is {limit}; split the batch "
+                        "or raise --max-body-bytes", 413)
+        chunks, size = [], 0
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return _err("client disconnected while sending the body", 499)
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return _err(f"request body exceeds the {limit}-byte limit; split the batch or raise "
+                            "--max-body-bytes", 413)
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _answer(self, name: str, scope: Scope, receive: Receive) -> tuple[int, bytes, list]:
+        srv = self.server
+        auth, declared = self._headers(scope)
+        if self._token is not None and not hmac.compare_digest(auth or b"", self._token):
+            return _err("missing or wrong bearer token; send 'Authorization: Bearer <token>'", 401,
+                        [(b"www-authenticate", b"Bearer")])
+        ep = srv.models.get(name)
+        if ep is None:
+            return _err(f"unknown model {name!r}; this server serves {sorted(srv.models)}", 404)
+        batcher = ep.batcher
+        if srv.draining or not ep.ready or batcher is None:
+            return _err("the server is draining or not ready; retry on another replica", 503)
+        body = await self._read_body(receive, declared)
+        if isinstance(body, tuple):
+            return body
+        try:
+            item = parse_infer_request(body, ep.signature)
+            req = batcher.enqueue(item, priority=item.priority, timeout_ms=item.timeout_ms,
+                                  rows=item.rows, length=item.length)
+        except InputError as exc:
+            return _err(str(exc), 400)
+        except ServeError as exc:
+            return _err(str(exc), exc.status_code, self._retry if exc.status_code == 429 else None)
+        watch = asyncio.ensure_future(_watch_disconnect(receive, lambda: batcher.cancel(req)))
+        try:
+            outputs = await batcher.wait(req)
+        except asyncio.CancelledError:
+            if watch.done() and not watch.cancelled():  # the client went away, not the server
+                return _err("client disconnected", 499)
+            raise
+        except ServeError as exc:
+            return _err(str(exc), exc.status_code)
+        except NitroError as exc:
+            return _err(str(exc), 400 if isinstance(exc, InputError) else 500)
+        except Exception as exc:  # noqa: BLE001 - one failing batch answers its requests with 500
+            return _err(f"the model failed on this batch: {type(exc).__name__}: {exc}", 500)
+        finally:
+            watch.cancel()
+        return 200, encode_infer_response(ep.signature, outputs, item.id), []
