@@ -45,6 +45,18 @@ def test_unpadded_bert_matches_eager(tiny_bert, shape):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)  # fp32: same math, reassociated
 
 
+def test_unpadded_bert_dense_batch_and_ffn_row_blocks_match_eager(tiny_bert):
+    fast = UnpaddedBert(tiny_bert).eval()
+    for layer in fast.layers:
+        layer.ffn_rows = 7  # several row blocks and a ragged last one
+    g = torch.Generator().manual_seed(5)
+    dense = (torch.randint(1, 1024, (3, 19), generator=g), torch.ones(3, 19, dtype=torch.long))  # no padding
+    ragged = _ragged(4, 23, seed=6)
+    with torch.inference_mode():
+        for x in (dense, ragged):
+            torch.testing.assert_close(fast(*x), tiny_bert(*x), rtol=1e-4, atol=1e-5)
+
+
 def test_unpadded_bert_is_not_fooled_by_pad_token_values(tiny_bert):
     fast = UnpaddedBert(tiny_bert).eval()
     ids, mask = _ragged(3, 16, seed=4)

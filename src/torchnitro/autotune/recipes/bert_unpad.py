@@ -62,16 +62,31 @@ class _Layer(nn.Module):
     def _residual(y: Tensor, x: Tensor, scale: Tensor | None) -> Tensor:
         return x + y if scale is None else torch.addcmul(y, x, scale)
 
-    def forward(self, x: Tensor, idx: Tensor, key_mask: Tensor, padded: Tensor) -> Tensor:
+    ffn_rows = 1024  # FFN row block: its (rows, 4D) GELU temporary stays in cache instead of a (N, 4D) round trip
+
+    def _ffn(self, x: Tensor) -> Tensor:
+        if x.shape[0] <= self.ffn_rows:
+            return self.ffn_out(F.gelu(self.ffn_in(x)))  # the GELU output is a temporary an int8 ffn_out may smooth in place
+        out = x.new_empty(x.shape)  # (N, D)
+        for xs, ys in zip(x.split(self.ffn_rows), out.split(self.ffn_rows)):  # rows are independent in the FFN
+            ys.copy_(self.ffn_out(F.gelu(self.ffn_in(xs))))  # (rows, 4D) in cache
+        return out
+
+    def forward(self, x: Tensor, idx: Tensor | None, key_mask: Tensor, padded: Tensor | None) -> Tensor:
         d = x.shape[1]  # x: (N, D) real tokens
         b, t = key_mask.shape[0], key_mask.shape[-1]
-        padded[idx] = self.qkv(x)  # (B*T, 3D); pad rows stay zero (finite keys, masked out)
-        q, k, v = padded.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)  # (B, H, T, Dh)
-        ctx = ctx.transpose(1, 2).reshape(b * t, d)[idx]  # (N, D)
+        if idx is None:  # no padding anywhere: (N, 3D) is already (B*T, 3D) and nothing is masked
+            qkv = self.qkv(x)
+        else:
+            padded[idx] = qkv = self.qkv(x)  # (B*T, 3D); pad rows stay zero (finite keys, masked out)
+            qkv = padded
+        q, k, v = qkv.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
+        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=None if idx is None else key_mask)  # (B, H, T, Dh)
+        ctx = ctx.transpose(1, 2).reshape(b * t, d)  # (B*T, D)
+        if idx is not None:
+            ctx = ctx[idx]  # (N, D)
         x = self.ln1(self._residual(self.out(ctx), x, self.res_in))
-        h = F.gelu(self.ffn_in(x))  # (N, 4D), a temporary: an int8 ffn_out may smooth it in place
-        return self.ln2(self._residual(self.ffn_out(h), x, self.res_mid))
+        return self.ln2(self._residual(self._ffn(x), x, self.res_mid))
 
 
 class UnpaddedBert(nn.Module):
@@ -96,12 +111,17 @@ class UnpaddedBert(nn.Module):
         x = self.word(input_ids.reshape(-1)[idx]) + self.pos(pos) + self.tok_type.weight[0]  # (N, D)
         x = self.ln_emb(x)
         key_mask = (attention_mask != 0).view(b, 1, 1, t)  # (B, 1, 1, T) True = attend
-        padded = x.new_zeros(b * t, 3 * x.shape[1])  # one zeroed buffer shared by every layer
+        dense = idx.numel() == b * t  # no padding: skip the scatter/gather and the attention mask
+        idx_or_none = None if dense else idx
+        padded = None if dense else x.new_zeros(b * t, 3 * x.shape[1])  # one zeroed buffer shared by every layer
         for layer in self.layers:
-            x = layer(x, idx, key_mask, padded)
+            x = layer(x, idx_or_none, key_mask, padded)
         x = x.float()  # pool in fp32 whatever the compute dtype
-        full = x.new_zeros(b * t, x.shape[1])
-        full[idx] = x  # back to (B*T, D) with zero padding: a dense sum beats index_add_ on CPU
+        if dense:
+            full = x  # (B*T, D) already
+        else:
+            full = x.new_zeros(b * t, x.shape[1])
+            full[idx] = x  # back to (B*T, D) with zero padding: a dense sum beats index_add_ on CPU
         summed = full.view(b, t, -1).sum(1)  # (B, D)
         count = attention_mask.sum(1, keepdim=True).to(x.dtype).clamp(min=1e-9)  # (B, 1)
         emb = summed / count
