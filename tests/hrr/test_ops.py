@@ -81,6 +81,26 @@ def test_inverse_is_involution_and_exact_inverse_is_exact():
     assert abs(e[0].item() - 1.0) < 1e-9 and e[1:].abs().max().item() < 1e-9
 
 
+def _unbind_oracle(c: np.ndarray, a: np.ndarray, method: str) -> np.ndarray:
+    C, A = np.fft.fft(c), np.fft.fft(a)
+    inv = {"involution": np.conj(A), "exact": np.conj(A) / np.abs(A) ** 2, "projected": np.conj(A) / np.abs(A)}[method]
+    return np.fft.ifft(C * inv).real
+
+
+@pytest.mark.parametrize("method", ["involution", "exact", "projected"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shapes", [((3, 16), (3, 16)), ((4, 2, 15), (15,)), ((15,), (4, 15))])
+def test_unbind_matches_fourier_oracle_and_leaves_inputs_alone(method, dtype, shapes):
+    c = h.random(shapes[0][:-1], shapes[0][-1], generator=_gen(30), dtype=dtype)
+    a = h.random(shapes[1][:-1], shapes[1][-1], generator=_gen(31), dtype=dtype)
+    c0, a0 = c.clone(), a.clone()
+    out = h.unbind(c, a, method)
+    ref = _unbind_oracle(*np.broadcast_arrays(c.double().numpy(), a.double().numpy()), method)
+    assert out.dtype == dtype and out.shape == ref.shape
+    np.testing.assert_allclose(out.double().numpy(), ref, atol=TOL[dtype] * 50)
+    assert torch.equal(c, c0) and torch.equal(a, a0)
+
+
 @pytest.mark.parametrize("d", [64, 63])
 def test_unitary_vectors_preserve_norm_and_invert_exactly(d):
     u = h.unitary(4, d, generator=_gen(6), dtype=torch.float64)
