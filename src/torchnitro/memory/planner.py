@@ -2,18 +2,27 @@
 
 The estimate adds up what the step keeps alive, term by term, and takes the worst moment of the
 step. Notation: B batch, T sequence, D width, H heads, Hkv K/V heads, Dh head dim, F SwiGLU
-hidden size, V vocab, L layers, e bytes per element of the model dtype.
+hidden size, V vocab, L layers, e bytes per element of the model dtype, c bytes of what the
+matmuls produce (e, or the autocast dtype).
 
 Saved for backward, per layer (each line is what autograd holds, read from the ops that run):
 
-- 2 RMSNorms: the fp32 input (the residual stream itself when e = 4), rsqrt (4BT), the fp32
-  normalised x and the e-byte output: ``(8 + e)BTD + 4BT`` each; a third one after the last block;
-- attention: q and k after RoPE, v, the SDPA output and the transposed copy fed to ``wo``:
-  ``e(3BTD + 2BT*Hkv*Dh)``, plus SDPA's fp32 log-sum-exp ``4BHT`` (flash kernels); the CPU math
-  kernel instead keeps fp32 copies of scaled q, k^T and v (expanded to H heads), the fp32 softmax
-  ``4BHT^2`` and the e-byte output copy;
-- SwiGLU: w1 and w3 outputs, silu(w1) and their product: ``4e*BTF``;
+- 2 RMSNorms: on CPU the decomposed norm keeps the fp32 input (the residual stream itself when
+  e = 4), rsqrt (4BT), the fp32 normalised x and the e-byte output: ``(8 + e)BTD + 4BT`` each; on
+  CUDA the fused kernel keeps only its input and rstd, plus the output the next matmul saves:
+  ``2eBTD + 4BT``; a third norm after the last block;
+- attention, by the SDPA backend that runs (``attention=``; "auto" asks PyTorch what it would
+  pick for this device, dtype, head dim and GQA): q and k after RoPE and v, ``c(BTD + 2BT*Hkv*Dh)``,
+  plus the kernel's output and fp32 log-sum-exp ``4BHT``; the output is ``cBTD``, and the input of
+  ``wo`` is a second ``cBTD`` copy when the kernel returns (B, H, T, Dh) memory (CPU flash, cuDNN),
+  a free view when it returns (B, T, H, Dh) memory (CUDA flash, memory-efficient; the latter pads
+  the log-sum-exp to 32 rows). The math backend instead keeps scaled q, k^T and v expanded to H
+  heads, the softmax ``BHT^2`` and the output copy (fp32 on CPU; c-byte on CUDA);
+- SwiGLU: w1 and w3 outputs, silu(w1) and their product: ``4c*BTF``;
 - loss: the fp32 log-softmax of the logits ``4BTV``.
+
+With ``checkpointing="selective"`` a block keeps its input, the q/k/v and w1/w3 matmul outputs
+and the attention kernel's outputs (``checkpoint_``'s default policy recomputes wo and w2).
 
 Peaks checked (steady state: optimizer state exists, gradients were set to None):
 
@@ -24,7 +33,8 @@ Peaks checked (steady state: optimizer state exists, gradients were set to None)
   per-tensor loop, 1x all params for ``foreach``).
 
 ``plan(...).table()`` prints every term with its formula; tests hold it within 10% of the
-``tracker``'s exact measurement over a grid of configs.
+``tracker``'s exact measurement over a grid of configs (on CPU; the CUDA terms were read from the
+saved tensors of torch 2.11 on an H100/H200 and are checked there by ``benchmarks/memory.py``).
 """
 
 from __future__ import annotations
@@ -35,11 +45,14 @@ from typing import Any
 
 from torchnitro.errors import InputError
 
-__all__ = ["Budget", "checkpoint_indices", "MemoryPlan", "PlanTerm", "plan", "parse_dtype", "DTYPE_BYTES", "CHECKPOINT_POLICIES"]
+__all__ = ["Budget", "checkpoint_indices", "MemoryPlan", "PlanTerm", "plan", "parse_dtype", "DTYPE_BYTES",
+           "CHECKPOINT_POLICIES", "ATTENTION_KINDS", "sdpa_backend", "attention_bytes"]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 _OPTIMIZER_STATE = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
 CHECKPOINT_POLICIES = ("none", "blocks", "every_n", "selective", "budget")
+ATTENTION_KINDS = ("auto", "flash", "efficient", "cudnn", "math")
+_SDP_CHOICE = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}  # torch.nn.attention.SDPBackend values
 
 
 @dataclass(frozen=True)
@@ -167,9 +180,67 @@ def checkpoint_indices(kind: str, n_layers: int, every: int = 1, count: int = 0)
     return []
 
 
+def _device(device: Any) -> str:
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind = str(device).split(":")[0]
+    if kind not in ("cpu", "cuda"):
+        raise InputError(f"device: received {device!r}, expected 'cpu' or 'cuda' (or None for the current default)")
+    return kind
+
+
+def sdpa_backend(device: str, dtype_bytes: int, *, n_heads: int, kv_heads: int, head_dim: int, seq: int) -> str:
+    """The SDPA backend ``TransformerLM``'s causal attention would run: flash/efficient/cudnn/math.
+
+    Asks PyTorch (``torch._fused_sdp_choice`` on small empty tensors, honouring ``sdpa_kernel``
+    contexts and the ``torch.backends.cuda.*_sdp_enabled()`` switches) when the device is present.
+    Planning for CUDA on a machine without one uses the order seen with torch 2.11 on Hopper:
+    16-bit: cuDNN (Dh <= 128, Dh % 8 == 0), else flash (Dh <= 256); fp32 or what is left:
+    memory-efficient for plain multi-head attention, math for GQA.
+    """
+    import torch
+
+    gqa = n_heads != kv_heads
+    dt = {4: torch.float32, 2: torch.bfloat16}[dtype_bytes]
+    if device == "cpu" or torch.cuda.is_available():
+        try:
+            q = torch.empty(1, n_heads, seq, head_dim, dtype=dt, device=device)
+            k = torch.empty(1, kv_heads, seq, head_dim, dtype=dt, device=device)
+            choice = torch._fused_sdp_choice(q, k, k, None, 0.0, True, scale=None, enable_gqa=gqa)
+            return _SDP_CHOICE.get(int(choice), "math")
+        except (RuntimeError, TypeError, AttributeError):  # private API moved: use the rules below
+            pass
+    if device == "cpu":
+        return "flash" if torch.backends.cpu.flash_sdp_enabled() else "math"
+    b = torch.backends.cuda
+    if dtype_bytes == 2 and head_dim % 8 == 0:
+        if b.cudnn_sdp_enabled() and head_dim <= 128:
+            return "cudnn"
+        if b.flash_sdp_enabled() and head_dim <= 256:
+            return "flash"
+    if b.mem_efficient_sdp_enabled() and not gqa and head_dim % (4 if dtype_bytes == 4 else 8) == 0:
+        return "efficient"
+    return "math"
+
+
+def attention_bytes(kind: str, device: str, *, B: int, T: int, H: int, Hkv: int, Dh: int, c: int) -> tuple[int, str]:
+    """Bytes one attention layer saves for backward with SDPA backend ``kind``, and the formula."""
+    q, kv = B * T * H * Dh, B * T * Hkv * Dh  # q-sized (= BTD) and k/v-sized element counts
+    if kind == "math":
+        if device == "cpu":  # fp32 scaled q, k^T and v expanded to H heads, fp32 softmax, output copy
+            return 4 * 3 * q + 4 * B * H * T * T + c * q, "12BTD + 4BHT^2 + cBTD (CPU math)"
+        return c * (4 * q + B * H * T * T), "c(4BTD + BHT^2) (CUDA math: scaled q, k^T, v, softmax, copy)"
+    lse_rows = 32 * math.ceil(T / 32) if kind == "efficient" else T
+    copy = kind == "cudnn" or device == "cpu"  # output in (B, H, T, Dh) memory: wo's input is a copy
+    b = c * ((3 if copy else 2) * q + 2 * kv) + 4 * B * H * lse_rows
+    return b, f"c({'3' if copy else '2'}BTD + 2BT*Hkv*Dh) + 4BH*{'ceil32(T)' if kind == 'efficient' else 'T'} ({kind})"
+
+
 def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimizer: str = "adamw",
-         checkpointing: Any = "none", attention: str = "flash", foreach: bool = False,
-         amp: str | None = None) -> MemoryPlan:
+         checkpointing: Any = "none", attention: str = "auto", foreach: bool = False,
+         amp: str | None = None, device: Any = None) -> MemoryPlan:
     """Estimate a training step's memory for a ``TransformerConfig`` (or a dict of its fields).
 
     ``amp="bf16"``/``"fp16"`` models ``torch.autocast`` over fp32 parameters (what ``TrainStep``
@@ -177,8 +248,9 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
     norms and the residual stream stay fp32; autocast's weight-cast cache lives until it exits.
 
     ``foreach`` selects the optimizer's multi-tensor path (CUDA's default); the CPU default is the
-    per-tensor loop. ``attention`` is 'flash' (flash/efficient SDPA kernels: CPU and CUDA default)
-    or 'math' (materialised softmax).
+    per-tensor loop. ``device`` ('cpu', 'cuda'; None: CUDA when present) picks the norm and
+    attention kernels. ``attention`` names the SDPA backend ('flash', 'efficient', 'cudnn',
+    'math'); 'auto' is the one PyTorch would run (``sdpa_backend``).
     """
     s = _shape(model_config)
     for name, v in (("batch", batch), ("seq", seq)):
@@ -188,8 +260,9 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
         raise InputError(f"seq: received {seq}, expected <= max_seq_len={s['S']}; raise max_seq_len in the config")
     if optimizer not in _OPTIMIZER_STATE:
         raise InputError(f"optimizer: received {optimizer!r}, expected one of {sorted(_OPTIMIZER_STATE)}")
-    if attention not in ("flash", "math"):
-        raise InputError(f"attention: received {attention!r}, expected 'flash' or 'math'")
+    if attention not in ATTENTION_KINDS:
+        raise InputError(f"attention: received {attention!r}, expected one of {ATTENTION_KINDS}")
+    dev = _device(device)
     e = parse_dtype(dtype)
     B, T = batch, seq
     V, D, L, H, Hkv, Dh, F = (s[k] for k in ("V", "D", "L", "H", "Hkv", "Dh", "F"))
@@ -210,20 +283,22 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
             raise InputError(f"amp={amp!r} with dtype={dtype!r}: expected fp32 parameters (dtype='fp32') and a "
                              "16-bit autocast dtype ('bf16' or 'fp16')")
     c = parse_dtype(amp) if amp is not None else e  # bytes of what the matmuls produce
-    norm = (8 + e) * BT * D + 4 * BT
-    if attention == "flash":
-        attn = c * (3 * BT * D + 2 * BT * Hkv * Dh) + 4 * B * H * T
-    else:
-        # CPU math kernel: fp32 scaled q, k^T and v expanded to H heads, fp32 softmax, output copy
-        attn = 4 * 3 * BT * H * Dh + 4 * B * H * T * T + c * BT * D
+    fused_norm = dev == "cuda" and amp is None  # CUDA: one fused rms_norm kernel saves input + rstd
+    norm = (2 * e if fused_norm else 8 + e) * BT * D + 4 * BT
+    kind_attn = attention if attention != "auto" else sdpa_backend(dev, c, n_heads=H, kv_heads=Hkv, head_dim=Dh, seq=T)
+    attn, attn_formula = attention_bytes(kind_attn, dev, B=B, T=T, H=H, Hkv=Hkv, Dh=Dh, c=c)
     mlp = 4 * c * BT * F
     if amp is None:
         layer = 2 * norm + attn + mlp
     else:  # fp32 x and x*rsqrt per norm; one input cast per Linear (3 attn + 2 mlp); weight casts
         amp_norms = 2 * (8 * BT * D + 4 * BT) + 5 * c * BT * D
         layer = amp_norms + attn + mlp + c * (per_layer_params - 2 * D) + 4 * T * (Dh // 2) * c
-    # selective keeps matmul and attention outputs: block input, q/k/v/wo/w2 projections, w1/w3, SDPA out
-    sel_layer = e * BT * D + c * (2 * BT * D + 2 * BT * Hkv * Dh + BT * D + 2 * BT * F + BT * D) + 4 * B * H * T
+    # selective keeps: block input, q/k/v and w1/w3 matmul outputs, the attention kernel's outputs
+    if kind_attn == "math":  # the two bmm outputs: scores (B, H, T, T) and (B, H, T, Dh); fp32 on CPU
+        sel_attn = (4 if dev == "cpu" else c) * (B * H * T * T + BT * D)
+    else:
+        sel_attn = c * BT * D + 4 * B * H * (32 * math.ceil(T / 32) if kind_attn == "efficient" else T)
+    sel_layer = e * BT * D + c * (BT * D + 2 * BT * Hkv * Dh + 2 * BT * F) + sel_attn
     head = norm + 4 * BT * V  # final norm + fp32 log-softmax kept by cross-entropy
     if amp is not None:  # fp32 norm + lm_head input cast + lm_head weight cast
         head = 8 * BT * D + 4 * BT + c * BT * D + c * V * D + 4 * BT * V
@@ -257,7 +332,9 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
         PlanTerm("buffers", buffers, "RoPE cos/sin: 2 x max_seq x Dh/2 x e", "parameters"),
         PlanTerm("gradients", P, "one per parameter, model dtype", "gradients"),
         PlanTerm("optimizer_state", state, f"{optimizer}: {k_state} x params", "optimizer_state"),
-        PlanTerm("activations/layer", layer, "2[(8+e)BTD+4BT] + attn + 4eBTF", "per-layer"),
+        PlanTerm("activations/layer", layer, f"2[{'2e' if fused_norm else '(8+e)'}BTD+4BT] + attn + 4cBTF",
+                 "per-layer"),
+        PlanTerm("activations/attention", attn, attn_formula, "per-layer"),
         PlanTerm("activations/layers", stored, f"{L - n_ck} full + {n_ck} checkpointed ({kind})", "activations"),
         PlanTerm("activations/head", head, "final norm + 4BTV log-softmax", "activations"),
         PlanTerm("recompute", recompute, "one checkpointed group re-run in backward", "temporaries"),
@@ -277,5 +354,5 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
     if optimizer == "none":
         phases.pop("optimizer")
     inputs = dict(batch=B, seq=T, dtype=str(dtype), amp=amp, optimizer=optimizer, checkpointing=kind,
-                  checkpointed_layers=n_ck, attention=attention, foreach=foreach)
+                  checkpointed_layers=n_ck, attention=kind_attn, foreach=foreach, device=dev)
     return MemoryPlan(terms, phases, inputs)
