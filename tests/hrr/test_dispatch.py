@@ -72,6 +72,58 @@ def test_corrupt_cache_is_remeasured(tmp_path, monkeypatch):
     assert calibrate(8, accelerator="cpu") == first
 
 
+def test_cleanup_has_its_own_cached_calibration_per_size_bucket(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_CACHE_DIR", str(tmp_path))
+    seen = []
+    real = dispatch._measure_cleanup_crossover
+
+    def spy(d, n, batches, accel):
+        seen.append(n)
+        return real(d, n, batches, accel)
+
+    monkeypatch.setattr(dispatch, "_measure_cleanup_crossover", spy)
+    monkeypatch.setattr(dispatch, "_measure_crossover", lambda *a: pytest.fail("cleanup must not time bind"))
+    cal = calibrate(32, op="cleanup", n_items=1500, accelerator="cpu", batches=(1, 8))
+    assert cal.op == "cleanup" and cal.n_items == 2048 and seen == [2048]
+    assert set(cal.timings) <= {"1", "8"} and all(t["cpu_s"] > 0 for t in cal.timings.values())
+    assert calibrate(32, op="cleanup", n_items=2000, accelerator="cpu", batches=(1, 8)) == cal  # same bucket: cached
+    calibrate(32, op="cleanup", n_items=5000, accelerator="cpu", batches=(1, 8))  # another bucket: measured
+    assert seen == [2048, 8192]
+    names = sorted(f.name for f in tmp_path.glob("*.json"))
+    assert len(names) == 2 and all("-cleanup-d32-n" in n for n in names)
+
+
+def test_cleanup_measurement_stops_once_the_accelerator_keeps_winning(monkeypatch):
+    calls = iter([(2.0, 1.0), (3.0, 1.0), (9.0, 9.0)])  # (cpu, accel) medians per batch
+    from torchnitro.bench import timing
+
+    def fake_compare(fns, cfg):
+        cpu, acc = next(calls)
+        return {"cpu": timing.Timing([cpu]), "accel": timing.Timing([acc])}
+
+    monkeypatch.setattr("torchnitro.bench.compare", fake_compare)
+    out = dispatch._measure_cleanup_crossover(16, 64, (1, 4, 16), torch.device("cpu"))
+    assert list(out) == ["1", "4"]  # two wins in a row: the batch of 16 is not measured
+
+
+def test_dispatcher_thresholds_follow_op_and_codebook_size(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_CACHE_DIR", str(tmp_path))
+    fake = {"bind": {"1": {"cpu_s": 2, "accel_s": 1}},
+            1024: {"1": {"cpu_s": 1, "accel_s": 2}, "64": {"cpu_s": 2, "accel_s": 1}},
+            4096: {"1": {"cpu_s": 1, "accel_s": 2}, "16": {"cpu_s": 2, "accel_s": 1}}}
+    monkeypatch.setattr(dispatch, "_measure_crossover", lambda d, b, a: fake["bind"])
+    monkeypatch.setattr(dispatch, "_measure_cleanup_crossover", lambda d, n, b, a: fake[n])
+    assert Dispatcher("auto", accelerator="cpu", d=8).threshold == 1
+    disp = Dispatcher("auto", accelerator="cpu", d=8, op="cleanup", n_items=1000)
+    assert disp.threshold == 64 and not disp.uses_accelerator(16)
+    disp.n_items = 3000  # the codebook grew into the next bucket
+    assert disp.threshold == 16 and disp.uses_accelerator(16)
+    with pytest.raises(InputError, match="op='gemm'"):
+        Dispatcher("auto", op="gemm")
+    with pytest.raises(InputError, match="n_items=None"):
+        calibrate(8, op="cleanup", accelerator="cpu")
+
+
 def test_is_device_failure():
     assert is_device_failure(torch.OutOfMemoryError("CUDA out of memory"))
     assert is_device_failure(RuntimeError("CUDA error: an illegal memory access"))

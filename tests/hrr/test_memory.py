@@ -77,7 +77,7 @@ def test_add_remove_and_lookup():
     torch.testing.assert_close(mem["b"], extra[1])
     assert mem.cleanup(extra[2])[0] == "c"
     mem.remove(["x0", "b"])
-    assert len(mem) == 11 and "b" not in mem and mem.labels[0] == "x1"
+    assert len(mem) == 11 and "b" not in mem and sorted(mem.labels) == sorted([f"x{i}" for i in range(1, 10)] + ["a", "c"])
     assert mem.cleanup(extra[2])[0] == "c" and mem.cleanup(book[5])[0] == "x5"
     with pytest.raises(InputError, match="already exist"):
         mem.add(["c"], extra[:1])
@@ -86,6 +86,95 @@ def test_add_remove_and_lookup():
     assert "x1" in mem  # nothing removed when one label is unknown
     with pytest.raises(ShapeError, match="dimension 8"):
         mem.add(["z"], torch.zeros(1, 8))
+
+
+def _check_against_rebuilt(mem: ItemMemory, items: dict[str, torch.Tensor]) -> None:
+    """The edited memory answers like one built from scratch from the same items."""
+    assert len(mem) == len(items) and set(mem.labels) == set(items)
+    for lab, vec in items.items():
+        torch.testing.assert_close(mem[lab], vec, atol=1e-6, rtol=1e-6)
+    labs = sorted(items)
+    fresh = ItemMemory(torch.stack([items[lab] for lab in labs]), labs, device="cpu")
+    q = h.random(9, 32, generator=torch.Generator().manual_seed(11))
+    got, want = mem.cleanup(q, k=3), fresh.cleanup(q, k=3)
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("keep_order", [False, True])
+def test_random_add_remove_sequence_matches_rebuilt_memory(keep_order):
+    g = torch.Generator().manual_seed(12)
+    book = _book(20, 32)
+    items = {f"i{j}": book[j] for j in range(20)}
+    mem = ItemMemory(book, list(items), device="cpu")
+    fresh_id = 20
+    for step in range(40):
+        if step % 3 == 2 and len(items) > 5:
+            pick = torch.randperm(len(items), generator=g)[: int(torch.randint(1, 5, (1,), generator=g))]
+            gone = [sorted(items)[i] for i in pick.tolist()]
+            before = [lab for lab in mem.labels if lab not in gone]
+            mem.remove(gone, keep_order=keep_order)
+            for lab in gone:
+                del items[lab]
+            if keep_order:
+                assert mem.labels == before
+        else:
+            m = int(torch.randint(1, 7, (1,), generator=g))
+            new = h.random(m, 32, generator=g) * 2.0
+            labs = [f"i{fresh_id + j}" for j in range(m)]
+            fresh_id += m
+            mem.add(labs, new)
+            items.update(zip(labs, new))
+        assert mem.vectors.shape == (len(items), 32)
+    _check_against_rebuilt(mem, items)
+
+
+def test_add_grows_capacity_geometrically():
+    mem = ItemMemory(_book(4, 32), device="cpu")
+    g = torch.Generator().manual_seed(13)
+    buffers = set()
+    for j in range(600):
+        mem.add([f"n{j}"], h.random(1, 32, generator=g))
+        buffers.add(mem._ubuf.data_ptr())
+        assert mem.capacity >= len(mem)
+    assert len(mem) == 604 and len(buffers) <= 8  # 16, 32, ..., 1024: a handful of copies, not 600
+    assert mem.capacity < 2 * 604 + 16
+
+
+def test_remove_moves_only_as_many_rows_as_removed():
+    book = _book(1000, 32)
+    mem = ItemMemory(book, [f"r{i}" for i in range(1000)], device="cpu")
+    mem.add(["extra"], book[:1])  # now an owned buffer with spare capacity
+    before = mem._ubuf.clone()
+    mem.remove(["r3", "r500"])
+    changed = (mem._ubuf[: len(mem)] != before[: len(mem)]).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [3, 500]  # the two holes, filled from the tail; no other row was written
+    assert mem.labels[3] in ("extra", "r999") and mem.labels[500] in ("extra", "r999")
+    torch.testing.assert_close(mem["r999"], book[999])
+    torch.testing.assert_close(mem["extra"], book[0])
+    mem.remove([f"r{i}" for i in range(1000) if i not in (3, 500)])
+    assert len(mem) == 1 and mem.capacity <= 64  # memory given back when mostly empty
+
+
+def test_edits_of_a_memory_mapped_store_leave_the_files_intact(tmp_path):
+    book = _book(50, 32)
+    labs = [f"m{i}" for i in range(50)]
+    ItemMemory(book, labs, device="cpu").save(tmp_path / "s")
+    mem = ItemMemory.load(tmp_path / "s", device="cpu", mmap=True)
+    mem.remove(["m0", "m7"])
+    mem.add(["new"], book[:1] * 5)
+    again = ItemMemory.load(tmp_path / "s", device="cpu")  # checksums still verify: files untouched
+    assert again.labels == labs
+    torch.testing.assert_close(again.vectors, book, atol=1e-6, rtol=1e-6)
+    items = {lab: book[i] for i, lab in enumerate(labs) if lab not in ("m0", "m7")} | {"new": book[0] * 5}
+    _check_against_rebuilt(mem, items)
+
+
+def test_cleanup_memory_uses_its_own_calibration():
+    mem = ItemMemory(_book(3000, 32), device="auto")
+    assert mem.dispatcher.op == "cleanup" and mem.dispatcher.n_items == 3000
+    mem.remove(["0", "1"])
+    assert mem.dispatcher.n_items == 2998
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,11 @@ accelerator memory (or, with ``load(..., mmap=True)``, in RAM) is streamed throu
 
 Ranking uses dot products with unit items; dividing by the query norm (a positive per-row constant)
 does not change the order, so it is applied only to the k winners.
+
+Editing is cheap: rows live in a buffer with spare capacity that doubles when full, so ``add`` copies
+only the new rows (amortised O(added)); ``remove`` fills each hole with one of the last rows, so it
+moves O(removed) rows (item order is not kept; ``remove(..., keep_order=True)`` keeps it and moves
+every row after the first hole instead).
 """
 
 from __future__ import annotations
@@ -98,13 +103,43 @@ class ItemMemory:
         labels = [str(i) for i in range(cb.shape[0])] if labels is None else list(labels)
         self._check_labels(labels, cb.shape[0])
         self.chunk_size = _check_chunk(chunk_size)
-        self.dispatcher = dispatcher or Dispatcher(device, d=cb.shape[1])
+        self.dispatcher = dispatcher or Dispatcher(device, d=cb.shape[1], op="cleanup", n_items=cb.shape[0])
         norms = torch.linalg.vector_norm(cb, dim=1)
-        self._unit = (cb / norms.clamp_min(1e-30).unsqueeze(1)).cpu()  # (N, d) unit rows
-        self._norms = norms.cpu()  # (N,)
+        self._set_rows((cb / norms.clamp_min(1e-30).unsqueeze(1)).cpu(), norms.cpu(), owned=True)  # (N, d), (N,)
         self._labels = labels
         self._index = {lab: i for i, lab in enumerate(labels)}
         self._resident: dict[torch.device, torch.Tensor] = {}
+
+    def _set_rows(self, unit: torch.Tensor, norms: torch.Tensor, *, owned: bool) -> None:
+        """Adopt (N, d) unit rows and (N,) norms as the buffers; ``owned=False`` (e.g. memory-mapped
+        from a store) means the first edit copies them instead of writing into them."""
+        self._ubuf, self._nbuf, self._n, self._owned = unit, norms, unit.shape[0], owned
+
+    @property
+    def _unit(self) -> torch.Tensor:
+        return self._ubuf[: self._n]  # (N, d) contiguous view of the first N rows
+
+    @property
+    def _norms(self) -> torch.Tensor:
+        return self._nbuf[: self._n]
+
+    @property
+    def capacity(self) -> int:
+        """Rows the buffer holds before the next ``add`` has to grow it."""
+        return self._ubuf.shape[0]
+
+    def _reserve(self, rows: int) -> None:
+        """Own buffers with room for ``rows`` rows: double when full, halve-ish when under a quarter used."""
+        cap = self.capacity
+        if self._owned and rows <= cap and (cap <= 64 or rows >= cap // 4):
+            return
+        cap = max(rows, 2 * cap) if self._owned and rows > cap else max(16, 2 * rows)
+        ubuf = torch.empty((cap, self.d), dtype=self.dtype)
+        nbuf = torch.empty((cap,), dtype=self._nbuf.dtype)
+        n = min(self._n, cap)
+        ubuf[:n] = self._ubuf[:n]
+        nbuf[:n] = self._nbuf[:n]
+        self._ubuf, self._nbuf, self._owned = ubuf, nbuf, True
 
     # ----------------------------------------------------------------------------- inspection
     def __len__(self) -> int:
@@ -165,30 +200,60 @@ class ItemMemory:
 
     # ----------------------------------------------------------------------------- editing
     def add(self, labels: Sequence[str], vectors: torch.Tensor) -> None:
-        """Append items; labels must be new."""
+        """Append items; labels must be new. Amortised O(added): only the new rows are copied."""
         v = self._check_vectors(vectors, "vectors", self.d)
         labels = list(labels)
         self._check_labels(labels, v.shape[0])
         clash = [lab for lab in labels if lab in self._index]
         if clash:
             raise InputError(f"add: label(s) {clash[:5]!r} already exist; remove() them first or use new labels")
-        norms = torch.linalg.vector_norm(v.to(self.dtype).cpu(), dim=1)
-        unit = v.to(self.dtype).cpu() / norms.clamp_min(1e-30).unsqueeze(1)
-        self._unit = torch.cat([self._unit, unit])
-        self._norms = torch.cat([self._norms, norms])
+        v = v.detach().to(device="cpu", dtype=self.dtype)
+        norms = torch.linalg.vector_norm(v, dim=1)
+        n, m = self._n, v.shape[0]
+        self._reserve(n + m)
+        torch.div(v, norms.clamp_min(1e-30).unsqueeze(1), out=self._ubuf[n:n + m])
+        self._nbuf[n:n + m] = norms
+        self._n = n + m
         for lab in labels:
             self._index[lab] = len(self._labels)
             self._labels.append(lab)
-        self._resident.clear()
+        self._edited()
 
-    def remove(self, labels: Sequence[str]) -> None:
-        """Delete items by label (all labels are checked before anything is removed)."""
-        drop = {self._position(lab) for lab in labels}
-        keep = torch.tensor([i for i in range(len(self)) if i not in drop], dtype=torch.long)
-        self._unit, self._norms = self._unit.index_select(0, keep), self._norms.index_select(0, keep)
-        self._labels = [self._labels[i] for i in keep.tolist()]
-        self._index = {lab: i for i, lab in enumerate(self._labels)}
+    def remove(self, labels: Sequence[str], *, keep_order: bool = False) -> None:
+        """Delete items by label (all labels are checked before anything is removed).
+
+        Each hole is filled with one of the last rows, so this moves O(removed) rows and the order of
+        the remaining items changes; ``keep_order=True`` shifts every later row down instead (O(N)).
+        """
+        drop = sorted({self._position(lab) for lab in labels})
+        if not drop:
+            return
+        self._reserve(self._n)  # a borrowed (memory-mapped) buffer is copied before it is written
+        n_new = self._n - len(drop)
+        if keep_order:
+            keep = torch.tensor(sorted(set(range(drop[0], self._n)) - set(drop)), dtype=torch.long)
+            src, dst = keep, torch.arange(drop[0], drop[0] + len(keep))
+        else:
+            dropped = set(drop)
+            holes = [i for i in drop if i < n_new]  # holes below the new end get the surviving tail rows
+            movers = [i for i in range(n_new, self._n) if i not in dropped]
+            src, dst = torch.tensor(movers, dtype=torch.long), torch.tensor(holes, dtype=torch.long)
+        for lab in (self._labels[i] for i in drop):
+            del self._index[lab]
+        if len(src):
+            self._ubuf[dst] = self._ubuf[src]
+            self._nbuf[dst] = self._nbuf[src]
+            for s_, d_ in zip(src.tolist(), dst.tolist()):
+                self._labels[d_] = self._labels[s_]
+                self._index[self._labels[d_]] = d_
+        del self._labels[n_new:]
+        self._n = n_new
+        self._reserve(n_new)  # give memory back once under a quarter of the buffer is used
+        self._edited()
+
+    def _edited(self) -> None:
         self._resident.clear()
+        self.dispatcher.n_items = self._n  # a cleanup dispatcher follows the codebook size
 
     # ----------------------------------------------------------------------------- queries
     def _codebook_on(self, device: torch.device) -> torch.Tensor:
@@ -267,8 +332,8 @@ class ItemMemory:
         tensors, labels, _ = load_store(directory, format=_FORMAT, mmap=mmap)
         mem = cls.__new__(cls)
         mem.chunk_size = _check_chunk(chunk_size)
-        mem._unit, mem._norms = tensors["unit"], tensors["norms"]
-        mem.dispatcher = Dispatcher(device, d=mem._unit.shape[1])
+        mem._set_rows(tensors["unit"], tensors["norms"], owned=False)
+        mem.dispatcher = Dispatcher(device, d=mem._unit.shape[1], op="cleanup", n_items=mem._unit.shape[0])
         mem._check_labels(list(labels), mem._unit.shape[0])
         mem._labels = list(labels)
         mem._index = {lab: i for i, lab in enumerate(mem._labels)}
