@@ -17,7 +17,7 @@ def fake_recipes():
     import fake_recipes as fr
 
     classes = [fr.Raises, fr.Hangs, fr.HangsIsolated, fr.ExitsIsolated, fr.SegfaultIsolated, fr.BadCheck, fr.Hog, fr.Wrong,
-               fr.ReusesBuffer, fr.Faster, fr.Slower]
+               fr.ReusesBuffer, fr.Faster, fr.Slower, fr.NoisyStart, fr.DecoyA, fr.DecoyB]
     for c in classes:
         register_recipe(c)
     yield fr

@@ -19,7 +19,8 @@ from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
 
 __all__ = ["Raises", "Hangs", "HangsIsolated", "ExitsIsolated", "SegfaultIsolated", "BadCheck", "Hog", "Wrong", "ReusesBuffer",
-           "Faster", "Slower", "SlowModel", "tiny_model", "tiny_inputs", "fast_config"]
+           "Faster", "Slower", "SlowModel", "NoisyStart", "DecoyA", "DecoyB", "NOISY", "tiny_model", "tiny_inputs",
+           "fast_config"]
 
 
 def fast_config(tmp_path, **kw) -> OptimizeConfig:
@@ -166,3 +167,40 @@ class Slower(_Fake):
             return m(*x)
 
         return Built(fn=fn)
+
+
+NOISY = {"slow": True}  # cleared by the test when the finalist stage starts
+
+
+class NoisyStart(_Fake):
+    """Truly the fastest (1 ms), but load hit its search-time sample (14 ms while NOISY['slow'])."""
+
+    name = "test-noisy-start"
+
+    def build(self, ctx: BuildContext) -> Built:
+        m = ctx.model.inner
+
+        def fn(*x: Any) -> Any:
+            time.sleep(0.014 if NOISY["slow"] else 0.001)
+            return m(*x)
+
+        return Built(fn=fn)
+
+
+class DecoyA(_Fake):
+    """A steady 10 ms: looks better than NoisyStart in the search, is slower in truth."""
+
+    name = "test-decoy-a"
+
+    def build(self, ctx: BuildContext) -> Built:
+        m = ctx.model.inner
+
+        def fn(*x: Any) -> Any:
+            time.sleep(0.010)
+            return m(*x)
+
+        return Built(fn=fn)
+
+
+class DecoyB(DecoyA):
+    name = "test-decoy-b"

@@ -56,6 +56,56 @@ def test_faster_exact_candidate_is_chosen_slower_never(fake_recipes, fast_cfg):
     assert opt.report.get("test-slower").speedup < 1
 
 
+def _noisy_search(fr, fast_cfg, monkeypatch):
+    import torchnitro.autotune.search as search_mod
+
+    real_compare = search_mod.compare
+
+    def compare_after_load_is_gone(*a, **kw):  # the load that hit the search-time samples has passed
+        fr.NOISY["slow"] = False
+        return real_compare(*a, **kw)
+
+    fr.NOISY["slow"] = True
+    monkeypatch.setattr(search_mod, "compare", compare_after_load_is_gone)
+    cfg = fast_cfg(recipes=["test-decoy-a", "test-decoy-b", "test-noisy-start"], finalists=2, cache=False)
+    return _run(fr, cfg, model=fr.SlowModel())
+
+
+def test_finalists_screen_a_candidate_whose_early_sample_was_noisy(fake_recipes, fast_cfg, monkeypatch):
+    fr = fake_recipes
+    opt = _noisy_search(fr, fast_cfg, monkeypatch)
+    rep = opt.report
+    est = {n: rep.get(n).p50_ms for n in ("test-decoy-a", "test-decoy-b", "test-noisy-start")}
+    assert opt.recipe == "test-noisy-start", (est, rep.notes)
+    assert any("screened" in n for n in rep.notes)
+    dropped = [c for c in rep.candidates if c.recipe.startswith("test-decoy") and "screen" in c.notes]
+    assert len(dropped) == 2 and all(c.interleaved for c in dropped)
+
+
+def test_without_the_noise_band_the_noisy_winner_is_missed(fake_recipes, fast_cfg, monkeypatch):
+    """The failure the screen exists for: top-k by one early sample finalises the two decoys."""
+    import torchnitro.autotune.search as search_mod
+
+    fr = fake_recipes
+    monkeypatch.setattr(search_mod, "NOISE_BAND", 1.0)
+    opt = _noisy_search(fr, fast_cfg, monkeypatch)
+    assert opt.recipe in ("test-decoy-a", "test-decoy-b")
+    assert not any("screened" in n for n in opt.report.notes)
+
+
+def test_finalist_pool_band_and_cap():
+    from torchnitro.autotune.report import CandidateResult
+    from torchnitro.autotune.search import NOISE_BAND, finalist_pool
+
+    ranked = [CandidateResult(f"r{i}", "exact", Status.VERIFIED, p50_ms=ms)
+              for i, ms in enumerate([10, 12, 15, 19, 25, 100, 200])]
+    key = lambda c: c.p50_ms  # noqa: E731
+    pool = [c.recipe for c in finalist_pool(ranked, key, 2)]
+    assert pool == [c.recipe for c in ranked if c.p50_ms <= 10 * NOISE_BAND][:4]
+    assert [c.recipe for c in finalist_pool(ranked[4:], key, 2)] == ["r4", "r5"]  # top k even outside the band
+    assert finalist_pool([], key, 3) == [] and finalist_pool(ranked, key, 0) == []
+
+
 def test_metric_fn_replaces_class_tolerance(fake_recipes, fast_cfg):
     fr = fake_recipes
     calls = []
