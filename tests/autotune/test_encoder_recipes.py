@@ -7,7 +7,7 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from torchnitro.autotune.recipe import BuildContext, NumericClass, get_recipe  # noqa: E402
-from torchnitro.autotune.recipes.bert_unpad import UnpaddedBert  # noqa: E402
+from torchnitro.autotune.recipes.bert_unpad import UnpaddedBert, length_buckets  # noqa: E402
 from torchnitro.autotune.recipes.int8_mixed import (SmoothedInt8Linear, int8_module, linear_names,  # noqa: E402
                                                    plan_mixed_int8, quantize_linears, row_cosine)
 from torchnitro.errors import RecipeError  # noqa: E402
@@ -55,6 +55,22 @@ def test_unpadded_bert_dense_batch_and_ffn_row_blocks_match_eager(tiny_bert):
     with torch.inference_mode():
         for x in (dense, ragged):
             torch.testing.assert_close(fast(*x), tiny_bert(*x), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_buckets", [1, 3, 64])
+def test_length_buckets_match_eager_with_left_padding_and_an_empty_sentence(tiny_bert, n_buckets):
+    fast = UnpaddedBert(tiny_bert).eval()
+    fast.attention_buckets = n_buckets
+    ids, mask = _ragged(7, 21, seed=8)
+    mask[2] = mask[2].flip(0)  # left padding: real tokens at the end
+    ids = ids * 0 + torch.randint(1, 1024, ids.shape, generator=torch.Generator().manual_seed(9))
+    with torch.inference_mode():
+        out, ref = fast(ids, mask), tiny_bert(ids, mask)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    buckets = length_buckets(mask, n_buckets)
+    assert len(buckets) == min(n_buckets, 7)
+    assert sum(int(bk.rows.numel()) for bk in buckets) == int(mask.sum())  # every real token exactly once
+    assert sum(bk.g * bk.l * bk.l for bk in buckets) <= 7 * 21 * 21
 
 
 def test_unpadded_bert_is_not_fooled_by_pad_token_values(tiny_bert):

@@ -7,8 +7,10 @@ path and NVIDIA's FasterTransformer "remove padding" do:
 
 - embeddings, every Linear, GELU and LayerNorm run on ``(N, D)`` rows only;
 - Q, K and V are one fused GEMM ``(N, D) @ (D, 3D)``;
-- attention scatters Q/K/V back to ``(B, T, ...)`` for ``scaled_dot_product_attention`` with the
-  key-padding mask, then gathers the real rows again;
+- attention runs per length bucket: sentences sorted by length are split into a few groups, each
+  padded only to its own longest sentence (``length_buckets``), so attention costs ``sum(G * L**2)``
+  instead of ``B * T**2``; a batch without padding skips the scatter/gather and the mask;
+- the FFN runs in row blocks so its ``(rows, 4D)`` GELU temporary stays in cache;
 - mean pooling is an ``index_add`` over rows, then L2 normalisation (sentence-transformers).
 
 Real tokens see exactly the same computation as in eager, so the fp32 variant is an EXACT recipe;
@@ -21,6 +23,7 @@ Applies to ``torchnitro.hf.SentenceEncoder`` around an HF ``BertModel`` with abs
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,7 +37,52 @@ from torchnitro.autotune.recipes.int8_mixed import (calibration_inputs, int8_tar
                                                    quantize_linears, save_scales)
 from torchnitro.errors import RecipeError
 
-__all__ = ["UnpaddedBert", "fold_smoothing", "bert_inapplicable_reason", "UnpaddedBertRecipe", "UnpaddedBertInt8", "UnpaddedBertBf16"]
+__all__ = ["UnpaddedBert", "length_buckets", "fold_smoothing", "bert_inapplicable_reason", "UnpaddedBertRecipe", "UnpaddedBertInt8", "UnpaddedBertBf16"]
+
+
+@dataclass
+class _Bucket:
+    """Sequences of similar length attended together in a ``(G, L)`` layout, L = their longest length.
+
+    ``rows``: their tokens' rows in the packed ``(N, D)`` activations; ``slots``: the same tokens'
+    flat positions in ``(G*L)`` (each sequence packed to the left: positions were already embedded,
+    and attention does not depend on where a key sits); ``mask``: ``(G, 1, 1, L)`` key mask, None
+    when every sequence has length L. ``rows is None``: the whole batch, no padding anywhere."""
+
+    g: int
+    l: int
+    rows: Tensor | None = None
+    slots: Tensor | None = None
+    mask: Tensor | None = None
+    _buf: Tensor | None = None
+
+    def buffer(self, like: Tensor) -> Tensor:
+        if self._buf is None or self._buf.dtype != like.dtype:
+            self._buf = like.new_zeros(self.g * self.l, like.shape[1])  # shared by every layer of one call
+        return self._buf
+
+
+def length_buckets(attention_mask: Tensor, n_buckets: int) -> list[_Bucket]:
+    """Split the batch into at most ``n_buckets`` groups of sequences sorted by length: attention and
+    its padding cost ``sum(G * L**2)`` instead of ``B * T**2``."""
+    b, t = attention_mask.shape
+    real = attention_mask != 0  # (B, T)
+    lens = real.sum(1)  # (B,)
+    if bool((lens == t).all()):
+        return [_Bucket(b, t)]
+    off = torch.cumsum(lens, 0) - lens  # first row of each sequence in (N, D): rows are in (batch, position) order
+    order = torch.argsort(lens, stable=True)
+    order = order[lens[order] > 0]  # a sequence without real tokens has no rows (its embedding is zero, as in eager)
+    size = max(1, -(-b // max(1, n_buckets)))
+    out = []
+    for seqs in order.split(size):  # (G,) sequence ids, shortest first
+        ls = lens[seqs]  # (G,)
+        g, l = seqs.numel(), int(ls.max())
+        seq_of = torch.repeat_interleave(torch.arange(g, device=ls.device), ls)  # (n,) bucket-local sequence
+        within = torch.arange(seq_of.numel(), device=ls.device) - torch.repeat_interleave(torch.cumsum(ls, 0) - ls, ls)
+        mask = None if bool((ls == l).all()) else (torch.arange(l, device=ls.device)[None] < ls[:, None]).view(g, 1, 1, l)
+        out.append(_Bucket(g, l, off[seqs][seq_of] + within, seq_of * l + within, mask))
+    return out
 
 
 class _Layer(nn.Module):
@@ -72,19 +120,23 @@ class _Layer(nn.Module):
             ys.copy_(self.ffn_out(F.gelu(self.ffn_in(xs))))  # (rows, 4D) in cache
         return out
 
-    def forward(self, x: Tensor, idx: Tensor | None, key_mask: Tensor, padded: Tensor | None) -> Tensor:
-        d = x.shape[1]  # x: (N, D) real tokens
-        b, t = key_mask.shape[0], key_mask.shape[-1]
-        if idx is None:  # no padding anywhere: (N, 3D) is already (B*T, 3D) and nothing is masked
-            qkv = self.qkv(x)
-        else:
-            padded[idx] = qkv = self.qkv(x)  # (B*T, 3D); pad rows stay zero (finite keys, masked out)
-            qkv = padded
-        q, k, v = qkv.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
-        ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=None if idx is None else key_mask)  # (B, H, T, Dh)
-        ctx = ctx.transpose(1, 2).reshape(b * t, d)  # (B*T, D)
-        if idx is not None:
-            ctx = ctx[idx]  # (N, D)
+    def _attend(self, qkv: Tensor, buckets: list[_Bucket]) -> Tensor:
+        n, d = qkv.shape[0], qkv.shape[1] // 3  # qkv: (N, 3D)
+        if buckets[0].rows is None:  # no padding: (N, 3D) is (B*T, 3D) and nothing is masked
+            bk = buckets[0]
+            q, k, v = qkv.view(bk.g, bk.l, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
+            return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, d)
+        ctx = qkv.new_empty(n, d)
+        for bk in buckets:
+            buf = bk.buffer(qkv)  # (G*L, 3D); slots outside the real tokens stay zero (finite keys, masked out)
+            buf.index_copy_(0, bk.slots, qkv.index_select(0, bk.rows))
+            q, k, v = buf.view(bk.g, bk.l, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (G, H, L, Dh)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bk.mask)  # (G, H, L, Dh)
+            ctx.index_copy_(0, bk.rows, o.transpose(1, 2).reshape(bk.g * bk.l, d).index_select(0, bk.slots))
+        return ctx  # (N, D)
+
+    def forward(self, x: Tensor, buckets: list[_Bucket]) -> Tensor:
+        ctx = self._attend(self.qkv(x), buckets)  # x: (N, D) real tokens
         x = self.ln1(self._residual(self.out(ctx), x, self.res_in))
         return self.ln2(self._residual(self._ffn(x), x, self.res_mid))
 
@@ -103,6 +155,8 @@ class UnpaddedBert(nn.Module):
                                     for layer in bert.encoder.layer)
         self.normalize = bool(getattr(sentence_encoder, "normalize", True))
 
+    attention_buckets = 4  # groups of similar-length sentences attended separately (1: the whole batch padded to T)
+
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         b, t = input_ids.shape
         keep = attention_mask.reshape(-1) != 0  # (B*T,)
@@ -110,12 +164,10 @@ class UnpaddedBert(nn.Module):
         pos = idx % t  # absolute position of each real token
         x = self.word(input_ids.reshape(-1)[idx]) + self.pos(pos) + self.tok_type.weight[0]  # (N, D)
         x = self.ln_emb(x)
-        key_mask = (attention_mask != 0).view(b, 1, 1, t)  # (B, 1, 1, T) True = attend
-        dense = idx.numel() == b * t  # no padding: skip the scatter/gather and the attention mask
-        idx_or_none = None if dense else idx
-        padded = None if dense else x.new_zeros(b * t, 3 * x.shape[1])  # one zeroed buffer shared by every layer
+        buckets = length_buckets(attention_mask, self.attention_buckets)
+        dense = buckets[0].rows is None  # no padding anywhere
         for layer in self.layers:
-            x = layer(x, idx_or_none, key_mask, padded)
+            x = layer(x, buckets)
         x = x.float()  # pool in fp32 whatever the compute dtype
         if dense:
             full = x  # (B*T, D) already
