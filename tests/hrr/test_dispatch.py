@@ -148,3 +148,20 @@ def test_pinned_non_blocking_roundtrip_and_real_oom_fallback():
     with pytest.warns(RuntimeWarning, match="OutOfMemoryError"):
         out = disp.run(boom, x)
     assert torch.equal(out, x * 2) and disp.fallbacks == 1
+
+
+@pytest.mark.gpu
+def test_cleanup_calibration_on_gpu_and_auto_memory(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_CACHE_DIR", str(tmp_path))
+    cal = calibrate(256, op="cleanup", n_items=20_000, accelerator="cuda", batches=(1, 64, 1024))
+    assert cal.op == "cleanup" and cal.n_items == 32768 and cal.timings
+    assert cal.threshold is not None and cal.threshold <= 1024  # 1024 x 32768 x 256 top-1: the GPU wins
+    from torchnitro.hrr import ops
+    from torchnitro.hrr.memory import ItemMemory
+
+    book = ops.random(20_000, 256, generator=torch.Generator().manual_seed(0))
+    q = ops.random(1024, 256, generator=torch.Generator().manual_seed(1))
+    mem = ItemMemory(book, device="auto")
+    assert mem.dispatcher.threshold == cal.threshold and mem.dispatcher.uses_accelerator(1024)
+    got, want = mem.topk(q, 3), ItemMemory(book, device="cpu").topk(q, 3)
+    assert torch.equal(got[1], want[1])
