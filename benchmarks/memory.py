@@ -71,7 +71,7 @@ def checkpointing_section(cfg, batch, seq, tcfg, dtype):
         r = tracked(cfg, batch, seq, dtype, pol)
         acts[pol] = r.per_phase["forward"].by_category["activations"]
         peaks[pol] = r.peak.bytes
-    head = plan(cfg, batch=batch, seq=seq, dtype=dtype).term("activations/head")
+    head = plan(cfg, batch=batch, seq=seq, dtype=dtype, device=DEV).term("activations/head")
     steps = {pol: make_step(cfg, batch, seq, dtype, pol)[2] for pol in policies}
     times = compare(steps, tcfg, baseline="none")
     rows = {}
@@ -80,8 +80,8 @@ def checkpointing_section(cfg, batch, seq, tcfg, dtype):
         rows[pol] = dict(
             policy=pol, **{"activations MiB": acts[pol] / 2**20, "block activations MiB": block / 2**20,
                            "reduction": 1 - block / (acts["none"] - head), "peak MiB": peaks[pol] / 2**20,
-                           "planned peak MiB": plan(cfg, batch=batch, seq=seq, dtype=dtype,
-                                                    checkpointing=pol).peak_bytes / 2**20,
+                           "planned peak MiB": plan(cfg, batch=batch, seq=seq, dtype=dtype, checkpointing=pol,
+                                                    foreach=DEV == "cuda", device=DEV).peak_bytes / 2**20,
                            "step ms": times[pol].median * 1e3,
                            "extra time": times[pol].median / times["none"].median - 1, "cv": times[pol].cv})
         table.add(**rows[pol])
@@ -106,7 +106,7 @@ GRID = [
 
 def planner_section(quick: bool):
     table = ResultTable("planner vs tracker (peak bytes of a steady-state AdamW step)",
-                        ["config", "dtype", "policy", "measured MiB", "planned MiB", "error", "phase"])
+                        ["config", "dtype", "policy", "attention", "measured MiB", "planned MiB", "error", "phase"])
     grid = GRID[1:3] if quick else GRID
     cases = [(c, b, t, dt, pol) for c, b, t in grid for dt in ("fp32", "bf16")
              for pol in ("none", "blocks", "selective", "every_2")]
@@ -114,11 +114,11 @@ def planner_section(quick: bool):
     for c, b, t, dt, pol in progress(cases, description="planner grid"):
         cfg = TransformerConfig(**c)
         r = tracked(cfg, b, t, dt, pol)
-        p = plan(cfg, batch=b, seq=t, dtype=dt, checkpointing=pol, foreach=DEV == "cuda")
+        p = plan(cfg, batch=b, seq=t, dtype=dt, checkpointing=pol, foreach=DEV == "cuda", device=DEV)
         err = p.peak_bytes / r.peak.bytes - 1
         worst = max(worst, abs(err))
         table.add(config=f"D{cfg.dim} L{cfg.n_layers} H{cfg.n_heads}/{cfg.kv_heads} V{cfg.vocab_size} B{b} T{t}",
-                  dtype=dt, policy=pol, **{"measured MiB": r.peak.bytes / 2**20, "planned MiB": p.peak_bytes / 2**20,
+                  dtype=dt, policy=pol, attention=p.inputs["attention"], **{"measured MiB": r.peak.bytes / 2**20, "planned MiB": p.peak_bytes / 2**20,
                                            "error": err, "phase": f"{r.peak.phase}/{p.peak_phase}"})
     table.meta["worst |error|"] = f"{worst:.1%} (target < 10%)"
     return table, worst
@@ -136,7 +136,7 @@ def finder_section(quick: bool):
         opt.zero_grad(set_to_none=True)
 
     def est(b: int) -> int:
-        return plan(cfg, batch=b, seq=seq).peak_bytes
+        return plan(cfg, batch=b, seq=seq, foreach=DEV == "cuda", device=DEV).peak_bytes
 
     step(1)  # CUDA: the cuBLAS workspace and optimizer state exist before the first trial
 

@@ -133,3 +133,107 @@ def test_autocast_bad_combinations():
         plan(c, batch=1, seq=8, dtype="bf16", amp="bf16")
     with pytest.raises(InputError, match="amp"):
         plan(c, batch=1, seq=8, amp="fp32")
+
+
+def test_sdpa_backend_on_cpu_follows_pytorch():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from torchnitro.memory.planner import sdpa_backend
+
+    kw = dict(n_heads=4, kv_heads=2, head_dim=32, seq=64)
+    assert sdpa_backend("cpu", 4, **kw) == "flash"
+    with sdpa_kernel(SDPBackend.MATH):
+        assert sdpa_backend("cpu", 2, **kw) == "math"
+        assert plan(dict(vocab_size=128, dim=64, n_layers=1, max_seq_len=64), batch=1, seq=64,
+                    device="cpu").inputs["attention"] == "math"
+
+
+def test_sdpa_backend_rules_for_cuda_without_a_gpu(monkeypatch):
+    from torchnitro.memory.planner import sdpa_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    mha, gqa = dict(n_heads=4, kv_heads=4, head_dim=64, seq=128), dict(n_heads=4, kv_heads=2, head_dim=64, seq=128)
+    assert sdpa_backend("cuda", 2, **mha) == "cudnn"  # Hopper default for 16-bit
+    assert sdpa_backend("cuda", 4, **mha) == "efficient"  # no fp32 flash/cuDNN kernels
+    assert sdpa_backend("cuda", 4, **gqa) == "math"  # memory-efficient kernel has no GQA
+    prev = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        assert sdpa_backend("cuda", 2, **gqa) == "flash"
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(prev)
+
+
+@pytest.mark.parametrize("T", [64, 50])
+def test_attention_and_norm_terms_by_device(monkeypatch, T):
+    """The attention term is the formula of the backend that runs; CUDA norms are the fused kernel."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    c = TransformerConfig(vocab_size=128, dim=96, n_layers=2, n_heads=3, max_seq_len=64)
+    B, H, Dh, D = 2, 3, 32, 96
+    q = B * T * D
+    for dt, e in (("fp32", 4), ("bf16", 2)):
+        cpu = plan(c, batch=B, seq=T, dtype=dt, device="cpu")
+        cuda = plan(c, batch=B, seq=T, dtype=dt, device="cuda")
+        assert cpu.inputs["attention"] == "flash"
+        assert cpu.term("activations/attention") == e * (3 * q + 2 * q) + 4 * B * H * T  # wo input is a copy
+        if e == 4:
+            assert cuda.inputs["attention"] == "efficient"  # output (B,T,H,Dh) memory: wo input is a view
+            lse = 4 * B * H * (32 * -(-T // 32))  # log-sum-exp padded to 32 rows
+            assert cuda.term("activations/attention") == e * (2 * q + 2 * q) + lse
+        else:
+            assert cuda.inputs["attention"] == "cudnn"
+            assert cuda.term("activations/attention") == cpu.term("activations/attention")
+        norms = cpu.term("activations/layer") - cpu.term("activations/attention") - (
+            cuda.term("activations/layer") - cuda.term("activations/attention"))
+        assert norms == 2 * (8 + e - 2 * e) * q  # decomposed CPU norm vs fused CUDA norm, two per layer
+        math_cuda = plan(c, batch=B, seq=T, dtype=dt, device="cuda", attention="math")
+        assert math_cuda.term("activations/attention") == e * (4 * q + B * H * T * T)
+    with pytest.raises(InputError, match="device"):
+        plan(c, batch=1, seq=8, device="tpu")
+    with pytest.raises(InputError, match="attention"):
+        plan(c, batch=1, seq=8, attention="sparse")
+
+
+# Peaks measured by the tracker on an H200 (torch 2.11, cuDNN attention for bf16, memory-efficient for
+# fp32 MHA, math for fp32 GQA; foreach AdamW): the CUDA terms must reproduce them on any machine.
+H200_PEAKS_MIB = [
+    (dict(vocab_size=2048, dim=128, n_layers=4, n_heads=4, max_seq_len=512), 4, 256, "fp32", "none", 77.93),
+    (dict(vocab_size=2048, dim=128, n_layers=4, n_heads=4, max_seq_len=512), 4, 256, "bf16", "none", 52.02),
+    (dict(vocab_size=2048, dim=128, n_layers=4, n_heads=4, max_seq_len=512), 4, 256, "bf16", "every_2", 41.97),
+    (dict(vocab_size=1024, dim=192, n_layers=3, n_heads=6, n_kv_heads=2, max_seq_len=512), 3, 200, "fp32", "none",
+     56.61),
+    (dict(vocab_size=2048, dim=256, n_layers=4, n_heads=4, max_seq_len=512), 4, 256, "fp32", "blocks", 80.31),
+]
+
+
+@pytest.mark.parametrize("cfg,batch,seq,dtype,policy,measured", H200_PEAKS_MIB)
+def test_cuda_terms_match_h200_measurements(monkeypatch, cfg, batch, seq, dtype, policy, measured):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    p = plan(cfg, batch=batch, seq=seq, dtype=dtype, checkpointing=policy, foreach=True, device="cuda")
+    assert abs(p.peak_bytes / 2**20 / measured - 1) < 0.02, p.table()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("policy", ["none", "blocks", "selective", "every_2"])
+def test_planner_matches_tracker_on_cuda(dtype, policy):
+    import torch.nn.functional as F
+
+    from torchnitro.memory import checkpoint_, track
+
+    c = TransformerConfig(vocab_size=1024, dim=192, n_layers=3, n_heads=6, n_kv_heads=2, max_seq_len=256)
+    torch.manual_seed(0)
+    model = checkpoint_(TransformerLM(c).to("cuda", {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]), policy)
+    opt = torch.optim.AdamW(model.parameters(), foreach=True)
+    x = torch.randint(0, c.vocab_size, (3, 200), device="cuda")
+
+    def step():
+        F.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    with track(model, opt) as t:
+        step()
+    p = plan(c, batch=3, seq=200, dtype=dtype, checkpointing=policy, foreach=True, device="cuda")
+    assert abs(p.peak_bytes / t.report().peak.bytes - 1) < 0.10, p.table()
