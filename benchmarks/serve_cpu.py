@@ -8,9 +8,14 @@ For each model (all-MiniLM-L6-v2 with real weights, 32-token requests; the built
   2. torchnitro server, max_batch_size=1 (no batching);
   3. torchnitro server, dynamic batching (max_batch_size=32, max_wait_ms=5);
   4. torchnitro server, adaptive batching (latency target);
-  5. LitServe with its own batching (max_batch_size=32, batch_timeout=5 ms) on the same model.
-Each server runs in its own process; the load generator (closed loop, keep-alive connections)
-runs here. Concurrency 32 for throughput, concurrency 1 for per-request overhead.
+  5. LitServe with its own batching (max_batch_size=32, batch_timeout=5 ms, fast_queue) on the same model;
+  6. "http+json floor": a bare uvicorn app that reads the same request into numpy and writes a
+     same-size JSON answer with no model at all, the most any JSON-over-HTTP server in Python can
+     do on this machine with this client.
+Every server runs in its own process(es) with the same worker count and torch threads; all are up
+at once and the load generator (closed loop, keep-alive connections, in this process) loads one at
+a time in short bursts, rotating the order every round, so other load on the machine hits all of
+them alike. Concurrency 32 for throughput, concurrency 1 for per-request overhead.
 Writes results/serve_cpu.{json,md,png}.
 """
 
@@ -30,7 +35,7 @@ from typing import Any
 import torch
 
 from torchnitro.bench import ResultTable, TimingConfig, measure, save_plot
-from torchnitro.serve.loadtest import HttpClient, LoadTarget, closed_loop, v2_target
+from torchnitro.serve.loadtest import HttpClient, LoadTarget, interleaved, v2_target
 
 SEQ = {"minilm": 32, "mlp": 0}
 
@@ -59,7 +64,9 @@ try:
             self.model = get_builtin(self.model_name).build().eval()
 
         def decode_request(self, request):  # noqa: ANN001 - LitServe reads the annotation; none = JSON body
-            return [torch.tensor(t["data"], dtype=getattr(torch, t["dtype"])).view(t["shape"])
+            import numpy as np  # the same list -> numpy -> tensor route our server takes
+
+            return [torch.from_numpy(np.asarray(t["data"], dtype=t["dtype"]).reshape(t["shape"]))
                     for t in request["inputs"]]
 
         def batch(self, inputs: list[list[torch.Tensor]]) -> list[torch.Tensor]:
@@ -80,8 +87,38 @@ except ImportError:  # the bench extra is not installed: the LitServe rows are s
 
 def litserve_main(model: str, port: int, max_batch: int, timeout_s: float, threads: int) -> None:
     api = LitModelAPI(model, threads, max_batch_size=max_batch, batch_timeout=timeout_s)
-    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60)
-    server.run(port=port, log_level="warning", generate_client_file=False)
+    # its fastest documented transport (ZeroMQ), one HTTP process and one worker like ours
+    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60, fast_queue=True)
+    server.run(host="127.0.0.1", port=port, num_api_servers=1, log_level="warning", generate_client_file=False)
+
+
+# ----------------------------------------------------------------------------- http+json floor
+def floor_main(port: int) -> None:
+    """Bare uvicorn + orjson + numpy, no model: parse the request, answer the same amount of JSON."""
+    import numpy as np
+    import orjson
+    import uvicorn
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        body, more = b"", True
+        while more:
+            msg = await receive()
+            body += msg.get("body", b"")
+            more = msg.get("more_body", False)
+        if scope["method"] == "GET":
+            out = b"{}"
+        else:
+            req = orjson.loads(body)
+            arrs = [np.asarray(t["data"]).reshape(t["shape"]) for t in req["inputs"]]
+            out = orjson.dumps({"outputs": [{"name": "output", "data": arrs[0].reshape(-1).astype(np.float32)}]},
+                               option=orjson.OPT_SERIALIZE_NUMPY)
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(out)).encode())]})
+        await send({"type": "http.response.body", "body": out})
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 def litserve_target(v2: LoadTarget, url: str) -> LoadTarget:
@@ -153,12 +190,8 @@ def metric_means(url: str, model: str) -> dict[str, float]:
     return out
 
 
-def load(target: LoadTarget, conc: int, duration: float, warmup: float) -> Any:
-    async def main() -> Any:
-        await closed_loop(target, conc, warmup)
-        return await closed_loop(target, conc, duration)
-
-    return asyncio.run(main())
+def run_interleaved(targets: dict[str, LoadTarget], conc: int, rounds: int, burst: float) -> dict[str, Any]:
+    return asyncio.run(interleaved(targets, conc, rounds, burst))
 
 
 def offline(model: str, batch_sizes: list[int], threads: int, quick: bool) -> dict[int, Any]:
@@ -179,49 +212,62 @@ def offline(model: str, batch_sizes: list[int], threads: int, quick: bool) -> di
 
 
 # ----------------------------------------------------------------------------- main
-def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: dict[str, Any]) -> None:
-    threads = args.threads
-    dur, warm = args.duration, args.warmup
-    configs = [
-        ("no batching", ["--max-batch-size", "1", "--max-wait-ms", "0"]),
-        ("dynamic", ["--max-batch-size", "32", "--max-wait-ms", "5"]),
-        ("adaptive", ["--max-batch-size", "32", "--max-wait-ms", "5", "--adaptive", "--latency-target-ms",
-                      str(args.target_ms)]),
-    ]
-    res: dict[str, dict[int, Any]] = {}
-    server_side: dict[str, dict[str, float]] = {}
-    for label, flags in configs:
+def start_servers(model: str, args: argparse.Namespace) -> dict[str, tuple[subprocess.Popen, str, str]]:
+    """Every server for ``model`` at once: label -> (process, base url, readiness path)."""
+    threads = str(args.threads)
+    configs = {
+        "no batching": ["--max-batch-size", "1", "--max-wait-ms", "0"],
+        "dynamic": ["--max-batch-size", "32", "--max-wait-ms", "5"],
+        "adaptive": ["--max-batch-size", "32", "--max-wait-ms", "5", "--adaptive", "--latency-target-ms",
+                     str(args.target_ms)],
+    }
+    procs: dict[str, tuple[subprocess.Popen, str, str]] = {}
+    for label, flags in configs.items():
         port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = start([sys.executable, "-m", "torchnitro", "serve", model, "--port", str(port),
-                      "--workers", str(args.workers), "--threads", str(threads), *flags])
-        try:
-            wait_ready(proc, url, "/v2/health/ready")
-            target = asyncio.run(v2_target(url, model, seq=SEQ[model] or 1))
-            res[label] = {}
-            before = metric_means(url, model)
-            res[label][1] = load(target, 1, dur, warm)
-            after = metric_means(url, model)
-            server_side[label] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-            res[label][args.concurrency] = load(target, args.concurrency, dur, warm)
-        finally:
-            stop(proc)
+        procs[label] = (start([sys.executable, "-m", "torchnitro", "serve", model, "--port", str(port),
+                               "--workers", str(args.workers), "--threads", threads, *flags]),
+                        f"http://127.0.0.1:{port}", "/v2/health/ready")
     if not args.no_litserve and ls is not None:
         port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        proc = start([sys.executable, __file__, "--litserve-server", model, "--port", str(port),
-                      "--threads", str(threads)])
-        try:
-            wait_ready(proc, url, "/health")
-            v2 = asyncio.run(_v2_shape_only(model))
-            target = litserve_target(v2, url)
-            res["litserve"] = {1: load(target, 1, dur, warm), args.concurrency: load(target, args.concurrency, dur, warm)}
-        finally:
-            stop(proc)
-    mean_b = res["dynamic"][args.concurrency].mean_batch or 1.0
-    sizes = sorted({1, max(1, round(mean_b)), 32})
-    off = offline(model, sizes, threads, args.quick)
+        procs["litserve"] = (start([sys.executable, __file__, "--litserve-server", model, "--port", str(port),
+                                    "--threads", threads]), f"http://127.0.0.1:{port}", "/health")
+    port = free_port()
+    procs["http+json floor"] = (start([sys.executable, __file__, "--floor-server", "--port", str(port)]),
+                                f"http://127.0.0.1:{port}", "/")
+    return procs
+
+
+def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: dict[str, Any]) -> None:
+    procs = start_servers(model, args)
+    res: dict[str, dict[int, Any]] = {}
+    server_side: dict[str, dict[str, float]] = {}
     c = args.concurrency
+    try:
+        for proc, url, path in procs.values():
+            wait_ready(proc, url, path)
+        targets: dict[str, LoadTarget] = {}
+        v2 = asyncio.run(_v2_shape_only(model))
+        for label, (_, url, _) in procs.items():
+            if label == "litserve":
+                targets[label] = litserve_target(v2, url)
+            elif label == "http+json floor":
+                targets[label] = LoadTarget(url, "/infer", v2.body, metrics_path=None)
+            else:
+                targets[label] = asyncio.run(v2_target(url, model, seq=SEQ[model] or 1))
+        run_interleaved(targets, c, 1, args.warmup)  # warm-up (and the adaptive policy's first curve)
+        before = {k: metric_means(procs[k][1], model) for k in ("no batching", "adaptive")}
+        low = run_interleaved(targets, 1, args.rounds, args.burst)
+        for k, b in before.items():
+            after = metric_means(procs[k][1], model)
+            server_side[k] = {m: after.get(m, 0) - b.get(m, 0) for m in after}
+        high = run_interleaved(targets, c, args.rounds, args.burst)
+        res = {label: {1: low[label], c: high[label]} for label in targets}
+    finally:
+        for proc, _, _ in procs.values():
+            stop(proc)
+    mean_b = res["dynamic"][c].mean_batch or 1.0
+    sizes = sorted({1, max(1, round(mean_b)), 32})
+    off = offline(model, sizes, args.threads, args.quick)
     unb = res["no batching"][c].throughput
     for label, levels in res.items():
         for conc, r in sorted(levels.items()):
@@ -231,13 +277,16 @@ def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: d
     for bs, t in off.items():
         table.add(model=model, config=f"offline batch {bs}", concurrency=None, throughput=t.throughput,
                   p50_ms=t.median * 1e3, p99_ms=t.p99 * 1e3, mean_batch=bs, errors="", vs_unbatched=None)
-    dyn = res["dynamic"][c]
+    dyn, ada = res["dynamic"][c], res["adaptive"][c]
     ceiling = off[max(1, round(mean_b))].throughput
     summary: dict[str, Any] = {
         "dynamic_vs_unbatched_c32": dyn.throughput / unb,
+        "adaptive_vs_unbatched_c32": ada.throughput / unb,
         "dynamic_vs_offline_same_batch": dyn.throughput / ceiling,
+        "best_vs_offline_same_batch": max(dyn.throughput, ada.throughput) / ceiling,
+        "floor_vs_offline_same_batch": res["http+json floor"][c].throughput / ceiling,
+        "offline_b32_vs_b1": off[32].throughput / off[1].throughput,
         "dynamic_mean_batch": mean_b,
-        "adaptive_vs_unbatched_c32": res["adaptive"][c].throughput / unb,
         "offline_batch1_ms": off[1].median * 1e3,
     }
     for label in ("no batching", "adaptive"):
@@ -250,8 +299,9 @@ def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: d
     if "litserve" in res:
         lit = res["litserve"][c]
         summary["dynamic_vs_litserve_c32"] = dyn.throughput / lit.throughput
-        summary["best_vs_litserve_c32"] = max(dyn.throughput, res["adaptive"][c].throughput) / lit.throughput
-        summary["p99_dynamic_ms"], summary["p99_litserve_ms"] = dyn.p99_ms, lit.p99_ms
+        summary["best_vs_litserve_c32"] = max(dyn.throughput, ada.throughput) / lit.throughput
+        summary["p99_dynamic_ms"], summary["p99_adaptive_ms"] = dyn.p99_ms, ada.p99_ms
+        summary["p99_litserve_ms"] = lit.p99_ms
     raw[model] = {"summary": summary,
                   "runs": {k: {str(n): r.to_dict() for n, r in v.items()} for k, v in res.items()},
                   "offline": {str(k): v.to_dict() for k, v in off.items()}}
@@ -294,7 +344,8 @@ def plot(raw: dict[str, Any]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="minilm,mlp")
-    ap.add_argument("--duration", type=float, default=8.0)
+    ap.add_argument("--rounds", type=int, default=6, help="interleaved bursts per server and concurrency")
+    ap.add_argument("--burst", type=float, default=1.5, help="seconds per burst")
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--workers", type=int, default=1)
@@ -303,13 +354,17 @@ def main() -> None:
     ap.add_argument("--no-litserve", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--litserve-server")
+    ap.add_argument("--floor-server", action="store_true")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args()
     if args.litserve_server:
         litserve_main(args.litserve_server, args.port, 32, 0.005, args.threads)
         return
+    if args.floor_server:
+        floor_main(args.port)
+        return
     if args.quick:
-        args.duration, args.warmup = 2.0, 0.5
+        args.rounds, args.burst, args.warmup = 2, 0.5, 0.5
     from torchnitro.hardware import hardware_info
 
     hw = hardware_info()
@@ -320,7 +375,8 @@ def main() -> None:
                               "command": "flock /tmp/torchnitro-bench.lock python benchmarks/serve_cpu.py "
                                          + " ".join(sys.argv[1:]),
                               "workers": args.workers, "threads_per_worker": args.threads,
-                              "duration_s": args.duration, "concurrency": args.concurrency})
+                              "rounds": args.rounds, "burst_s": args.burst, "concurrency": args.concurrency,
+                              "litserve": getattr(ls, "__version__", "not installed") if ls else "not installed"})
     raw: dict[str, Any] = {}
     models = args.models.split(",")
     if "minilm" in models:

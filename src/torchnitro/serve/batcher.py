@@ -79,6 +79,11 @@ class BatchObserver(Protocol):
     def on_queue_depth(self, depth: int) -> None: ...
 
 
+def _release(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
 class DynamicBatcher:
     """Collects ``submit``-ted items into batches for ``fn(items) -> results`` (one result per item).
 
@@ -98,7 +103,9 @@ class DynamicBatcher:
         self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None))
         self._queue = RequestQueue(self.config.priority_levels, self.config.aging_ms / 1e3)
-        self._wakeup: asyncio.Event | None = None
+        # consumers waiting for work: (future, rows wanted); woken by enqueue once that many rows wait
+        self._waiters: list[tuple[asyncio.Future, int]] = []
+        self._started = False
         self._consumers: list[asyncio.Task] = []
         self._inflight: set[Request] = set()
         self._accepting = True
@@ -111,7 +118,7 @@ class DynamicBatcher:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> "DynamicBatcher":
         if not self._consumers:
-            self._wakeup = asyncio.Event()
+            self._started = True
             self._accepting = True
             self._consumers = [asyncio.create_task(self._consume(), name=f"batcher-{i}")
                                for i in range(self.config.concurrency)]
@@ -138,7 +145,7 @@ class DynamicBatcher:
         if drain:
             end = self.clock() + timeout_s
             while (self._queue.live or self._inflight) and self.clock() < end:
-                self._notify()
+                self._notify(force=True)
                 await asyncio.sleep(0.005)
         for t in self._consumers:
             t.cancel()
@@ -149,8 +156,10 @@ class DynamicBatcher:
             while lane:
                 r = lane.popleft()
                 if r.live:
+                    r.finished = True
                     r.future.set_exception(err)
-        self._queue.live = 0
+        self._queue.live = self._queue.live_rows = 0
+        self._started = False
 
     # ------------------------------------------------------------------ submit
     def _bucket(self, length: int | None) -> int:
@@ -202,7 +211,9 @@ class DynamicBatcher:
 
     async def wait(self, req: Request) -> Any:
         try:
-            return await asyncio.shield(req.future)
+            # no shield: cancelling the waiting task cancels the future too, and _finish below
+            # still does the bookkeeping (it keys on req.finished, not on the future's state)
+            return await req.future
         except asyncio.CancelledError:
             self._finish(req, "cancelled", exc=asyncio.CancelledError())
             raise
@@ -212,17 +223,21 @@ class DynamicBatcher:
         self._finish(req, "cancelled", exc=asyncio.CancelledError())
 
     def _finish(self, req: Request, status: str, result: Any = None, exc: BaseException | None = None) -> None:
-        if req.future.done():
+        if req.finished:
             return
+        req.finished = True
         queued = req.started is None
-        if exc is None:
-            req.future.set_result(result)
+        fut = req.future
+        if fut.done():  # cancelled together with the task that awaited it
+            pass
+        elif exc is None:
+            fut.set_result(result)
         elif isinstance(exc, asyncio.CancelledError):
-            req.future.cancel()
+            fut.cancel()
         else:
-            req.future.set_exception(exc)
+            fut.set_exception(exc)
         if queued:
-            self._queue.discard()
+            self._queue.discard(req)
             self._observe_depth()
         if self.observer is not None:
             qs = None if req.started is None else req.started - req.arrival
@@ -235,9 +250,25 @@ class DynamicBatcher:
                 f"request deadline passed after {waited:.0f} ms "
                 f"({'still queued' if req.started is None else 'computing'}); raise `timeout` or reduce load"))
 
-    def _notify(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
+    def _notify(self, force: bool = False) -> None:
+        """Wake the consumers whose wanted rows are now queued (all with ``force``).
+
+        Consumers filling a batch have first claim: one waiting for a *new* batch is woken only
+        by rows beyond what the filling ones still want (they come back to it when they close).
+        """
+        if not self._waiters:
+            return
+        rows = self._queue.live_rows
+        claimed = sum(need for f, need in self._waiters if need > 1 and not f.done())
+        keep = []
+        for fut, need in self._waiters:
+            if fut.done():
+                continue
+            if force or (rows >= need if need > 1 else rows > claimed):
+                fut.set_result(None)
+            else:
+                keep.append((fut, need))
+        self._waiters = keep
 
     def _observe_depth(self) -> None:
         if self.observer is not None:
@@ -251,18 +282,25 @@ class DynamicBatcher:
             return size, wait, self.adaptive.idle_gap()
         return self.config.max_batch_size, self.config.max_wait_ms / 1e3, None
 
-    async def _wait_for_work(self, timeout: float | None) -> None:
-        wakeup = self._wakeup
-        if wakeup is None:
+    async def _wait_for_work(self, timeout: float | None, need: int = 1) -> None:
+        """Sleep until ``need`` rows are queued, ``timeout`` passes, or a forced wake-up.
+
+        A plain future and a timer handle: ``asyncio.wait_for`` would create a task per wait, and
+        a filling batch waits once per ``need`` rows instead of once per arriving request.
+        """
+        if not self._started:
             raise ServeError("the batcher is not started; use `async with DynamicBatcher(...)` or `await start()`")
-        wakeup.clear()
+        if timeout is not None and timeout <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._waiters.append((fut, max(1, need)))
+        timer = None if timeout is None else loop.call_later(timeout, _release, fut)
         try:
-            if timeout is None:
-                await wakeup.wait()
-            elif timeout > 0:
-                await asyncio.wait_for(wakeup.wait(), timeout)
-        except asyncio.TimeoutError:
-            pass
+            await fut
+        finally:
+            if timer is not None:
+                timer.cancel()
 
     async def _collect(self) -> list[Request]:
         """Wait for a first request, then fill until full or its wait window ends."""
@@ -298,11 +336,16 @@ class DynamicBatcher:
             if rows_before_wait is None:
                 rows_before_wait = rows
             t0 = self.clock()
-            await self._wait_for_work(remaining)
+            # adaptive watches each arrival (its idle gap); otherwise wake when the batch can be
+            # full, or reach the next preferred size
+            need = 1 if idle_s is not None else next(
+                (p for p in self.config.preferred_batch_sizes if p > rows), max_rows) - rows
+            await self._wait_for_work(remaining, need)
             waited += self.clock() - t0
         if self.adaptive is not None and rows_before_wait is not None:
             self.adaptive.on_window(waited, rows - rows_before_wait)
         self._observe_depth()
+        self._notify()  # rows this batch left behind may start another consumer's batch
         return batch
 
     async def _consume(self) -> None:

@@ -24,8 +24,8 @@ from torchnitro.bench.timing import percentile
 from torchnitro.errors import InputError
 from torchnitro.serve.metrics import parse_batch_size
 
-__all__ = ["LoadTarget", "LoadResult", "HttpClient", "closed_loop", "open_loop", "v2_target", "sweep",
-           "save_results"]
+__all__ = ["LoadTarget", "LoadResult", "HttpClient", "closed_loop", "open_loop", "interleaved", "v2_target",
+           "sweep", "save_results"]
 
 
 class HttpClient:
@@ -160,11 +160,9 @@ class _Stats:
                           len(self.lat) / elapsed if elapsed > 0 else 0.0, pct(50), pct(90), pct(99), mean_batch)
 
 
-async def closed_loop(target: LoadTarget, concurrency: int, duration_s: float,
-                      max_requests: int = 1_000_000, timeout_s: float = 30.0) -> LoadResult:
-    """``concurrency`` clients, back to back, for ``duration_s`` (or ``max_requests`` in total)."""
-    stats, counter = _Stats(), iter(range(max_requests))
-    before = await _metrics(target)
+async def _closed(target: LoadTarget, stats: _Stats, concurrency: int, duration_s: float,
+                  counter: Any, timeout_s: float) -> float:
+    """One closed-loop run into ``stats``; returns its elapsed seconds."""
     t0 = time.perf_counter()
     end = t0 + duration_s
 
@@ -179,8 +177,38 @@ async def closed_loop(target: LoadTarget, concurrency: int, duration_s: float,
             await c.close()
 
     await asyncio.gather(*(client_loop() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - t0
+    return time.perf_counter() - t0
+
+
+async def closed_loop(target: LoadTarget, concurrency: int, duration_s: float,
+                      max_requests: int = 1_000_000, timeout_s: float = 30.0) -> LoadResult:
+    """``concurrency`` clients, back to back, for ``duration_s`` (or ``max_requests`` in total)."""
+    stats = _Stats()
+    before = await _metrics(target)
+    elapsed = await _closed(target, stats, concurrency, duration_s, iter(range(max_requests)), timeout_s)
     return stats.result("closed", concurrency, elapsed, before, await _metrics(target))
+
+
+async def interleaved(targets: dict[str, LoadTarget], concurrency: int, rounds: int, burst_s: float,
+                      timeout_s: float = 30.0) -> dict[str, LoadResult]:
+    """Closed-loop load on several servers in turn: ``rounds`` bursts of ``burst_s`` each, rotating
+    the order every round, so drift and other load on the machine hit every server alike.
+
+    Only one server is loaded at a time; each result merges its bursts (latencies pooled,
+    throughput = answers / loaded seconds, mean batch from its /metrics over the whole run).
+    """
+    if rounds < 1 or burst_s <= 0:
+        raise InputError(f"rounds={rounds}, burst_s={burst_s}: expected rounds >= 1 and burst_s > 0")
+    names = list(targets)
+    stats = {n: _Stats() for n in names}
+    elapsed = dict.fromkeys(names, 0.0)
+    before = {n: await _metrics(targets[n]) for n in names}
+    for k in range(rounds):
+        for n in names[k % len(names):] + names[:k % len(names)]:
+            elapsed[n] += await _closed(targets[n], stats[n], concurrency, burst_s,
+                                        iter(range(1_000_000)), timeout_s)
+    return {n: stats[n].result("closed", concurrency, elapsed[n], before[n], await _metrics(targets[n]))
+            for n in names}
 
 
 async def open_loop(target: LoadTarget, rate: float, duration_s: float, max_outstanding: int = 512,

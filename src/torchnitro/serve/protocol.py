@@ -218,8 +218,10 @@ def encode_infer_response(sig: ModelSignature, outputs: Sequence[Tensor], rid: s
     for spec, t in zip(sig.outputs, outputs):
         if t.dtype in (torch.bfloat16, torch.float16):
             t = t.float()
-        flat = t.detach().reshape(-1).contiguous()
-        data = flat.numpy() if orjson is not None else flat.tolist()
+        if orjson is not None:  # numpy view, flattened by numpy (a view when contiguous): no torch ops
+            data = t.detach().numpy().reshape(-1)
+        else:
+            data = t.detach().reshape(-1).tolist()
         outs.append({"name": spec.name, "datatype": spec.datatype, "shape": list(t.shape), "data": data})
     body: dict[str, Any] = {"model_name": sig.name, "model_version": sig.versions[0], "outputs": outs}
     if rid is not None:
@@ -254,6 +256,11 @@ def assemble(items: Sequence[InferItem], sig: ModelSignature,
             dst = buffers[k][:n].view(shape)
         else:
             dst = torch.empty(shape, dtype=spec.dtype)
+        if all(it.tensors[k].dtype == dst.dtype and (not spec.ragged or it.tensors[k].shape[1] == padded)
+               for it in items):  # nothing to pad: one copy for the whole batch, straight into dst
+            torch.cat([it.tensors[k] for it in items], out=dst)
+            out.append(dst)
+            continue
         r = 0
         for it in items:
             src = it.tensors[k]
@@ -272,13 +279,21 @@ def split_outputs(outputs: Sequence[Tensor], items: Sequence[InferItem], sig: Mo
                   padded: int | None) -> list[list[Tensor]]:
     """Per request, its rows of every output; ragged outputs are cut back to its own length."""
     res: list[list[Tensor]] = [[] for _ in items]
+    rows = [it.rows for it in items]
     for spec, t in zip(sig.outputs, outputs):
-        r = 0
-        for i, it in enumerate(items):
-            part = t[r:r + it.rows]
-            if spec.ragged and padded is not None and it.length is not None and part.dim() > 1 \
-                    and part.shape[1] == padded:
+        parts = t.split(rows) if t.shape[0] == sum(rows) else _rows(t, rows)  # one call: views per request
+        unpad = spec.ragged and padded is not None and t.dim() > 1 and t.shape[1] == padded
+        for i, (it, part) in enumerate(zip(items, parts)):
+            if unpad and it.length is not None and it.length != padded:
                 part = part[:, : it.length]
             res[i].append(part)
-            r += it.rows
     return res
+
+
+def _rows(t: Tensor, rows: list[int]) -> list[Tensor]:
+    """Per-request slices when ``t`` has a different row count than the batch (sliced as before)."""
+    out, r = [], 0
+    for m in rows:
+        out.append(t[r:r + m])
+        r += m
+    return out

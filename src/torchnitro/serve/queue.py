@@ -25,6 +25,7 @@ class Request:
     deadline: float | None
     future: asyncio.Future = field(repr=False)
     started: float | None = None  # when its batch was handed to the function
+    finished: bool = False  # answered (result, error or cancel) and accounted for
     seq: int = field(default_factory=lambda: next(_ids))
 
     @property
@@ -39,14 +40,17 @@ class RequestQueue:
         self.levels, self.aging_s = levels, aging_s
         self.lanes: dict[tuple[int, int], deque[Request]] = {}
         self.live = 0  # live requests (dead ones are dropped lazily)
+        self.live_rows = 0  # rows of those requests (what a filling batch waits for)
 
     def push(self, r: Request) -> None:
         self.lanes.setdefault((r.bucket, r.priority), deque()).append(r)
         self.live += 1
+        self.live_rows += r.rows
 
-    def discard(self) -> None:
+    def discard(self, r: Request) -> None:
         """A queued request finished early (timeout/cancel); it leaves lazily."""
         self.live -= 1
+        self.live_rows -= r.rows
 
     def _head(self, lane: deque[Request]) -> Request | None:
         while lane and not lane[0].live:
@@ -73,3 +77,4 @@ class RequestQueue:
             raise RuntimeError("internal: popped a request that is not at the head of its lane")
         lane.popleft()
         self.live -= 1
+        self.live_rows -= r.rows
