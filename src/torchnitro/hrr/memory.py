@@ -84,8 +84,9 @@ class ItemMemory:
     """Labelled codebook with batched top-k cleanup.
 
     ``codebook`` is (N, d); ``labels`` (default ``"0" .. "N-1"``) must be unique strings.
-    ``device``: "auto" (small query batches on the CPU, large on the GPU, threshold from
-    ``hrr.calibrate()``), "cpu", or "cuda". ``dispatcher`` overrides ``device`` (tests inject faults).
+    ``device``: "auto" (small query batches on the CPU, large on the GPU, from the cleanup threshold
+    ``hrr.calibrate(d, op="cleanup", n_items=len(memory))``, measured once per codebook-size bucket),
+    "cpu", or "cuda". ``dispatcher`` overrides ``device`` (tests inject faults).
     """
 
     def __init__(
