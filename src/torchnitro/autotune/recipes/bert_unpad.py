@@ -115,10 +115,8 @@ class _Layer(nn.Module):
     def _ffn(self, x: Tensor) -> Tensor:
         if x.shape[0] <= self.ffn_rows:
             return self.ffn_out(F.gelu(self.ffn_in(x)))  # the GELU output is a temporary an int8 ffn_out may smooth in place
-        out = x.new_empty(x.shape)  # (N, D)
-        for xs, ys in zip(x.split(self.ffn_rows), out.split(self.ffn_rows)):  # rows are independent in the FFN
-            ys.copy_(self.ffn_out(F.gelu(self.ffn_in(xs))))  # (rows, 4D) in cache
-        return out
+        # rows are independent in the FFN; each block's (rows, 4D) temporary stays in cache
+        return torch.cat([self.ffn_out(F.gelu(self.ffn_in(xs))) for xs in x.split(self.ffn_rows)])  # (N, D)
 
     def _attend(self, qkv: Tensor, buckets: list[_Bucket]) -> Tensor:
         n, d = qkv.shape[0], qkv.shape[1] // 3  # qkv: (N, 3D)
