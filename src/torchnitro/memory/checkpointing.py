@@ -10,8 +10,9 @@ Policies (all use ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`
   (``MUST_SAVE``); pointwise ops, norms and the output projections back into the residual stream
   (``RECOMPUTE_MODULES``: attention ``wo``/``o_proj``, MLP ``w2``/``down_proj``...) are recomputed
   (``PREFER_RECOMPUTE``). An output projection frees a D-wide tensor for one matmul, and the last
-  one of a block (``w2``) is never needed by its backward, so recomputing it is nearly free: on the
-  reference LM this lands past the midpoint between none and ``blocks`` at a few percent of time.
+  one of a block (``w2``) feeds only the residual add, so the recompute stops before it (PyTorch's
+  early stop): the extra work is the pointwise ops, the norms and one ``wo`` matmul per block.
+  ``recompute=()`` keeps every matmul output (less recompute, more memory).
 - ``Budget(fraction)``: checkpoint just enough blocks, spread evenly, to bring activation memory
   to ``fraction`` of the unchecked model (estimated with the planner for ``TransformerLM``).
 - ``"none"``: undo a previous ``checkpoint_``.
