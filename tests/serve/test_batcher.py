@@ -283,3 +283,55 @@ def test_exact_lengths_only_batches_equal_lengths():
         assert sorted(sorted(x) for x in rec.batches) == [[3, 3, 3], [4, 4], [5]]
 
     run(main())
+
+
+def test_filling_batch_wakes_once_per_batch_not_per_request():
+    async def main():
+        rec = Recorder()
+        b = DynamicBatcher(rec, BatchingConfig(max_batch_size=16, max_wait_ms=500))
+        waits = []
+        orig = b._wait_for_work
+
+        async def counted(timeout, need=1):
+            waits.append(need)
+            await orig(timeout, need)
+
+        b._wait_for_work = counted
+        async with b:
+            t0 = time.monotonic()
+            tasks = []
+            for i in range(16):  # arrive one by one, each after the consumer went back to sleep
+                tasks.append(asyncio.create_task(b.submit(i)))
+                await asyncio.sleep(0.002)
+            out = await asyncio.gather(*tasks)
+            dt = time.monotonic() - t0
+        assert out == [2 * i for i in range(16)] and [len(x) for x in rec.batches] == [16]
+        assert dt < 0.4  # closed when full, not at the 500 ms window
+        # one wait for the first request, then one for "15 more rows": not 15 separate wake-ups
+        assert waits[:2] == [1, 15] and len(waits) <= 3, waits
+
+    run(main())
+
+
+def test_two_consumers_cancelled_and_timed_out_requests_keep_counts_right():
+    async def main():
+        rec = Recorder(gate=True)
+        cfg = BatchingConfig(max_batch_size=4, max_wait_ms=5, concurrency=2, max_queue_size=64)
+        async with DynamicBatcher(rec, cfg) as b:
+            busy = [asyncio.create_task(b.submit(i)) for i in range(8)]  # both consumers hold a batch
+            await asyncio.sleep(0.05)
+            gone = [asyncio.create_task(b.submit(100 + i)) for i in range(3)]
+            late = asyncio.create_task(b.submit(200, timeout_ms=20))
+            await asyncio.sleep(0.01)
+            for t in gone:
+                t.cancel()  # the waiting task is cancelled: its request leaves the queue
+            with pytest.raises(DeadlineExceededError):
+                await late
+            assert b.depth == 0 and b._queue.live_rows == 0
+            rec.gate.set()
+            assert await asyncio.gather(*busy) == [2 * i for i in range(8)]
+            assert await b.submit(7) == 14  # still serving after the withdrawals
+        computed = [x for batch in rec.batches for x in batch]
+        assert not {100, 101, 102, 200} & set(computed)
+
+    run(main())

@@ -9,7 +9,15 @@ pytest.importorskip("uvicorn")
 
 from torchnitro.errors import InputError  # noqa: E402
 from torchnitro.serve.batcher import BatchingConfig  # noqa: E402
-from torchnitro.serve.loadtest import HttpClient, closed_loop, open_loop, save_results, v2_target  # noqa: E402
+from torchnitro.serve.loadtest import (  # noqa: E402
+    HttpClient,
+    LoadTarget,
+    closed_loop,
+    interleaved,
+    open_loop,
+    save_results,
+    v2_target,
+)
 from torchnitro.serve.metrics import parse_batch_size  # noqa: E402
 from torchnitro.serve.server import InferenceServer, ModelEndpoint, ServeConfig, make_pool  # noqa: E402
 
@@ -77,3 +85,42 @@ def test_bad_url_and_metrics_parsing():
             'torchnitro_batch_size_sum{model="b"} 5.0\ntorchnitro_batch_size_count{model="b"} 5.0\n')
     assert parse_batch_size(text, "a") == (30.0, 10.0)
     assert parse_batch_size(text) == (35.0, 15.0)
+
+
+def test_interleaved_loads_each_server_in_turn():
+    async def main():
+        hits: list[str] = []
+
+        def handler(tag):
+            async def serve(reader, writer):
+                try:
+                    while True:
+                        head = await reader.readuntil(b"\r\n\r\n")
+                        n = int([ln for ln in head.split(b"\r\n")
+                                 if ln.lower().startswith(b"content-length")][0].split(b":")[1])
+                        await reader.readexactly(n)
+                        hits.append(tag)
+                        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                        await writer.drain()
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    writer.close()
+            return serve
+
+        servers = {tag: await asyncio.start_server(handler(tag), "127.0.0.1", 0) for tag in ("a", "b")}
+        targets = {tag: LoadTarget(f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}", "/x", lambda i: b"{}",
+                                   metrics_path=None) for tag, s in servers.items()}
+        res = await interleaved(targets, concurrency=2, rounds=3, burst_s=0.05)
+        for s in servers.values():
+            s.close()
+        return res, hits
+
+    res, hits = asyncio.run(asyncio.wait_for(main(), 30))
+    assert set(res) == {"a", "b"}
+    for tag, r in res.items():
+        assert r.ok == hits.count(tag) > 0 and r.errors == {} and r.throughput > 0
+        assert 0.15 <= r.duration_s < 2.0  # three bursts of 50 ms each
+    # one server at a time, order rotating per round: a b | b a | a b -> runs a, b, a, b
+    runs = [x for k, x in enumerate(hits) if k == 0 or hits[k - 1] != x]
+    assert runs == ["a", "b", "a", "b"], runs
+    with pytest.raises(InputError, match="rounds"):
+        asyncio.run(interleaved({}, 1, 0, 1.0))

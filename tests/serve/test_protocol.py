@@ -106,3 +106,58 @@ def test_out_of_range_float_is_rejected_without_warnings():
         warnings.simplefilter("error")
         with pytest.raises(InputError, match="NaN or infinity"):
             parse_infer_request(req, FSIG)
+
+
+def _assemble_reference(items, sig):
+    """Per-request copy with padding: the plain version the one-copy fast path must equal."""
+    padded = max((it.length for it in items if it.length is not None), default=None)
+    out = []
+    for k, spec in enumerate(sig.inputs):
+        parts = []
+        for it in items:
+            t = it.tensors[k]
+            if spec.ragged and t.shape[1] != padded:
+                t = torch.nn.functional.pad(t, (0, padded - t.shape[1]), value=spec.pad_value)
+            parts.append(t)
+        out.append(torch.cat(parts))
+    return out
+
+
+@pytest.mark.parametrize("lengths", [(5, 5, 5), (3, 7, 7, 1), (1,)])
+def test_assemble_fast_path_equals_per_request_copy(lengths):
+    items = [parse_infer_request(body(1 + i % 3, n), SIG) for i, n in enumerate(lengths)]
+    buffers = [torch.full((3,), -7, dtype=torch.int64), torch.empty(0, dtype=torch.int64)]  # stale contents
+    batch, _ = assemble(items, SIG, buffers)
+    for got, want in zip(batch, _assemble_reference(items, SIG)):
+        assert torch.equal(got, want)
+
+
+def test_split_outputs_returns_each_request_its_rows():
+    items = [parse_infer_request(body(r, 4), SIG) for r in (2, 1, 3)]
+    hidden = torch.arange(6 * 4 * 3, dtype=torch.float32).view(6, 4, 3)
+    pooled = torch.arange(18, dtype=torch.float32).view(6, 3)
+    per = split_outputs([hidden, pooled], items, SIG, 4)
+    starts = [0, 2, 3]
+    for (h, p), it, s in zip(per, items, starts):
+        assert torch.equal(h, hidden[s:s + it.rows]) and torch.equal(p, pooled[s:s + it.rows])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_encode_response_non_contiguous_and_low_precision(dtype):
+    t = torch.arange(12).view(3, 4).t().to(dtype)  # (4, 3), not contiguous
+    sig = ModelSignature("f", [TensorSpec("x", "FP32", (-1, 4))], [TensorSpec("y", "FP32", (-1, 3))])
+    d = json.loads(encode_infer_response(sig, [t], None))
+    assert d["outputs"][0]["shape"] == [4, 3]
+    assert d["outputs"][0]["data"] == t.float().reshape(-1).tolist()
+
+
+def test_element_count_and_nan_checks_name_the_input():
+    short = {"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32", "data": [1.0] * 7}]}
+    with pytest.raises(InputError, match=r"'x': 'data' has 7 elements, shape \[2, 4\] needs 8"):
+        parse_infer_request(short, FSIG)
+    nested = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [[1.0, 2.0, float("nan"), 4.0]]}]}
+    with pytest.raises(InputError, match="'x': contains NaN"):
+        parse_infer_request(nested, FSIG)
+    ok = parse_infer_request({"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32",
+                                          "data": [[1, 2, 3, 4], [5, 6, 7, 8]]}]}, FSIG)
+    assert ok.tensors[0].dtype == torch.float32 and ok.tensors[0].shape == (2, 4)

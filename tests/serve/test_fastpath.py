@@ -1,0 +1,125 @@
+"""The raw ASGI infer route, driven directly (no sockets): routing, answers, metrics, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+import torch
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+from torchnitro.serve.batcher import BatchingConfig  # noqa: E402
+from torchnitro.serve.models import ServedModel  # noqa: E402
+from torchnitro.serve.protocol import ModelSignature, TensorSpec  # noqa: E402
+from torchnitro.serve.server import InferenceServer, ModelEndpoint, ServeConfig  # noqa: E402
+from torchnitro.serve.workers import InlinePool  # noqa: E402
+
+
+class Gated:
+    """``y = 2x + 1``; blocks while the gate is closed; records every row it computes."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.seen: list[float] = []
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.gate.wait(10)
+        self.seen += x[:, 0].tolist()
+        return x * 2 + 1
+
+
+def scope(path: str, method: str = "POST", headers: list | None = None) -> dict:
+    return {"type": "http", "method": method, "path": path, "headers": headers or []}
+
+
+def body(v: float) -> bytes:
+    return json.dumps({"id": str(v), "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32",
+                                                 "data": [v, v, v, v]}]}).encode()
+
+
+async def call(app, sc: dict, data: bytes, disconnect_after: float | None = None) -> tuple[int, dict, bytes]:
+    msgs = [{"type": "http.request", "body": data, "more_body": False}]
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        if msgs:
+            return msgs.pop(0)
+        if disconnect_after is None:
+            await asyncio.sleep(3600)
+        await asyncio.sleep(disconnect_after)
+        return {"type": "http.disconnect"}
+
+    async def send(msg: dict) -> None:
+        sent.append(msg)
+
+    await app(sc, receive, send)
+    start, payload = sent
+    return start["status"], dict(start["headers"]), payload["body"]
+
+
+@pytest.fixture
+def served():
+    model = Gated()
+    sig = ModelSignature("g", [TensorSpec("x", "FP32", (-1, 4))], [TensorSpec("y", "FP32", (-1, 4))])
+    ep = ModelEndpoint("g", InlinePool(ServedModel(model, sig)), BatchingConfig(max_batch_size=1, max_wait_ms=0))
+    srv = InferenceServer([ep], ServeConfig(port=0, workers=0, auth_token="tok"))
+    return srv, ep, model
+
+
+def test_infer_is_answered_without_starlette_and_other_routes_pass_through(served):
+    srv, ep, model = served
+    inner: list[str] = []
+
+    async def starlette_stub(sc, receive, send):
+        inner.append(f"{sc['method']} {sc['path']}")
+
+    srv.app.app = starlette_stub
+    auth = [(b"authorization", b"Bearer tok")]
+
+    async def main():
+        await ep.start(srv.metrics)
+        model.gate.set()
+        ok = await call(srv.app, scope("/v2/models/g/infer", headers=auth), body(3.0))
+        await srv.app(scope("/v2/models/g/infer", "GET"), None, None)  # 405 is Starlette's job
+        await srv.app(scope("/v2/models/a/b/infer"), None, None)  # not a model name: Starlette's 404
+        await srv.app(scope("/v2/health/ready", "GET"), None, None)
+        missing = await call(srv.app, scope("/v2/models/nope/infer", headers=auth), body(1.0))
+        noauth = await call(srv.app, scope("/v2/models/g/infer"), body(1.0))
+        await ep.batcher.stop()
+        return ok, missing, noauth
+
+    ok, missing, noauth = asyncio.run(asyncio.wait_for(main(), 20))
+    status, headers, data = ok
+    assert status == 200 and int(headers[b"content-length"]) == len(data)
+    out = json.loads(data)
+    assert out["id"] == "3.0" and out["outputs"][0]["data"] == [7.0] * 4
+    assert inner == ["GET /v2/models/g/infer", "POST /v2/models/a/b/infer", "GET /v2/health/ready"]
+    assert missing[0] == 404 and "unknown model 'nope'" in json.loads(missing[2])["error"]
+    assert noauth[0] == 401 and noauth[1][b"www-authenticate"] == b"Bearer"
+    text = srv.metrics.render().decode()
+    assert 'torchnitro_requests_total{code="200",model="g"} 1.0' in text
+    assert 'torchnitro_requests_total{code="404",model=""} 1.0' in text
+
+
+def test_client_gone_while_queued_gets_499_and_is_never_computed(served):
+    srv, ep, model = served
+    auth = [(b"authorization", b"Bearer tok")]
+
+    async def main():
+        await ep.start(srv.metrics)
+        running = asyncio.create_task(call(srv.app, scope("/v2/models/g/infer", headers=auth), body(1.0)))
+        await asyncio.sleep(0.05)  # the first request holds the only slot (gate closed)
+        # the second waits in the queue; its client leaves after 30 ms (after the 10 ms watch delay)
+        gone = await call(srv.app, scope("/v2/models/g/infer", headers=auth), body(2.0), disconnect_after=0.03)
+        model.gate.set()
+        first = await running
+        await ep.batcher.stop()
+        return gone, first
+
+    gone, first = asyncio.run(asyncio.wait_for(main(), 20))
+    assert gone[0] == 499 and first[0] == 200
+    assert model.seen == [1.0]  # the abandoned request never reached the model
