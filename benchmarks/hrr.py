@@ -197,11 +197,11 @@ def run_fused(args, device: str) -> ResultTable:
               unfused_us=res["unfused"].median * 1e6, speedup=res["unfused"].median / res["fused"].median,
               backend=backend)
         a, b = keys[:, 0].contiguous(), vals[:, 0].contiguous()
-        res = compare({"fused": lambda: hrr.bind_normalize(a, b, backend="auto"),
+        res = compare({"fused": lambda: hrr.bind_normalize(a, b, backend=backend),
                        "unfused": lambda: hrr.normalize(hrr.bind(a, b)),
                        "parseval_torch": lambda: hrr.bind_superpose(a.unsqueeze(-2), b.unsqueeze(-2), normalized=True,
                                                                     backend="torch")}, cfg)
-        auto = "triton" if device == "cuda" else "plain (auto)"
+        auto = "triton" if device == "cuda" else "plain (torch backend)"
         t.add(op="bind_normalize", d=d, batch=batch, k=1, fused_us=res["fused"].median * 1e6,
               unfused_us=res["unfused"].median * 1e6, speedup=res["unfused"].median / res["fused"].median, backend=auto)
         t.add(op="bind_normalize (Parseval, torch)", d=d, batch=batch, k=1,

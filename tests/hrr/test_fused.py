@@ -116,3 +116,16 @@ def test_blocked_cpu_path_matches_reference(monkeypatch, dtype, normalized):
         want = fused.bind_superpose_reference(k_in, values, weights, normalized=normalized)
         assert got.shape == (2, 7, 65)
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=0)
+
+
+def test_auto_takes_triton_only_for_large_cuda_work(monkeypatch):
+    import types
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(fused, "triton_importable", lambda: True)
+    gpu = types.SimpleNamespace(is_cuda=True, dtype=torch.float32)
+    assert fused._pick_backend("auto", gpu, pairs=fused.TRITON_MIN_PAIRS) == "triton"
+    assert fused._pick_backend("auto", gpu, pairs=100 * 16) == "torch"  # measured slower there
+    assert fused._pick_backend("auto", gpu) == "torch"  # bind_normalize: plain path
+    assert fused._pick_backend("auto", types.SimpleNamespace(is_cuda=True, dtype=torch.float64), pairs=10**6) == "torch"
+    assert fused._pick_backend("auto", types.SimpleNamespace(is_cuda=False, dtype=torch.float32), pairs=10**6) == "torch"

@@ -15,7 +15,12 @@ Backends:
 * ``"triton"`` (CUDA, float32): one kernel per batch row multiplies and accumulates the k spectra in
   registers, so the (..., k, d//2+1) complex product tensor is not materialised either, and applies
   the Parseval normalisation in the same launch; ``TRITON_INTERPRET=1`` runs it on the CPU for tests.
-* ``"auto"``: Triton on CUDA float32 when Triton imports, else torch.
+* ``"auto"``: Triton on CUDA float32 for ``bind_superpose`` with at least ``TRITON_MIN_PAIRS``
+  (batch x k) pairs, else torch. Measured on an H100 and an H200 (``benchmarks/hrr.py --device
+  cuda``): the kernel path costs ~0.2 ms whatever the size, so it won at (1000, 16, 1024) pairs
+  (1.8x / 1.2x) and lost at (10|100, 16, 1024) and (100, 16, 4096) (0.3-0.7x).
+  ``bind_normalize`` uses the plain path under "auto" everywhere: its Triton form measured 0.42-0.45x
+  the plain ``normalize(bind(a, b))`` on both GPUs (explicit ``backend="triton"`` still runs it).
 
 On the CPU large inputs are processed in blocks of batch rows whose spectra fit in ~2 MiB, so no
 full-size intermediate exists there either. Measured on the 2-core CPU (``benchmarks/hrr.py``, see
@@ -40,9 +45,10 @@ try:
 except Exception:  # pragma: no cover - triton missing: only the torch backend runs
     tl = constexpr = None  # type: ignore[assignment]
 
-__all__ = ["bind_superpose", "bind_normalize", "bind_superpose_reference", "BACKENDS"]
+__all__ = ["bind_superpose", "bind_normalize", "bind_superpose_reference", "BACKENDS", "TRITON_MIN_PAIRS"]
 
 BACKENDS = ("auto", "torch", "triton")
+TRITON_MIN_PAIRS = 8192  # batch x k from which "auto" takes the Triton kernel on CUDA (see module doc)
 
 
 def bind_superpose_reference(
@@ -122,7 +128,8 @@ def _spectral_mac_triton(K: torch.Tensor, V: torch.Tensor, w: torch.Tensor, d: i
     return torch.view_as_complex(out)
 
 
-def _pick_backend(backend: str, x: torch.Tensor) -> str:
+def _pick_backend(backend: str, x: torch.Tensor, pairs: int | None = None) -> str:
+    """The backend to run; ``pairs`` (batch x k) lets "auto" skip Triton where launch cost dominates."""
     if backend not in BACKENDS:
         raise InputError(f"backend: received {backend!r}, expected one of {BACKENDS}")
     triton_ok = triton_importable() and (x.is_cuda or interpreting()) and x.dtype == torch.float32
@@ -131,7 +138,8 @@ def _pick_backend(backend: str, x: torch.Tensor) -> str:
             f"backend='triton' needs Triton and a float32 CUDA tensor (or TRITON_INTERPRET=1); received a "
             f"{x.dtype} tensor on {x.device}. Use backend='auto' or 'torch'.")
     if backend == "auto":
-        return "triton" if triton_ok and x.is_cuda else "torch"
+        big = pairs is not None and pairs >= TRITON_MIN_PAIRS
+        return "triton" if triton_ok and x.is_cuda and big else "torch"
     return backend
 
 
@@ -224,7 +232,7 @@ def bind_superpose(
         weights = torch.as_tensor(weights, dtype=keys.dtype, device=keys.device)
         if weights.dim() == 0 or weights.shape[-1] != k:
             raise ShapeError(f"bind_superpose: received weights {tuple(weights.shape)}, expected (..., {k})")
-    chosen = _pick_backend(backend, keys)
+    chosen = _pick_backend(backend, keys, pairs=math.prod(lead))
     if chosen == "torch" and not keys.is_cuda and _blocked_applies(keys, values, lead):
         return _blocked_spectral_sum(keys, values, weights, lead, normalized)
     K, V = ops.rfft(keys), ops.rfft(values)
@@ -247,10 +255,11 @@ def bind_superpose(
 
 
 def bind_normalize(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """``normalize(bind(a, b))``; on CUDA float32 one Triton launch does multiply + Parseval scaling."""
+    """``normalize(bind(a, b))``. ``backend="triton"`` (CUDA float32) does multiply + Parseval scaling in
+    one launch; "auto" takes the plain path, which measured faster on the CPU and on H100/H200."""
     ops._check_pair(a, b)
     chosen = _pick_backend(backend, a)
-    if chosen == "triton":
+    if backend == "triton" and chosen == "triton":
         return bind_superpose(a.unsqueeze(-2), b.unsqueeze(-2), normalized=True, backend="triton")
     return ops.normalize(ops.bind(a, b))
 
