@@ -160,7 +160,9 @@ def _budget_count(model: nn.Module, n: int, fraction: float) -> int:
 
     cfg = getattr(model, "cfg", None)
     if isinstance(cfg, TransformerConfig) and cfg.n_layers == n:
-        p = plan(cfg, batch=1, seq=min(128, cfg.max_seq_len), checkpointing=Budget(fraction))
+        dev = next(model.parameters()).device.type
+        p = plan(cfg, batch=1, seq=min(128, cfg.max_seq_len), checkpointing=Budget(fraction),
+                 device=dev if dev in ("cpu", "cuda") else "cpu")
         return int(p.inputs["checkpointed_layers"])
     return min(n, max(0, math.ceil(n * (1 - fraction) - 1e-9)))
 

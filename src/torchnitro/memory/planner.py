@@ -206,8 +206,9 @@ def sdpa_backend(device: str, dtype_bytes: int, *, n_heads: int, kv_heads: int, 
     dt = {4: torch.float32, 2: torch.bfloat16}[dtype_bytes]
     if device == "cpu" or torch.cuda.is_available():
         try:
-            q = torch.empty(1, n_heads, seq, head_dim, dtype=dt, device=device)
-            k = torch.empty(1, kv_heads, seq, head_dim, dtype=dt, device=device)
+            # requires_grad: a training step is planned, and some kernels are chosen only without grad
+            q = torch.empty(1, n_heads, seq, head_dim, dtype=dt, device=device, requires_grad=True)
+            k = torch.empty(1, kv_heads, seq, head_dim, dtype=dt, device=device, requires_grad=True)
             choice = torch._fused_sdp_choice(q, k, k, None, 0.0, True, scale=None, enable_gqa=gqa)
             return _SDP_CHOICE.get(int(choice), "math")
         except (RuntimeError, TypeError, AttributeError):  # private API moved: use the rules below
