@@ -22,7 +22,7 @@ GRID = [
 def test_planner_matches_tracker(cfg, batch, seq, dtype):
     c = TransformerConfig(**cfg)
     r = tracked_peak(c, batch, seq, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
-    p = plan(c, batch=batch, seq=seq, dtype=dtype)
+    p = plan(c, batch=batch, seq=seq, dtype=dtype, device="cpu")
     assert abs(p.peak_bytes / r.peak.bytes - 1) < 0.10, p.table()
     for phase in ("forward", "backward", "optimizer"):
         assert abs(p.phases[phase] / r.per_phase[phase].bytes - 1) < 0.10, phase
@@ -32,7 +32,7 @@ def test_planner_matches_tracker(cfg, batch, seq, dtype):
 def test_planner_matches_tracker_with_checkpointing(policy):
     c = TransformerConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, max_seq_len=128)
     r = tracked_peak(c, 2, 128, torch.float32, policy)
-    p = plan(c, batch=2, seq=128, checkpointing=policy)
+    p = plan(c, batch=2, seq=128, checkpointing=policy, device="cpu")
     assert abs(p.peak_bytes / r.peak.bytes - 1) < 0.10, p.table()
 
 
@@ -94,7 +94,7 @@ def test_planner_math_attention_matches_tracker(kv):
         step()
         with track(model, opt) as t:
             step()
-    p = plan(c, batch=2, seq=96, dtype="bf16", attention="math")
+    p = plan(c, batch=2, seq=96, dtype="bf16", attention="math", device="cpu")
     assert abs(p.peak_bytes / t.report().peak.bytes - 1) < 0.10, p.table()
 
 
@@ -121,7 +121,7 @@ def test_planner_autocast_matches_tracker(cfg, batch, seq, policy):
     with track(model, opt) as t:
         step()
     r = t.report()
-    p = plan(c, batch=batch, seq=seq, amp="bf16", checkpointing=policy)
+    p = plan(c, batch=batch, seq=seq, amp="bf16", checkpointing=policy, device="cpu")
     assert abs(p.peak_bytes / r.peak.bytes - 1) < 0.10, p.table()
     fwd_acts = r.per_phase["forward"].by_category["activations"]
     assert abs(p.activation_bytes / fwd_acts - 1) < 0.10
