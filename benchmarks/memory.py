@@ -125,7 +125,7 @@ def planner_section(quick: bool):
         table.add(config=f"D{cfg.dim} L{cfg.n_layers} H{cfg.n_heads}/{cfg.kv_heads} V{cfg.vocab_size} B{b} T{t}",
                   dtype=dt, policy=pol, attention=p.inputs["attention"],
                   **{"measured MiB": r.peak.bytes / 2**20, "planned MiB": p.peak_bytes / 2**20,
-                                           "error": err, "phase": f"{r.peak.phase}/{p.peak_phase}"})
+                     "error": err, "phase": f"{r.peak.phase}/{p.peak_phase}"})
     table.meta["worst |error|"] = f"{worst:.1%} (target < 10%)"
     return table, worst
 
