@@ -129,12 +129,16 @@ class ItemMemory:
         """Rows the buffer holds before the next ``add`` has to grow it."""
         return self._ubuf.shape[0]
 
-    def _reserve(self, rows: int) -> None:
-        """Own buffers with room for ``rows`` rows: double when full, halve-ish when under a quarter used."""
+    def _reserve(self, rows: int, *, spare: bool = True) -> None:
+        """Own buffers with room for ``rows`` rows: double when full, shrink when under a quarter used.
+
+        ``spare=False`` sizes a copy of a borrowed (memory-mapped) buffer to ``rows`` exactly, so the
+        first ``remove`` on a large mapped store does not allocate twice its size.
+        """
         cap = self.capacity
         if self._owned and rows <= cap and (cap <= 64 or rows >= cap // 4):
             return
-        cap = max(rows, 2 * cap) if self._owned and rows > cap else max(16, 2 * rows)
+        cap = max(rows, 2 * cap) if self._owned and rows > cap else max(16, 2 * rows if spare else rows)
         ubuf = torch.empty((cap, self.d), dtype=self.dtype)
         nbuf = torch.empty((cap,), dtype=self._nbuf.dtype)
         n = min(self._n, cap)
@@ -229,7 +233,7 @@ class ItemMemory:
         drop = sorted({self._position(lab) for lab in labels})
         if not drop:
             return
-        self._reserve(self._n)  # a borrowed (memory-mapped) buffer is copied before it is written
+        self._reserve(self._n, spare=False)  # a borrowed (memory-mapped) buffer is copied before it is written
         n_new = self._n - len(drop)
         if keep_order:
             keep = torch.tensor(sorted(set(range(drop[0], self._n)) - set(drop)), dtype=torch.long)
