@@ -34,7 +34,7 @@ class MemoryConfig:
     amp: Optional[str] = None  # autocast dtype over fp32 params (bf16/fp16), as TrainStep runs; None: off
     optimizer: str = "adamw"  # adamw, adam, sgd_momentum, sgd, none
     checkpointing: str = "none"  # none, blocks, every_<n>, selective
-    attention: str = "flash"  # flash (SDPA flash/efficient kernels) or math
+    attention: str = "auto"  # SDPA backend: auto (what PyTorch would run here), flash, efficient, cudnn, math
     foreach: bool = False  # optimizer multi-tensor path (CUDA default)
     budget: str = "1GiB"  # find-batch: memory budget, e.g. 512MiB, 8GB, or bytes
     mode: str = "binsearch"  # find-batch: power, binsearch, throughput
