@@ -51,10 +51,8 @@ def run(name: str, cache_root: Path) -> tuple[list[dict], dict, object, tuple]:
     spec, batch, seq, budget, emb_gate = WORKLOADS[name]
     model, inputs, info = resolve_model(spec, batch=batch, seq=seq)
     cfg = OptimizeConfig(budget_s=budget, candidate_timeout_s=min(120.0, budget), cache_dir=str(cache_root / name),
-                         metric_fn=row_cosine if emb_gate else None, metric_threshold=0.99 if emb_gate else None,
-                         # the shared machine's load changes within seconds: re-time more of the verified
-                         # candidates interleaved with eager instead of trusting one search-time sample each
-                         finalists=6 if emb_gate else 3)
+                         metric_fn=row_cosine if emb_gate else None, metric_threshold=0.99 if emb_gate else None)
+    # default finalists (3): the search screens every candidate within 2x of the best estimate first
     t0 = time.perf_counter()
     opt = optimize(model, inputs, cfg, info=info)
     full_s = time.perf_counter() - t0
@@ -75,12 +73,13 @@ def run(name: str, cache_root: Path) -> tuple[list[dict], dict, object, tuple]:
     return rows, summary, opt, (model, inputs)
 
 
-def _variants(opt: object, model: torch.nn.Module, x: tuple, cfg: OptimizeConfig) -> dict[str, object]:
+def _variants(opt: object, model: torch.nn.Module, x: tuple, cfg: OptimizeConfig,
+              names: tuple[str, ...] = ("bert-unpad", "bert-unpad-int8", "bf16")) -> dict[str, object]:
     """eager, the chosen variant, and the encoder recipes built directly, to time side by side."""
     from torchnitro.autotune.recipe import BuildContext, get_recipe
 
     out: dict[str, object] = {"eager": model, f"chosen ({opt.recipe})": opt}
-    for name in ("bert-unpad", "bert-unpad-int8", "bf16"):
+    for name in names:
         if name == opt.recipe:
             continue
         with tempfile.TemporaryDirectory() as wd:
@@ -154,6 +153,121 @@ def variants_only(rounds: int) -> None:
     t.print()
 
 
+def _gemm_fns(threads: int) -> dict[str, object]:
+    """One MiniLM FFN GEMM, (4096, 384) @ (384, 1536), through each CPU path torch offers."""
+    import torch.nn.functional as F
+
+    n, k, m = 32 * 128, 384, 1536
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g), torch.randn(m, generator=g)
+    xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
+    xh, wh, bh = x.half(), w.half(), b.half()
+    packed = torch.ops.mkldnn._reorder_linear_weight(wb, n)  # what inductor's freezing does for bf16 Linear
+    lin = torch.nn.Linear(k, m)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.copy_(b)
+    q = torch.ao.quantization.quantize_dynamic(torch.nn.Sequential(lin), {torch.nn.Linear}, dtype=torch.qint8)
+
+    def autocast() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.linear(x, w, b)
+
+    return {"fp32 F.linear (MKL sgemm)": lambda: F.linear(x, w, b),
+            "bf16 F.linear (oneDNN brgemm)": lambda: F.linear(xb, wb, bb),
+            "bf16 oneDNN, weight prepacked": lambda: torch.ops.mkldnn._linear_pointwise(xb, packed, bb, "none", [], ""),
+            "bf16 autocast on fp32 tensors": autocast,
+            "fp16 F.linear (oneDNN avx512_fp16)": lambda: F.linear(xh, wh, bh),
+            "int8 dynamic (fbgemm VNNI)": lambda: q(x)}
+
+
+def _minilm_fns() -> tuple[dict[str, object], tuple]:
+    from torchnitro.hf import load_minilm, minilm_inputs
+
+    model = load_minilm().eval()
+    x = minilm_inputs(32, 128, 0)
+    cast = copy.deepcopy(model).to(torch.bfloat16)
+
+    def autocast() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(*x)
+
+    v = _variants(type("O", (), {"recipe": "-"})(), model, x, OptimizeConfig(metric_fn=row_cosine, metric_threshold=0.99),
+                  names=("bert-unpad", "bert-unpad-bf16", "bert-unpad-int8"))
+    fns = {"eager fp32": lambda: model(*x), "model cast to bf16": lambda: cast(*x), "eager under bf16 autocast": autocast}
+    fns.update({name: (lambda f=f: f(*x)) for name, f in v.items() if name not in ("eager", "chosen (-)")})
+
+    def grad_on(f: object) -> object:  # a caller that forgot torch.no_grad()/inference_mode(): autograd records
+        def call() -> object:
+            with torch.inference_mode(False), torch.enable_grad():
+                return f()
+        return call
+
+    fns["eager fp32, autograd on"] = grad_on(fns["eager fp32"])
+    fns["model cast to bf16, autograd on"] = grad_on(fns["model cast to bf16"])
+    return fns, x
+
+
+def bf16_tables() -> None:
+    """Why bf16 is slower than fp32 on this CPU: one GEMM through every path, then MiniLM, side by side."""
+    from torchnitro.hardware import hardware_info as hwi
+
+    hw = hwi()
+    flops = 2 * 4096 * 384 * 1536
+    t = ResultTable("bf16 on this CPU: one MiniLM FFN GEMM (4096x384 @ 384x1536), interleaved per thread count",
+                    ("threads", "path", "median ms", "min ms", "GFLOP/s (min)", "vs fp32 (median)"))
+    cfg = TimingConfig(warmup=3, min_iters=15, min_time_s=2.0, max_time_s=60.0)
+    old = torch.get_num_threads()
+    try:
+        for threads in (1, hw.cpu_cores):
+            torch.set_num_threads(threads)
+            with torch.inference_mode():
+                res = compare(_gemm_fns(threads), cfg)
+            base = next(iter(res.values()))
+            for path, tm in res.items():
+                t.add(threads=threads, path=path, **{"median ms": tm.median * 1e3, "min ms": tm.min * 1e3,
+                      "GFLOP/s (min)": flops / tm.min / 1e9, "vs fp32 (median)": base.median / tm.median})
+    finally:
+        torch.set_num_threads(old)
+    fns, _ = _minilm_fns()
+    with torch.inference_mode():
+        res = compare(fns, TimingConfig(warmup=2, min_iters=10, min_time_s=3.0, max_time_s=120.0), items_per_call=32)
+    m = ResultTable("MiniLM 32x128 (73% real tokens) in bf16, side by side", ("variant", "median ms", "min ms",
+                                                                             "vs eager (median)", "vs eager (min)"))
+    for name, tm in res.items():
+        m.add(variant=name, **{"median ms": tm.median * 1e3, "min ms": tm.min * 1e3,
+                               "vs eager (median)": res["eager fp32"].median / tm.median,
+                               "vs eager (min)": res["eager fp32"].min / tm.min})
+    cmd = "flock /tmp/torchnitro-bench.lock python benchmarks/optimize_cpu.py --bf16"
+    t.meta.update(command=cmd, machine=_machine(), amx="amx_bf16" in hw.cpu_flags)
+    d = results_dir()
+    (d / "optimize_cpu_bf16.md").write_text(t.to_markdown() + "\n" + m.to_markdown())
+    (d / "optimize_cpu_bf16.json").write_text(json.dumps({"gemm": t.to_json(), "minilm": m.to_json()}, indent=2,
+                                                         default=str))
+    _bf16_plot(t, m)
+    t.print()
+    m.print()
+
+
+def _bf16_plot(gemm: ResultTable, minilm: ResultTable) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4))
+    top = max(r["threads"] for r in gemm.rows)
+    rows = [r for r in gemm.rows if r["threads"] == top]
+    axes[0].barh([r["path"] for r in rows], [r["vs fp32 (median)"] for r in rows])
+    axes[0].set_title(f"one GEMM, {top} threads: speed vs fp32")
+    axes[1].barh([r["variant"] for r in minilm.rows], [r["vs eager (median)"] for r in minilm.rows], color="tab:green")
+    axes[1].set_title("MiniLM 32x128: speed vs eager fp32")
+    for ax in axes:
+        ax.axvline(1.0, color="k", lw=0.8)
+    fig.tight_layout()
+    save_plot(fig, "optimize_cpu_bf16")
+
+
 def _machine() -> str:
     hw = hardware_info()
     return f"{hw.cpu_name}, {hw.cpu_cores} cores, flags {' '.join(hw.cpu_flags)}, torch {torch.__version__}"
@@ -165,8 +279,13 @@ def main() -> None:
     ap.add_argument("--variants", type=int, default=0, metavar="ROUNDS",
                     help="only the MiniLM side-by-side table, with this many interleaved rounds; writes "
                          "results/optimize_cpu_minilm_variants.{json,md}")
+    ap.add_argument("--bf16", action="store_true", help="only the bf16 investigation: one GEMM through every CPU "
+                    "path and MiniLM in bf16, side by side; writes results/optimize_cpu_bf16.{json,md}")
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
+    if args.bf16:
+        bf16_tables()
+        return
     if args.variants:
         variants_only(args.variants)
         return

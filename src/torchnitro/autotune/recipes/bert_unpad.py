@@ -153,7 +153,7 @@ class UnpaddedBert(nn.Module):
                                     for layer in bert.encoder.layer)
         self.normalize = bool(getattr(sentence_encoder, "normalize", True))
 
-    attention_buckets = 4  # groups of similar-length sentences attended separately (1: the whole batch padded to T)
+    attention_buckets = 8  # groups of similar-length sentences attended separately (1: the whole batch padded to T)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         b, t = input_ids.shape
