@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -205,3 +207,12 @@ def test_fold_smoothing_is_exact_in_fp32(tiny_bert):
     with torch.inference_mode():
         torch.testing.assert_close(folded(*x), base(*x), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(base(*x), tiny_bert(*x), rtol=1e-4, atol=1e-5)  # base untouched
+
+
+@pytest.mark.gpu
+def test_unpadded_bert_with_length_buckets_on_cuda(tiny_bert):
+    model = copy.deepcopy(tiny_bert).to("cuda")  # the module-scoped CPU model stays as it is
+    fast = UnpaddedBert(model).eval()
+    ids, mask = (t.cuda() for t in _ragged(9, 40, seed=10))
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(ids, mask), model(ids, mask), rtol=1e-3, atol=1e-4)  # fp32 GEMMs reassociated
