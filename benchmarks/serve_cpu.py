@@ -85,10 +85,11 @@ except ImportError:  # the bench extra is not installed: the LitServe rows are s
     ls = None
 
 
-def litserve_main(model: str, port: int, max_batch: int, timeout_s: float, threads: int) -> None:
+def litserve_main(model: str, port: int, max_batch: int, timeout_s: float, threads: int, fast_queue: bool) -> None:
     api = LitModelAPI(model, threads, max_batch_size=max_batch, batch_timeout=timeout_s)
     # its fastest documented transport (ZeroMQ), one HTTP process and one worker like ours
-    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60, fast_queue=True)
+    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1, timeout=60,
+                          fast_queue=fast_queue)
     server.run(host="127.0.0.1", port=port, num_api_servers=1, log_level="warning", generate_client_file=False)
 
 
@@ -319,7 +320,7 @@ async def _v2_shape_only(model: str) -> LoadTarget:
     return LoadTarget("", "", lambda i: bodies[i % 64])
 
 
-def plot(raw: dict[str, Any]) -> None:
+def plot(raw: dict[str, Any], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -338,7 +339,7 @@ def plot(raw: dict[str, Any]) -> None:
         ax.set_yscale("log")
         ax.set_title(f"{model}: concurrency 1 and 32")
         ax.legend(fontsize=8)
-    save_plot(fig, "serve_cpu")
+    save_plot(fig, name)
 
 
 def main() -> None:
@@ -353,12 +354,14 @@ def main() -> None:
     ap.add_argument("--target-ms", type=float, default=300.0)
     ap.add_argument("--no-litserve", action="store_true")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--name", default="serve_cpu", help="results/<name>.{json,md,png}")
     ap.add_argument("--litserve-server")
     ap.add_argument("--floor-server", action="store_true")
+    ap.add_argument("--litserve-fast-queue", type=int, default=1, help="1: LitServe's ZeroMQ transport, 0: its default")
     ap.add_argument("--port", type=int, default=8000)
     args = ap.parse_args()
     if args.litserve_server:
-        litserve_main(args.litserve_server, args.port, 32, 0.005, args.threads)
+        litserve_main(args.litserve_server, args.port, 32, 0.005, args.threads, args.litserve_fast_queue == 1)
         return
     if args.floor_server:
         floor_main(args.port)
@@ -391,11 +394,11 @@ def main() -> None:
     for model, d in raw.items():
         table.meta[f"summary {model}"] = json.dumps({k: round(v, 3) for k, v in d["summary"].items()})
     table.print()
-    table.save("serve_cpu")
+    table.save(args.name)
     from torchnitro.bench.report import results_dir
 
-    (results_dir() / "serve_cpu_raw.json").write_text(json.dumps(raw, indent=2, default=str))
-    plot(raw)
+    (results_dir() / f"{args.name}_raw.json").write_text(json.dumps(raw, indent=2, default=str))
+    plot(raw, args.name)
     for model, d in raw.items():
         print(model, json.dumps(d["summary"], indent=1))
 
