@@ -238,3 +238,28 @@ def test_fp16_on_gpu_native_fft():
     out = h.bind(a.cuda().half(), b.cuda().half())
     assert out.dtype == torch.float16
     torch.testing.assert_close(out.float().cpu(), h.bind(a, b), atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("stack_limit", [None, 0])
+def test_gradients_flow_through_bind_and_every_unbind(stack_limit, monkeypatch):
+    # spectra are modified in place inside bind/unbind: autograd must still see the originals
+    if stack_limit is not None:
+        monkeypatch.setattr(h, "_STACK_MAX_NUMEL", stack_limit)
+    a, b = (x.requires_grad_() for x in h.random((2, 3), 15, generator=_gen(40), dtype=torch.float64))
+    assert torch.autograd.gradcheck(h.bind, (a, b))
+    for method in ("involution", "exact", "projected"):
+        assert torch.autograd.gradcheck(lambda c, k: h.unbind(c, k, method), (a, b))
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (8, 512), (30, 1024), (3, 5, 7)])
+def test_small_inputs_share_one_transform_call_without_changing_results(shape, monkeypatch):
+    a, b = h.random((2, *shape[:-1]), shape[-1], generator=_gen(41))
+    calls = []
+    real = h.rfft
+    monkeypatch.setattr(h, "rfft", lambda x: calls.append(x.shape) or real(x))
+    got = (h.bind(a, b), h.unbind(a, b), h.unbind(a, b, "exact"))
+    assert calls == [(2, *shape)] * 3  # one transform of the stacked pair per call
+    monkeypatch.setattr(h, "_STACK_MAX_NUMEL", 0)
+    want = (h.bind(a, b), h.unbind(a, b), h.unbind(a, b, "exact"))
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, atol=1e-6, rtol=0)
