@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import time
 
-import torch
 from torch import Tensor
 
 from torchnitro.serve.models import ServedModel
