@@ -245,10 +245,10 @@ def test_gradients_flow_through_bind_and_every_unbind(stack_limit, monkeypatch):
     # spectra are modified in place inside bind/unbind: autograd must still see the originals
     if stack_limit is not None:
         monkeypatch.setattr(h, "_STACK_MAX_NUMEL", stack_limit)
-    a, b = (x.requires_grad_() for x in h.random((2, 3), 15, generator=_gen(40), dtype=torch.float64))
-    assert torch.autograd.gradcheck(h.bind, (a, b))
+    a, b = (x.requires_grad_() for x in h.random((2, 2), 7, generator=_gen(40), dtype=torch.float64))
+    assert torch.autograd.gradcheck(h.bind, (a, b), fast_mode=True)
     for method in ("involution", "exact", "projected"):
-        assert torch.autograd.gradcheck(lambda c, k: h.unbind(c, k, method), (a, b))
+        assert torch.autograd.gradcheck(lambda c, k: h.unbind(c, k, method), (a, b), fast_mode=True)
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (8, 512), (30, 1024), (3, 5, 7)])
