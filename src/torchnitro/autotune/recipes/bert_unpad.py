@@ -44,7 +44,8 @@ __all__ = ["UnpaddedBert", "length_buckets", "fold_smoothing", "bert_inapplicabl
 class _Bucket:
     """Sequences of similar length attended together in a ``(G, L)`` layout, L = their longest length.
 
-    ``rows``: their tokens' rows in the packed ``(N, D)`` activations; ``slots``: the same tokens'
+    ``rows``: their tokens' rows in the packed ``(N, D)`` activations in (batch, position) order
+    (``UnpaddedBert`` then reorders the rows so each bucket is one slice); ``slots``: the same tokens'
     flat positions in ``(G*L)`` (each sequence packed to the left: positions were already embedded,
     and attention does not depend on where a key sits); ``mask``: ``(G, 1, 1, L)`` key mask, None
     when every sequence has length L. ``rows is None``: the whole batch, no padding anywhere."""
@@ -124,14 +125,20 @@ class _Layer(nn.Module):
             bk = buckets[0]
             q, k, v = qkv.view(bk.g, bk.l, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
             return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, d)
-        ctx = qkv.new_empty(n, d)
-        for bk in buckets:
-            buf = bk.buffer(qkv)  # (G*L, 3D); slots outside the real tokens stay zero (finite keys, masked out)
-            buf.index_copy_(0, bk.slots, qkv.index_select(0, bk.rows))
-            q, k, v = buf.view(bk.g, bk.l, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (G, H, L, Dh)
+        outs, start = [], 0
+        for bk in buckets:  # the rows are in bucket order (UnpaddedBert.forward), so each bucket is one slice
+            seg = qkv[start:start + bk.rows.numel()]  # (n_b, 3D)
+            start += bk.rows.numel()
+            if bk.mask is None:  # every sentence in the bucket has length L: the rows already are (G, L)
+                src = seg
+            else:
+                src = bk.buffer(qkv)  # (G*L, 3D); slots outside the real tokens stay zero (finite keys, masked out)
+                src.index_copy_(0, bk.slots, seg)
+            q, k, v = src.view(bk.g, bk.l, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (G, H, L, Dh)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=bk.mask)  # (G, H, L, Dh)
-            ctx.index_copy_(0, bk.rows, o.transpose(1, 2).reshape(bk.g * bk.l, d).index_select(0, bk.slots))
-        return ctx  # (N, D)
+            o = o.transpose(1, 2).reshape(bk.g * bk.l, d)
+            outs.append(o if bk.mask is None else o.index_select(0, bk.slots))
+        return torch.cat(outs)  # (N, D)
 
     def forward(self, x: Tensor, buckets: list[_Bucket]) -> Tensor:
         ctx = self._attend(self.qkv(x), buckets)  # x: (N, D) real tokens
@@ -153,17 +160,19 @@ class UnpaddedBert(nn.Module):
                                     for layer in bert.encoder.layer)
         self.normalize = bool(getattr(sentence_encoder, "normalize", True))
 
-    attention_buckets = 8  # groups of similar-length sentences attended separately (1: the whole batch padded to T)
+    attention_buckets = 4  # groups of similar-length sentences attended separately (1: the whole batch padded to T)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
         b, t = input_ids.shape
         keep = attention_mask.reshape(-1) != 0  # (B*T,)
-        idx = keep.nonzero().squeeze(1)  # (N,) flat positions of real tokens
+        idx = keep.nonzero().squeeze(1)  # (N,) flat positions of real tokens, in (batch, position) order
+        buckets = length_buckets(attention_mask, self.attention_buckets)
+        dense = buckets[0].rows is None  # no padding anywhere
+        if not dense:  # rows in bucket order: each bucket's tokens are one contiguous slice in every layer
+            idx = idx[torch.cat([bk.rows for bk in buckets])]
         pos = idx % t  # absolute position of each real token
         x = self.word(input_ids.reshape(-1)[idx]) + self.pos(pos) + self.tok_type.weight[0]  # (N, D)
         x = self.ln_emb(x)
-        buckets = length_buckets(attention_mask, self.attention_buckets)
-        dense = buckets[0].rows is None  # no padding anywhere
         for layer in self.layers:
             x = layer(x, buckets)
         x = x.float()  # pool in fp32 whatever the compute dtype
