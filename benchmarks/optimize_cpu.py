@@ -192,9 +192,11 @@ def _minilm_fns() -> tuple[dict[str, object], tuple]:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return model(*x)
 
-    v = _variants(type("O", (), {"recipe": "-"})(), model, x, OptimizeConfig(metric_fn=row_cosine, metric_threshold=0.99),
+    v = _variants(type("O", (), {"recipe": "-"})(), model, x,
+                  OptimizeConfig(metric_fn=row_cosine, metric_threshold=0.99),
                   names=("bert-unpad", "bert-unpad-bf16", "bert-unpad-int8"))
-    fns = {"eager fp32": lambda: model(*x), "model cast to bf16": lambda: cast(*x), "eager under bf16 autocast": autocast}
+    fns = {"eager fp32": lambda: model(*x), "model cast to bf16": lambda: cast(*x),
+           "eager under bf16 autocast": autocast}
     fns.update({name: (lambda f=f: f(*x)) for name, f in v.items() if name not in ("eager", "chosen (-)")})
 
     def grad_on(f: object) -> object:  # a caller that forgot torch.no_grad()/inference_mode(): autograd records

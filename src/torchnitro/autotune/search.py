@@ -237,7 +237,8 @@ def _run(s: _Search, recipes: list[Recipe], t_start: float) -> SearchOutcome:
 NOISE_BAND = 2.0  # search-time samples are taken minutes apart; on a shared machine latency drifts ~2x in that time
 
 
-def finalist_pool(ranked: list[CandidateResult], key: Callable[[CandidateResult], float], k: int) -> list[CandidateResult]:
+def finalist_pool(ranked: list[CandidateResult], key: Callable[[CandidateResult], float],
+                  k: int) -> list[CandidateResult]:
     """The candidates worth re-timing: the ``k`` best search estimates plus every one within
     ``NOISE_BAND`` of the best (its one early sample may have been hit by load), at most ``2k`` (min k + 2).
     ``ranked`` is sorted by ``key``, best first."""
@@ -257,7 +258,8 @@ def _callables(s: _Search, cands: list[CandidateResult]) -> dict[str, Callable[[
         try:
             fn = s.callable_for(get_recipe(c.recipe))
         except Exception as exc:  # noqa: BLE001
-            c.status, c.reason = Status.FAILED, f"reloading the built candidate failed: {type(exc).__name__}: {exc}"[:300]
+            c.status = Status.FAILED
+            c.reason = f"reloading the built candidate failed: {type(exc).__name__}: {exc}"[:300]
             continue
         fns[c.recipe] = lambda fn=fn: [fn(*x) for x in sets]
     return fns

@@ -37,7 +37,8 @@ from torchnitro.autotune.recipes.int8_mixed import (calibration_inputs, int8_tar
                                                    quantize_linears, save_scales)
 from torchnitro.errors import RecipeError
 
-__all__ = ["UnpaddedBert", "length_buckets", "fold_smoothing", "bert_inapplicable_reason", "UnpaddedBertRecipe", "UnpaddedBertInt8", "UnpaddedBertBf16"]
+__all__ = ["UnpaddedBert", "length_buckets", "fold_smoothing", "bert_inapplicable_reason", "UnpaddedBertRecipe",
+           "UnpaddedBertInt8", "UnpaddedBertBf16"]
 
 
 @dataclass
@@ -81,7 +82,9 @@ def length_buckets(attention_mask: Tensor, n_buckets: int) -> list[_Bucket]:
         g, l = seqs.numel(), int(ls.max())
         seq_of = torch.repeat_interleave(torch.arange(g, device=ls.device), ls)  # (n,) bucket-local sequence
         within = torch.arange(seq_of.numel(), device=ls.device) - torch.repeat_interleave(torch.cumsum(ls, 0) - ls, ls)
-        mask = None if bool((ls == l).all()) else (torch.arange(l, device=ls.device)[None] < ls[:, None]).view(g, 1, 1, l)
+        mask = None
+        if not bool((ls == l).all()):
+            mask = (torch.arange(l, device=ls.device)[None] < ls[:, None]).view(g, 1, 1, l)  # (G, 1, 1, L)
         out.append(_Bucket(g, l, off[seqs][seq_of] + within, seq_of * l + within, mask))
     return out
 
@@ -115,7 +118,7 @@ class _Layer(nn.Module):
 
     def _ffn(self, x: Tensor) -> Tensor:
         if x.shape[0] <= self.ffn_rows:
-            return self.ffn_out(F.gelu(self.ffn_in(x)))  # the GELU output is a temporary an int8 ffn_out may smooth in place
+            return self.ffn_out(F.gelu(self.ffn_in(x)))  # the GELU output is a temporary: int8 ffn_out smooths it in place
         # rows are independent in the FFN; each block's (rows, 4D) temporary stays in cache
         return torch.cat([self.ffn_out(F.gelu(self.ffn_in(xs))) for xs in x.split(self.ffn_rows)])  # (N, D)
 
