@@ -89,6 +89,13 @@ class Recipe:
         the artifact is not standalone (state dict + factory), else None."""
         raise NotImplementedError
 
+    def require_model(self, model: nn.Module | None) -> nn.Module:
+        """``model`` for ``load`` of a recipe that rebuilds from the eager model; raises if it is missing."""
+        if model is None:
+            raise RecipeError(f"{self.name} artifacts are rebuilt from the eager model; pass it to load(), "
+                              "e.g. torchnitro.load(dir, model=MyModel())")
+        return model
+
 
 _REGISTRY: dict[str, Recipe] = {}
 

@@ -35,7 +35,6 @@ from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
 from torchnitro.autotune.recipes.int8_mixed import (calibration_inputs, int8_target, int8_unavailable_reason,
                                                    linear_names, load_full_range, load_scales, plan_mixed_int8,
                                                    quantize_linears, save_scales)
-from torchnitro.errors import RecipeError
 
 __all__ = ["UnpaddedBert", "length_buckets", "fold_smoothing", "bert_inapplicable_reason", "UnpaddedBertRecipe",
            "UnpaddedBertInt8", "UnpaddedBertBf16"]
@@ -272,8 +271,7 @@ class UnpaddedBertRecipe(Recipe):
         return Built(fn=m, notes=f"{frac:.0%} of the example's tokens are real")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
-        if model is None:
-            raise RecipeError("bert-unpad artifacts are rebuilt from the eager model; pass it to load()")
+        model = self.require_model(model)
         return UnpaddedBert(model.eval()).eval()
 
 
@@ -304,8 +302,7 @@ class UnpaddedBertInt8(Recipe):
                            f"{', '.join(plan['fp32']) or 'none'}; calibration cosine {plan['cosine']:.4f}")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
-        if model is None:
-            raise RecipeError("bert-unpad-int8 artifacts are rebuilt from the eager model; pass it to load()")
+        model = self.require_model(model)
         base = UnpaddedBert(model.eval()).eval()
         return _int8(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"), load_full_range(meta))
 
@@ -333,6 +330,5 @@ class UnpaddedBertBf16(Recipe):
         return Built(fn=_bf16(ctx.model), notes="bf16 compute, fp32 mean pooling")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
-        if model is None:
-            raise RecipeError("bert-unpad-bf16 artifacts are rebuilt from the eager model; pass it to load()")
+        model = self.require_model(model)
         return _bf16(model)

@@ -30,9 +30,7 @@ class _Compile(Recipe):
         return Built(fn=fn, meta={"mode": self.mode}, notes=f"mode={self.mode or 'default'}")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
-        if model is None:
-            raise ValueError("torch.compile artifacts need the eager model")
-        return self._compile(model.eval())
+        return self._compile(self.require_model(model).eval())
 
 
 @register_recipe

@@ -67,6 +67,4 @@ class CudaGraphs(Recipe):
         return Built(fn=GraphedModule(ctx.model), notes="one graph per input shape (max 8)")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
-        if model is None:
-            raise ValueError("cuda-graphs artifacts need the eager model")
-        return GraphedModule(model.cuda().eval())
+        return GraphedModule(self.require_model(model).cuda().eval())

@@ -31,9 +31,7 @@ class Eager(Recipe):
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         if meta.get("exported"):
             return torch.export.load(str(directory / "model.pt2")).module()
-        if model is None:
-            raise ValueError("the eager recipe needs the model")
-        return model.eval()
+        return self.require_model(model).eval()
 
 
 def export_program(model: nn.Module, example_inputs: tuple[Any, ...], dynamic_dims: dict[int, list[int]],

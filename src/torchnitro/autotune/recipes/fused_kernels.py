@@ -50,11 +50,8 @@ class FusedKernelsRecipe(Recipe):
                      notes=f"{summary.total} modules fused" + (f"; {summary.attention}" if summary.attention else ""))
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
-        from torchnitro.errors import ArtifactError
         from torchnitro.kernels.patch import patch_
 
-        if model is None:
-            raise ArtifactError("fused-kernels: the artifact stores no graph; expected the rebuilt eager model to "
-                                "patch; save it with its model factory")
+        model = self.require_model(model)
         patch_(model)
         return model

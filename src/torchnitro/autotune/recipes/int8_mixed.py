@@ -330,7 +330,6 @@ class MixedInt8(Recipe):
                                               f"(calibration cosine {plan['cosine']:.4f})")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
-        if model is None:
-            raise RecipeError("int8-mixed artifacts are rebuilt from the eager model; pass it to load()")
+        model = self.require_model(model)
         return quantize_linears(model.eval(), meta["int8"], load_scales(directory / "smooth_scales.safetensors"),
                                 load_full_range(meta))
