@@ -72,9 +72,6 @@ def _ln_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_
     tl.store(db_ptr + pid * C + cols, db, mask=mask)
 
 
-# persistent backward programs per SM: more than one hides the latency of each row's loads
-BWD_PROGRAMS_PER_SM = 1
-
 _fwd = LazyKernel(_ln_fwd_kernel)
 _bwd = LazyKernel(_ln_bwd_kernel)
 
@@ -104,7 +101,7 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tens
     N = x2.shape[0]
     dy2 = dy.reshape(-1, C).contiguous()
     dx2 = torch.empty_like(x2)
-    P = max(1, min(N, BWD_PROGRAMS_PER_SM * num_programs(x.device)))
+    P = max(1, min(N, num_programs(x.device)))
     dw_part = torch.zeros(P, C, device=x.device, dtype=torch.float32)
     db_part = torch.zeros_like(dw_part)
     block, warps = row_config(C)

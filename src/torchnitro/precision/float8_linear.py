@@ -27,6 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from torchnitro.errors import BackendUnavailableError, InputError
+from torchnitro.kernels.dispatch import use_triton
+from torchnitro.kernels.fp8 import _fp8_native, fp8_recipe_cast
 from torchnitro.precision.fp8 import E4M3, E5M2, Float8Config, ScaleState, cast_to_fp8
 
 __all__ = ["Float8Linear", "to_float8_", "fp8_matmul_supported", "scaled_mm_available"]
@@ -59,15 +61,11 @@ def _quantize(state: ScaleState, x: Tensor, dtype: torch.dtype) -> tuple[Tensor,
     Dynamic scaling where the fused Triton cast runs (CUDA; CPU under ``TRITON_INTERPRET=1``): two
     passes over ``x`` and no host sync. Otherwise the PyTorch path of ``torchnitro.precision.fp8``.
     """
-    if state.config.scaling == "dynamic":
-        from torchnitro.kernels.dispatch import use_triton
-        from torchnitro.kernels.fp8 import _fp8_native, fp8_recipe_cast
-
-        if _fp8_native(x) and use_triton(x, op="fp8_recipe_cast"):
-            state.sync_device(x.device)
-            q, scale, inv, _ = fp8_recipe_cast(x, state.scale, dtype, state.config.margin)
-            state.scale = scale
-            return q, scale, inv
+    if state.config.scaling == "dynamic" and _fp8_native(x) and use_triton(x, op="fp8_recipe_cast"):
+        state.sync_device(x.device)
+        q, scale, inv, _ = fp8_recipe_cast(x, state.scale, dtype, state.config.margin)
+        state.scale = scale
+        return q, scale, inv
     scale = state.scale_for(x)
     return cast_to_fp8(x, scale, dtype), scale, scale.reciprocal()
 
