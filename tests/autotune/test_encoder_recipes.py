@@ -62,6 +62,15 @@ def test_unpadded_bert_dense_batch_and_ffn_row_blocks_match_eager(tiny_bert):
     torch.testing.assert_close(fast(*ragged).detach(), ref, rtol=1e-4, atol=1e-5)  # grad mode on: no in-place on views
 
 
+def test_unpadded_bert_builds_its_fused_layers_beside_the_model_weights(tiny_bert):
+    model = copy.deepcopy(tiny_bert).double()  # any device/dtype other than the defaults (CUDA in the GPU test)
+    fast = UnpaddedBert(model).eval()
+    assert {p.dtype for p in fast.parameters()} == {torch.float64}
+    x = _ragged(3, 17, seed=11)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(*x), model(*x), rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("n_buckets", [1, 3, 64])
 def test_length_buckets_match_eager_with_left_padding_and_an_empty_sentence(tiny_bert, n_buckets):
     fast = UnpaddedBert(tiny_bert).eval()

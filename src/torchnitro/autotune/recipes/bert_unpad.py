@@ -95,7 +95,8 @@ class _Layer(nn.Module):
         sa = att.self
         d = sa.query.in_features
         self.n_heads, self.head_dim = n_heads, d // n_heads
-        self.qkv = nn.Linear(d, 3 * d)
+        w = sa.query.weight
+        self.qkv = nn.Linear(d, 3 * d, device=w.device, dtype=w.dtype)  # beside the model's own weights
         with torch.no_grad():
             self.qkv.weight.copy_(torch.cat([sa.query.weight, sa.key.weight, sa.value.weight], 0))  # (3D, D)
             self.qkv.bias.copy_(torch.cat([sa.query.bias, sa.key.bias, sa.value.bias], 0))
