@@ -20,6 +20,9 @@ export TORCHNITRO_RESULTS="$OUTDIR/results" PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/
 export TORCHNITRO_CACHE_DIR=/tmp/torchnitro-cache
 PY=${PY:-python3}
 T_TESTS=${T_TESTS:-150} T_KERNELS=${T_KERNELS:-110} T_HRR=${T_HRR:-60} T_MEMORY=${T_MEMORY:-80} T_OPT=${T_OPT:-90}
+# STAGES picks and orders the stages; KERNEL_ARGS narrows the kernel benchmark (e.g. "--quick --ops fp8,linear").
+STAGES=${STAGES:-"tests kernels hrr memory optimize"}
+KERNEL_ARGS=${KERNEL_ARGS:-"--quick"}
 
 pack() { tar czf "$OUTDIR/gpu_suite.tgz" -C "$OUTDIR" results logs 2>/dev/null; }
 stage() {  # stage NAME SECONDS CMD...
@@ -46,11 +49,18 @@ cat "$OUTDIR/logs/env.log" | head -40
 
 XDIST=""
 $PY -c "import xdist" 2>/dev/null && XDIST="-n 8"
-stage tests "$T_TESTS" $PY -m pytest -q -m gpu $XDIST -p no:cacheprovider --timeout 120 tests
-stage kernels "$T_KERNELS" $PY benchmarks/kernels.py --quick
-stage hrr "$T_HRR" $PY benchmarks/hrr.py --device cuda --min-time 0.05 --max-time 0.5
-stage memory "$T_MEMORY" $PY benchmarks/memory.py --quick
-stage optimize "$T_OPT" $PY -m torchnitro optimize --model lm --budget 75 --out /tmp/opt-lm -x compile-max-autotune -x onnxruntime -x onnxruntime-int8 -x int8-mixed
-cp /tmp/opt-lm/report.* "$OUTDIR/results/" 2>/dev/null
+for st in $STAGES; do
+  case $st in
+    tests) stage tests "$T_TESTS" $PY -m pytest -q -m gpu $XDIST -p no:cacheprovider --timeout 120 tests ;;
+    kernels) stage kernels "$T_KERNELS" $PY benchmarks/kernels.py $KERNEL_ARGS ;;
+    hrr) stage hrr "$T_HRR" $PY benchmarks/hrr.py --device cuda --min-time 0.05 --max-time 0.5 ;;
+    memory) stage memory "$T_MEMORY" $PY benchmarks/memory.py --quick ;;
+    optimize)
+      stage optimize "$T_OPT" $PY -m torchnitro optimize --model lm --budget 75 --out /tmp/opt-lm \
+        -x compile-max-autotune -x onnxruntime -x onnxruntime-int8 -x int8-mixed
+      cp /tmp/opt-lm/report.* "$OUTDIR/results/" 2>/dev/null ;;
+    *) echo "unknown stage: $st (known: tests kernels hrr memory optimize)" ;;
+  esac
+done
 pack
 echo "=== done in ${SECONDS}s"
