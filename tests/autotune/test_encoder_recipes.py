@@ -165,6 +165,25 @@ def test_build_verify_and_reload(tiny_bert, tmp_path, name):
         assert (tmp_path / f).is_file()
 
 
+def test_int8_engine_is_recorded_and_an_artifact_loads_without_onednn(tiny_bert, tmp_path, monkeypatch):
+    import torchnitro.autotune.recipes.bert_unpad as bu
+    from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear, onednn_int8_reason
+
+    recipe = get_recipe("bert-unpad-int8")
+    built = recipe.build(_ctx(tiny_bert, _ragged(8, 32, seed=6), tmp_path))
+    fused = any(isinstance(m, OneDnnInt8Linear) for m in built.fn.modules())
+    assert built.meta["engine"] == ("onednn" if fused else "fbgemm") and f"({built.meta['engine']}" in built.notes
+    if onednn_int8_reason() is None:
+        assert fused  # this CPU runs the fused kernels and the tiny model passes the calibration gate with them
+    monkeypatch.setattr(bu, "onednn_int8_reason", lambda: "no VNNI here")
+    with pytest.warns(UserWarning, match="no VNNI here"):
+        fn = recipe.load(tmp_path, dict(built.meta, engine="onednn"), tiny_bert)
+    assert not any(isinstance(m, OneDnnInt8Linear) for m in fn.modules())
+    held = _ragged(6, 24, seed=7)
+    with torch.inference_mode():
+        assert row_cosine(tiny_bert(*held), fn(*held)) >= 0.98
+
+
 def test_mixed_int8_generic_model(tmp_path):
     from torchnitro.nn.zoo import get_builtin
 

@@ -23,6 +23,7 @@ Applies to ``torchnitro.hf.SentenceEncoder`` around an HF ``BertModel`` with abs
 from __future__ import annotations
 
 import copy
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
+from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear, onednn_int8_reason
 from torchnitro.autotune.recipes.int8_mixed import (calibration_inputs, int8_target, int8_unavailable_reason,
                                                    linear_names, load_full_range, load_scales, plan_mixed_int8,
                                                    quantize_linears, save_scales)
@@ -116,11 +118,21 @@ class _Layer(nn.Module):
 
     ffn_rows = 1024  # FFN row block: its (rows, 4D) GELU temporary stays in cache instead of a (N, 4D) round trip
 
-    def _ffn(self, x: Tensor) -> Tensor:
+    def _ffn_residual(self, x: Tensor) -> Tensor:
+        """``x + ffn(x)`` (SmoothQuant residual scale applied), by row blocks."""
         if x.shape[0] <= self.ffn_rows:
-            return self.ffn_out(F.gelu(self.ffn_in(x)))  # the GELU output is a temporary: int8 ffn_out smooths it in place
+            return self._ffn_block(x)
         # rows are independent in the FFN; each block's (rows, 4D) temporary stays in cache
-        return torch.cat([self.ffn_out(F.gelu(self.ffn_in(xs))) for xs in x.split(self.ffn_rows)])  # (N, D)
+        return torch.cat([self._ffn_block(xs) for xs in x.split(self.ffn_rows)])  # (N, D)
+
+    def _ffn_block(self, x: Tensor) -> Tensor:
+        if isinstance(self.ffn_in, OneDnnInt8Linear):
+            h = self.ffn_in(x, gelu=True)  # GELU in the GEMM epilogue
+        else:
+            h = F.gelu(self.ffn_in(x))  # a temporary: int8 ffn_out smooths it in place
+        if isinstance(self.ffn_out, OneDnnInt8Linear):
+            return self.ffn_out(h, add=x if self.res_mid is None else x * self.res_mid)  # residual in the epilogue
+        return self._residual(self.ffn_out(h), x, self.res_mid)
 
     def _attend(self, qkv: Tensor, buckets: list[_Bucket]) -> Tensor:
         n, d = qkv.shape[0], qkv.shape[1] // 3  # qkv: (N, 3D)
@@ -145,8 +157,11 @@ class _Layer(nn.Module):
 
     def forward(self, x: Tensor, buckets: list[_Bucket]) -> Tensor:
         ctx = self._attend(self.qkv(x), buckets)  # x: (N, D) real tokens
-        x = self.ln1(self._residual(self.out(ctx), x, self.res_in))
-        return self.ln2(self._residual(self._ffn(x), x, self.res_mid))
+        if isinstance(self.out, OneDnnInt8Linear):
+            x = self.ln1(self.out(ctx, add=x if self.res_in is None else x * self.res_in))
+        else:
+            x = self.ln1(self._residual(self.out(ctx), x, self.res_in))
+        return self.ln2(self._ffn_residual(x))
 
 
 class UnpaddedBert(nn.Module):
@@ -228,13 +243,25 @@ def fold_smoothing(base: UnpaddedBert, scales: dict[str, Tensor]) -> tuple[Unpad
     return m, left
 
 
-def _int8(base: UnpaddedBert, names: list[str], scales: dict[str, Tensor], full_range: bool) -> nn.Module:
+INT8_ENGINES = ("onednn", "fbgemm")
+
+
+def _int8(base: UnpaddedBert, names: list[str], scales: dict[str, Tensor], full_range: bool,
+          engine: str = "fbgemm") -> nn.Module:
+    """``base`` with the Linears ``names`` in int8. ``onednn``: fused oneDNN kernels that smooth in the
+    activation quantisation and take GELU / the residual add into the GEMM epilogue; ``fbgemm``:
+    PyTorch's dynamic int8 Linear with the smoothing folded into the weights where exact."""
     from torchnitro.autotune.recipes.int8_mixed import SmoothedInt8Linear
 
     folded, left = fold_smoothing(base, scales)
-    q = quantize_linears(folded, names, left, full_range)
+    if engine == "onednn":
+        q = copy.deepcopy(folded)
+        for n in names:
+            q.set_submodule(n, OneDnnInt8Linear(q.get_submodule(n), left.get(n)))
+    else:
+        q = quantize_linears(folded, names, left, full_range)
     for layer in q.layers:
-        if isinstance(layer.ffn_out, SmoothedInt8Linear):
+        if isinstance(layer.ffn_out, (SmoothedInt8Linear, OneDnnInt8Linear)):
             layer.ffn_out.inplace = True  # its input is the GELU temporary
     return q
 
@@ -292,20 +319,42 @@ class UnpaddedBertInt8(Recipe):
         return bert_inapplicable_reason(model)
 
     def build(self, ctx: BuildContext) -> Built:
+        from torchnitro.autotune.recipes.int8_mixed import calibration_cosine
+
         base = UnpaddedBert(ctx.model).eval()
-        plan = plan_mixed_int8(base, calibration_inputs(ctx), int8_target(ctx))
-        q = _int8(base, plan["int8"], plan["scales"], plan["full_range"])
+        calib = calibration_inputs(ctx)
+        target = int8_target(ctx)
+        plan = plan_mixed_int8(base, calib, target)
+        engine, cos, why = "fbgemm", plan["cosine"], onednn_int8_reason()
+        if why is None:  # the fused oneDNN kernels: same plan, re-scored since their rounding differs
+            q = _int8(base, plan["int8"], plan["scales"], plan["full_range"], "onednn")
+            with torch.inference_mode():
+                refs = [base(*x) for x in calib]
+            cos = calibration_cosine(q, calib, refs)
+            engine, why = ("onednn", None) if cos >= target else ("fbgemm", f"oneDNN calibration cosine {cos:.4f} "
+                                                                            f"< {target:.4f}")
+        if engine == "fbgemm":
+            q = _int8(base, plan["int8"], plan["scales"], plan["full_range"], "fbgemm")
+            cos = plan["cosine"]
         save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
-        meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": plan["cosine"],
-                "full_range": plan["full_range"]}
+        meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": cos,
+                "full_range": plan["full_range"], "engine": engine}
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
-                     notes=f"{len(plan['int8'])}/{len(linear_names(base))} Linear int8, fp32 kept: "
-                           f"{', '.join(plan['fp32']) or 'none'}; calibration cosine {plan['cosine']:.4f}")
+                     notes=f"{len(plan['int8'])}/{len(linear_names(base))} Linear int8 ({engine}"
+                           f"{'' if why is None else ': ' + why}), fp32 kept: "
+                           f"{', '.join(plan['fp32']) or 'none'}; calibration cosine {cos:.4f}")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         model = self.require_model(model)
         base = UnpaddedBert(model.eval()).eval()
-        return _int8(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"), load_full_range(meta))
+        engine = meta.get("engine", "fbgemm")
+        if engine == "onednn" and (why := onednn_int8_reason()) is not None:
+            warnings.warn(f"this bert-unpad-int8 artifact was tuned on oneDNN's fused int8 kernels, which do not run "
+                          f"here ({why}); loading it on fbgemm's dynamic int8 Linear instead (same plan, slightly "
+                          f"different rounding)", stacklevel=2)
+            engine = "fbgemm"
+        return _int8(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"), load_full_range(meta),
+                     engine)
 
 
 def _bf16(model: nn.Module) -> nn.Module:

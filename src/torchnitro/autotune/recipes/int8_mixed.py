@@ -66,7 +66,7 @@ def row_cosine(ref: Any, cand: Any) -> float:
     return worst
 
 
-def _score(model: nn.Module, calib: Sequence[tuple[Any, ...]], refs: Sequence[Any]) -> float:
+def calibration_cosine(model: nn.Module, calib: Sequence[tuple[Any, ...]], refs: Sequence[Any]) -> float:
     with torch.inference_mode():
         return min(row_cosine(r, model(*x)) for x, r in zip(calib, refs))
 
@@ -175,11 +175,6 @@ def int8_module(lin: nn.Linear, scale: Tensor | None, full_range: bool = False) 
     return _quantized_module(lin, full_range) if scale is None else SmoothedInt8Linear(lin, scale, full_range)
 
 
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, module)
-
-
 def quantize_linears(model: nn.Module, names: Sequence[str], scales: dict[str, Tensor] | None = None,
                      full_range: bool = False) -> nn.Module:
     """A copy of ``model`` with the Linears ``names`` in dynamic int8 (per-channel weights), smoothed
@@ -187,7 +182,7 @@ def quantize_linears(model: nn.Module, names: Sequence[str], scales: dict[str, T
     q = copy.deepcopy(model).eval()
     scales = scales or {}
     for n in names:
-        _set(q, n, int8_module(q.get_submodule(n), scales.get(n), full_range))
+        q.set_submodule(n, int8_module(q.get_submodule(n), scales.get(n), full_range))
     return q
 
 
@@ -200,14 +195,14 @@ class _Swapper:
         self.int8 = {n: int8_module(self.fp32[n], scales.get(n), full_range) for n in names}
 
     def set(self, name: str, int8: bool) -> None:
-        _set(self.model, name, self.int8[name] if int8 else self.fp32[name])
+        self.model.set_submodule(name, self.int8[name] if int8 else self.fp32[name])
 
 
 def _sens(sw: _Swapper, names: Sequence[str], calib: Sequence[tuple[Any, ...]], refs: Sequence[Any]) -> dict[str, float]:
     out = {}
     for n in names:
         sw.set(n, True)
-        out[n] = 1.0 - _score(sw.model, calib, refs)
+        out[n] = 1.0 - calibration_cosine(sw.model, calib, refs)
         sw.set(n, False)
     return out
 
@@ -246,7 +241,7 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
     sw = _Swapper(model, names, scales, full_range)
     for n in names:
         sw.set(n, True)
-    cos = _score(sw.model, calib, refs)
+    cos = calibration_cosine(sw.model, calib, refs)
     sens: dict[str, float] = {}
     if cos < target:  # rank layers on a slice of the calibration batch: one forward per layer
         for n in names:
@@ -261,7 +256,7 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
     fp32: list[str] = []
     while True:
         if fp32:
-            cos = _score(sw.model, calib, refs)
+            cos = calibration_cosine(sw.model, calib, refs)
         if cos >= target:
             int8 = [n for n in names if n not in fp32]
             return {"int8": int8, "fp32": fp32, "cosine": cos, "sensitivity": sens, "full_range": full_range,

@@ -59,14 +59,9 @@ def fold_conv_bn(model: nn.Module, example_inputs: tuple[Any, ...]) -> nn.Module
     for conv_name, bn_name in _pairs(model, example_inputs):
         conv, bn = model.get_submodule(conv_name), model.get_submodule(bn_name)
         if bn.track_running_stats and bn.running_mean is not None:
-            _set(model, conv_name, fuse_conv_bn_eval(conv, bn))
-            _set(model, bn_name, nn.Identity())
+            model.set_submodule(conv_name, fuse_conv_bn_eval(conv, bn))
+            model.set_submodule(bn_name, nn.Identity())
     return model
-
-
-def _set(model: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, leaf = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
 class ChannelsLastInputs:

@@ -1,0 +1,98 @@
+"""The fused oneDNN int8 Linear against its fp32 reference (CPU; needs VNNI/AMX like the search does)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear, onednn_int8_reason
+
+pytestmark = pytest.mark.skipif(onednn_int8_reason() is not None, reason=f"oneDNN int8: {onednn_int8_reason()}")
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def _case(seed: int = 0, n: int = 300, k: int = 96, m: int = 80):
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, m)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(m, k, generator=g) / k ** 0.5)
+        lin.bias.copy_(torch.randn(m, generator=g))
+    x = torch.randn(n, k, generator=g)
+    return lin, x
+
+
+def test_matches_fp32_linear_within_int8_error():
+    lin, x = _case()
+    with torch.inference_mode():
+        ref, out = lin(x), OneDnnInt8Linear(lin)(x)
+    assert out.shape == ref.shape and out.dtype == torch.float32
+    assert _rel(out, ref) < 0.02  # 8-bit activations and weights: about 1% relative error on this data
+    assert F.cosine_similarity(out.flatten(), ref.flatten(), 0) > 0.999
+
+
+def test_fused_gelu_and_residual_match_the_unfused_ops():
+    lin, x = _case(1)
+    q = OneDnnInt8Linear(lin)
+    res = torch.randn(x.shape[0], lin.out_features)
+    with torch.inference_mode():
+        plain = q(x)
+        torch.testing.assert_close(q(x, gelu=True), F.gelu(plain), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(q(x, add=res), plain + res, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="either gelu or a residual"):
+        q(x, gelu=True, add=res)
+
+
+def test_smoothing_moves_outlier_channels_into_the_weights():
+    lin, x = _case(2)
+    x[:, :4] *= 50.0  # four outlier channels dominate the per-tensor range
+    s = x.abs().amax(0) ** 0.75 / lin.weight.detach().abs().amax(0) ** 0.25  # SmoothQuant, alpha 0.75
+    with torch.inference_mode():
+        ref = lin(x)
+        plain, smooth = OneDnnInt8Linear(lin)(x), OneDnnInt8Linear(lin, s)(x)
+    assert _rel(smooth, ref) < 0.7 * _rel(plain, ref)
+
+
+def test_inplace_smoothing_overwrites_only_when_asked():
+    lin, x = _case(3)
+    s = torch.rand(x.shape[1]) + 0.5
+    q = OneDnnInt8Linear(lin, s)
+    keep = x.clone()
+    with torch.inference_mode():
+        a = q(x)
+        assert torch.equal(x, keep)
+        q.inplace = True
+        b = q(x)
+    torch.testing.assert_close(b, a)
+    torch.testing.assert_close(x, keep / s)  # the temporary now holds x / s
+
+
+def test_constant_and_zero_inputs_stay_finite():
+    lin, _ = _case(4)
+    q = OneDnnInt8Linear(lin)
+    with torch.inference_mode():
+        for x in (torch.zeros(5, 96), torch.full((5, 96), 3.0)):
+            out = q(x)
+            assert torch.isfinite(out).all()
+            assert _rel(out, lin(x)) < 0.02  # only the weights' rounding is left
+
+
+def test_deepcopy_shares_the_packed_weight_and_copies_the_rest():
+    lin, x = _case(5)
+    q = OneDnnInt8Linear(lin, torch.rand(96) + 0.5)
+    c = copy.deepcopy(q)
+    assert c.packed is q.packed and c.bias is not q.bias
+    with torch.inference_mode():
+        torch.testing.assert_close(c(x), q(x))
+
+
+def test_bad_input_and_bad_scales_say_what_was_expected():
+    lin, x = _case(6)
+    with pytest.raises(TypeError, match="received torch.float64 input, expected torch.float32"):
+        OneDnnInt8Linear(lin)(x.double())
+    with pytest.raises(ValueError, match="finite and > 0"):
+        OneDnnInt8Linear(lin, torch.zeros(96))
