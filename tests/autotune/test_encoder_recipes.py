@@ -166,7 +166,7 @@ def test_build_verify_and_reload(tiny_bert, tmp_path, name):
 
 
 def test_int8_engine_is_recorded_and_an_artifact_loads_without_onednn(tiny_bert, tmp_path, monkeypatch):
-    import torchnitro.autotune.recipes.bert_unpad as bu
+    import torchnitro.autotune.recipes.int8_mixed as im
     from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear, onednn_int8_reason
 
     recipe = get_recipe("bert-unpad-int8")
@@ -175,7 +175,7 @@ def test_int8_engine_is_recorded_and_an_artifact_loads_without_onednn(tiny_bert,
     assert built.meta["engine"] == ("onednn" if fused else "fbgemm") and f"({built.meta['engine']}" in built.notes
     if onednn_int8_reason() is None:
         assert fused  # this CPU runs the fused kernels and the tiny model passes the calibration gate with them
-    monkeypatch.setattr(bu, "onednn_int8_reason", lambda: "no VNNI here")
+    monkeypatch.setattr(im, "onednn_int8_reason", lambda: "no VNNI here")
     with pytest.warns(UserWarning, match="no VNNI here"):
         fn = recipe.load(tmp_path, dict(built.meta, engine="onednn"), tiny_bert)
     assert not any(isinstance(m, OneDnnInt8Linear) for m in fn.modules())

@@ -96,3 +96,29 @@ def test_bad_input_and_bad_scales_say_what_was_expected():
         OneDnnInt8Linear(lin)(x.double())
     with pytest.raises(ValueError, match="finite and > 0"):
         OneDnnInt8Linear(lin, torch.zeros(96))
+
+
+def test_leading_dimensions_are_kept():
+    lin, x = _case(7, n=60)
+    q = OneDnnInt8Linear(lin)
+    x3 = x.reshape(3, 20, 96)
+    res = torch.randn(3, 20, 80)
+    with torch.inference_mode():
+        out = q(x3)
+        assert out.shape == (3, 20, 80)
+        torch.testing.assert_close(out.reshape(60, 80), q(x))
+        torch.testing.assert_close(q(x3, add=res), out + res, rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match=r"received input of shape \(60, 95\), expected \(\.\.\., 96\)"):
+            q(x[:, :95])
+
+
+def test_int8_module_engines_agree_and_unknown_engine_is_named():
+    from torchnitro.autotune.recipes.int8_mixed import int8_module
+
+    lin, x = _case(8)
+    with torch.inference_mode():
+        ref = lin(x)
+        for engine in ("onednn", "fbgemm"):
+            assert _rel(int8_module(lin, None, True, engine)(x), ref) < 0.02
+    with pytest.raises(ValueError, match="int8 engine 'mkl'"):
+        int8_module(lin, None, True, "mkl")

@@ -23,7 +23,6 @@ Applies to ``torchnitro.hf.SentenceEncoder`` around an HF ``BertModel`` with abs
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -33,10 +32,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
-from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear, onednn_int8_reason
 from torchnitro.autotune.recipes.int8_mixed import (calibration_inputs, int8_target, int8_unavailable_reason,
-                                                   linear_names, load_full_range, load_scales, plan_mixed_int8,
-                                                   quantize_linears, save_scales)
+                                                   linear_names, load_engine, load_full_range, load_scales,
+                                                   pick_engine, plan_mixed_int8, quantize_linears, save_scales)
+from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear
 
 __all__ = ["UnpaddedBert", "length_buckets", "fold_smoothing", "bert_inapplicable_reason", "UnpaddedBertRecipe",
            "UnpaddedBertInt8", "UnpaddedBertBf16"]
@@ -243,9 +242,6 @@ def fold_smoothing(base: UnpaddedBert, scales: dict[str, Tensor]) -> tuple[Unpad
     return m, left
 
 
-INT8_ENGINES = ("onednn", "fbgemm")
-
-
 def _int8(base: UnpaddedBert, names: list[str], scales: dict[str, Tensor], full_range: bool,
           engine: str = "fbgemm") -> nn.Module:
     """``base`` with the Linears ``names`` in int8. ``onednn``: fused oneDNN kernels that smooth in the
@@ -319,23 +315,11 @@ class UnpaddedBertInt8(Recipe):
         return bert_inapplicable_reason(model)
 
     def build(self, ctx: BuildContext) -> Built:
-        from torchnitro.autotune.recipes.int8_mixed import calibration_cosine
-
         base = UnpaddedBert(ctx.model).eval()
-        calib = calibration_inputs(ctx)
-        target = int8_target(ctx)
+        calib, target = calibration_inputs(ctx), int8_target(ctx)
         plan = plan_mixed_int8(base, calib, target)
-        engine, cos, why = "fbgemm", plan["cosine"], onednn_int8_reason()
-        if why is None:  # the fused oneDNN kernels: same plan, re-scored since their rounding differs
-            q = _int8(base, plan["int8"], plan["scales"], plan["full_range"], "onednn")
-            with torch.inference_mode():
-                refs = [base(*x) for x in calib]
-            cos = calibration_cosine(q, calib, refs)
-            engine, why = ("onednn", None) if cos >= target else ("fbgemm", f"oneDNN calibration cosine {cos:.4f} "
-                                                                            f"< {target:.4f}")
-        if engine == "fbgemm":
-            q = _int8(base, plan["int8"], plan["scales"], plan["full_range"], "fbgemm")
-            cos = plan["cosine"]
+        q, engine, cos, why = pick_engine(lambda e: _int8(base, plan["int8"], plan["scales"], plan["full_range"], e),
+                                          base, calib, target, plan["cosine"])
         save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
         meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": cos,
                 "full_range": plan["full_range"], "engine": engine}
@@ -347,14 +331,8 @@ class UnpaddedBertInt8(Recipe):
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         model = self.require_model(model)
         base = UnpaddedBert(model.eval()).eval()
-        engine = meta.get("engine", "fbgemm")
-        if engine == "onednn" and (why := onednn_int8_reason()) is not None:
-            warnings.warn(f"this bert-unpad-int8 artifact was tuned on oneDNN's fused int8 kernels, which do not run "
-                          f"here ({why}); loading it on fbgemm's dynamic int8 Linear instead (same plan, slightly "
-                          f"different rounding)", stacklevel=2)
-            engine = "fbgemm"
         return _int8(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"), load_full_range(meta),
-                     engine)
+                     load_engine(meta, self.name))
 
 
 def _bf16(model: nn.Module) -> nn.Module:

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
+from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear, onednn_int8_reason
 from torchnitro.errors import RecipeError
 from torchnitro.hardware import HardwareInfo
 
@@ -171,18 +172,55 @@ def smooth_scales(model: nn.Module, amax: dict[str, Tensor], alpha: float) -> di
     return out
 
 
-def int8_module(lin: nn.Linear, scale: Tensor | None, full_range: bool = False) -> nn.Module:
+def int8_module(lin: nn.Linear, scale: Tensor | None, full_range: bool = False, engine: str = "fbgemm") -> nn.Module:
+    """``lin`` in int8, smoothed by ``scale``: ``fbgemm`` (PyTorch's dynamic int8 Linear) or ``onednn``
+    (the fused oneDNN kernel, 8-bit activations, see onednn_int8)."""
+    if engine == "onednn":
+        return OneDnnInt8Linear(lin, scale)
+    if engine != "fbgemm":
+        raise ValueError(f"int8 engine {engine!r}; expected one of {INT8_ENGINES}")
     return _quantized_module(lin, full_range) if scale is None else SmoothedInt8Linear(lin, scale, full_range)
 
 
+INT8_ENGINES = ("onednn", "fbgemm")
+
+
+def pick_engine(make: Callable[[str], nn.Module], reference: nn.Module, calib: Sequence[tuple[Any, ...]],
+                target: float, fbgemm_cosine: float) -> tuple[nn.Module, str, float, str | None]:
+    """``make(engine)`` for the fused oneDNN kernels when they run here and the result still scores
+    ``target`` on the calibration inputs (their rounding differs from the plan's fbgemm modules),
+    else for fbgemm. Returns (model, engine, calibration cosine, why not oneDNN)."""
+    why = onednn_int8_reason()
+    if why is None:
+        q = make("onednn")
+        with torch.inference_mode():
+            refs = [reference(*x) for x in calib]
+        cos = calibration_cosine(q, calib, refs)
+        if cos >= target:
+            return q, "onednn", cos, None
+        why = f"oneDNN calibration cosine {cos:.4f} < {target:.4f}"
+    return make("fbgemm"), "fbgemm", fbgemm_cosine, why
+
+
+def load_engine(meta: dict[str, Any], recipe: str) -> str:
+    """The artifact's int8 engine, if it runs here; else warn and use fbgemm (same plan)."""
+    engine = meta.get("engine", "fbgemm")
+    if engine == "onednn" and (why := onednn_int8_reason()) is not None:
+        warnings.warn(f"this {recipe} artifact was tuned on oneDNN's fused int8 kernels, which do not run here "
+                      f"({why}); loading it on fbgemm's dynamic int8 Linear instead (same plan, slightly different "
+                      "rounding)", stacklevel=3)
+        return "fbgemm"
+    return engine
+
+
 def quantize_linears(model: nn.Module, names: Sequence[str], scales: dict[str, Tensor] | None = None,
-                     full_range: bool = False) -> nn.Module:
+                     full_range: bool = False, engine: str = "fbgemm") -> nn.Module:
     """A copy of ``model`` with the Linears ``names`` in dynamic int8 (per-channel weights), smoothed
     with ``scales[name]`` where given; ``full_range``: 8-bit activations (VNNI CPUs only)."""
     q = copy.deepcopy(model).eval()
     scales = scales or {}
     for n in names:
-        q.set_submodule(n, int8_module(q.get_submodule(n), scales.get(n), full_range))
+        q.set_submodule(n, int8_module(q.get_submodule(n), scales.get(n), full_range, engine))
     return q
 
 
@@ -316,15 +354,19 @@ class MixedInt8(Recipe):
         return None
 
     def build(self, ctx: BuildContext) -> Built:
-        plan = plan_mixed_int8(ctx.model, calibration_inputs(ctx), int8_target(ctx))
-        q = quantize_linears(ctx.model, plan["int8"], plan["scales"], plan["full_range"])
+        calib, target = calibration_inputs(ctx), int8_target(ctx)
+        plan = plan_mixed_int8(ctx.model, calib, target)
+        q, engine, cos, why = pick_engine(
+            lambda e: quantize_linears(ctx.model, plan["int8"], plan["scales"], plan["full_range"], e),
+            ctx.model, calib, target, plan["cosine"])
         save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
-        meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": plan["cosine"],
-                "full_range": plan["full_range"]}
-        return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta, notes=f"{len(plan['int8'])} Linear int8, {len(plan['fp32'])} kept fp32 "
-                                              f"(calibration cosine {plan['cosine']:.4f})")
+        meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": cos, "full_range": plan["full_range"],
+                "engine": engine}
+        return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
+                     notes=f"{len(plan['int8'])} Linear int8 ({engine}{'' if why is None else ': ' + why}), "
+                           f"{len(plan['fp32'])} kept fp32 (calibration cosine {cos:.4f})")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         model = self.require_model(model)
         return quantize_linears(model.eval(), meta["int8"], load_scales(directory / "smooth_scales.safetensors"),
-                                load_full_range(meta))
+                                load_full_range(meta), load_engine(meta, self.name))

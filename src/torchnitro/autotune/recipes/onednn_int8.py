@@ -87,17 +87,22 @@ class OneDnnInt8Linear(nn.Module):
         """``W x + b``, then ``gelu`` (exact erf) or ``+ add`` (a (N, out) residual) in the GEMM epilogue."""
         if gelu and add is not None:
             raise ValueError("OneDnnInt8Linear: fuse either gelu or a residual add, not both")
-        if x.dim() != 2 or x.shape[1] != self.in_features:
-            x = x.reshape(-1, self.in_features)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"OneDnnInt8Linear: received input of shape {tuple(x.shape)}, expected (..., "
+                             f"{self.in_features})")
         if x.dtype != torch.float32:
             raise TypeError(f"OneDnnInt8Linear: received {x.dtype} input, expected torch.float32")
-        qx, sx, zx = self._quantize(x.contiguous())
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        qx, sx, zx = self._quantize(x2 if x2.is_contiguous() else x2.contiguous())
         if add is not None:
-            return torch.ops.onednn.qlinear_pointwise.binary(
-                qx, sx, zx, self.packed, self.w_scale, self.w_zp, add.contiguous(), self.bias, 1.0, 0, torch.float32,
-                1.0, 0, "add", 1.0, "none", [], "none")
-        return torch.ops.onednn.qlinear_pointwise(qx, sx, zx, self.packed, self.w_scale, self.w_zp, self.bias, 1.0, 0,
-                                                  torch.float32, "gelu" if gelu else "none", [], "none")
+            y = torch.ops.onednn.qlinear_pointwise.binary(
+                qx, sx, zx, self.packed, self.w_scale, self.w_zp, add.reshape(-1, self.out_features).contiguous(),
+                self.bias, 1.0, 0, torch.float32, 1.0, 0, "add", 1.0, "none", [], "none")
+        else:
+            y = torch.ops.onednn.qlinear_pointwise(qx, sx, zx, self.packed, self.w_scale, self.w_zp, self.bias, 1.0,
+                                                   0, torch.float32, "gelu" if gelu else "none", [], "none")
+        return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
 
     def __deepcopy__(self, memo: dict) -> "OneDnnInt8Linear":
         # the packed weight is an opaque oneDNN tensor that cannot be copied; it is never written, so share it
