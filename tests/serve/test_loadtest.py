@@ -109,12 +109,14 @@ def test_interleaved_loads_each_server_in_turn():
         servers = {tag: await asyncio.start_server(handler(tag), "127.0.0.1", 0) for tag in ("a", "b")}
         targets = {tag: LoadTarget(f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}", "/x", lambda i: b"{}",
                                    metrics_path=None) for tag, s in servers.items()}
-        res = await interleaved(targets, concurrency=2, rounds=3, burst_s=0.05)
+        res = await interleaved(targets, concurrency=2, rounds=3, burst_s=0.05, focus=focused.append)
         for s in servers.values():
             s.close()
         return res, hits
 
+    focused: list[str | None] = []
     res, hits = asyncio.run(asyncio.wait_for(main(), 30))
+    assert focused == [None, "a", "b", "b", "a", "a", "b", None]  # each burst's server, all of them around
     assert set(res) == {"a", "b"}
     for tag, r in res.items():
         assert r.ok == hits.count(tag) > 0 and r.errors == {} and r.throughput > 0

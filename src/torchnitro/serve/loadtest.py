@@ -190,23 +190,35 @@ async def closed_loop(target: LoadTarget, concurrency: int, duration_s: float,
 
 
 async def interleaved(targets: dict[str, LoadTarget], concurrency: int, rounds: int, burst_s: float,
-                      timeout_s: float = 30.0) -> dict[str, LoadResult]:
+                      timeout_s: float = 30.0,
+                      focus: Callable[[str | None], None] | None = None) -> dict[str, LoadResult]:
     """Closed-loop load on several servers in turn: ``rounds`` bursts of ``burst_s`` each, rotating
     the order every round, so drift and other load on the machine hit every server alike.
 
     Only one server is loaded at a time; each result merges its bursts (latencies pooled,
     throughput = answers / loaded seconds, mean batch from its /metrics over the whole run).
+    ``focus(name)`` is called before each burst (e.g. to pause the idle servers, some of which poll
+    and take CPU from the loaded one) and ``focus(None)`` before and after the run, when every
+    server must answer its /metrics.
     """
     if rounds < 1 or burst_s <= 0:
         raise InputError(f"rounds={rounds}, burst_s={burst_s}: expected rounds >= 1 and burst_s > 0")
     names = list(targets)
     stats = {n: _Stats() for n in names}
     elapsed = dict.fromkeys(names, 0.0)
+    if focus:
+        focus(None)
     before = {n: await _metrics(targets[n]) for n in names}
-    for k in range(rounds):
-        for n in names[k % len(names):] + names[:k % len(names)]:
-            elapsed[n] += await _closed(targets[n], stats[n], concurrency, burst_s,
-                                        iter(range(1_000_000)), timeout_s)
+    try:
+        for k in range(rounds):
+            for n in names[k % len(names):] + names[:k % len(names)]:
+                if focus:
+                    focus(n)
+                elapsed[n] += await _closed(targets[n], stats[n], concurrency, burst_s,
+                                            iter(range(1_000_000)), timeout_s)
+    finally:
+        if focus:
+            focus(None)
     return {n: stats[n].result("closed", concurrency, elapsed[n], before[n], await _metrics(targets[n]))
             for n in names}
 
