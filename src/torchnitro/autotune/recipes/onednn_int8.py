@@ -24,9 +24,19 @@ from torch import Tensor, nn
 
 __all__ = ["OneDnnInt8Linear", "onednn_int8_reason"]
 
-# quantize_per_tensor is the one vectorised CPU quantiser torch has (the decomposed ops take 4-5 passes);
-# its deprecation notice is not actionable for users of this module.
-warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel", category=UserWarning)
+# quantize_per_tensor is the one vectorised CPU quantiser torch has (the decomposed ops take 4-5 passes).
+# Its deprecation notice (issued once per process) is not actionable for users of this module.
+_quiet = [True]
+
+
+def _quantize_per_tensor(x: Tensor, scale: float, zp: int) -> Tensor:
+    if _quiet[0]:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor", category=UserWarning)
+            q = torch.quantize_per_tensor(x, scale, zp, torch.quint8)
+        _quiet[0] = False
+        return q
+    return torch.quantize_per_tensor(x, scale, zp, torch.quint8)
 
 
 def onednn_int8_reason() -> str | None:
@@ -82,8 +92,7 @@ class OneDnnInt8Linear(nn.Module):
         lo_f, hi_f = min(float(lo), 0.0), max(float(hi), 0.0)  # the range must contain 0 (exact zero point)
         scale = max(hi_f - lo_f, 1e-8) / 255.0
         zp = int(min(255, max(0, round(-lo_f / scale))))
-        q = torch.quantize_per_tensor(x, scale, zp, torch.quint8)
-        return _uint8_view(q), scale, zp
+        return _uint8_view(_quantize_per_tensor(x, scale, zp)), scale, zp
 
     def forward(self, x: Tensor, *, gelu: bool = False, add: Tensor | None = None) -> Tensor:
         """``W x + b``, then ``gelu`` (exact erf) or ``+ add`` (a (N, out) residual) in the GEMM epilogue."""
