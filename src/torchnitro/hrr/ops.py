@@ -25,11 +25,11 @@ from typing import Sequence
 
 import torch
 
-from torchnitro.errors import InputError, ShapeError
+from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
 
 __all__ = [
     "random", "unitary", "bind", "unbind", "inverse", "exact_inverse", "project", "superpose",
-    "normalize", "permute", "unpermute", "permutation", "cosine", "UNBIND_METHODS",
+    "normalize", "permute", "unpermute", "permutation", "cosine", "UNBIND_METHODS", "BIND_BACKENDS",
 ]
 
 UNBIND_METHODS = ("involution", "exact", "projected")
@@ -149,9 +149,47 @@ def unitary(
     return u.to(device) if device is not None else u
 
 
-def bind(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Circular convolution ``(a * b)[i] = sum_j a[j] b[(i - j) mod d]``, broadcast over leading dims."""
+BIND_BACKENDS = ("auto", "torch", "triton")
+# "auto" takes the one-pass Triton kernel (hrr.fft_kernel) on CUDA float32 from this many rows
+# (product of the leading dims) and this d. Measured on an H100 (benchmarks/hrr.py --device cuda):
+# 0.71x torch.fft's time at (1000, 1024), 0.59x at (65536, 1024), 0.74x at (16384, 4096); at
+# (1000, 512) it was not faster, and batches under 1000 were not measured, so those keep torch.fft
+FFT_KERNEL_MIN_ROWS = 512
+FFT_KERNEL_MIN_D = 1024
+
+
+def _use_fft_kernel(x: torch.Tensor, y: torch.Tensor, backend: str) -> bool:
+    if backend not in BIND_BACKENDS:
+        raise InputError(f"backend: received {backend!r}, expected one of {BIND_BACKENDS}")
+    if backend == "torch":
+        return False
+    from torchnitro.hrr.fft_kernel import fft_bind_reason
+
+    why = fft_bind_reason(x)
+    if why is None and x.shape != y.shape:
+        why = f"shapes {tuple(x.shape)} and {tuple(y.shape)} broadcast; the kernel takes equal shapes"
+    if why is None and torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
+        why = "an input requires grad; the kernel has no backward"
+    if backend == "triton":
+        if why is not None:
+            raise BackendUnavailableError(f"backend='triton': {why}; use backend='torch' or 'auto'")
+        return True
+    return (why is None and x.is_cuda and x.shape[-1] >= FFT_KERNEL_MIN_D
+            and x.numel() // max(1, x.shape[-1]) >= FFT_KERNEL_MIN_ROWS)
+
+
+def bind(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Circular convolution ``(a * b)[i] = sum_j a[j] b[(i - j) mod d]``, broadcast over leading dims.
+
+    backend: ``"torch"`` (``torch.fft``), ``"triton"`` (hrr.fft_kernel: CUDA float32, power-of-two d,
+    equal shapes, one pass over memory) or ``"auto"`` (the kernel where it applies and the batch has at
+    least ``FFT_KERNEL_MIN_ROWS`` rows of ``d >= FFT_KERNEL_MIN_D``).
+    """
     _check_pair(a, b)
+    if _use_fft_kernel(a, b, backend):
+        from torchnitro.hrr.fft_kernel import fft_bind
+
+        return fft_bind(a, b)
     A, B = _spectra(a, b)
     spec = A.mul_(B) if A.shape == B.shape else A * B  # in place when no broadcasting is needed
     return irfft(spec, a.shape[-1], a.dtype)
@@ -172,16 +210,23 @@ def exact_inverse(a: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     return irfft(inv, a.shape[-1], a.dtype)
 
 
-def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution") -> torch.Tensor:
+def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution", *, backend: str = "auto") -> torch.Tensor:
     """Recover ``b`` from ``c = bind(a, b)`` (plus noise from anything superposed with it).
 
     method: ``"involution"`` (default, stable), ``"exact"`` (exact for a single pair, noisy in a
     superposition), or ``"projected"`` (unbind with the involution of ``project(a)``: exact when
-    ``a`` was unitary, and stable when it was not).
+    ``a`` was unitary, and stable when it was not). backend: as for ``bind`` (the Triton kernel
+    runs the involution only).
     """
     _check_pair(c, a, ("c", "a"))
     if method not in UNBIND_METHODS:
         raise InputError(f"unbind: received method={method!r}, expected one of {UNBIND_METHODS}")
+    if backend == "triton" and method != "involution":
+        raise BackendUnavailableError(f"backend='triton' runs method='involution' only (received {method!r})")
+    if method == "involution" and _use_fft_kernel(c, a, backend):
+        from torchnitro.hrr.fft_kernel import fft_bind
+
+        return fft_bind(c, a, conj_b=True)
     C, A = _spectra(c, a)
     if method == "exact":  # out of place: autograd keeps A for the denominator's gradient
         A = A / (A.real.square() + A.imag.square()).clamp_min(_EPS[A.real.dtype])
