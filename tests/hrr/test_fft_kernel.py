@@ -1,13 +1,10 @@
 """The one-pass FFT bind kernel against torch.fft (Triton interpreter on CPU, compiled on a GPU)."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from torchnitro import hrr
+from tests.hrr._interpreted import run_interpreted
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
 from torchnitro.hrr import ops
 from torchnitro.hrr.fft_kernel import fft_bind, fft_bind_reason
@@ -36,11 +33,7 @@ print("ok")
 
 
 def test_kernel_matches_torch_fft_interpreted():
-    """Triton picks interpreted or compiled mode when it is imported, so this runs in a fresh process."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted(_INTERPRETED)
 
 
 def test_reasons_and_errors_name_what_was_received(monkeypatch):

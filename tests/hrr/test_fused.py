@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from tests.hrr._interpreted import run_interpreted
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
 from torchnitro.hrr import fused
 from torchnitro.hrr import ops as h
@@ -71,11 +68,7 @@ print("ok")
 
 
 def test_triton_kernel_matches_reference_interpreted():
-    """Triton picks interpreted or compiled mode when it is imported, so this runs in a fresh process."""
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+    run_interpreted(_INTERPRETED)
 
 
 def test_backend_errors(monkeypatch):
