@@ -26,6 +26,18 @@ def test_rerun_uses_search_cache_and_candidate_cache(fast_cfg):
     assert other.report.get("onnxruntime").cached and other.report.get("torchscript").cached
 
 
+def test_a_recipe_version_bump_misses_its_cached_results(fast_cfg, monkeypatch):
+    from torchnitro.autotune.recipe import get_recipe
+
+    model, inputs, info = resolve_model("mlp", batch=4)
+    cfg = fast_cfg(recipes=["torchscript", "onnxruntime"])
+    torchnitro.optimize(model, inputs, cfg, info=info)
+    monkeypatch.setattr(type(get_recipe("torchscript")), "version", "999")  # its builder changed
+    again = torchnitro.optimize(model, inputs, cfg, info=info)
+    assert not again.report.cached  # the whole-search entry names every recipe's version
+    assert not again.report.get("torchscript").cached and again.report.get("onnxruntime").cached
+
+
 def test_changed_weights_change_the_key():
     model, _, _ = resolve_model("mlp")
     h1 = model_hash(model)

@@ -139,7 +139,7 @@ def _search_key(model: nn.Module, inputs: tuple[Any, ...], cfg: OptimizeConfig) 
     from torchnitro.hardware import hardware_info
 
     return make_key(v=CACHE_VERSION, model=model_hash(model), inputs=input_signature(inputs), cfg=cfg.cache_key_fields(),
-                    recipes=[r.name for r in select_recipes(cfg)], hw=hardware_info().fingerprint,
+                    recipes=[f"{r.name}@{r.version}" for r in select_recipes(cfg)], hw=hardware_info().fingerprint,
                     device=str(resolve_device(cfg)), threads=cfg.resolved_threads())
 
 

@@ -70,6 +70,7 @@ class Recipe:
     gpu_only: ClassVar[bool] = False
     default: ClassVar[bool] = True  # part of a search with no explicit recipe list (False: slow, opt in by name)
     order: ClassVar[int] = 50  # search order, low first (cheap and likely winners early, for the budget)
+    version: ClassVar[str] = "1"  # bump when the variant a recipe builds changes: its cached results are then stale
 
     def unavailable_reason(self, hw: HardwareInfo) -> str | None:
         """None when the recipe can run on this machine, else a one-line reason."""

@@ -74,7 +74,7 @@ class _Search:
                 "device": str(self.device), "threads": torch.get_num_threads(), "seed": self.cfg.seed}
 
     def cand_key(self, r: Recipe) -> str:
-        return make_key(**self.base_key(), recipe=r.name, cls=f"{type(r).__module__}.{type(r).__qualname__}",
+        return make_key(**self.base_key(), recipe=r.name, rv=r.version, cls=f"{type(r).__module__}.{type(r).__qualname__}",
                         tol=self.cfg.tolerance(r.numeric_class.value),
                         metric=function_id(self.cfg.metric_fn), thr=self.cfg.metric_threshold)
 

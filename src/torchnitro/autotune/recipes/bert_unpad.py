@@ -305,6 +305,7 @@ class UnpaddedBertInt8(Recipe):
     numeric_class = NumericClass.INT8
     description = "padding-free BERT + SmoothQuant dynamic int8 Linears, gate-sensitive layers kept fp32"
     order = 16
+    version = "2"  # 2: built on the fused oneDNN int8 Linear where it runs
 
     def unavailable_reason(self, hw: Any) -> str | None:
         return int8_unavailable_reason()

@@ -342,6 +342,7 @@ class MixedInt8(Recipe):
     numeric_class = NumericClass.INT8
     description = "dynamic int8 Linears (per-channel, VNNI) with the most gate-sensitive layers kept in fp32"
     order = 46
+    version = "2"  # 2: built on the fused oneDNN int8 Linear where it runs
 
     def unavailable_reason(self, hw: HardwareInfo) -> str | None:
         return int8_unavailable_reason()
