@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -185,8 +184,10 @@ def start(cmd: list[str]) -> subprocess.Popen:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the server's process group (LitServe leaves its workers running otherwise)."""
+    """SIGTERM the server's process group (LitServe leaves its workers running otherwise); SIGCONT
+    first, since a group paused by pauser() would not act on SIGTERM until resumed."""
     try:
+        os.killpg(proc.pid, signal.SIGCONT)
         os.killpg(proc.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
@@ -306,8 +307,6 @@ def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: d
         res = {label: {1: low[label], c: high[label]} for label in targets}
     finally:
         for proc, _, _ in procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGCONT)  # a paused group would not see SIGTERM until resumed
             stop(proc)
     mean_b = res["dynamic"][c].mean_batch or 1.0
     sizes = sorted({1, max(1, round(mean_b)), 32})

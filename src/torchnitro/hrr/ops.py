@@ -161,8 +161,9 @@ FFT_KERNEL_MIN_D = 1024
 def _use_fft_kernel(x: torch.Tensor, y: torch.Tensor, backend: str) -> bool:
     if backend not in BIND_BACKENDS:
         raise InputError(f"backend: received {backend!r}, expected one of {BIND_BACKENDS}")
-    if backend == "torch":
-        return False
+    if backend == "torch" or (backend == "auto" and not (
+            x.is_cuda and x.shape[-1] >= FFT_KERNEL_MIN_D and x.numel() // x.shape[-1] >= FFT_KERNEL_MIN_ROWS)):
+        return False  # the common CPU / small-batch call pays two comparisons, not the checks below
     from torchnitro.hrr.fft_kernel import fft_bind_reason
 
     why = fft_bind_reason(x)
@@ -170,12 +171,9 @@ def _use_fft_kernel(x: torch.Tensor, y: torch.Tensor, backend: str) -> bool:
         why = f"shapes {tuple(x.shape)} and {tuple(y.shape)} broadcast; the kernel takes equal shapes"
     if why is None and torch.is_grad_enabled() and (x.requires_grad or y.requires_grad):
         why = "an input requires grad; the kernel has no backward"
-    if backend == "triton":
-        if why is not None:
-            raise BackendUnavailableError(f"backend='triton': {why}; use backend='torch' or 'auto'")
-        return True
-    return (why is None and x.is_cuda and x.shape[-1] >= FFT_KERNEL_MIN_D
-            and x.numel() // max(1, x.shape[-1]) >= FFT_KERNEL_MIN_ROWS)
+    if backend == "triton" and why is not None:
+        raise BackendUnavailableError(f"backend='triton': {why}; use backend='torch' or 'auto'")
+    return why is None
 
 
 def bind(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:

@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
-from torchnitro.autotune.recipes.int8_mixed import (calibration_inputs, int8_target, int8_unavailable_reason,
-                                                   linear_names, load_engine, load_full_range, load_scales,
-                                                   pick_engine, plan_mixed_int8, quantize_linears, save_scales)
+from torchnitro.autotune.recipes.int8_mixed import (build_mixed_int8, int8_unavailable_reason, linear_names,
+                                                   load_engine, load_full_range, load_scales, quantize_linears)
 from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear
 
 __all__ = ["UnpaddedBert", "length_buckets", "fold_smoothing", "bert_inapplicable_reason", "UnpaddedBertRecipe",
@@ -112,7 +111,11 @@ class _Layer(nn.Module):
         self.res_mid: Tensor | None = None
 
     @staticmethod
-    def _residual(y: Tensor, x: Tensor, scale: Tensor | None) -> Tensor:
+    def _plus_residual(lin: nn.Module, inp: Tensor, x: Tensor, scale: Tensor | None) -> Tensor:
+        """``lin(inp) + x * scale`` (``+ x`` without a SmoothQuant scale); in the GEMM epilogue on oneDNN."""
+        if isinstance(lin, OneDnnInt8Linear):
+            return lin(inp, add=x if scale is None else x * scale)
+        y = lin(inp)
         return x + y if scale is None else torch.addcmul(y, x, scale)
 
     ffn_rows = 1024  # FFN row block: its (rows, 4D) GELU temporary stays in cache instead of a (N, 4D) round trip
@@ -129,9 +132,7 @@ class _Layer(nn.Module):
             h = self.ffn_in(x, gelu=True)  # GELU in the GEMM epilogue
         else:
             h = F.gelu(self.ffn_in(x))  # a temporary: int8 ffn_out smooths it in place
-        if isinstance(self.ffn_out, OneDnnInt8Linear):
-            return self.ffn_out(h, add=x if self.res_mid is None else x * self.res_mid)  # residual in the epilogue
-        return self._residual(self.ffn_out(h), x, self.res_mid)
+        return self._plus_residual(self.ffn_out, h, x, self.res_mid)
 
     def _attend(self, qkv: Tensor, buckets: list[_Bucket]) -> Tensor:
         n, d = qkv.shape[0], qkv.shape[1] // 3  # qkv: (N, 3D)
@@ -156,10 +157,7 @@ class _Layer(nn.Module):
 
     def forward(self, x: Tensor, buckets: list[_Bucket]) -> Tensor:
         ctx = self._attend(self.qkv(x), buckets)  # x: (N, D) real tokens
-        if isinstance(self.out, OneDnnInt8Linear):
-            x = self.ln1(self.out(ctx, add=x if self.res_in is None else x * self.res_in))
-        else:
-            x = self.ln1(self._residual(self.out(ctx), x, self.res_in))
+        x = self.ln1(self._plus_residual(self.out, ctx, x, self.res_in))
         return self.ln2(self._ffn_residual(x))
 
 
@@ -250,12 +248,7 @@ def _int8(base: UnpaddedBert, names: list[str], scales: dict[str, Tensor], full_
     from torchnitro.autotune.recipes.int8_mixed import SmoothedInt8Linear
 
     folded, left = fold_smoothing(base, scales)
-    if engine == "onednn":
-        q = copy.deepcopy(folded)
-        for n in names:
-            q.set_submodule(n, OneDnnInt8Linear(q.get_submodule(n), left.get(n)))
-    else:
-        q = quantize_linears(folded, names, left, full_range)
+    q = quantize_linears(folded, names, left, full_range, engine)
     for layer in q.layers:
         if isinstance(layer.ffn_out, (SmoothedInt8Linear, OneDnnInt8Linear)):
             layer.ffn_out.inplace = True  # its input is the GELU temporary
@@ -317,17 +310,11 @@ class UnpaddedBertInt8(Recipe):
 
     def build(self, ctx: BuildContext) -> Built:
         base = UnpaddedBert(ctx.model).eval()
-        calib, target = calibration_inputs(ctx), int8_target(ctx)
-        plan = plan_mixed_int8(base, calib, target)
-        q, engine, cos, why = pick_engine(lambda e: _int8(base, plan["int8"], plan["scales"], plan["full_range"], e),
-                                          base, calib, target, plan["cosine"])
-        save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
-        meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": cos,
-                "full_range": plan["full_range"], "engine": engine}
+        q, meta, engine = build_mixed_int8(
+            ctx, base, lambda plan, e: _int8(base, plan["int8"], plan["scales"], plan["full_range"], e))
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
-                     notes=f"{len(plan['int8'])}/{len(linear_names(base))} Linear int8 ({engine}"
-                           f"{'' if why is None else ': ' + why}), fp32 kept: "
-                           f"{', '.join(plan['fp32']) or 'none'}; calibration cosine {cos:.4f}")
+                     notes=f"{len(meta['int8'])}/{len(linear_names(base))} Linear int8 ({engine}), fp32 kept: "
+                           f"{', '.join(meta['fp32']) or 'none'}; calibration cosine {meta['calib_cosine']:.4f}")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         model = self.require_model(model)

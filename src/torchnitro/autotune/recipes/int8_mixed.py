@@ -185,21 +185,33 @@ def int8_module(lin: nn.Linear, scale: Tensor | None, full_range: bool = False, 
 INT8_ENGINES = ("onednn", "fbgemm")
 
 
-def pick_engine(make: Callable[[str], nn.Module], reference: nn.Module, calib: Sequence[tuple[Any, ...]],
+def pick_engine(make: Callable[[str], nn.Module], calib: Sequence[tuple[Any, ...]], refs: Sequence[Any],
                 target: float, fbgemm_cosine: float) -> tuple[nn.Module, str, float, str | None]:
     """``make(engine)`` for the fused oneDNN kernels when they run here and the result still scores
-    ``target`` on the calibration inputs (their rounding differs from the plan's fbgemm modules),
-    else for fbgemm. Returns (model, engine, calibration cosine, why not oneDNN)."""
+    ``target`` against ``refs`` on the calibration inputs (their rounding differs from the plan's
+    fbgemm modules), else for fbgemm. Returns (model, engine, calibration cosine, why not oneDNN)."""
     why = onednn_int8_reason()
     if why is None:
         q = make("onednn")
-        with torch.inference_mode():
-            refs = [reference(*x) for x in calib]
         cos = calibration_cosine(q, calib, refs)
         if cos >= target:
             return q, "onednn", cos, None
         why = f"oneDNN calibration cosine {cos:.4f} < {target:.4f}"
     return make("fbgemm"), "fbgemm", fbgemm_cosine, why
+
+
+def build_mixed_int8(ctx: BuildContext, model: nn.Module,
+                     make: Callable[[dict[str, Any], str], nn.Module]) -> tuple[nn.Module, dict[str, Any], str]:
+    """The int8 recipes' build: plan on ``model`` (which Linears stay fp32, SmoothQuant scales), then
+    ``make(plan, engine)`` on the engine ``pick_engine`` chooses; saves the scales in the workdir.
+    Returns (variant, artifact meta, "engine[: why not oneDNN]")."""
+    calib, target = calibration_inputs(ctx), int8_target(ctx)
+    plan = plan_mixed_int8(model, calib, target)
+    q, engine, cos, why = pick_engine(lambda e: make(plan, e), calib, plan["refs"], target, plan["cosine"])
+    save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
+    meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": cos, "full_range": plan["full_range"],
+            "engine": engine}
+    return q, meta, engine if why is None else f"{engine}: {why}"
 
 
 def load_engine(meta: dict[str, Any], recipe: str) -> str:
@@ -265,7 +277,8 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
     """Pick the Linears to keep in fp32 so the worst calibration cosine is >= ``target``.
 
     ``alpha`` is the SmoothQuant migration strength (None: no smoothing). Returns ``{"int8": [...],
-    "fp32": [...], "cosine": float, "sensitivity": {...}, "scales": {...}, "full_range": bool}``; raises
+    "fp32": [...], "cosine": float, "sensitivity": {...}, "scales": {...}, "full_range": bool,
+    "refs": [...]}`` (``refs``: the model's outputs on ``calib``); raises
     RecipeError when more than ``max_fp32_fraction`` of the layers would have to stay fp32.
     ``full_range`` (8-bit activations) defaults to whether this CPU has VNNI.
     """
@@ -298,7 +311,7 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
         if cos >= target:
             int8 = [n for n in names if n not in fp32]
             return {"int8": int8, "fp32": fp32, "cosine": cos, "sensitivity": sens, "full_range": full_range,
-                    "scales": {n: scales[n] for n in int8 if n in scales}}
+                    "scales": {n: scales[n] for n in int8 if n in scales}, "refs": refs}
         if len(fp32) + 1 > max_fp32_fraction * len(names):
             raise RecipeError(
                 f"mixed int8: with {len(fp32)}/{len(names)} layers kept in fp32 the calibration cosine is {cos:.5f}, "
@@ -355,17 +368,12 @@ class MixedInt8(Recipe):
         return None
 
     def build(self, ctx: BuildContext) -> Built:
-        calib, target = calibration_inputs(ctx), int8_target(ctx)
-        plan = plan_mixed_int8(ctx.model, calib, target)
-        q, engine, cos, why = pick_engine(
-            lambda e: quantize_linears(ctx.model, plan["int8"], plan["scales"], plan["full_range"], e),
-            ctx.model, calib, target, plan["cosine"])
-        save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
-        meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": cos, "full_range": plan["full_range"],
-                "engine": engine}
+        q, meta, engine = build_mixed_int8(
+            ctx, ctx.model, lambda plan, e: quantize_linears(ctx.model, plan["int8"], plan["scales"],
+                                                             plan["full_range"], e))
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
-                     notes=f"{len(plan['int8'])} Linear int8 ({engine}{'' if why is None else ': ' + why}), "
-                           f"{len(plan['fp32'])} kept fp32 (calibration cosine {cos:.4f})")
+                     notes=f"{len(meta['int8'])} Linear int8 ({engine}), {len(meta['fp32'])} kept fp32 "
+                           f"(calibration cosine {meta['calib_cosine']:.4f})")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         model = self.require_model(model)
