@@ -65,13 +65,21 @@ def test_auto_keeps_small_batches_and_cpu_tensors_on_torch_fft(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", [1024, 4096, 64])
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256, 512, 1024, 2048, 4096])
 def test_kernel_on_gpu_matches_torch_fft(d):
+    """Every supported d at its default launch configuration (a compiled kernel can differ from the
+    interpreted one), plus rows whose norms differ by 1e6 and a zero row."""
     g = torch.Generator().manual_seed(d)
-    a, b = (x.cuda() for x in hrr.random((2, 3000), d, generator=g))
+    a, b = (x.cuda() for x in hrr.random((2, 3001), d, generator=g))
     ref_b, ref_u = hrr.bind(a, b, backend="torch"), hrr.unbind(a, b, backend="torch")
     torch.testing.assert_close(hrr.bind(a, b, backend="triton"), ref_b, atol=1e-5, rtol=0)
     torch.testing.assert_close(hrr.unbind(a, b, backend="triton"), ref_u, atol=1e-5, rtol=0)
+    scale = torch.logspace(-3, 3, a.shape[0], device="cuda")[:, None]
+    b_scaled = b * scale
+    b_scaled[7] = 0
+    out = hrr.bind(a, b_scaled, backend="triton")
+    assert bool((out[7] == 0).all())
+    torch.testing.assert_close(out / scale, hrr.bind(a, b_scaled, backend="torch") / scale, atol=1e-5, rtol=0)
     torch.testing.assert_close(hrr.bind(a, b), ref_b, atol=1e-5, rtol=0)  # auto: the kernel from d = 1024
     cpu = hrr.bind(a.cpu(), b.cpu())
     torch.testing.assert_close(hrr.bind(a, b).cpu(), cpu, atol=1e-5, rtol=0)  # same result across devices
