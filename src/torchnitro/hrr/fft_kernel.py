@@ -124,10 +124,14 @@ def fft_bind_reason(a: torch.Tensor) -> str | None:
     return None
 
 
-def _rows_per_program(d: int) -> int:
-    """2048 values per program: measured best at d = 1024 (2 rows) and d = 4096 (1 row) on an H100
-    (benchmarks/hrr_fft_sweep.py, results/hrr_fft_sweep.md)."""
-    return max(1, 2048 // d)
+def _launch(d: int) -> tuple[int, int]:
+    """(rows per program, warps). Measured on an H100 (benchmarks/hrr_fft_sweep.py,
+    results/hrr_fft_sweep_warps_*.md): one row on one warp at d = 1024 (61% of copy bandwidth
+    against 54% for two rows on four warps: no exchange crosses a warp, so none needs shared memory
+    or a barrier), one row on four warps at d = 2048 and 4096; 2048 values on four warps elsewhere."""
+    if d == 1024:
+        return 1, 1
+    return max(1, 2048 // d), 4
 
 
 def fft_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, rows_per_program: int | None = None,
@@ -153,10 +157,11 @@ def fft_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, rows_per
     if n == 0:
         return out.reshape(a.shape)
     twr, twi = _twiddles(d, a.device)
-    r = rows_per_program or _rows_per_program(d)
+    r0, w0 = _launch(d)
+    r = rows_per_program or r0
     if r & (r - 1):
         raise InputError(f"fft_bind: rows_per_program={r}; expected a power of two")
-    warps = num_warps or 4  # the H100 sweep: 4 warps beat 8 at d = 1024 (R=2) and d = 4096 (R=1)
+    warps = num_warps or w0
     _kernel[(cdiv(n, r),)](a2, b2, out, twr, twi, n, a2.stride(0), b2.stride(0), out.stride(0),
                            N=d, LOGN=d.bit_length() - 1, CONJ_B=conj_b, R=r,
                            num_warps=warps)
