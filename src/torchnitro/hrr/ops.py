@@ -151,9 +151,10 @@ def unitary(
 
 BIND_BACKENDS = ("auto", "torch", "triton")
 # "auto" takes the one-pass Triton kernel (hrr.fft_kernel) on CUDA float32 from this many rows
-# (product of the leading dims) and this d. Measured on an H100 (benchmarks/hrr.py --device cuda):
-# 0.71x torch.fft's time at (1000, 1024), 0.59x at (65536, 1024), 0.74x at (16384, 4096); at
-# (1000, 512) it was not faster, and batches under 1000 were not measured, so those keep torch.fft
+# (product of the leading dims) and this d. Measured on an H100 (benchmarks/hrr.py --device cuda,
+# benchmarks/hrr_fft_sweep.py): 0.77x torch.fft's time at (1000, 1024), 0.37x at (65536, 1024),
+# 0.57x at (16384, 4096); at (1000, 512) an earlier version was not faster, and batches under 1000
+# were not measured, so those keep torch.fft
 FFT_KERNEL_MIN_ROWS = 512
 FFT_KERNEL_MIN_D = 1024
 

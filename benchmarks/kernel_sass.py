@@ -1,0 +1,122 @@
+"""Instruction counts of a Triton kernel's machine code, compiled for a GPU that need not be present.
+
+    python benchmarks/kernel_sass.py                       # hrr's FFT bind kernel, sm_90 (H100)
+    python benchmarks/kernel_sass.py --dims 1024 --launch 1x1 2x4 --arch 90
+    python benchmarks/kernel_sass.py --kernel old_fft_kernel.py   # another version of hrr/fft_kernel.py
+
+Compiles ``_fft_bind_kernel`` ahead of time with Triton's bundled ``ptxas`` and disassembles it
+with its bundled ``cuobjdump`` (no GPU, no CUDA toolkit), then counts SASS instructions by opcode.
+The kernel is fully unrolled, so the static count per thread is also the dynamic count; times the
+threads of a program and divided by its rows it gives instructions issued per row, which with the
+GPU's issue rate bounds the kernel's time from below. Columns: floating-point arithmetic, the
+exchanges between threads (warp shuffles plus their selects, shared-memory stores/loads, barriers),
+registers per thread and spills. Writes results/kernel_sass.{json,md}.
+
+Used to pick between FFT formulations before spending GPU time: see docs/hrr.md ("The one-pass FFT
+kernel"). The counts are for the Triton version installed here; the GPU image may run another.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import collections
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from torchnitro.bench import ResultTable
+
+_OPCODE = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def _load_kernel(path: str | None):
+    """``_fft_bind_kernel`` of ``path`` (default: torchnitro's), jitted for compilation only."""
+    import triton
+
+    if path is None:
+        from torchnitro.hrr import fft_kernel
+
+        path = fft_kernel.__file__
+    src = Path(path).read_text()
+    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "_fft_bind_kernel")
+    code = ("import triton\nimport triton.language as tl\nfrom triton.language import constexpr\n\n"
+            + ast.get_source_segment(src, fn) + "\n")
+    # triton.jit reads the source back from a file, so the kernel is written out as a module
+    tmp = Path(tempfile.mkdtemp(prefix="kernel_sass_")) / "fft_bind_kernel_src.py"
+    tmp.write_text(code)
+    spec = importlib.util.spec_from_file_location("fft_bind_kernel_src", tmp)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return triton.jit(mod._fft_bind_kernel), tmp.parent
+
+
+def _sass_counts(kernel, d: int, rows: int, warps: int, conj_b: bool, arch: int, workdir: Path) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = {name: "*fp32" for name in ("a_ptr", "b_ptr", "out_ptr", "twr_ptr", "twi_ptr")}
+    sig.update({name: "i32" for name in ("n_rows", "sa", "sb", "so")})
+    consts = {"N": d, "LOGN": d.bit_length() - 1, "CONJ_B": conj_b, "R": rows}
+    sig.update({name: "constexpr" for name in consts})
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+    cubin = workdir / f"k_{d}_{rows}_{warps}_{int(conj_b)}.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
+                           check=True).stdout
+    ops = collections.Counter(m.group(1) for line in sass.splitlines() if (m := _OPCODE.match(line)))
+    regs = re.search(r"REG:(\d+)", usage)
+    return {"ops": ops, "total": sum(ops.values()), "regs": int(regs.group(1)) if regs else None}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", help="a fft_kernel.py to analyse instead of torchnitro's")
+    ap.add_argument("--dims", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--launch", nargs="+", default=["1x1", "1x2", "2x4", "1x4"],
+                    help="ROWSxWARPS launch configurations")
+    ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80 (A100)")
+    ap.add_argument("--unbind", action="store_true", help="count the unbinding variant (reversed load of b)")
+    ap.add_argument("--name", default="kernel_sass")
+    args = ap.parse_args()
+    try:
+        import triton
+        kernel, workdir = _load_kernel(args.kernel)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: this tool is optional
+        print(f"kernel_sass.py needs Triton with its bundled ptxas/cuobjdump: {type(exc).__name__}: {exc}",
+              file=sys.stderr)
+        return 2
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's current default, set to silence its notice
+    t = ResultTable(f"SASS instruction counts, sm_{args.arch}, Triton {triton.__version__}",
+                    ["d", "rows", "warps", "instr_per_thread", "instr_per_row", "fp_arith", "exchange", "barriers",
+                     "regs", "spills"],
+                    meta={"command": "python benchmarks/kernel_sass.py " + " ".join(sys.argv[1:]),
+                          "kernel": args.kernel or "torchnitro.hrr.fft_kernel", "triton": triton.__version__,
+                          "fp_arith": "FADD + FMUL + FFMA", "exchange": "SHFL + FSEL + STS + LDS",
+                          "instr_per_row": "instr_per_thread x 32 x warps / rows"})
+    for d in args.dims:
+        for launch in args.launch:
+            rows, warps = (int(v) for v in launch.lower().split("x"))
+            c = _sass_counts(kernel, d, rows, warps, args.unbind, args.arch, workdir)
+            ops = c["ops"]
+            t.add(d=d, rows=rows, warps=warps, instr_per_thread=c["total"],
+                  instr_per_row=c["total"] * 32 * warps // rows,
+                  fp_arith=ops["FADD"] + ops["FMUL"] + ops["FFMA"],
+                  exchange=ops["SHFL"] + ops["FSEL"] + ops["STS"] + ops["LDS"], barriers=ops["BAR"],
+                  regs=c["regs"], spills=ops["STL"] + ops["LDL"])
+    t.print()
+    t.save(args.name)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""benchmarks/kernel_sass.py: the FFT bind kernel compiles for sm_90 on a machine without a GPU, and
+the instruction counts it reports are those of real machine code."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("kernel_sass", ROOT / "benchmarks" / "kernel_sass.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_counts_sass_of_the_fft_kernel_without_a_gpu(tmp_path, monkeypatch):
+    triton = pytest.importorskip("triton", reason="Triton is not installed")
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
+        pytest.skip(f"this Triton build has no bundled ptxas/cuobjdump under {tools}")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    tool = _tool()
+    kernel, workdir = tool._load_kernel(None)
+    bind = tool._sass_counts(kernel, 16, 1, 1, False, 90, tmp_path)
+    unbind = tool._sass_counts(kernel, 16, 1, 1, True, 90, tmp_path)
+    for c in (bind, unbind):
+        ops = c["ops"]
+        # two 4-stage complex FFTs spread over 32 threads: butterflies, twiddle products, exchanges
+        assert ops["FADD"] >= 8 and ops["FFMA"] + ops["FMUL"] >= 8 and ops["SHFL"] >= 1, ops
+        assert ops["STG"] >= 1 and ops["EXIT"] >= 1, ops
+        assert c["total"] == sum(ops.values()) and 0 < c["regs"] <= 255
+    # a wider row needs more instructions per thread on the same single warp
+    wide = tool._sass_counts(kernel, 64, 1, 1, False, 90, tmp_path)
+    assert wide["total"] > bind["total"]
