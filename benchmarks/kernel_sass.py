@@ -55,18 +55,19 @@ def _load_kernel(path: str | None):
     return triton.jit(mod._fft_bind_kernel), tmp.parent
 
 
-def _sass_counts(kernel, d: int, rows: int, warps: int, conj_b: bool, arch: int, workdir: Path) -> dict:
+def _sass_counts(kernel, d: int, rows: int, warps: int, conj_b: bool, arch: int, workdir: Path,
+                 normalize: bool = False) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig = {name: "*fp32" for name in ("a_ptr", "b_ptr", "out_ptr", "twr_ptr", "twi_ptr")}
-    sig.update({name: "i32" for name in ("n_rows", "sa", "sb", "so")})
-    consts = {"N": d, "LOGN": d.bit_length() - 1, "CONJ_B": conj_b, "R": rows}
-    sig.update({name: "constexpr" for name in consts})
+    known = {"N": d, "LOGN": d.bit_length() - 1, "CONJ_B": conj_b, "R": rows, "NORMALIZE": normalize}
+    consts = {name: known[name] for name in kernel.arg_names if name in known}  # older versions lack some
+    sig = {name: "constexpr" if name in consts else "*fp32" if name.endswith("_ptr") else
+           "fp32" if name == "eps" else "i32" for name in kernel.arg_names}
     compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
-    cubin = workdir / f"k_{d}_{rows}_{warps}_{int(conj_b)}.cubin"
+    cubin = workdir / f"k_{d}_{rows}_{warps}_{int(conj_b)}_{int(normalize)}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
@@ -86,6 +87,7 @@ def main() -> int:
                     help="ROWSxWARPS launch configurations")
     ap.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 (H100/H200), 80 (A100)")
     ap.add_argument("--unbind", action="store_true", help="count the unbinding variant (reversed load of b)")
+    ap.add_argument("--normalize", action="store_true", help="count the bind_normalize epilogue variant")
     ap.add_argument("--name", default="kernel_sass")
     args = ap.parse_args()
     try:
@@ -106,7 +108,7 @@ def main() -> int:
     for d in args.dims:
         for launch in args.launch:
             rows, warps = (int(v) for v in launch.lower().split("x"))
-            c = _sass_counts(kernel, d, rows, warps, args.unbind, args.arch, workdir)
+            c = _sass_counts(kernel, d, rows, warps, args.unbind, args.arch, workdir, args.normalize)
             ops = c["ops"]
             t.add(d=d, rows=rows, warps=warps, instr_per_thread=c["total"],
                   instr_per_row=c["total"] * 32 * warps // rows,

@@ -35,6 +35,12 @@ assert bool((out[2] == 0).all()) and bool(out[3].isnan().all()) and bool(out[4].
 keep = [0, 1, 5]
 err = (out[keep].double() - ref[keep]).abs().amax(dim=1) / (a[keep].norm(dim=1) * b[keep].norm(dim=1)).double()
 assert float(err.max()) < 1e-6, err
+# normalize=True: unit rows in the same pass, ops.normalize's eps for a zero row
+a, b = torch.randn(5, 128, generator=g), torch.randn(5, 128, generator=g)
+b[1] = 0
+for conj in (False, True):
+    want = hrr.normalize(hrr.unbind(a, b, backend="torch") if conj else hrr.bind(a, b, backend="torch"))
+    torch.testing.assert_close(fft_bind(a, b, conj_b=conj, normalize=True), want, atol=1e-6, rtol=0)
 # the approximate inverse still recovers the filler
 x, y = hrr.random((2,), 256, generator=g)
 c = hrr.bind(x, y, backend="triton")

@@ -49,8 +49,8 @@ __all__ = ["fft_bind", "fft_bind_reason", "MIN_D", "MAX_D"]
 MIN_D, MAX_D = 16, 4096
 
 
-def _fft_bind_kernel(a_ptr, b_ptr, out_ptr, twr_ptr, twi_ptr, n_rows, sa, sb, so,
-                     N: constexpr, LOGN: constexpr, CONJ_B: constexpr, R: constexpr):
+def _fft_bind_kernel(a_ptr, b_ptr, out_ptr, twr_ptr, twi_ptr, n_rows, sa, sb, so, eps,
+                     N: constexpr, LOGN: constexpr, CONJ_B: constexpr, R: constexpr, NORMALIZE: constexpr):
     # shapes are written inline: an annotated constexpr cannot be reassigned across unrolled iterations
     pid = tl.program_id(0)
     rows = pid * R + tl.arange(0, R)
@@ -93,8 +93,10 @@ def _fft_bind_kernel(a_ptr, b_ptr, out_ptr, twr_ptr, twi_ptr, n_rows, sa, sb, so
         pr = tl.reshape(tl.permute(tl.join(ppr + qpr, ppr - qpr), (0, 1, 3, 2)), (R, N))
         pi = tl.reshape(tl.permute(tl.join(ppi + qpi, ppi - qpi), (0, 1, 3, 2)), (R, N))
     # only the imaginary part is stored: the compiler drops the last stage's real half
-    scale = ma * mb * (0.5 / N)
-    tl.store(out_ptr + rows64[:, None] * so + cols[None, :], pi * scale[:, None], mask=ok)
+    res = pi * (ma * mb * (0.5 / N))[:, None]
+    if NORMALIZE:  # hrr.bind_normalize: each row to unit L2 norm before the one store (ops.normalize's eps)
+        res = res / tl.maximum(tl.sqrt(tl.sum(res * res, axis=1)), eps)[:, None]
+    tl.store(out_ptr + rows64[:, None] * so + cols[None, :], res, mask=ok)
 
 
 _kernel = LazyKernel(_fft_bind_kernel)
@@ -134,11 +136,13 @@ def _launch(d: int) -> tuple[int, int]:
     return max(1, 2048 // d), 4
 
 
-def fft_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, rows_per_program: int | None = None,
-             num_warps: int | None = None) -> torch.Tensor:
+def fft_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, normalize: bool = False,
+             eps: float = 1e-12, rows_per_program: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """``bind(a, b)`` (``conj_b=True``: ``bind(a, inverse(b))``, i.e. ``unbind(a, b)``) for same-shape
-    float32 tensors ``(..., d)``, one kernel, one pass over memory. ``rows_per_program`` (a power of
-    two) and ``num_warps`` override the launch heuristics (benchmarks/hrr_fft_sweep.py)."""
+    float32 tensors ``(..., d)``, one kernel, one pass over memory. ``normalize=True`` scales each
+    result row to unit L2 norm in the same pass (``ops.normalize(..., eps)``: rows with norm below
+    ``eps`` are divided by ``eps``). ``rows_per_program`` (a power of two) and ``num_warps`` override the
+    launch heuristics (benchmarks/hrr_fft_sweep.py)."""
     if a.shape != b.shape:
         raise ShapeError(f"fft_bind: received shapes {tuple(a.shape)} and {tuple(b.shape)}; expected equal shapes "
                          "(broadcasting goes through hrr.bind)")
@@ -162,7 +166,7 @@ def fft_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, rows_per
     if r & (r - 1):
         raise InputError(f"fft_bind: rows_per_program={r}; expected a power of two")
     warps = num_warps or w0
-    _kernel[(cdiv(n, r),)](a2, b2, out, twr, twi, n, a2.stride(0), b2.stride(0), out.stride(0),
-                           N=d, LOGN=d.bit_length() - 1, CONJ_B=conj_b, R=r,
+    _kernel[(cdiv(n, r),)](a2, b2, out, twr, twi, n, a2.stride(0), b2.stride(0), out.stride(0), float(eps),
+                           N=d, LOGN=d.bit_length() - 1, CONJ_B=conj_b, R=r, NORMALIZE=normalize,
                            num_warps=warps)
     return out.reshape(a.shape)

@@ -19,8 +19,10 @@ Backends:
   (batch x k) pairs, else torch. Measured on an H100 and an H200 (``benchmarks/hrr.py --device
   cuda``): the kernel path costs ~0.2 ms whatever the size, so it won at (1000, 16, 1024) pairs
   (1.8x / 1.2x) and lost at (10|100, 16, 1024) and (100, 16, 4096) (0.3-0.7x).
-  ``bind_normalize`` uses the plain path under "auto" everywhere: its Triton form measured 0.42-0.45x
-  the plain ``normalize(bind(a, b))`` on both GPUs (explicit ``backend="triton"`` still runs it).
+  ``bind_normalize`` uses the plain path under "auto" everywhere: its spectral Triton form measured
+  0.42-0.45x the plain ``normalize(bind(a, b))`` on both GPUs. Explicit ``backend="triton"`` now runs
+  the one-pass FFT bind kernel with its normalising epilogue where that kernel applies (power-of-two
+  d, equal shapes), the spectral form elsewhere; the one-pass form has not been timed on a GPU yet.
 
 On the CPU large inputs are processed in blocks of batch rows whose spectra fit in ~2 MiB, so no
 full-size intermediate exists there either. Measured on the 2-core CPU (``benchmarks/hrr.py``, see
@@ -255,11 +257,19 @@ def bind_superpose(
 
 
 def bind_normalize(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """``normalize(bind(a, b))``. ``backend="triton"`` (CUDA float32) does multiply + Parseval scaling in
-    one launch; "auto" takes the plain path, which measured faster on the CPU and on H100/H200."""
+    """``normalize(bind(a, b))``. ``backend="triton"`` (CUDA float32): for same-shape inputs with a
+    power-of-two ``d`` in [16, 4096], the one-pass FFT bind kernel normalises each row before its one
+    store (hrr.fft_kernel, ``normalize=True``); otherwise the spectral kernel multiplies and applies
+    the Parseval scaling in one launch. "auto" takes the plain path (the spectral kernel measured
+    slower than it on H100/H200; the one-pass form has not been timed on a GPU yet)."""
     ops._check_pair(a, b)
     chosen = _pick_backend(backend, a)
     if backend == "triton" and chosen == "triton":
+        from torchnitro.hrr.fft_kernel import fft_bind, fft_bind_reason
+
+        grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
+        if a.shape == b.shape and not grad and fft_bind_reason(a) is None:
+            return fft_bind(a, b, normalize=True)
         return bind_superpose(a.unsqueeze(-2), b.unsqueeze(-2), normalized=True, backend="triton")
     return ops.normalize(ops.bind(a, b))
 
