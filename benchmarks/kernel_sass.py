@@ -19,7 +19,6 @@ kernel"). The counts are for the Triton version installed here; the GPU image ma
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import importlib.util
 import os
@@ -36,23 +35,15 @@ _OPCODE = re.compile(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*
 
 def _load_kernel(path: str | None):
     """``_fft_bind_kernel`` of ``path`` (default: torchnitro's), jitted for compilation only."""
-    import triton
+    from torchnitro.kernels._triton import jit  # makes ``tl`` visible to the kernel body, as LazyKernel does
 
     if path is None:
-        from torchnitro.hrr import fft_kernel
-
-        path = fft_kernel.__file__
-    src = Path(path).read_text()
-    fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "_fft_bind_kernel")
-    code = ("import triton\nimport triton.language as tl\nfrom triton.language import constexpr\n\n"
-            + ast.get_source_segment(src, fn) + "\n")
-    # triton.jit reads the source back from a file, so the kernel is written out as a module
-    tmp = Path(tempfile.mkdtemp(prefix="kernel_sass_")) / "fft_bind_kernel_src.py"
-    tmp.write_text(code)
-    spec = importlib.util.spec_from_file_location("fft_bind_kernel_src", tmp)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return triton.jit(mod._fft_bind_kernel), tmp.parent
+        from torchnitro.hrr import fft_kernel as mod
+    else:
+        spec = importlib.util.spec_from_file_location("fft_kernel_under_test", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    return jit(mod._fft_bind_kernel)
 
 
 def _sass_counts(kernel, d: int, rows: int, warps: int, conj_b: bool, arch: int, workdir: Path,
@@ -92,7 +83,7 @@ def main() -> int:
     args = ap.parse_args()
     try:
         import triton
-        kernel, workdir = _load_kernel(args.kernel)
+        kernel = _load_kernel(args.kernel)
     except Exception as exc:  # noqa: BLE001 - reported, not raised: this tool is optional
         print(f"kernel_sass.py needs Triton with its bundled ptxas/cuobjdump: {type(exc).__name__}: {exc}",
               file=sys.stderr)
@@ -105,6 +96,7 @@ def main() -> int:
                           "kernel": args.kernel or "torchnitro.hrr.fft_kernel", "triton": triton.__version__,
                           "fp_arith": "FADD + FMUL + FFMA", "exchange": "SHFL + FSEL + STS + LDS",
                           "instr_per_row": "instr_per_thread x 32 x warps / rows"})
+    workdir = Path(tempfile.mkdtemp(prefix="kernel_sass_"))
     for d in args.dims:
         for launch in args.launch:
             rows, warps = (int(v) for v in launch.lower().split("x"))

@@ -24,7 +24,7 @@ def test_counts_sass_of_the_fft_kernel_without_a_gpu(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     tool = _tool()
-    kernel, workdir = tool._load_kernel(None)
+    kernel = tool._load_kernel(None)
     bind = tool._sass_counts(kernel, 16, 1, 1, False, 90, tmp_path)
     unbind = tool._sass_counts(kernel, 16, 1, 1, True, 90, tmp_path)
     for c in (bind, unbind):

@@ -265,10 +265,9 @@ def bind_normalize(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -
     ops._check_pair(a, b)
     chosen = _pick_backend(backend, a)
     if backend == "triton" and chosen == "triton":
-        from torchnitro.hrr.fft_kernel import fft_bind, fft_bind_reason
+        if ops._fft_kernel_reason(a, b) is None:
+            from torchnitro.hrr.fft_kernel import fft_bind
 
-        grad = torch.is_grad_enabled() and (a.requires_grad or b.requires_grad)
-        if a.shape == b.shape and not grad and fft_bind_reason(a) is None:
             return fft_bind(a, b, normalize=True)
         return bind_superpose(a.unsqueeze(-2), b.unsqueeze(-2), normalized=True, backend="triton")
     return ops.normalize(ops.bind(a, b))
