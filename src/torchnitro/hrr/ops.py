@@ -21,6 +21,7 @@ half inputs are computed in float32 and cast back.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Sequence
 
 import torch
@@ -154,7 +155,7 @@ def unitary(
     return u.to(device) if device is not None else u
 
 
-BIND_BACKENDS = ("auto", "torch", "triton")
+BIND_BACKENDS = ("auto", "torch", "triton", "mkl")
 # "auto" takes the one-pass Triton kernel (hrr.fft_kernel) on CUDA float32 from this many rows
 # (product of the leading dims) and this d. Measured on an H100 (benchmarks/hrr.py --device cuda,
 # benchmarks/hrr_fft_sweep.py): 0.77x torch.fft's time at (1000, 1024), 0.37x at (65536, 1024),
@@ -179,7 +180,7 @@ def _fft_kernel_reason(x: torch.Tensor, y: torch.Tensor) -> str | None:
 def _use_fft_kernel(x: torch.Tensor, y: torch.Tensor, backend: str) -> bool:
     if backend not in BIND_BACKENDS:
         raise InputError(f"backend: received {backend!r}, expected one of {BIND_BACKENDS}")
-    if backend == "torch" or (backend == "auto" and not (
+    if backend in ("torch", "mkl") or (backend == "auto" and not (
             x.is_cuda and x.shape[-1] >= FFT_KERNEL_MIN_D and x.numel() // x.shape[-1] >= FFT_KERNEL_MIN_ROWS)):
         return False  # the common CPU / small-batch call pays two comparisons, not the checks below
     why = _fft_kernel_reason(x, y)
@@ -188,18 +189,52 @@ def _use_fft_kernel(x: torch.Tensor, y: torch.Tensor, backend: str) -> bool:
     return why is None
 
 
+_mkl_failed: str | None = None  # set when an MKL call failed under "auto": later calls use torch.fft
+
+
+def _mkl_bind(x: torch.Tensor, y: torch.Tensor, backend: str, conj_b: bool) -> torch.Tensor | None:
+    """hrr.mkl_fft's bind where ``backend`` asks for it and it applies, else None (use torch.fft)."""
+    global _mkl_failed
+    if backend not in ("auto", "mkl") or (backend == "auto" and (x.device.type != "cpu" or _mkl_failed)):
+        return None
+    from torchnitro.hrr import mkl_fft
+
+    why = mkl_fft.mkl_bind_reason(x, y)
+    if why is None and _records_grad(x, y):
+        why = "an input requires grad; the MKL path has no backward"
+    if why is not None:
+        if backend == "mkl":
+            raise BackendUnavailableError(f"backend='mkl': {why}; use backend='torch' or 'auto'")
+        return None
+    try:
+        return mkl_fft._bind(x, y, conj_b)
+    except BackendUnavailableError as e:
+        if backend == "mkl":
+            raise
+        _mkl_failed = str(e)
+        warnings.warn(f"hrr: the MKL bind path failed ({e}); binding through torch.fft from now on", stacklevel=3)
+        return None
+
+
 def bind(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """Circular convolution ``(a * b)[i] = sum_j a[j] b[(i - j) mod d]``, broadcast over leading dims.
 
-    backend: ``"torch"`` (``torch.fft``), ``"triton"`` (hrr.fft_kernel: CUDA float32, power-of-two d,
-    equal shapes, one pass over memory) or ``"auto"`` (the kernel where it applies and the batch has at
-    least ``FFT_KERNEL_MIN_ROWS`` rows of ``d >= FFT_KERNEL_MIN_D``).
+    backend: ``"torch"`` (``torch.fft``), ``"mkl"`` (hrr.mkl_fft: CPU float32/float64, MKL
+    descriptors kept across calls, rows in cache-sized blocks; equal shapes or one single vector),
+    ``"triton"`` (hrr.fft_kernel: CUDA float32, power-of-two d, equal shapes, one pass over memory)
+    or ``"auto"``: the MKL path on the CPU where it applies, the kernel on CUDA where it applies and
+    the batch has at least ``FFT_KERNEL_MIN_ROWS`` rows of ``d >= FFT_KERNEL_MIN_D``, else torch.
     """
     _check_pair(a, b)
     if _use_fft_kernel(a, b, backend):
         from torchnitro.hrr.fft_kernel import fft_bind
 
         return fft_bind(a, b)
+    out = _mkl_bind(a, b, backend, conj_b=False)
+    if out is not None:
+        return out
+    if a.numel() == 0 or b.numel() == 0:  # torch.fft rejects an empty batch
+        return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=a.dtype, device=a.device)
     A, B = _spectra(a, b)
     spec = A.mul_(B) if A.shape == B.shape else A * B  # in place when no broadcasting is needed
     return irfft(spec, a.shape[-1], a.dtype)
@@ -226,17 +261,22 @@ def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution", *, back
     method: ``"involution"`` (default, stable), ``"exact"`` (exact for a single pair, noisy in a
     superposition), or ``"projected"`` (unbind with the involution of ``project(a)``: exact when
     ``a`` was unitary, and stable when it was not). backend: as for ``bind`` (the Triton kernel
-    runs the involution only).
+    and the MKL path run the involution only).
     """
     _check_pair(c, a, ("c", "a"))
     if method not in UNBIND_METHODS:
         raise InputError(f"unbind: received method={method!r}, expected one of {UNBIND_METHODS}")
-    if backend == "triton" and method != "involution":
-        raise BackendUnavailableError(f"backend='triton' runs method='involution' only (received {method!r})")
+    if backend in ("triton", "mkl") and method != "involution":
+        raise BackendUnavailableError(f"backend={backend!r} runs method='involution' only (received {method!r})")
     if method == "involution" and _use_fft_kernel(c, a, backend):
         from torchnitro.hrr.fft_kernel import fft_bind
 
         return fft_bind(c, a, conj_b=True)
+    out = _mkl_bind(c, a, backend, conj_b=True) if method == "involution" else None
+    if out is not None:
+        return out
+    if c.numel() == 0 or a.numel() == 0:  # torch.fft rejects an empty batch
+        return torch.empty(torch.broadcast_shapes(c.shape, a.shape), dtype=c.dtype, device=c.device)
     C, A = _spectra(c, a)
     if method == "exact":  # out of place: autograd keeps A for the denominator's gradient
         A = A / (A.real.square() + A.imag.square()).clamp_min(_EPS[A.real.dtype])

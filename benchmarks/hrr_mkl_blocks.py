@@ -1,0 +1,88 @@
+"""CPU bind through cached MKL descriptors (hrr.mkl_fft) at several block sizes, against torch.fft and torchhd.
+
+    python benchmarks/hrr_mkl_blocks.py [--threads 1] [--dims 512 1024 4096] [--batches 100 1000]
+                                        [--blocks-kib 64 128 256 512 1024 0] [--unbind]
+
+For each (d, batch), times in one interleaved run (torchnitro.bench.compare): hrr's bind through
+``torch.fft`` (rfft, rfft, product, irfft), ``mkl_bind`` at each block size (``0`` = the whole batch in
+one block) and torchhd's HRR bind (``fft``, product, ``ifft``) when installed; checks every result
+against ``torch.fft``'s. Writes results/hrr_mkl_blocks[_unbind][_t<threads>].{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+
+import torch
+
+from torchnitro import hrr
+from torchnitro.bench import ResultTable, TimingConfig, compare
+from torchnitro.hrr.mkl_fft import mkl_available, mkl_bind
+
+
+def _torchhd_op(unbind: bool):
+    """torchhd's HRR bind (or bind with the inverse), as benchmarks/hrr.py times it; None if absent."""
+    try:
+        import torchhd
+        from torchhd.tensors.hrr import HRRTensor
+    except ImportError:
+        return None
+    if unbind:
+        return lambda x, y: torchhd.bind(x, torchhd.inverse(y)), HRRTensor
+    return lambda x, y: torchhd.bind(x, y), HRRTensor
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dims", type=int, nargs="+", default=[512, 1024, 4096])
+    ap.add_argument("--batches", type=int, nargs="+", default=[100, 1000])
+    ap.add_argument("--blocks-kib", type=int, nargs="+", default=[64, 128, 256, 512, 1024, 0])
+    ap.add_argument("--unbind", action="store_true", help="time unbind (conjugate product) instead of bind")
+    ap.add_argument("--name", default=None)
+    args = ap.parse_args()
+    if not mkl_available():
+        print("hrr_mkl_blocks.py: this torch build has no MKL DFTI to call", file=sys.stderr)
+        return 2
+    torch.set_num_threads(args.threads)
+    op = "unbind" if args.unbind else "bind"
+    hd = _torchhd_op(args.unbind)
+    name = args.name or f"hrr_mkl_blocks{'_unbind' if args.unbind else ''}_t{args.threads}"
+    t = ResultTable(f"CPU {op}: MKL descriptors in row blocks vs torch.fft and torchhd ({platform.processor() or 'cpu'}, "
+                    f"{args.threads} thread{'s' if args.threads > 1 else ''})",
+                    ["d", "batch", "variant", "median_us", "x_vs_torch_fft", "x_vs_torchhd", "max_abs_err"],
+                    meta={"command": "python benchmarks/hrr_mkl_blocks.py " + " ".join(sys.argv[1:]),
+                          "torch": torch.__version__, "threads": args.threads})
+    cfg = TimingConfig(device="cpu", min_time_s=0.3, max_time_s=3.0)
+    g = torch.Generator().manual_seed(0)
+    ref_fn = hrr.unbind if args.unbind else hrr.bind
+    for d in args.dims:
+        for batch in args.batches:
+            a, b = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
+            ref = ref_fn(a, b, backend="torch")
+            fns = {"torch.fft": lambda: ref_fn(a, b, backend="torch")}
+            errs = {"torch.fft": 0.0}
+            for kib in args.blocks_kib:
+                bb = kib * 1024 if kib else 1 << 62
+                key = f"mkl {kib} KiB" if kib else "mkl one block"
+                errs[key] = float((mkl_bind(a, b, conj_b=args.unbind, block_bytes=bb) - ref).abs().max())
+                fns[key] = lambda bb=bb: mkl_bind(a, b, conj_b=args.unbind, block_bytes=bb)
+            if hd is not None:
+                fn, hrr_tensor = hd
+                ha, hb = a.as_subclass(hrr_tensor), b.as_subclass(hrr_tensor)
+                errs["torchhd"] = float((fn(ha, hb).as_subclass(torch.Tensor) - ref).abs().max())
+                fns["torchhd"] = lambda: fn(ha, hb)
+            res = compare(fns, cfg)
+            base, hd_t = res["torch.fft"].median, res["torchhd"].median if "torchhd" in res else None
+            for key, tm in res.items():
+                t.add(d=d, batch=batch, variant=key, median_us=tm.median * 1e6, x_vs_torch_fft=base / tm.median,
+                      x_vs_torchhd=hd_t / tm.median if hd_t else None, max_abs_err=errs[key])
+    t.print()
+    t.save(name)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,193 @@
+"""hrr.mkl_fft: bind/unbind through cached MKL descriptors in row blocks, against the torch.fft path."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+
+from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
+from torchnitro.hrr import mkl_fft
+from torchnitro.hrr import ops as h
+
+pytestmark = pytest.mark.skipif(not mkl_fft.mkl_available(),
+                                reason=f"no MKL DFTI here: {mkl_fft._library()[1]}")
+
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-5), torch.float64: dict(atol=1e-12, rtol=1e-12)}
+
+
+def _pair(shape_a, shape_b, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape_a, generator=g, dtype=dtype), torch.randn(shape_b, generator=g, dtype=dtype)
+
+
+def _reference(a, b, conj_b):
+    return h.unbind(a, b, backend="torch") if conj_b else h.bind(a, b, backend="torch")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("conj_b", [False, True])
+@pytest.mark.parametrize("shape_a,shape_b", [
+    ((8, 512), (8, 512)),            # ordinary
+    ((5, 123), (5, 123)),            # odd d keeps its length
+    ((2, 3, 1001), (2, 3, 1001)),    # several leading dims
+    ((1,), (1,)),                    # d = 1
+    ((9, 100), (100,)),              # one key against a batch
+    ((100,), (9, 100)),              # ... on either side (unbind conjugates the batch side)
+    ((1, 1, 99), (5, 99)),           # a single vector with more leading dims broadcasts out
+])
+def test_matches_torch_fft(shape_a, shape_b, dtype, conj_b):
+    a, b = _pair(shape_a, shape_b, dtype)
+    got = mkl_fft.mkl_bind(a, b, conj_b=conj_b)
+    want = _reference(a, b, conj_b)
+    assert got.shape == want.shape and got.dtype == dtype
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("n,block_rows", [(7, 2), (13, 4), (16, 4), (3, 8)])
+@pytest.mark.parametrize("conj_b", [False, True])
+def test_several_blocks_give_the_same_result(n, block_rows, conj_b):
+    d = 64
+    a, b = _pair((n, d), (n, d), torch.float64, seed=n)
+    got = mkl_fft.mkl_bind(a, b, conj_b=conj_b, block_bytes=block_rows * d * 8)
+    torch.testing.assert_close(got, _reference(a, b, conj_b), **TOL[torch.float64])
+
+
+@pytest.mark.parametrize("n,rows", [(7, 2), (100, 64), (64, 64), (1, 8), (129, 64)])
+def test_blocks_are_balanced_and_cover_the_batch(n, rows):
+    blocks = list(mkl_fft._blocks(n, rows))
+    assert [s for s, _ in blocks] == [sum(c for _, c in blocks[:i]) for i in range(len(blocks))]
+    counts = [c for _, c in blocks]
+    assert sum(counts) == n and max(counts) <= rows and max(counts) - min(counts) <= 1
+    assert len(blocks) == -(-n // rows)
+
+
+def test_block_rows_rule():
+    assert mkl_fft.block_rows(4096, torch.float32) == 16  # 256 KiB / 16 KiB rows
+    assert mkl_fft.block_rows(4096, torch.float64) == 8
+    assert mkl_fft.block_rows(512, torch.float32, threads=2) == 256
+    assert mkl_fft.block_rows(1 << 20, torch.float32) == 1  # a row larger than the block still runs
+    assert mkl_fft.block_rows(1000, torch.float32, block_bytes=40_000) == 8  # rounded down to a power of 2
+
+
+def test_noncontiguous_inputs_and_empty_batch():
+    a, b = _pair((64, 6), (64, 6), torch.float32)
+    at, bt = a.t(), b.t()  # (6, 64), strided
+    torch.testing.assert_close(mkl_fft.mkl_bind(at, bt), h.bind(at, bt, backend="torch"), **TOL[torch.float32])
+    empty = torch.empty(0, 16)
+    assert mkl_fft.mkl_bind(empty, empty).shape == (0, 16)
+    assert h.bind(empty, empty, backend="torch").shape == (0, 16)  # torch.fft itself rejects it
+
+
+def test_descriptor_cache_is_bounded_and_reused(monkeypatch):
+    monkeypatch.setattr(mkl_fft, "_CACHE_SIZE", 4)
+    mkl_fft._cache.plans.clear()
+    a, b = _pair((3, 32), (3, 32), torch.float32)
+    mkl_fft.mkl_bind(a, b)
+    first = dict(mkl_fft._cache.plans)
+    mkl_fft.mkl_bind(a, b)
+    assert dict(mkl_fft._cache.plans) == first  # same shape: the committed descriptors are reused
+    for d in range(10, 20):
+        x, y = _pair((2, d), (2, d), torch.float32)
+        torch.testing.assert_close(mkl_fft.mkl_bind(x, y), h.bind(x, y, backend="torch"), **TOL[torch.float32])
+    assert len(mkl_fft._cache.plans) <= 4
+    evicted = first.popitem()[1]
+    assert not evicted.handle  # freed when evicted
+
+
+def test_thread_count_is_part_of_the_key():
+    a, b = _pair((40, 256), (40, 256), torch.float32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = mkl_fft.mkl_bind(a, b)
+        torch.set_num_threads(2)
+        two = mkl_fft.mkl_bind(a, b)
+    finally:
+        torch.set_num_threads(before)
+    keys = {k[3] for k in mkl_fft._cache.plans if k[0] == 256}
+    assert {1, 2} <= keys
+    torch.testing.assert_close(one, two, **TOL[torch.float32])
+
+
+def test_concurrent_callers_get_their_own_results():
+    pairs = [_pair((33, 128), (33, 128), torch.float32, seed=s) for s in range(4)]
+    want = [h.bind(a, b, backend="torch") for a, b in pairs]
+    got, errors = [None] * 4, []
+
+    def work(i):
+        try:
+            for _ in range(20):
+                got[i] = mkl_fft.mkl_bind(*pairs[i])
+        except Exception as e:  # noqa: BLE001 - surfaced by the assert below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, **TOL[torch.float32])
+
+
+def test_bad_inputs_name_what_was_received():
+    a = torch.randn(4, 8)
+    with pytest.raises(ShapeError, match=r"shapes \(4, 8\) and \(3, 8\)"):
+        mkl_fft.mkl_bind(a, torch.randn(3, 8))
+    with pytest.raises(BackendUnavailableError, match="float16"):
+        mkl_fft.mkl_bind(a.half(), a.half())
+    with pytest.raises(InputError, match="block_bytes=0"):
+        mkl_fft.mkl_bind(a, a, block_bytes=0)
+
+
+# --- through hrr.bind / hrr.unbind --------------------------------------------------------------
+
+
+def test_auto_takes_the_mkl_path_on_cpu(monkeypatch):
+    calls = []
+    real = mkl_fft._bind
+    monkeypatch.setattr(mkl_fft, "_bind", lambda x, y, conj_b: calls.append(conj_b) or real(x, y, conj_b))
+    a, b = _pair((6, 64), (6, 64), torch.float32)
+    torch.testing.assert_close(h.bind(a, b), h.bind(a, b, backend="torch"), **TOL[torch.float32])
+    torch.testing.assert_close(h.unbind(a, b), h.unbind(a, b, backend="torch"), **TOL[torch.float32])
+    h.unbind(a, b, "exact")  # not the involution: torch.fft
+    h.bind(a, torch.randn(2, 1, 64))  # a general broadcast: torch.fft
+    assert calls == [False, True]
+
+
+def test_autograd_keeps_the_torch_path():
+    a, b = (x.requires_grad_() for x in _pair((2, 7), (2, 7), torch.float64))
+    assert torch.autograd.gradcheck(h.bind, (a, b), fast_mode=True)
+    with pytest.raises(BackendUnavailableError, match="requires grad"):
+        h.bind(a, b, backend="mkl")
+    with pytest.raises(BackendUnavailableError, match="involution"):
+        h.unbind(a.detach(), b.detach(), "exact", backend="mkl")
+
+
+def test_a_failing_mkl_call_falls_back_once_with_a_warning(monkeypatch):
+    def broken(*args, **kwargs):
+        raise BackendUnavailableError("MKL DFTI call failed with status 1: injected")
+
+    monkeypatch.setattr(mkl_fft, "_bind", broken)
+    monkeypatch.setattr(h, "_mkl_failed", None)
+    a, b = _pair((3, 16), (3, 16), torch.float32)
+    with pytest.warns(UserWarning, match="injected"):
+        got = h.bind(a, b)
+    torch.testing.assert_close(got, h.bind(a, b, backend="torch"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning: auto now skips MKL
+        h.unbind(a, b)
+    with pytest.raises(BackendUnavailableError, match="injected"):
+        h.bind(a, b, backend="mkl")  # asked for explicitly: raised, not hidden
+
+
+def test_without_mkl_auto_uses_torch_and_explicit_raises(monkeypatch):
+    monkeypatch.setattr(mkl_fft, "_library", lambda: (None, "this torch build has no MKL"))
+    a, b = _pair((3, 16), (3, 16), torch.float32)
+    torch.testing.assert_close(h.bind(a, b), h.bind(a, b, backend="torch"))
+    with pytest.raises(BackendUnavailableError, match="no MKL"):
+        h.bind(a, b, backend="mkl")
