@@ -23,6 +23,15 @@ def _pair(shape_a, shape_b, dtype, seed=0):
     return torch.randn(shape_a, generator=g, dtype=dtype), torch.randn(shape_b, generator=g, dtype=dtype)
 
 
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    """Both product paths: NumPy's at one thread, torch's at more."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def _reference(a, b, conj_b):
     return h.unbind(a, b, backend="torch") if conj_b else h.bind(a, b, backend="torch")
 
@@ -38,7 +47,7 @@ def _reference(a, b, conj_b):
     ((100,), (9, 100)),              # ... on either side (unbind conjugates the batch side)
     ((1, 1, 99), (5, 99)),           # a single vector with more leading dims broadcasts out
 ])
-def test_matches_torch_fft(shape_a, shape_b, dtype, conj_b):
+def test_matches_torch_fft(shape_a, shape_b, dtype, conj_b, threads):
     a, b = _pair(shape_a, shape_b, dtype)
     got = mkl_fft.mkl_bind(a, b, conj_b=conj_b)
     want = _reference(a, b, conj_b)
@@ -48,7 +57,7 @@ def test_matches_torch_fft(shape_a, shape_b, dtype, conj_b):
 
 @pytest.mark.parametrize("n,block_rows", [(7, 2), (13, 4), (16, 4), (3, 8)])
 @pytest.mark.parametrize("conj_b", [False, True])
-def test_several_blocks_give_the_same_result(n, block_rows, conj_b):
+def test_several_blocks_give_the_same_result(n, block_rows, conj_b, threads):
     d = 64
     a, b = _pair((n, d), (n, d), torch.float64, seed=n)
     got = mkl_fft.mkl_bind(a, b, conj_b=conj_b, block_bytes=block_rows * d * 8)

@@ -31,6 +31,7 @@ import sys
 import threading
 from collections import OrderedDict
 
+import numpy as np
 import torch
 
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
@@ -224,19 +225,25 @@ def _bind(a: torch.Tensor, b: torch.Tensor, conj_b: bool, block_bytes: int = BLO
     spec_y = torch.empty_like(spec_x) if shared is None else shared
     row_bytes = d * x.element_size()
     px, py, po, sx, sy = x.data_ptr(), y.data_ptr(), out.data_ptr(), spec_x.data_ptr(), spec_y.data_ptr()
+    conj, mul = torch.conj_physical_, torch.Tensor.mul_
+    if torch.get_num_threads() == 1:
+        # NumPy's product on the same memory costs less per call than torch's: binds measured 1.03-1.2x
+        # faster at 1 thread; with more threads torch's product runs on all of them and wins
+        spec_x, spec_y = spec_x.numpy(), spec_y.numpy()
+        conj, mul = (lambda v: np.conjugate(v, out=v)), (lambda u, v: np.multiply(u, v, out=u))
     for start, count in _blocks(n, rows):
         fwd, bwd = _plan(d, count, dtype, True), _plan(d, count, dtype, False)
         offset = start * row_bytes
         fwd(px + offset, sx)
         vx = spec_x if count == rows else spec_x[:count]
         if conj_x:
-            torch.conj_physical_(vx)
+            conj(vx)
         vy = spec_y
         if shared is None:
             fwd(py + offset, sy)
             vy = spec_y if count == rows else spec_y[:count]
             if conj_y:
-                torch.conj_physical_(vy)
-        vx.mul_(vy)
+                conj(vy)
+        mul(vx, vy)
         bwd(sx, po + offset)
     return out
