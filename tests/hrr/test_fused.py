@@ -7,7 +7,7 @@ import torch
 
 from tests.hrr._interpreted import run_interpreted
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
-from torchnitro.hrr import fused
+from torchnitro.hrr import fused, mkl_fft
 from torchnitro.hrr import ops as h
 
 TOL = {torch.float32: 2e-5, torch.float64: 1e-12}
@@ -17,10 +17,20 @@ def _pairs(batch, k, d, dtype=torch.float32, seed=0):
     return h.random((2, *batch, k), d, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
+@pytest.fixture(params=["mkl", "torch.fft"])
+def transforms(request, monkeypatch):
+    """The CPU spectral sum through MKL's kept descriptors (where this build has them) and through torch.fft."""
+    if request.param == "mkl" and not mkl_fft.mkl_available():
+        pytest.skip(f"no MKL DFTI here: {mkl_fft._library()[1]}")
+    if request.param == "torch.fft":
+        monkeypatch.setattr(mkl_fft, "mkl_available", lambda: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shape", [((3,), 4, 64), ((2, 5), 3, 63), ((), 1, 17)])
 @pytest.mark.parametrize("normalized", [False, True])
-def test_bind_superpose_torch_matches_reference(dtype, shape, normalized):
+def test_bind_superpose_torch_matches_reference(dtype, shape, normalized, transforms):
     batch, k, d = shape
     keys, values = _pairs(batch, k, d, dtype)
     w = torch.rand(*batch, k, dtype=dtype)
@@ -99,16 +109,41 @@ def test_triton_on_gpu_matches_torch(d):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("normalized", [False, True])
-def test_blocked_cpu_path_matches_reference(monkeypatch, dtype, normalized):
+def test_blocked_cpu_path_matches_reference(monkeypatch, dtype, normalized, transforms):
     monkeypatch.setattr(fused, "_BLOCK_BYTES", 2048)  # force many small blocks
     keys, values = _pairs((2, 7), 3, 65, dtype, seed=6)  # two batch dims, odd d
     w = torch.rand(2, 7, 3, dtype=dtype)
-    assert fused._blocked_applies(keys, values, torch.Size((2, 7, 3)))
+    assert fused._blocked_applies(keys, values, torch.Size((2, 7, 3)), kept=False)
     for k_in, weights in ((keys, w), (keys[0, 0], None), (keys[0, 0], torch.rand(3, dtype=dtype))):
         got = fused.bind_superpose(k_in, values, weights, normalized=normalized, backend="torch")
         want = fused.bind_superpose_reference(k_in, values, weights, normalized=normalized)
         assert got.shape == (2, 7, 65)
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=0)
+
+
+def test_kept_descriptors_block_even_small_batches(monkeypatch, transforms):
+    calls = []
+    real = fused._blocked_spectral_sum
+    monkeypatch.setattr(fused, "_blocked_spectral_sum", lambda *a: calls.append(a[3]) or real(*a))
+    keys, values = _pairs((3,), 4, 64, seed=9)
+    got = fused.bind_superpose(keys, values, backend="torch")
+    torch.testing.assert_close(got, fused.bind_superpose_reference(keys, values), atol=TOL[torch.float32], rtol=0)
+    # through torch.fft a block costs a descriptor commit per call, so only large batches are blocked
+    assert calls == ([torch.Size((3, 4))] if transforms == "mkl" else [])
+
+
+@pytest.mark.parametrize("blocked", [False, True])
+def test_bind_superpose_gradients_take_torch_fft(monkeypatch, blocked):
+    # MKL's transforms have no backward: with any input requiring grad the spectral sum uses torch.fft
+    if blocked:
+        monkeypatch.setattr(fused, "_BLOCK_BYTES", 256)
+    keys, values = (x.requires_grad_() for x in _pairs((6,), 2, 9, torch.float64, seed=8))
+    w = torch.rand(6, 2, dtype=torch.float64, requires_grad=True)
+    assert fused._blocked_applies(keys, values, torch.Size((6, 2)), kept=False) == blocked
+    fn = lambda k, v, w_: fused.bind_superpose(k, v, w_, normalized=True, backend="torch")  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (keys, values, w), fast_mode=True)
+    only_w = lambda w_: fused.bind_superpose(keys.detach(), values.detach(), w_, backend="torch")  # noqa: E731
+    assert torch.autograd.gradcheck(only_w, (w,), fast_mode=True)
 
 
 def test_auto_takes_triton_only_for_large_cuda_work(monkeypatch):

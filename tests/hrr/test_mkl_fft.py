@@ -153,6 +153,33 @@ def test_bad_inputs_name_what_was_received():
         mkl_fft.mkl_bind(a, a, block_bytes=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(4, 64), (3, 2, 63), (17,), (0, 8)])
+def test_rfft_irfft_match_torch_fft(shape, dtype):
+    x = _pair(shape, shape, dtype)[0]
+    spec = mkl_fft.rfft(x)
+    d = shape[-1]
+    assert spec.shape == (*shape[:-1], d // 2 + 1)
+    if x.numel():  # torch.fft itself rejects an empty batch
+        torch.testing.assert_close(spec, torch.fft.rfft(x), **TOL[dtype])
+    back = torch.empty(shape, dtype=dtype)
+    assert mkl_fft.irfft(spec, d, out=back) is back
+    torch.testing.assert_close(back, x, **TOL[dtype])
+    if x.numel():
+        torch.testing.assert_close(mkl_fft.irfft(spec.conj(), d), torch.fft.irfft(spec.conj(), n=d), **TOL[dtype])
+        torch.testing.assert_close(mkl_fft.rfft(x.t() if x.dim() == 2 else x), torch.fft.rfft(x.t() if x.dim() == 2 else x),
+                                   **TOL[dtype])
+
+
+def test_rfft_irfft_reject_what_they_cannot_take():
+    with pytest.raises(InputError, match="float16"):
+        mkl_fft.rfft(torch.randn(2, 8).half())
+    with pytest.raises(InputError, match=r"\(\.\.\., 5\)"):
+        mkl_fft.irfft(torch.randn(2, 4, dtype=torch.complex64), 8)
+    with pytest.raises(ShapeError, match="out is"):
+        mkl_fft.irfft(torch.randn(2, 5, dtype=torch.complex64), 8, out=torch.empty(2, 7))
+
+
 # --- through hrr.bind / hrr.unbind --------------------------------------------------------------
 
 

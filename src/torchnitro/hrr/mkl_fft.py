@@ -36,7 +36,7 @@ import torch
 
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
 
-__all__ = ["mkl_available", "mkl_bind", "mkl_bind_reason", "block_rows", "BLOCK_BYTES"]
+__all__ = ["mkl_available", "mkl_bind", "mkl_bind_reason", "rfft", "irfft", "block_rows", "BLOCK_BYTES"]
 
 # input bytes per block, operand and thread: 256 KiB keeps a block's share of a, b, both half spectra
 # and the result (~1.3 MiB) in a 2 MiB L2 per core; MKL splits a block's transforms over the threads.
@@ -212,7 +212,7 @@ def _bind(a: torch.Tensor, b: torch.Tensor, conj_b: bool, block_bytes: int = BLO
     n = x.numel() // d
     if n == 0:
         return out
-    x, y = x.contiguous(), y.contiguous()
+    x, y = x.resolve_neg().contiguous(), y.resolve_neg().contiguous()
     cdtype = torch.complex64 if dtype == torch.float32 else torch.complex128
     shared = None
     if x.shape != y.shape:
@@ -246,4 +246,40 @@ def _bind(a: torch.Tensor, b: torch.Tensor, conj_b: bool, block_bytes: int = BLO
                 conj(vy)
         mul(vx, vy)
         bwd(sx, po + offset)
+    return out
+
+
+_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+_REAL = {v: k for k, v in _COMPLEX.items()}
+
+
+def rfft(x: torch.Tensor) -> torch.Tensor:
+    """``torch.fft.rfft(x, dim=-1)`` for a float32/float64 CPU tensor through a kept descriptor (one
+    per (d, rows)); no autograd. For callers that checked ``mkl_available()``."""
+    if x.dtype not in _COMPLEX or x.device.type != "cpu" or x.dim() == 0:
+        raise InputError(f"mkl_fft.rfft: received a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}, "
+                         "expected float32/float64 (..., d) on the CPU")
+    d = x.shape[-1]
+    x = x.resolve_neg().contiguous()  # the data pointer must hold the values themselves
+    out = torch.empty(*x.shape[:-1], d // 2 + 1, dtype=_COMPLEX[x.dtype])
+    if x.numel():
+        _plan(d, x.numel() // d, x.dtype, True)(x.data_ptr(), out.data_ptr())
+    return out
+
+
+def irfft(spec: torch.Tensor, d: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.fft.irfft(spec, n=d, dim=-1)`` for a complex64/128 CPU tensor through a kept descriptor,
+    written into ``out`` (contiguous, ``(..., d)``) when given; no autograd."""
+    if spec.dtype not in _REAL or spec.device.type != "cpu" or spec.dim() == 0 or spec.shape[-1] != d // 2 + 1:
+        raise InputError(f"mkl_fft.irfft: received a {spec.dtype} tensor of shape {tuple(spec.shape)} on "
+                         f"{spec.device}, expected complex64/128 (..., {d // 2 + 1}) on the CPU for d = {d}")
+    dtype = _REAL[spec.dtype]
+    if out is None:
+        out = torch.empty(*spec.shape[:-1], d, dtype=dtype)
+    elif out.shape != (*spec.shape[:-1], d) or out.dtype != dtype or not out.is_contiguous():
+        raise ShapeError(f"mkl_fft.irfft: out is {out.dtype} {tuple(out.shape)} (contiguous: {out.is_contiguous()}), "
+                         f"expected contiguous {dtype} {(*spec.shape[:-1], d)}")
+    spec = spec.resolve_conj().resolve_neg().contiguous()  # a lazy conjugate is not in memory yet
+    if spec.numel():
+        _plan(d, spec.numel() // spec.shape[-1], dtype, False)(spec.data_ptr(), out.data_ptr())
     return out

@@ -82,9 +82,9 @@ def rfft(x: torch.Tensor) -> torch.Tensor:
     return torch.fft.rfft(x, dim=-1)
 
 
-def _records_grad(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Autograd is recording and one of the operands needs a gradient."""
-    return torch.is_grad_enabled() and (x.requires_grad or y.requires_grad)
+def _records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Autograd is recording and one of the (non-None) operands needs a gradient."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # CPU: two same-shape operands up to this many elements each are transformed by one rfft call on
