@@ -41,6 +41,16 @@ def test_bind_superpose_torch_matches_reference(dtype, shape, normalized, transf
         torch.testing.assert_close(got, want, atol=TOL[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("s1,s2", [((3, 4), (4,)), ((1, 4), (5, 1)), ((), (2, 3)), ((0, 3), (1, 3)), ((2, 3), (3, 3)),
+                                   ((2, 1, 4), (3, 1))])
+def test_broadcast_matches_torch(s1, s2):
+    try:
+        want = torch.broadcast_shapes(s1, s2)
+    except RuntimeError:
+        want = None
+    assert fused._broadcast(torch.Size(s1), torch.Size(s2)) == want
+
+
 def test_shared_roles_broadcast_over_batch():
     roles = h.unitary(4, 32, generator=torch.Generator().manual_seed(1))  # (k, d)
     fillers = h.random((6, 4), 32, generator=torch.Generator().manual_seed(2))  # (B, k, d)

@@ -130,10 +130,24 @@ def _spectral_mac_triton(K: torch.Tensor, V: torch.Tensor, w: torch.Tensor, d: i
     return torch.view_as_complex(out)
 
 
+def _broadcast(s1: torch.Size, s2: torch.Size) -> torch.Size | None:
+    """``torch.broadcast_shapes(s1, s2)``, or None where they do not broadcast. Plain Python: the torch
+    function goes through symbolic-shape checks that cost ~10 us, a tenth of a small CPU bind_superpose."""
+    n = max(len(s1), len(s2))
+    out = []
+    for x, y in zip((1,) * (n - len(s1)) + tuple(s1), (1,) * (n - len(s2)) + tuple(s2)):
+        if x != y and x != 1 and y != 1:
+            return None
+        out.append(y if x == 1 else x)
+    return torch.Size(out)
+
+
 def _pick_backend(backend: str, x: torch.Tensor, pairs: int | None = None) -> str:
     """The backend to run; ``pairs`` (batch x k) lets "auto" skip Triton where launch cost dominates."""
     if backend not in BACKENDS:
         raise InputError(f"backend: received {backend!r}, expected one of {BACKENDS}")
+    if backend == "torch" or (backend == "auto" and not x.is_cuda):
+        return "torch"  # no Triton checks for the common CPU call
     triton_ok = triton_importable() and (x.is_cuda or interpreting()) and x.dtype == torch.float32
     if backend == "triton" and not triton_ok:
         raise BackendUnavailableError(
@@ -180,10 +194,10 @@ def _blocked_applies(keys: torch.Tensor, values: torch.Tensor, lead: torch.Size,
 
 def _transforms(keys: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None):
     """(rfft, irfft(spec, d, out=None), kept) for the spectral sum: on the CPU without autograd, MKL's
-    kept descriptors (hrr.mkl_fft; ``kept`` True), else torch.fft."""
+    kept descriptors (hrr.mkl_fft; ``kept`` True) unless an MKL call already failed, else torch.fft."""
     from torchnitro.hrr import mkl_fft
 
-    if (keys.device.type == "cpu" and keys.dtype in (torch.float32, torch.float64)
+    if (keys.device.type == "cpu" and keys.dtype in (torch.float32, torch.float64) and ops._mkl_failed is None
             and not ops._records_grad(keys, values, weights) and mkl_fft.mkl_available()):
         return mkl_fft.rfft, mkl_fft.irfft, True
 
@@ -251,11 +265,10 @@ def bind_superpose(
         raise ShapeError(f"bind_superpose: received keys {tuple(keys.shape)} and values {tuple(values.shape)}, "
                          "expected (..., k, d) for both")
     d = keys.shape[-1]
-    try:
-        lead = torch.broadcast_shapes(keys.shape[:-1], values.shape[:-1])
-    except RuntimeError as exc:
+    lead = _broadcast(keys.shape[:-1], values.shape[:-1])
+    if lead is None:
         raise ShapeError(f"bind_superpose: keys {tuple(keys.shape)} and values {tuple(values.shape)} "
-                         "do not broadcast") from exc
+                         "do not broadcast")
     k = lead[-1]
     if weights is not None:
         weights = torch.as_tensor(weights, dtype=keys.dtype, device=keys.device)

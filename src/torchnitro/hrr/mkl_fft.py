@@ -15,6 +15,8 @@ the ones ``torch.fft`` calls, exported by ``libtorch_cpu``) through ``ctypes``:
   two descriptors per direction, and a new size costs one commit (what ``torch.fft`` pays on every
   call).
 
+``rfft`` and ``irfft`` give other CPU callers (hrr.fused's spectral sum) the same kept descriptors.
+
 The results match ``torch.fft``'s to rounding (the same MKL transforms and ``1 / d`` scale; MKL
 may pick other kernels for other block sizes): ``tests/hrr/test_mkl_fft.py`` compares them. float32
 and float64, any d >= 1, equal shapes or a single vector against a batch.
@@ -47,6 +49,8 @@ _CACHE_SIZE = 64  # descriptors per thread; each holds twiddles of about 2 * d v
 # mkl_dfti.h: configuration parameters and values
 _FORWARD_DOMAIN_REAL = 33
 _PRECISION = {torch.float32: "s", torch.float64: "d"}
+_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+_REAL = {v: k for k, v in _COMPLEX.items()}
 _BACKWARD_SCALE, _NUMBER_OF_TRANSFORMS, _CONJUGATE_EVEN_STORAGE = 5, 7, 10
 _PLACEMENT, _INPUT_DISTANCE, _OUTPUT_DISTANCE, _THREAD_LIMIT = 11, 14, 15, 27
 _COMPLEX_COMPLEX, _NOT_INPLACE = 39, 44
@@ -213,7 +217,7 @@ def _bind(a: torch.Tensor, b: torch.Tensor, conj_b: bool, block_bytes: int = BLO
     if n == 0:
         return out
     x, y = x.resolve_neg().contiguous(), y.resolve_neg().contiguous()
-    cdtype = torch.complex64 if dtype == torch.float32 else torch.complex128
+    cdtype = _COMPLEX[dtype]
     shared = None
     if x.shape != y.shape:
         shared = torch.empty(1, d // 2 + 1, dtype=cdtype)
@@ -249,10 +253,6 @@ def _bind(a: torch.Tensor, b: torch.Tensor, conj_b: bool, block_bytes: int = BLO
     return out
 
 
-_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
-_REAL = {v: k for k, v in _COMPLEX.items()}
-
-
 def rfft(x: torch.Tensor) -> torch.Tensor:
     """``torch.fft.rfft(x, dim=-1)`` for a float32/float64 CPU tensor through a kept descriptor (one
     per (d, rows)); no autograd. For callers that checked ``mkl_available()``."""
@@ -270,7 +270,7 @@ def rfft(x: torch.Tensor) -> torch.Tensor:
 def irfft(spec: torch.Tensor, d: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.fft.irfft(spec, n=d, dim=-1)`` for a complex64/128 CPU tensor through a kept descriptor,
     written into ``out`` (contiguous, ``(..., d)``) when given; no autograd."""
-    if spec.dtype not in _REAL or spec.device.type != "cpu" or spec.dim() == 0 or spec.shape[-1] != d // 2 + 1:
+    if spec.dtype not in _REAL or spec.device.type != "cpu" or spec.dim() == 0 or d < 1 or spec.shape[-1] != d // 2 + 1:
         raise InputError(f"mkl_fft.irfft: received a {spec.dtype} tensor of shape {tuple(spec.shape)} on "
                          f"{spec.device}, expected complex64/128 (..., {d // 2 + 1}) on the CPU for d = {d}")
     dtype = _REAL[spec.dtype]
