@@ -227,3 +227,36 @@ def test_without_mkl_auto_uses_torch_and_explicit_raises(monkeypatch):
     torch.testing.assert_close(h.bind(a, b), h.bind(a, b, backend="torch"))
     with pytest.raises(BackendUnavailableError, match="no MKL"):
         h.bind(a, b, backend="mkl")
+
+
+# --- benchmarks/hrr_mkl_blocks.py runs end to end (tiny sizes, short timings) --------------------
+
+
+def test_block_benchmark_script_writes_its_tables(tmp_path, monkeypatch):
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from torchnitro.bench import timing
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hrr_mkl_blocks.py"
+    spec = importlib.util.spec_from_file_location("hrr_mkl_blocks", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    monkeypatch.setenv("TORCHNITRO_RESULTS", str(tmp_path))
+    monkeypatch.setattr(tool, "TimingConfig", lambda **kw: timing.TimingConfig(**kw).quick())
+    before = torch.get_num_threads()
+    try:
+        for extra in ([], ["--unbind"], ["--parts"]):
+            monkeypatch.setattr(sys, "argv", ["hrr_mkl_blocks.py", "--dims", "16", "--batches", "5",
+                                              "--blocks-kib", "1", "0", "--name", "t", *extra])
+            assert tool.main() == 0
+            rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+            if extra == ["--parts"]:
+                assert [r["steps"] for r in rows] == ["two forward transforms", "+ product", "+ inverse (whole bind)"]
+            else:
+                assert {r["variant"] for r in rows} >= {"torch.fft", "mkl 1 KiB", "mkl one block"}
+                assert all(r["max_abs_err"] < 1e-4 for r in rows)
+    finally:
+        torch.set_num_threads(before)

@@ -44,7 +44,9 @@ __all__ = ["mkl_available", "mkl_bind", "mkl_bind_reason", "rfft", "irfft", "blo
 # and the result (~1.3 MiB) in a 2 MiB L2 per core; MKL splits a block's transforms over the threads.
 # benchmarks/hrr_mkl_blocks.py (results/hrr_mkl_blocks_t*.md) measured it
 BLOCK_BYTES = 256 * 1024
-_CACHE_SIZE = 64  # descriptors per thread; each holds twiddles of about 2 * d values
+# descriptors per thread; each holds its twiddles and workspace: 0.01-0.03 MiB of RSS at block size,
+# 0.1-0.5 MiB for a 1000-row transform of d = 1024-4096 (as mkl_fft.rfft makes for hrr.fused)
+_CACHE_SIZE = 64
 
 # mkl_dfti.h: configuration parameters and values
 _FORWARD_DOMAIN_REAL = 33
