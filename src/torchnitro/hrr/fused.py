@@ -24,9 +24,11 @@ Backends:
   the one-pass FFT bind kernel with its normalising epilogue where that kernel applies (power-of-two
   d, equal shapes), the spectral form elsewhere; the one-pass form has not been timed on a GPU yet.
 
-On the CPU large inputs are processed in blocks of batch rows whose spectra fit in ~2 MiB, so no
-full-size intermediate exists there either. Measured on the 2-core CPU (``benchmarks/hrr.py``, see
-docs/hrr.md): blocking made the spectral sum 2.2-2.8x faster at (1000, 16, 1024) and (100, 16, 4096);
+On the CPU inputs are processed in blocks of batch rows whose spectra fit in ~2 MiB, so no full-size
+intermediate exists there either. Without autograd the transforms use MKL's kept descriptors
+(hrr.mkl_fft) and every batch is blocked; through torch.fft, which commits a descriptor per call,
+only large ones are. Measured on the 2-core CPU (``benchmarks/hrr.py``, see docs/hrr.md): 1.6-1.8x
+bind-then-sum at (1000, 16, 1024), 1.1x at (100, 16, 4096), about even at (10|100, 16, 1024).
 Parseval normalisation in the spectrum was *slower* on the CPU than normalising the time-domain
 result, so on the CPU ``bind_normalize`` uses the plain path.
 """
