@@ -195,6 +195,29 @@ def test_auto_takes_the_mkl_path_on_cpu(monkeypatch):
     assert calls == [False, True]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("d", [64, 63])
+def test_other_transforms_take_kept_descriptors_and_agree(monkeypatch, dtype, d):
+    a, b = _pair((5, d), (5, d), dtype, seed=d)
+    wide = torch.randn(3, 1, d, dtype=dtype)  # broadcasts both ways with b: not the blocked bind
+    ops = {
+        "project": lambda: h.project(a),
+        "exact_inverse": lambda: h.exact_inverse(a),
+        "unbind exact": lambda: h.unbind(a, b, "exact"),
+        "unbind projected": lambda: h.unbind(a, b, "projected"),
+        "bind broadcast": lambda: h.bind(wide, b),
+        "unbind broadcast": lambda: h.unbind(wide, b),
+    }
+    calls = []
+    real = mkl_fft.rfft
+    monkeypatch.setattr(mkl_fft, "rfft", lambda x: calls.append(tuple(x.shape)) or real(x))
+    kept = {k: f() for k, f in ops.items()}
+    assert len(calls) == 10  # one transform per operand of each op: none went to torch.fft
+    monkeypatch.setattr(mkl_fft, "mkl_available", lambda: False)
+    for k, f in ops.items():
+        torch.testing.assert_close(kept[k], f(), **TOL[dtype], msg=k)
+
+
 def test_autograd_keeps_the_torch_path():
     a, b = (x.requires_grad_() for x in _pair((2, 7), (2, 7), torch.float64))
     assert torch.autograd.gradcheck(h.bind, (a, b), fast_mode=True)

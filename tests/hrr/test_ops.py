@@ -257,9 +257,9 @@ def test_small_inputs_share_one_transform_call_without_changing_results(shape, m
     calls = []
     real = h.rfft
     monkeypatch.setattr(h, "rfft", lambda x: calls.append(x.shape) or real(x))
-    got = (h.bind(a, b, backend="torch"), h.unbind(a, b, backend="torch"), h.unbind(a, b, "exact"))
+    got = (h.bind(a, b, backend="torch"), h.unbind(a, b, backend="torch"), h.unbind(a, b, "exact", backend="torch"))
     assert calls == [(2, *shape)] * 3  # one transform of the stacked pair per call
     monkeypatch.setattr(h, "_STACK_MAX_NUMEL", 0)
-    want = (h.bind(a, b, backend="torch"), h.unbind(a, b, backend="torch"), h.unbind(a, b, "exact"))
+    want = (h.bind(a, b, backend="torch"), h.unbind(a, b, backend="torch"), h.unbind(a, b, "exact", backend="torch"))
     for g_, w_ in zip(got, want):
         torch.testing.assert_close(g_, w_, atol=1e-6, rtol=0)

@@ -195,13 +195,11 @@ def _blocked_applies(keys: torch.Tensor, values: torch.Tensor, lead: torch.Size,
 
 
 def _transforms(keys: torch.Tensor, values: torch.Tensor, weights: torch.Tensor | None):
-    """(rfft, irfft(spec, d, out=None), kept) for the spectral sum: on the CPU without autograd, MKL's
-    kept descriptors (hrr.mkl_fft; ``kept`` True) unless an MKL call already failed, else torch.fft."""
-    from torchnitro.hrr import mkl_fft
-
-    if (keys.device.type == "cpu" and keys.dtype in (torch.float32, torch.float64) and ops._mkl_failed is None
-            and not ops._records_grad(keys, values, weights) and mkl_fft.mkl_available()):
-        return mkl_fft.rfft, mkl_fft.irfft, True
+    """(rfft, irfft(spec, d, out=None), kept) for the spectral sum: MKL's kept descriptors where
+    ``ops._kept_transforms`` allows them (``kept`` True), else torch.fft."""
+    kept = ops._kept_transforms(keys, values, weights)
+    if kept is not None:
+        return kept.rfft, kept.irfft, True
 
     def inverse(spec: torch.Tensor, d: int, out: torch.Tensor | None = None) -> torch.Tensor:
         res = ops.irfft(spec, d, keys.dtype)

@@ -133,12 +133,26 @@ def random(
     return x.to(device) if device is not None else x
 
 
+def _kept_transforms(*tensors: torch.Tensor | None):
+    """hrr.mkl_fft (``rfft``/``irfft`` through MKL descriptors kept across calls) for CPU float32/float64
+    work without autograd, else None: use torch.fft, which commits a new descriptor per call."""
+    x = tensors[0]
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or _mkl_failed is not None:
+        return None
+    if _records_grad(*tensors):
+        return None
+    from torchnitro.hrr import mkl_fft
+
+    return mkl_fft if mkl_fft.mkl_available() else None
+
+
 def project(x: torch.Tensor) -> torch.Tensor:
     """Make ``x`` unitary: every Fourier coefficient scaled to magnitude 1 (phases kept)."""
     _check_vec("x", x)
-    spec = rfft(x)
+    kept = _kept_transforms(x)
+    spec = kept.rfft(x) if kept else rfft(x)
     mag = spec.abs().clamp_min(_EPS[spec.real.dtype])
-    return irfft(spec / mag, x.shape[-1], x.dtype)
+    return kept.irfft(spec / mag, x.shape[-1]) if kept else irfft(spec / mag, x.shape[-1], x.dtype)
 
 
 def unitary(
@@ -235,9 +249,10 @@ def bind(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Te
         return out
     if a.numel() == 0 or b.numel() == 0:  # torch.fft rejects an empty batch
         return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=a.dtype, device=a.device)
-    A, B = _spectra(a, b)
+    kept = _kept_transforms(a, b) if backend == "auto" else None  # e.g. shapes that broadcast both ways
+    A, B = (kept.rfft(a), kept.rfft(b)) if kept else _spectra(a, b)
     spec = A.mul_(B) if A.shape == B.shape else A * B  # in place when no broadcasting is needed
-    return irfft(spec, a.shape[-1], a.dtype)
+    return kept.irfft(spec, a.shape[-1]) if kept else irfft(spec, a.shape[-1], a.dtype)
 
 
 def inverse(a: torch.Tensor) -> torch.Tensor:
@@ -249,10 +264,11 @@ def inverse(a: torch.Tensor) -> torch.Tensor:
 def exact_inverse(a: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     """The exact inverse (spectrum ``1 / A``); ``eps`` floors ``|A_k|^2`` so a zero bin stays finite."""
     _check_vec("a", a)
-    spec = rfft(a)
+    kept = _kept_transforms(a)
+    spec = kept.rfft(a) if kept else rfft(a)
     floor = _EPS[spec.real.dtype] if eps is None else eps
     inv = spec.conj() / (spec.real.square() + spec.imag.square()).clamp_min(floor)
-    return irfft(inv, a.shape[-1], a.dtype)
+    return kept.irfft(inv, a.shape[-1]) if kept else irfft(inv, a.shape[-1], a.dtype)
 
 
 def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution", *, backend: str = "auto") -> torch.Tensor:
@@ -277,7 +293,8 @@ def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution", *, back
         return out
     if c.numel() == 0 or a.numel() == 0:  # torch.fft rejects an empty batch
         return torch.empty(torch.broadcast_shapes(c.shape, a.shape), dtype=c.dtype, device=c.device)
-    C, A = _spectra(c, a)
+    kept = _kept_transforms(c, a) if backend == "auto" else None  # the other methods, other shapes
+    C, A = (kept.rfft(c), kept.rfft(a)) if kept else _spectra(c, a)
     if method == "exact":  # out of place: autograd keeps A for the denominator's gradient
         A = A / (A.real.square() + A.imag.square()).clamp_min(_EPS[A.real.dtype])
     elif method == "projected":
@@ -286,7 +303,7 @@ def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution", *, back
     # clone of the spectrum, ~8% of unbind's time at (1000, 1024) on the 2-core CPU)
     torch.conj_physical_(A)
     spec = C.mul_(A) if C.shape == A.shape else C * A
-    return irfft(spec, c.shape[-1], c.dtype)
+    return kept.irfft(spec, c.shape[-1]) if kept else irfft(spec, c.shape[-1], c.dtype)
 
 
 def normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
