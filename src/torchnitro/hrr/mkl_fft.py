@@ -15,7 +15,8 @@ the ones ``torch.fft`` calls, exported by ``libtorch_cpu``) through ``ctypes``:
   two descriptors per direction, and a new size costs one commit (what ``torch.fft`` pays on every
   call).
 
-``rfft`` and ``irfft`` give other CPU callers (hrr.fused's spectral sum) the same kept descriptors.
+``rfft`` and ``irfft`` give the other CPU transforms (``hrr.ops._kept_transforms``: project, the exact and
+projected unbinds, shapes that broadcast both ways, hrr.fused's spectral sum) the same kept descriptors.
 
 The results match ``torch.fft``'s to rounding (the same MKL transforms and ``1 / d`` scale; MKL
 may pick other kernels for other block sizes): ``tests/hrr/test_mkl_fft.py`` compares them. float32
@@ -48,11 +49,12 @@ BLOCK_BYTES = 256 * 1024
 # 0.1-0.5 MiB for a 1000-row transform of d = 1024-4096 (as mkl_fft.rfft makes for hrr.fused)
 _CACHE_SIZE = 64
 
-# mkl_dfti.h: configuration parameters and values
-_FORWARD_DOMAIN_REAL = 33
-_PRECISION = {torch.float32: "s", torch.float64: "d"}
+_PRECISION = {torch.float32: "s", torch.float64: "d"}  # DftiCreateDescriptor_{s,d}_1d
 _COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 _REAL = {v: k for k, v in _COMPLEX.items()}
+
+# mkl_dfti.h: configuration parameters and values
+_FORWARD_DOMAIN_REAL = 33
 _BACKWARD_SCALE, _NUMBER_OF_TRANSFORMS, _CONJUGATE_EVEN_STORAGE = 5, 7, 10
 _PLACEMENT, _INPUT_DISTANCE, _OUTPUT_DISTANCE, _THREAD_LIMIT = 11, 14, 15, 27
 _COMPLEX_COMPLEX, _NOT_INPLACE = 39, 44
