@@ -18,6 +18,7 @@ import platform
 import sys
 
 import torch
+from rich.progress import Progress
 
 from torchnitro import hrr
 from torchnitro.bench import ResultTable, TimingConfig, compare
@@ -64,30 +65,38 @@ def main() -> int:
     cfg = TimingConfig(device="cpu", min_time_s=0.3, max_time_s=3.0)
     g = torch.Generator().manual_seed(0)
     ref_fn = hrr.unbind if args.unbind else hrr.bind
-    for d in args.dims:
-        for batch in args.batches:
-            a, b = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
-            ref = ref_fn(a, b, backend="torch")
-            fns = {"torch.fft": lambda: ref_fn(a, b, backend="torch")}
-            errs = {"torch.fft": 0.0}
-            for kib in args.blocks_kib:
-                bb = kib * 1024 if kib else 1 << 62
-                key = f"mkl {kib} KiB" if kib else "mkl one block"
-                errs[key] = float((mkl_bind(a, b, conj_b=args.unbind, block_bytes=bb) - ref).abs().max())
-                fns[key] = lambda bb=bb: mkl_bind(a, b, conj_b=args.unbind, block_bytes=bb)
-            if hd is not None:
-                fn, hrr_tensor = hd
-                ha, hb = a.as_subclass(hrr_tensor), b.as_subclass(hrr_tensor)
-                errs["torchhd"] = float((fn(ha, hb).as_subclass(torch.Tensor) - ref).abs().max())
-                fns["torchhd"] = lambda: fn(ha, hb)
-            res = compare(fns, cfg)
-            base, hd_t = res["torch.fft"].median, res["torchhd"].median if "torchhd" in res else None
-            for key, tm in res.items():
-                t.add(d=d, batch=batch, variant=key, median_us=tm.median * 1e6, x_vs_torch_fft=base / tm.median,
-                      x_vs_torchhd=hd_t / tm.median if hd_t else None, max_abs_err=errs[key])
+    with Progress(transient=True) as prog:
+        task = prog.add_task("shapes", total=len(args.dims) * len(args.batches))
+        for d in args.dims:
+            for batch in args.batches:
+                _time_blocks(args, t, hd, ref_fn, cfg, g, d, batch)
+                prog.advance(task)
     t.print()
     t.save(name)
     return 0
+
+
+def _time_blocks(args, t: ResultTable, hd, ref_fn, cfg: TimingConfig, g: torch.Generator, d: int, batch: int) -> None:
+    """One (d, batch) cell: torch.fft, mkl_bind at each block size and torchhd, interleaved."""
+    a, b = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
+    ref = ref_fn(a, b, backend="torch")
+    fns = {"torch.fft": lambda: ref_fn(a, b, backend="torch")}
+    errs = {"torch.fft": 0.0}
+    for kib in args.blocks_kib:
+        bb = kib * 1024 if kib else 1 << 62
+        key = f"mkl {kib} KiB" if kib else "mkl one block"
+        errs[key] = float((mkl_bind(a, b, conj_b=args.unbind, block_bytes=bb) - ref).abs().max())
+        fns[key] = lambda bb=bb: mkl_bind(a, b, conj_b=args.unbind, block_bytes=bb)
+    if hd is not None:
+        fn, hrr_tensor = hd
+        ha, hb = a.as_subclass(hrr_tensor), b.as_subclass(hrr_tensor)
+        errs["torchhd"] = float((fn(ha, hb).as_subclass(torch.Tensor) - ref).abs().max())
+        fns["torchhd"] = lambda: fn(ha, hb)
+    res = compare(fns, cfg)
+    base, hd_t = res["torch.fft"].median, res["torchhd"].median if "torchhd" in res else None
+    for key, tm in res.items():
+        t.add(d=d, batch=batch, variant=key, median_us=tm.median * 1e6, x_vs_torch_fft=base / tm.median,
+              x_vs_torchhd=hd_t / tm.median if hd_t else None, max_abs_err=errs[key])
 
 
 def _steps(a: torch.Tensor, b: torch.Tensor, upto: int) -> None:
@@ -117,13 +126,17 @@ def _parts(args, name: str) -> int:
     cfg = TimingConfig(device="cpu", min_time_s=0.3, max_time_s=3.0)
     g = torch.Generator().manual_seed(0)
     labels = {1: "two forward transforms", 2: "+ product", 3: "+ inverse (whole bind)"}
-    for d in args.dims:
-        for batch in args.batches:
-            a, b = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
-            res = compare({k: (lambda k=k: _steps(a, b, k)) for k in labels}, cfg)
-            whole = res[3].median
-            for k, label in labels.items():
-                t.add(d=d, batch=batch, steps=label, median_us=res[k].median * 1e6, share_of_bind=res[k].median / whole)
+    with Progress(transient=True) as prog:
+        task = prog.add_task("shapes", total=len(args.dims) * len(args.batches))
+        for d in args.dims:
+            for batch in args.batches:
+                a, b = torch.randn(batch, d, generator=g), torch.randn(batch, d, generator=g)
+                res = compare({k: (lambda k=k: _steps(a, b, k)) for k in labels}, cfg)
+                whole = res[3].median
+                for k, label in labels.items():
+                    t.add(d=d, batch=batch, steps=label, median_us=res[k].median * 1e6,
+                          share_of_bind=res[k].median / whole)
+                prog.advance(task)
     t.print()
     t.save(name)
     return 0

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+from rich.progress import Progress
 
 from torchnitro.bench import ResultTable, TimingConfig, compare
 
@@ -52,11 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     grid = [(op, d, b) for op in args.ops for d in args.dims for b in args.batches]
     load_at_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     ratios: dict[tuple, list[float]] = {cell: [] for cell in grid}
-    for _ in range(args.repeats):  # rounds over the grid, so slow drift spreads over every cell
-        g = torch.Generator().manual_seed(0)
-        for op, d, batch in grid:
-            res = compare(bench._candidates(op, batch, d, "cpu", g), cfg, items_per_call=batch)
-            ratios[(op, d, batch)].append(res["torchhd"].median / res["torchnitro"].median)
+    with Progress(transient=True) as prog:
+        task = prog.add_task("rounds x cells", total=args.repeats * len(grid))
+        for _ in range(args.repeats):  # rounds over the grid, so slow drift spreads over every cell
+            g = torch.Generator().manual_seed(0)
+            for op, d, batch in grid:
+                res = compare(bench._candidates(op, batch, d, "cpu", g), cfg, items_per_call=batch)
+                ratios[(op, d, batch)].append(res["torchhd"].median / res["torchnitro"].median)
+                prog.advance(task)
     t = ResultTable(f"torchnitro vs torchhd, {args.repeats} rounds ({args.threads} thread(s))",
                     ["op", "d", "batch", "min_x", "median_x", "max_x", "rounds_at_2x", "every_round"],
                     meta={"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
