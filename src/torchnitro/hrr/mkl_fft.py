@@ -15,7 +15,7 @@ the ones ``torch.fft`` calls, exported by ``libtorch_cpu``) through ``ctypes``:
   two descriptors per direction, and a new size costs one commit (what ``torch.fft`` pays on every
   call).
 
-``rfft`` and ``irfft`` give the other CPU transforms (``hrr.ops._kept_transforms``: project, the exact and
+``rfft`` and ``irfft`` give the other CPU transforms (``hrr.ops._transforms``: project, the exact and
 projected unbinds, shapes that broadcast both ways, hrr.fused's spectral sum) the same kept descriptors.
 
 The results match ``torch.fft``'s to rounding (the same MKL transforms and ``1 / d`` scale; MKL
@@ -144,8 +144,10 @@ class _Cache(threading.local):
 _cache = _Cache()
 
 
-def _plan(d: int, rows: int, dtype: torch.dtype, forward: bool) -> _Descriptor:
-    threads = torch.get_num_threads()  # part of the key: a descriptor's thread limit is fixed at commit
+def _plan(d: int, rows: int, dtype: torch.dtype, forward: bool, threads: int | None = None) -> _Descriptor:
+    """The kept descriptor; ``threads`` (default torch's count) is part of the key, since a descriptor's
+    thread limit is fixed at commit."""
+    threads = torch.get_num_threads() if threads is None else threads
     key = (d, rows, dtype, threads, forward)
     plans = _cache.plans
     plan = plans.get(key)
@@ -221,26 +223,26 @@ def _bind(a: torch.Tensor, b: torch.Tensor, conj_b: bool, block_bytes: int = BLO
     if n == 0:
         return out
     x, y = x.resolve_neg().contiguous(), y.resolve_neg().contiguous()
-    cdtype = _COMPLEX[dtype]
+    cdtype, threads = _COMPLEX[dtype], torch.get_num_threads()
     shared = None
     if x.shape != y.shape:
         shared = torch.empty(1, d // 2 + 1, dtype=cdtype)
-        _plan(d, 1, dtype, True)(y.data_ptr(), shared.data_ptr())
+        _plan(d, 1, dtype, True, threads)(y.data_ptr(), shared.data_ptr())
         if conj_y:
             torch.conj_physical_(shared)
-    rows = min(block_rows(d, dtype, block_bytes, torch.get_num_threads()), n)
+    rows = min(block_rows(d, dtype, block_bytes, threads), n)
     spec_x = torch.empty(rows, d // 2 + 1, dtype=cdtype)  # (rows, F): reused by every block (none is larger)
     spec_y = torch.empty_like(spec_x) if shared is None else shared
     row_bytes = d * x.element_size()
     px, py, po, sx, sy = x.data_ptr(), y.data_ptr(), out.data_ptr(), spec_x.data_ptr(), spec_y.data_ptr()
     conj, mul = torch.conj_physical_, torch.Tensor.mul_
-    if torch.get_num_threads() == 1:
+    if threads == 1:
         # NumPy's product on the same memory costs less per call than torch's: binds measured 1.03-1.2x
         # faster at 1 thread; with more threads torch's product runs on all of them and wins
         spec_x, spec_y = spec_x.numpy(), spec_y.numpy()
         conj, mul = (lambda v: np.conjugate(v, out=v)), (lambda u, v: np.multiply(u, v, out=u))
     for start, count in _blocks(n, rows):
-        fwd, bwd = _plan(d, count, dtype, True), _plan(d, count, dtype, False)
+        fwd, bwd = _plan(d, count, dtype, True, threads), _plan(d, count, dtype, False, threads)
         offset = start * row_bytes
         fwd(px + offset, sx)
         vx = spec_x if count == rows else spec_x[:count]

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
+from torchnitro.hrr import mkl_fft
 
 __all__ = [
     "random", "unitary", "bind", "unbind", "inverse", "exact_inverse", "project", "superpose",
@@ -94,19 +95,23 @@ def _records_grad(*tensors: torch.Tensor | None) -> bool:
 _STACK_MAX_NUMEL = 32768
 
 
-def _spectra(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``rfft(x), rfft(y)``: fresh tensors the caller may modify in place."""
+def _spectra(x: torch.Tensor, y: torch.Tensor, fft=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fft(x), fft(y)`` (``fft`` from ``_transforms``, default torch.fft's): fresh tensors the caller
+    may modify in place. Through torch.fft small same-shape CPU pairs are stacked into one call."""
+    fft = fft or rfft
     # with autograd recording, the in-place product on views of one stacked tensor would hide x and y
-    if x.shape == y.shape and x.device.type == "cpu" and x.numel() <= _STACK_MAX_NUMEL and not _records_grad(x, y):
+    if (fft is rfft and x.shape == y.shape and x.device.type == "cpu" and x.numel() <= _STACK_MAX_NUMEL
+            and not _records_grad(x, y)):
         s = rfft(torch.stack((x, y)))  # (2, ..., F): one descriptor instead of two
         return s[0], s[1]
-    return rfft(x), rfft(y)
+    return fft(x), fft(y)
 
 
-def irfft(spec: torch.Tensor, d: int, dtype: torch.dtype) -> torch.Tensor:
-    """Back to (..., d) real vectors of ``dtype``; ``n=d`` keeps odd lengths."""
-    out = torch.fft.irfft(spec, n=d, dim=-1)
-    return out if out.dtype == dtype else out.to(dtype)
+def irfft(spec: torch.Tensor, d: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Back to (..., d) real vectors of ``dtype`` (written into ``out`` when given); ``n=d`` keeps odd lengths."""
+    res = torch.fft.irfft(spec, n=d, dim=-1)
+    res = res if res.dtype == dtype else res.to(dtype)
+    return res if out is None else out.copy_(res)
 
 
 def random(
@@ -133,26 +138,28 @@ def random(
     return x.to(device) if device is not None else x
 
 
-def _kept_transforms(*tensors: torch.Tensor | None):
-    """hrr.mkl_fft (``rfft``/``irfft`` through MKL descriptors kept across calls) for CPU float32/float64
-    work without autograd, else None: use torch.fft, which commits a new descriptor per call."""
-    x = tensors[0]
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64) or _mkl_failed is not None:
-        return None
-    if _records_grad(*tensors):
-        return None
-    from torchnitro.hrr import mkl_fft
+def _kept_irfft(spec: torch.Tensor, d: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    return mkl_fft.irfft(spec, d, out)  # spec's precision is the result's: no cast
 
-    return mkl_fft if mkl_fft.mkl_available() else None
+
+def _transforms(*tensors: torch.Tensor | None, kept: bool = True):
+    """``(rfft(x), irfft(spec, d, dtype, out=None), kept)``: MKL's descriptors kept across calls
+    (hrr.mkl_fft) for CPU float32/float64 work without autograd when ``kept`` allows it and no MKL call
+    has failed, else torch.fft (which commits a new descriptor per call)."""
+    x = tensors[0]
+    if (kept and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and _mkl_failed is None
+            and not _records_grad(*tensors) and mkl_fft.mkl_available()):
+        return mkl_fft.rfft, _kept_irfft, True
+    return rfft, irfft, False
 
 
 def project(x: torch.Tensor) -> torch.Tensor:
     """Make ``x`` unitary: every Fourier coefficient scaled to magnitude 1 (phases kept)."""
     _check_vec("x", x)
-    kept = _kept_transforms(x)
-    spec = kept.rfft(x) if kept else rfft(x)
+    fft, ifft, _ = _transforms(x)
+    spec = fft(x)
     mag = spec.abs().clamp_min(_EPS[spec.real.dtype])
-    return kept.irfft(spec / mag, x.shape[-1]) if kept else irfft(spec / mag, x.shape[-1], x.dtype)
+    return ifft(spec / mag, x.shape[-1], x.dtype)
 
 
 def unitary(
@@ -211,8 +218,6 @@ def _mkl_bind(x: torch.Tensor, y: torch.Tensor, backend: str, conj_b: bool) -> t
     global _mkl_failed
     if backend not in ("auto", "mkl") or (backend == "auto" and (x.device.type != "cpu" or _mkl_failed)):
         return None
-    from torchnitro.hrr import mkl_fft
-
     why = mkl_fft.mkl_bind_reason(x, y)
     if why is None and _records_grad(x, y):
         why = "an input requires grad; the MKL path has no backward"
@@ -249,10 +254,10 @@ def bind(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Te
         return out
     if a.numel() == 0 or b.numel() == 0:  # torch.fft rejects an empty batch
         return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=a.dtype, device=a.device)
-    kept = _kept_transforms(a, b) if backend == "auto" else None  # e.g. shapes that broadcast both ways
-    A, B = (kept.rfft(a), kept.rfft(b)) if kept else _spectra(a, b)
+    fft, ifft, _ = _transforms(a, b, kept=backend == "auto")  # e.g. shapes that broadcast both ways
+    A, B = _spectra(a, b, fft)
     spec = A.mul_(B) if A.shape == B.shape else A * B  # in place when no broadcasting is needed
-    return kept.irfft(spec, a.shape[-1]) if kept else irfft(spec, a.shape[-1], a.dtype)
+    return ifft(spec, a.shape[-1], a.dtype)
 
 
 def inverse(a: torch.Tensor) -> torch.Tensor:
@@ -264,11 +269,11 @@ def inverse(a: torch.Tensor) -> torch.Tensor:
 def exact_inverse(a: torch.Tensor, eps: float | None = None) -> torch.Tensor:
     """The exact inverse (spectrum ``1 / A``); ``eps`` floors ``|A_k|^2`` so a zero bin stays finite."""
     _check_vec("a", a)
-    kept = _kept_transforms(a)
-    spec = kept.rfft(a) if kept else rfft(a)
+    fft, ifft, _ = _transforms(a)
+    spec = fft(a)
     floor = _EPS[spec.real.dtype] if eps is None else eps
     inv = spec.conj() / (spec.real.square() + spec.imag.square()).clamp_min(floor)
-    return kept.irfft(inv, a.shape[-1]) if kept else irfft(inv, a.shape[-1], a.dtype)
+    return ifft(inv, a.shape[-1], a.dtype)
 
 
 def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution", *, backend: str = "auto") -> torch.Tensor:
@@ -293,8 +298,8 @@ def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution", *, back
         return out
     if c.numel() == 0 or a.numel() == 0:  # torch.fft rejects an empty batch
         return torch.empty(torch.broadcast_shapes(c.shape, a.shape), dtype=c.dtype, device=c.device)
-    kept = _kept_transforms(c, a) if backend == "auto" else None  # the other methods, other shapes
-    C, A = (kept.rfft(c), kept.rfft(a)) if kept else _spectra(c, a)
+    fft, ifft, _ = _transforms(c, a, kept=backend == "auto")  # the other methods, other shapes
+    C, A = _spectra(c, a, fft)
     if method == "exact":  # out of place: autograd keeps A for the denominator's gradient
         A = A / (A.real.square() + A.imag.square()).clamp_min(_EPS[A.real.dtype])
     elif method == "projected":
@@ -303,7 +308,7 @@ def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution", *, back
     # clone of the spectrum, ~8% of unbind's time at (1000, 1024) on the 2-core CPU)
     torch.conj_physical_(A)
     spec = C.mul_(A) if C.shape == A.shape else C * A
-    return kept.irfft(spec, c.shape[-1]) if kept else irfft(spec, c.shape[-1], c.dtype)
+    return ifft(spec, c.shape[-1], c.dtype)
 
 
 def normalize(x: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
