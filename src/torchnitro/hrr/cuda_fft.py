@@ -1,0 +1,476 @@
+"""Bind and unbind in one pass over memory on CUDA: a four-step FFT per row in CUDA C++, compiled at
+run time with NVRTC (``torch.cuda._compile_kernel``; no CUDA toolkit needed, the NVRTC that PyTorch's
+CUDA wheels ship is enough).
+
+Why a second kernel beside the Triton one (``hrr/fft_kernel.py``): Triton chooses the data layout
+itself, and its radix-2 stages exchange values between lanes once per stage whose butterfly pairs sit
+in different lanes (5 of the 10 stages at d = 1024, two transforms per row). Those exchanges were a
+third of the Triton kernel's instructions, and the kernel is issue-bound. Here the layout is explicit:
+
+* A row of ``d = P * T`` values is held by ``T`` lanes (32, or 16 for d <= 512), ``P`` per lane: lane
+  ``t`` holds ``z[T j + t]`` for ``j < P`` (coalesced loads and stores).
+* Forward transform, four steps: a ``P``-point DFT over ``j`` inside each lane (registers only),
+  twiddles ``W_d^(t k1)``, one transpose through shared memory, then ``P / T`` DFTs of ``T`` points
+  inside each lane. The inverse runs the same steps backwards, so one row costs two transposes
+  instead of ten cross-lane stages, and nothing is bit-reversed: each in-lane DFT's order is
+  absorbed by the indexing.
+
+It computes what the Triton kernel computes, the same way: ``z = a + i b`` (``b`` read reversed to
+unbind), both rows first scaled to a largest magnitude of 1, ``a (*) b = Im(ifft(fft(z)^2)) / 2`` and
+an optional unit-norm epilogue. The in-lane DFTs are straight-line code generated here from one
+butterfly schedule (:func:`dif_schedule`, :func:`dit_schedule`), with trivial twiddles folded; the
+same schedules drive :func:`reference_bind`, a NumPy model of the kernel's exact data movement that
+the CPU tests compare with ``numpy.fft`` (the CUDA build itself is tested on a GPU).
+
+Powers of two ``256 <= d <= 2048``, float32, CUDA, PyTorch with ``torch.cuda._compile_kernel``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
+
+__all__ = ["cuda_bind", "cuda_bind_reason", "kernel_source", "reference_bind", "lanes_per_row",
+           "dif_schedule", "dit_schedule", "MIN_D", "MAX_D"]
+
+MIN_D, MAX_D = 256, 2048
+BLOCK_THREADS = 128
+SMEM_LIMIT = 48 * 1024  # static shared memory per block without opting in
+
+
+def lanes_per_row(d: int) -> int:
+    """T: lanes per row, with P = d / T values per lane and P a multiple of T (P / T in-lane DFTs of T
+    points after the transpose)."""
+    t = 1 << ((d.bit_length() - 1) // 2)  # largest power of two with t * t <= d
+    return t
+
+
+def _layout(d: int, rows: int | None = None) -> tuple[int, int, int, int]:
+    """(T, P, Q, rows per block) for d; ``rows`` overrides the default rows per block."""
+    t = lanes_per_row(d)
+    p = d // t
+    per_row = p * (t + 1) * 8  # one float2 per value, each transposed row padded by one against bank conflicts
+    most = SMEM_LIMIT // per_row
+    if rows is None:
+        rows = max(1, min(BLOCK_THREADS // t, most))
+    elif rows < 1 or rows > most or rows * t > 1024 or (rows * t) % 32:
+        raise InputError(f"cuda_fft: rows_per_block={rows} at d={d}; expected a count of rows filling whole warps, "
+                         f"at most {most} (48 KiB of shared memory)")
+    return t, p, p // t, rows
+
+
+def _bitrev(x: int, bits: int) -> int:
+    return int(format(x, f"0{bits}b")[::-1], 2) if bits else 0
+
+
+def dif_schedule(n: int) -> list[tuple[int, int, int]]:
+    """Radix-2 decimation in frequency on ``n`` values (natural order in, bit-reversed out): butterflies
+    ``(i, j, m)``: ``(x_i, x_j) <- (x_i + x_j, (x_i - x_j) * w^m)`` with ``w = exp(-2 pi i / n)``."""
+    out = []
+    s = 0
+    while (1 << s) < n:
+        h_span = n >> (s + 1)
+        for blk in range(1 << s):
+            for h in range(h_span):
+                i = blk * 2 * h_span + h
+                out.append((i, i + h_span, h << s))
+        s += 1
+    return out
+
+
+def dit_schedule(n: int) -> list[tuple[int, int, int]]:
+    """Radix-2 decimation in time (bit-reversed in, natural out): butterflies ``(i, j, m)``:
+    ``q = x_j * w^m``, ``(x_i, x_j) <- (x_i + q, x_i - q)``, ``w`` as in :func:`dif_schedule` (conjugate
+    it for an inverse transform)."""
+    out = []
+    span = 1
+    while span < n:
+        for blk in range(n // (2 * span)):
+            for h in range(span):
+                i = blk * 2 * span + h
+                out.append((i, i + span, h * (n // (2 * span))))
+        span *= 2
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# NumPy model of the kernel's data movement (what the CPU tests check against numpy.fft)
+# ---------------------------------------------------------------------------------------------------
+
+def _np_dif(x: np.ndarray, n: int, inverse: bool) -> None:
+    sign = 1.0 if inverse else -1.0
+    for i, j, m in dif_schedule(n):
+        u, v = x[..., i].copy(), x[..., j].copy()
+        x[..., i] = u + v
+        x[..., j] = (u - v) * np.exp(sign * 2j * np.pi * m / n)
+
+
+def _np_dit(x: np.ndarray, n: int, inverse: bool) -> None:
+    sign = 1.0 if inverse else -1.0
+    for i, j, m in dit_schedule(n):
+        q = x[..., j] * np.exp(sign * 2j * np.pi * m / n)
+        u = x[..., i].copy()
+        x[..., i] = u + q
+        x[..., j] = u - q
+
+
+def reference_bind(a: np.ndarray, b: np.ndarray, conj_b: bool = False) -> np.ndarray:
+    """The kernel's algorithm on rows ``(n, d)`` in float64 NumPy, value for value in the same places:
+    lane ``t``'s registers are ``regs[:, t, :]``, the shared-memory tile is ``tile[:, k1, t]``."""
+    n_rows, d = a.shape
+    t_lanes, p, q, _ = _layout(d)
+    logp = p.bit_length() - 1
+    logt = t_lanes.bit_length() - 1
+    bb = b[:, (-np.arange(d)) % d] if conj_b else b
+    ma = np.abs(a).max(axis=1, keepdims=True)
+    mb = np.abs(bb).max(axis=1, keepdims=True)
+    za = np.where(ma > 0, a / np.where(ma > 0, ma, 1), 0)
+    zb = np.where(mb > 0, bb / np.where(mb > 0, mb, 1), 0)
+    z = za + 1j * zb
+    lanes = np.arange(t_lanes)
+    # registers: regs[row, lane t, j] = z[T j + t]
+    regs = np.stack([z[:, t_lanes * np.arange(p) + t] for t in lanes], axis=1)
+    _np_dif(regs, p, inverse=False)  # register r now holds k1 = bitrev_P(r)
+    k1_of_reg = np.array([_bitrev(r, logp) for r in range(p)])
+    tw = np.exp(-2j * np.pi * ((lanes[:, None] * k1_of_reg[None, :]) % d) / d)
+    regs = regs * tw
+    tile = np.zeros((n_rows, p, t_lanes), dtype=complex)  # tile[k1][t]
+    tile[:, k1_of_reg, :] = regs.transpose(0, 2, 1)
+    # lane u takes k1 = u + T q' for q' < Q, all T values of t: y[row, u, q' * T + t]
+    y = np.concatenate([tile[:, lanes + t_lanes * qq, :] for qq in range(q)], axis=2)
+    for qq in range(q):
+        seg = y[:, :, qq * t_lanes:(qq + 1) * t_lanes]
+        _np_dif(seg, t_lanes, inverse=False)
+        y[:, :, qq * t_lanes:(qq + 1) * t_lanes] = seg
+    y = y * y
+    for qq in range(q):
+        seg = y[:, :, qq * t_lanes:(qq + 1) * t_lanes]
+        _np_dit(seg, t_lanes, inverse=True)
+        y[:, :, qq * t_lanes:(qq + 1) * t_lanes] = seg
+    for qq in range(q):
+        k1 = lanes + t_lanes * qq  # per lane u
+        tt = np.arange(t_lanes)
+        y[:, :, qq * t_lanes:(qq + 1) * t_lanes] *= np.exp(2j * np.pi * ((k1[:, None] * tt[None, :]) % d) / d)
+        tile[:, k1, :] = y[:, :, qq * t_lanes:(qq + 1) * t_lanes]
+    del logt
+    regs = tile[:, k1_of_reg, :].transpose(0, 2, 1).copy()  # lane t, register r <- tile[bitrev(r)][t]
+    _np_dit(regs, p, inverse=True)  # natural j out
+    res = np.empty((n_rows, d))
+    for t in lanes:
+        res[:, t_lanes * np.arange(p) + t] = regs[:, t, :].imag
+    return res * (ma * mb * 0.5 / d)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA source
+# ---------------------------------------------------------------------------------------------------
+
+def _f(x: float) -> str:
+    return f"{x:.9e}f"
+
+
+def _twiddle(m: int, n: int, inverse: bool) -> tuple[float, float] | str:
+    """w^m for w = exp(-+2 pi i / n): 'one', 'mi' (-i), 'pi' (+i) or (cos, sin)."""
+    m %= n
+    if m == 0:
+        return "one"
+    if 4 * m == n:
+        return "pi" if inverse else "mi"
+    ang = (2.0 if inverse else -2.0) * math.pi * m / n
+    return math.cos(ang), math.sin(ang)
+
+
+def _mul(re: str, im: str, w: tuple[float, float] | str) -> list[str]:
+    """Statements multiplying (re, im) in place by w."""
+    if w == "one":
+        return []
+    if w == "mi":  # (x + iy)(-i) = y - ix
+        return [f"{{ float t_ = {re}; {re} = {im}; {im} = -t_; }}"]
+    if w == "pi":  # (x + iy)(i) = -y + ix
+        return [f"{{ float t_ = {re}; {re} = -{im}; {im} = t_; }}"]
+    c, s = w
+    return [f"{{ float t_ = {re}; {re} = fmaf({re}, {_f(c)}, -{im} * {_f(s)}); "
+            f"{im} = fmaf(t_, {_f(s)}, {im} * {_f(c)}); }}"]
+
+
+def _dft_function(name: str, n: int, dif: bool, inverse: bool) -> str:
+    lines = [f"__device__ __forceinline__ void {name}(float* xr, float* xi) {{"]
+    sched = dif_schedule(n) if dif else dit_schedule(n)
+    for i, j, m in sched:
+        w = _twiddle(m, n, inverse)
+        if dif:
+            lines.append(f"  {{ float ur = xr[{i}], ui = xi[{i}], vr = xr[{j}], vi = xi[{j}];"
+                         f" xr[{i}] = ur + vr; xi[{i}] = ui + vi; xr[{j}] = ur - vr; xi[{j}] = ui - vi; }}")
+            lines += ["  " + s for s in _mul(f"xr[{j}]", f"xi[{j}]", w)]
+        else:
+            lines += ["  " + s for s in _mul(f"xr[{j}]", f"xi[{j}]", w)]
+            lines.append(f"  {{ float ur = xr[{i}], ui = xi[{i}], qr = xr[{j}], qi = xi[{j}];"
+                         f" xr[{i}] = ur + qr; xi[{i}] = ui + qi; xr[{j}] = ur - qr; xi[{j}] = ui - qi; }}")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def kernel_source(d: int, conj_b: bool, normalize: bool, rows_per_block: int | None = None,
+                  min_blocks: int | None = None, eps: float = 1e-12) -> tuple[str, str, int, int]:
+    """(CUDA C++ source, kernel name, threads per block, rows per block) for one variant.
+    ``min_blocks`` is __launch_bounds__' second argument (blocks per SM the registers must allow);
+    ``eps`` (normalize only) is compiled in."""
+    t, p, q, rows = _layout(d, rows_per_block)
+    logp = p.bit_length() - 1
+    name = f"hrr_bind_{d}_{int(conj_b)}_{int(normalize)}_{rows}_{min_blocks or 0}"
+    bounds = f"ROWS * T, {min_blocks}" if min_blocks else "ROWS * T"
+    k1_of_reg = [_bitrev(r, logp) for r in range(p)]
+    parts = [
+        _dft_function(f"dif{p}_fwd", p, dif=True, inverse=False),
+        _dft_function(f"dit{p}_inv", p, dif=False, inverse=True),
+    ]
+    if t != p:
+        parts += [_dft_function(f"dif{t}_fwd", t, dif=True, inverse=False),
+                  _dft_function(f"dit{t}_inv", t, dif=False, inverse=True)]
+    fwd_twiddle_store = "\n".join(
+        [f"  {{ const float2 w = __ldg(tw + ((t * {k}) & (D - 1))); const float xr = zr[{r}];"
+         f" zr[{r}] = fmaf(xr, w.x, -zi[{r}] * w.y); zi[{r}] = fmaf(xr, w.y, zi[{r}] * w.x); }}"
+         for r, k in enumerate(k1_of_reg) if k]
+        + [f"  tile[{k}][t] = make_float2(zr[{r}], zi[{r}]);" for r, k in enumerate(k1_of_reg)])
+    inv_load = "\n".join(f"  {{ const float2 v = tile[{k}][t]; zr[{r}] = v.x; zi[{r}] = v.y; }}"
+                          for r, k in enumerate(k1_of_reg))
+    body = f"""
+#define D {d}
+#define T {t}
+#define P {p}
+#define Q {q}
+#define ROWS {rows}
+#define EPS {_f(eps)}
+
+extern "C" __global__ void __launch_bounds__({bounds}) {name}(
+    const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out,
+    const float2* __restrict__ tw, int n_rows, int sa, int sb, int so) {{
+  __shared__ float2 tile_all[ROWS][P][T + 1];
+  const int t = threadIdx.x % T;
+  const int local_row = threadIdx.x / T;
+  const long long row = (long long)blockIdx.x * ROWS + local_row;
+  const bool live = row < n_rows;
+  float2 (*tile)[T + 1] = tile_all[local_row];
+  float zr[P], zi[P];
+  const float* arow = a + row * (long long)sa;
+  const float* brow = b + row * (long long)sb;
+  float ma = 0.f, mb = 0.f;
+#pragma unroll
+  for (int j = 0; j < P; ++j) {{
+    const int n = T * j + t;
+    zr[j] = live ? __ldg(arow + n) : 0.f;
+    zi[j] = live ? __ldg(brow + {"((D - n) & (D - 1))" if conj_b else "n"}) : 0.f;
+    ma = fmaxf(ma, fabsf(zr[j]));
+    mb = fmaxf(mb, fabsf(zi[j]));
+  }}
+  // a NaN stays in the row through the scaling below and spreads to every output; an inf makes the
+  // scale 0 and itself NaN
+#pragma unroll
+  for (int o = T / 2; o > 0; o >>= 1) {{
+    ma = fmaxf(ma, __shfl_xor_sync(0xffffffffu, ma, o));
+    mb = fmaxf(mb, __shfl_xor_sync(0xffffffffu, mb, o));
+  }}
+  const float sa_ = ma > 0.f ? 1.f / ma : 0.f;
+  const float sb_ = mb > 0.f ? 1.f / mb : 0.f;
+#pragma unroll
+  for (int j = 0; j < P; ++j) {{ zr[j] *= sa_; zi[j] *= sb_; }}
+  dif{p}_fwd(zr, zi);  // register r holds k1 = bitrev(r): the twiddles and the tile take that order
+{fwd_twiddle_store}
+  __syncwarp();
+  // lane u now owns k1 = u + T q for q < Q, with all T values of t: yr[q * T + t]
+#pragma unroll
+  for (int qq = 0; qq < Q; ++qq) {{
+#pragma unroll
+    for (int tt = 0; tt < T; ++tt) {{
+      const float2 v = tile[t + T * qq][tt];
+      zr[qq * T + tt] = v.x;
+      zi[qq * T + tt] = v.y;
+    }}
+  }}
+#pragma unroll
+  for (int qq = 0; qq < Q; ++qq) {{
+    dif{t}_fwd(zr + qq * T, zi + qq * T);
+  }}
+#pragma unroll
+  for (int i = 0; i < P; ++i) {{  // Z^2: its inverse holds 2 a (*) b in the imaginary part
+    const float xr = zr[i], xi = zi[i];
+    zr[i] = fmaf(xr, xr, -xi * xi);
+    zi[i] = 2.f * xr * xi;
+  }}
+#pragma unroll
+  for (int qq = 0; qq < Q; ++qq) {{
+    dit{t}_inv(zr + qq * T, zi + qq * T);
+  }}
+  __syncwarp();
+#pragma unroll
+  for (int qq = 0; qq < Q; ++qq) {{
+    const int k1 = t + T * qq;
+#pragma unroll
+    for (int tt = 0; tt < T; ++tt) {{
+      float xr = zr[qq * T + tt], xi = zi[qq * T + tt];
+      if (tt > 0) {{
+        const float2 w = __ldg(tw + ((tt * k1) & (D - 1)));  // conj(w): the inverse twiddle
+        const float x0 = xr;
+        xr = fmaf(x0, w.x, xi * w.y);
+        xi = fmaf(xi, w.x, -x0 * w.y);
+      }}
+      tile[k1][tt] = make_float2(xr, xi);
+    }}
+  }}
+  __syncwarp();
+{inv_load}
+  dit{p}_inv(zr, zi);  // natural order: register j holds n = T j + t
+  const float scale = (ma * mb) * (0.5f / D);
+  float ss = 0.f;
+#pragma unroll
+  for (int j = 0; j < P; ++j) {{ zi[j] *= scale; ss = fmaf(zi[j], zi[j], ss); }}
+{"" if not normalize else '''
+#pragma unroll
+  for (int o = T / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv = 1.f / fmaxf(sqrtf(ss), EPS);
+#pragma unroll
+  for (int j = 0; j < P; ++j) zi[j] *= inv;'''}
+  if (live) {{
+    float* orow = out + row * (long long)so;
+#pragma unroll
+    for (int j = 0; j < P; ++j) orow[T * j + t] = zi[j];
+  }}
+}}
+"""
+    src = "\n\n".join(parts) + "\n" + body
+    return src, name, rows * t, rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# build and launch
+# ---------------------------------------------------------------------------------------------------
+
+_LOCK = threading.Lock()
+_KERNELS: dict[tuple, "_Launcher"] = {}
+_TWIDDLES: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+@lru_cache(maxsize=1)
+def _compile_available() -> str | None:
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC)"
+    return None
+
+
+def cuda_bind_reason(a: torch.Tensor) -> str | None:
+    """None when :func:`cuda_bind` can run on ``a``, else why not."""
+    d = a.shape[-1] if a.dim() else 0
+    if not a.is_cuda:
+        return f"the tensor is on {a.device}; the kernel needs CUDA"
+    why = _compile_available()
+    if why is not None:
+        return why
+    if a.dtype != torch.float32:
+        return f"dtype {a.dtype}; the kernel computes float32 only"
+    if d < MIN_D or d > MAX_D or d & (d - 1):
+        return f"d={d}; the kernel needs a power of two in [{MIN_D}, {MAX_D}]"
+    return None
+
+
+class _Launcher:
+    """One built kernel, launched through the driver's ``cuLaunchKernel`` with argument arrays built
+    here: the launcher that ``torch.cuda._compile_kernel`` returns opens ``libcuda`` on every call,
+    which cost about 20 us per launch (benchmarks/hrr_fft_sweep.py, batch 1000)."""
+
+    _lib = None
+
+    def __init__(self, fn, threads: int, rows: int) -> None:
+        self.fn, self.threads, self.rows = fn, threads, rows
+        self.func = getattr(fn, "func", None)
+        if self.func is not None and _Launcher._lib is None:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+            lib.cuLaunchKernel.restype = ctypes.c_int
+            _Launcher._lib = lib
+
+    def __call__(self, n: int, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...]) -> None:
+        grid = (n + self.rows - 1) // self.rows
+        if self.func is None:  # another PyTorch's kernel object: its own launcher
+            self.fn(grid=(grid, 1, 1), block=(self.threads, 1, 1), args=[*tensors, *ints])
+            return
+        vals = [ctypes.c_void_p(t.data_ptr()) for t in tensors] + [ctypes.c_int(i) for i in ints]
+        params = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+        dev = tensors[0].device
+        if dev.index is not None and dev.index != torch.cuda.current_device():
+            with torch.cuda.device(dev):  # the driver launches into the calling thread's current context
+                return self(n, tensors, ints)
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        rc = self._lib.cuLaunchKernel(self.func, grid, 1, 1, self.threads, 1, 1, 0, stream, params, None)
+        if rc != 0:
+            raise RuntimeError(f"hrr.cuda_fft: cuLaunchKernel failed with CUDA error {rc}")
+
+
+def _kernel(d: int, conj_b: bool, normalize: bool, device: torch.device, rows: int | None, min_blocks: int | None,
+            eps: float) -> _Launcher:
+    key = (d, conj_b, normalize, device, rows, min_blocks, eps if normalize else None)
+    k = _KERNELS.get(key)
+    if k is None:
+        with _LOCK:
+            k = _KERNELS.get(key)
+            if k is None:
+                src, name, threads, rows = kernel_source(d, conj_b, normalize, rows, min_blocks, eps)
+                try:
+                    with torch.cuda.device(device):
+                        fn = torch.cuda._compile_kernel(src, name, nvcc_options=["-std=c++17"])
+                    k = _Launcher(fn, threads, rows)
+                except Exception as exc:  # NVRTC missing, or a build error
+                    raise BackendUnavailableError(f"hrr.cuda_fft: building the d={d} kernel failed: {exc}") from exc
+                _KERNELS[key] = k
+    return k
+
+
+def _twiddles(d: int, device: torch.device) -> torch.Tensor:
+    key = (d, device)
+    if key not in _TWIDDLES:
+        m = torch.arange(d, dtype=torch.float64)
+        ang = -2.0 * math.pi * m / d  # float64, rounded once to float32
+        _TWIDDLES[key] = torch.stack([torch.cos(ang), torch.sin(ang)], dim=1).float().to(device).contiguous()
+    return _TWIDDLES[key]
+
+
+def cuda_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, normalize: bool = False,
+              eps: float = 1e-12, rows_per_block: int | None = None, min_blocks: int | None = None) -> torch.Tensor:
+    """``bind(a, b)`` (``conj_b=True``: ``unbind(a, b)``) for same-shape float32 CUDA tensors ``(..., d)``
+    in one kernel; ``normalize=True`` scales each result row to unit L2 norm in the same pass.
+    ``rows_per_block`` and ``min_blocks`` (blocks per SM the register count must allow) override the
+    launch defaults (benchmarks/hrr_fft_sweep.py)."""
+    if a.shape != b.shape:
+        raise ShapeError(f"cuda_bind: received shapes {tuple(a.shape)} and {tuple(b.shape)}; expected equal shapes "
+                         "(broadcasting goes through hrr.bind)")
+    why = cuda_bind_reason(a)
+    if why is not None:
+        raise InputError(f"cuda_bind: {why}")
+    if a.device != b.device or b.dtype != a.dtype:
+        raise InputError(f"cuda_bind: a is {a.dtype} on {a.device}, b is {b.dtype} on {b.device}; expected the same")
+    d = a.shape[-1]
+    a2 = a.reshape(-1, d)
+    b2 = b.reshape(-1, d)
+    a2 = a2 if a2.stride(-1) == 1 else a2.contiguous()
+    b2 = b2 if b2.stride(-1) == 1 else b2.contiguous()
+    n = a2.shape[0]
+    out = torch.empty((n, d), dtype=torch.float32, device=a.device)
+    if n == 0:
+        return out.reshape(a.shape)
+    if max(a2.stride(0), b2.stride(0)) >= 2**31:
+        a2, b2 = a2.contiguous(), b2.contiguous()  # row strides travel as int (rows are offset in 64 bits)
+    if n >= 2**31:
+        raise InputError(f"cuda_bind: {n} rows; the kernel takes fewer than 2**31")
+    if not (eps > 0 and math.isfinite(eps)):
+        raise InputError(f"cuda_bind: eps={eps}; expected a positive finite float")
+    launch = _kernel(d, conj_b, normalize, a.device, rows_per_block, min_blocks, float(eps))
+    launch(n, (a2, b2, out, _twiddles(d, a.device)), (n, a2.stride(0), b2.stride(0), out.stride(0)))
+    return out.reshape(a.shape)
