@@ -164,6 +164,6 @@ def test_auto_takes_triton_only_for_large_cuda_work(monkeypatch):
     gpu = types.SimpleNamespace(is_cuda=True, dtype=torch.float32)
     assert fused._pick_backend("auto", gpu, pairs=fused.TRITON_MIN_PAIRS) == "triton"
     assert fused._pick_backend("auto", gpu, pairs=100 * 16) == "torch"  # measured slower there
-    assert fused._pick_backend("auto", gpu) == "torch"  # bind_normalize: plain path
+    assert fused._pick_backend("auto", gpu) == "torch"  # no pair count given
     assert fused._pick_backend("auto", types.SimpleNamespace(is_cuda=True, dtype=torch.float64), pairs=10**6) == "torch"
     assert fused._pick_backend("auto", types.SimpleNamespace(is_cuda=False, dtype=torch.float32), pairs=10**6) == "torch"

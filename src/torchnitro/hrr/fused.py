@@ -19,10 +19,9 @@ Backends:
   (batch x k) pairs, else torch. Measured on an H100 and an H200 (``benchmarks/hrr.py --device
   cuda``): the kernel path costs ~0.2 ms whatever the size, so it won at (1000, 16, 1024) pairs
   (1.8x / 1.2x) and lost at (10|100, 16, 1024) and (100, 16, 4096) (0.3-0.7x).
-  ``bind_normalize`` uses the plain path under "auto" everywhere: its spectral Triton form measured
-  0.42-0.45x the plain ``normalize(bind(a, b))`` on both GPUs. Explicit ``backend="triton"`` now runs
-  the one-pass FFT bind kernel with its normalising epilogue where that kernel applies (power-of-two
-  d, equal shapes), the spectral form elsewhere; the one-pass form has not been timed on a GPU yet.
+  ``bind_normalize`` under "auto" on CUDA takes a one-pass FFT bind kernel with its normalising
+  epilogue where one applies (see its docstring for the measurements); its spectral Triton form
+  measured 0.42-0.45x the plain ``normalize(bind(a, b))`` on both GPUs and runs only when asked for.
 
 On the CPU inputs are processed in blocks of batch rows whose spectra fit in ~2 MiB, so no full-size
 intermediate exists there either. Without autograd the transforms use MKL's kept descriptors
@@ -49,9 +48,11 @@ try:
 except Exception:  # pragma: no cover - triton missing: only the torch backend runs
     tl = constexpr = None  # type: ignore[assignment]
 
-__all__ = ["bind_superpose", "bind_normalize", "bind_superpose_reference", "BACKENDS", "TRITON_MIN_PAIRS"]
+__all__ = ["bind_superpose", "bind_normalize", "bind_superpose_reference", "BACKENDS", "NORMALIZE_BACKENDS",
+           "TRITON_MIN_PAIRS"]
 
 BACKENDS = ("auto", "torch", "triton")
+NORMALIZE_BACKENDS = ("auto", "torch", "triton", "cuda")
 TRITON_MIN_PAIRS = 8192  # batch x k from which "auto" takes the Triton kernel on CUDA (see module doc)
 
 
@@ -284,18 +285,29 @@ def bind_superpose(
 
 
 def bind_normalize(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """``normalize(bind(a, b))``. ``backend="triton"`` (CUDA float32): for same-shape inputs with a
-    power-of-two ``d`` in [16, 4096], the one-pass FFT bind kernel normalises each row before its one
-    store (hrr.fft_kernel, ``normalize=True``); otherwise the spectral kernel multiplies and applies
-    the Parseval scaling in one launch. "auto" takes the plain path (the spectral kernel measured
-    slower than it on H100/H200; the one-pass form has not been timed on a GPU yet)."""
+    """``normalize(bind(a, b))``.
+
+    * ``"auto"``: on CUDA float32, same shapes, no autograd and at least ``ops.FFT_KERNEL_MIN_ROWS``
+      rows, a one-pass bind kernel normalises each row before its one store (hrr.cuda_fft for d in
+      [256, 2048], hrr.fft_kernel for other powers of two from ``ops.FFT_KERNEL_MIN_D``); the plain
+      path otherwise. On an H200 (benchmarks/hrr_fft_sweep.py --normalize) the CUDA kernel took
+      0.21-0.53x the plain path's time at 64 MiB per operand, and the Triton kernel 0.45x at
+      batch 1000, d = 1024.
+    * ``"cuda"`` / ``"triton"``: that one-pass kernel (raising where it does not apply); ``"triton"``
+      falls back to the spectral kernel (multiply, Parseval scaling, one launch) for shapes the FFT
+      kernel does not take.
+    * ``"torch"``: ``ops.normalize(ops.bind(a, b))``, unfused.
+    """
     ops._check_pair(a, b)
-    chosen = _pick_backend(backend, a)
-    if backend == "triton" and chosen == "triton":
+    if backend not in NORMALIZE_BACKENDS:
+        raise InputError(f"backend: received {backend!r}, expected one of {NORMALIZE_BACKENDS}")
+    if backend in ("auto", "cuda"):
+        out = ops._one_pass(a, b, backend, conj_b=False, normalize=True)  # "cuda" raises where it does not apply
+        return out if out is not None else ops.normalize(ops.bind(a, b))
+    if backend == "triton" and _pick_backend(backend, a) == "triton":
         if ops._fft_kernel_reason(a, b) is None:
             from torchnitro.hrr.fft_kernel import fft_bind
 
             return fft_bind(a, b, normalize=True)
         return bind_superpose(a.unsqueeze(-2), b.unsqueeze(-2), normalized=True, backend="triton")
     return ops.normalize(ops.bind(a, b))
-

@@ -176,21 +176,26 @@ def unitary(
     return u.to(device) if device is not None else u
 
 
-BIND_BACKENDS = ("auto", "torch", "triton", "mkl")
-# "auto" takes the one-pass Triton kernel (hrr.fft_kernel) on CUDA float32 from this many rows
-# (product of the leading dims) and this d. Measured on an H100 (benchmarks/hrr.py --device cuda,
-# benchmarks/hrr_fft_sweep.py): 0.77x torch.fft's time at (1000, 1024), 0.37x at (65536, 1024),
-# 0.57x at (16384, 4096); at (1000, 512) an earlier version was not faster, and batches under 1000
-# were not measured, so those keep torch.fft
+BIND_BACKENDS = ("auto", "torch", "triton", "cuda", "mkl")
+# "auto" takes a one-pass GPU kernel on CUDA float32 (equal shapes, no autograd) from this many rows
+# (product of the leading dims): the CUDA C++ kernel (hrr.cuda_fft) for d in [256, 2048], else the
+# Triton kernel (hrr.fft_kernel) from FFT_KERNEL_MIN_D. Measured side by side on an H200
+# (benchmarks/hrr_fft_sweep.py, results/hrr_fft_sweep_cuda_h200.md) at 64 MiB per operand: the CUDA
+# kernel takes 0.27-0.50x torch.fft's time and 0.56-0.76x the Triton kernel's; the Triton kernel
+# took 0.37x torch.fft's at (65536, 1024) and 0.57x at (16384, 4096) on an H100. Batches under 1000
+# rows were not measured, so those keep torch.fft
 FFT_KERNEL_MIN_ROWS = 512
 FFT_KERNEL_MIN_D = 1024
 
 
-def _fft_kernel_reason(x: torch.Tensor, y: torch.Tensor) -> str | None:
-    """None when the one-pass kernel (hrr.fft_kernel) can bind ``x`` with ``y``, else why not."""
-    from torchnitro.hrr.fft_kernel import fft_bind_reason
-
-    why = fft_bind_reason(x)
+def _fft_kernel_reason(x: torch.Tensor, y: torch.Tensor, backend: str = "triton") -> str | None:
+    """None when the one-pass kernel of ``backend`` ("triton": hrr.fft_kernel, "cuda": hrr.cuda_fft)
+    can bind ``x`` with ``y``, else why not."""
+    if backend == "cuda":
+        from torchnitro.hrr.cuda_fft import cuda_bind_reason as reason
+    else:
+        from torchnitro.hrr.fft_kernel import fft_bind_reason as reason
+    why = reason(x)
     if why is None and x.shape != y.shape:
         why = f"shapes {tuple(x.shape)} and {tuple(y.shape)} broadcast; the kernel takes equal shapes"
     if why is None and _records_grad(x, y):
@@ -198,16 +203,43 @@ def _fft_kernel_reason(x: torch.Tensor, y: torch.Tensor) -> str | None:
     return why
 
 
-def _use_fft_kernel(x: torch.Tensor, y: torch.Tensor, backend: str) -> bool:
+_cuda_failed: str | None = None  # set when building the CUDA kernel failed under "auto": Triton from then on
+
+
+def _one_pass(x: torch.Tensor, y: torch.Tensor, backend: str, conj_b: bool,
+              normalize: bool = False) -> torch.Tensor | None:
+    """``bind(x, y)`` (``conj_b``: with ``y``'s involution; ``normalize``: rows to unit norm) through a
+    one-pass GPU kernel where ``backend`` asks for one and it applies, else None."""
+    global _cuda_failed
     if backend not in BIND_BACKENDS:
         raise InputError(f"backend: received {backend!r}, expected one of {BIND_BACKENDS}")
     if backend in ("torch", "mkl") or (backend == "auto" and not (
-            x.is_cuda and x.shape[-1] >= FFT_KERNEL_MIN_D and x.numel() // x.shape[-1] >= FFT_KERNEL_MIN_ROWS)):
-        return False  # the common CPU / small-batch call pays two comparisons, not the checks below
-    why = _fft_kernel_reason(x, y)
+            x.is_cuda and x.numel() // max(x.shape[-1], 1) >= FFT_KERNEL_MIN_ROWS)):
+        return None  # the common CPU / small-batch call pays two comparisons, not the checks below
+    if backend in ("cuda", "auto") and (backend == "cuda" or not _cuda_failed):
+        why = _fft_kernel_reason(x, y, "cuda")
+        if backend == "cuda" and why is not None:
+            raise BackendUnavailableError(f"backend='cuda': {why}; use backend='torch' or 'auto'")
+        if why is None:
+            from torchnitro.hrr.cuda_fft import cuda_bind
+
+            try:
+                return cuda_bind(x, y, conj_b=conj_b, normalize=normalize)
+            except BackendUnavailableError as e:  # NVRTC missing or the build failed
+                if backend == "cuda":
+                    raise
+                _cuda_failed = str(e)
+                warnings.warn(f"hrr: {e}; binding through the Triton kernel or torch.fft from now on", stacklevel=3)
+    if backend == "auto" and x.shape[-1] < FFT_KERNEL_MIN_D:
+        return None
+    why = _fft_kernel_reason(x, y, "triton")
     if backend == "triton" and why is not None:
         raise BackendUnavailableError(f"backend='triton': {why}; use backend='torch' or 'auto'")
-    return why is None
+    if why is not None:
+        return None
+    from torchnitro.hrr.fft_kernel import fft_bind
+
+    return fft_bind(x, y, conj_b=conj_b, normalize=normalize)
 
 
 _mkl_failed: str | None = None  # set when an MKL call failed under "auto": later calls use torch.fft
@@ -240,16 +272,16 @@ def bind(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Te
 
     backend: ``"torch"`` (``torch.fft``), ``"mkl"`` (hrr.mkl_fft: CPU float32/float64, MKL
     descriptors kept across calls, rows in cache-sized blocks; equal shapes or one single vector),
-    ``"triton"`` (hrr.fft_kernel: CUDA float32, power-of-two d, equal shapes, one pass over memory)
-    or ``"auto"``: the MKL path on the CPU where it applies, the kernel on CUDA where it applies and
-    the batch has at least ``FFT_KERNEL_MIN_ROWS`` rows of ``d >= FFT_KERNEL_MIN_D``, else torch.
+    ``"triton"`` (hrr.fft_kernel: CUDA float32, power-of-two d in [16, 4096], equal shapes, one pass
+    over memory), ``"cuda"`` (hrr.cuda_fft: the same in CUDA C++ built with NVRTC, d in [256, 2048])
+    or ``"auto"``: the MKL path on the CPU where it applies; on CUDA, from ``FFT_KERNEL_MIN_ROWS``
+    rows, the CUDA kernel where it applies, else the Triton kernel from ``d >= FFT_KERNEL_MIN_D``;
+    torch otherwise.
     """
     _check_pair(a, b)
-    if _use_fft_kernel(a, b, backend):
-        from torchnitro.hrr.fft_kernel import fft_bind
-
-        return fft_bind(a, b)
-    out = _mkl_bind(a, b, backend, conj_b=False)
+    out = _one_pass(a, b, backend, conj_b=False)
+    if out is None:
+        out = _mkl_bind(a, b, backend, conj_b=False)
     if out is not None:
         return out
     if a.numel() == 0 or b.numel() == 0:  # torch.fft rejects an empty batch
@@ -281,19 +313,19 @@ def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution", *, back
 
     method: ``"involution"`` (default, stable), ``"exact"`` (exact for a single pair, noisy in a
     superposition), or ``"projected"`` (unbind with the involution of ``project(a)``: exact when
-    ``a`` was unitary, and stable when it was not). backend: as for ``bind`` (the Triton kernel
-    and the MKL path run the involution only).
+    ``a`` was unitary, and stable when it was not). backend: as for ``bind`` (the GPU kernels and
+    the MKL path run the involution only).
     """
     _check_pair(c, a, ("c", "a"))
     if method not in UNBIND_METHODS:
         raise InputError(f"unbind: received method={method!r}, expected one of {UNBIND_METHODS}")
-    if backend in ("triton", "mkl") and method != "involution":
+    if backend in ("triton", "cuda", "mkl") and method != "involution":
         raise BackendUnavailableError(f"backend={backend!r} runs method='involution' only (received {method!r})")
-    if method == "involution" and _use_fft_kernel(c, a, backend):
-        from torchnitro.hrr.fft_kernel import fft_bind
-
-        return fft_bind(c, a, conj_b=True)
-    out = _mkl_bind(c, a, backend, conj_b=True) if method == "involution" else None
+    out = None
+    if method == "involution":
+        out = _one_pass(c, a, backend, conj_b=True)
+        if out is None:
+            out = _mkl_bind(c, a, backend, conj_b=True)
     if out is not None:
         return out
     if c.numel() == 0 or a.numel() == 0:  # torch.fft rejects an empty batch
