@@ -8,7 +8,7 @@ from torchnitro import hrr
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
 from torchnitro.hrr import cuda_fft
 
-DIMS = [256, 512, 1024, 2048]
+DIMS = [256, 512, 1024, 2048, 4096]
 
 
 @pytest.mark.parametrize("n", [2, 4, 8, 16, 32, 64])
@@ -43,13 +43,45 @@ def test_reference_model_binds(d, conj_b):
 
 
 @pytest.mark.parametrize("d", DIMS)
+def test_twiddle_tables(d):
+    """Each lane's forward and inverse twiddles at the offsets the kernel reads them from."""
+    t_lanes, p, q, _ = cuda_fft._layout(d)
+    fwd, inv = cuda_fft.twiddle_tables(d)
+    assert fwd.shape == inv.shape == (t_lanes, p)
+    w = np.exp(-2j * np.pi / d)
+    k1 = [cuda_fft._bitrev(r, p.bit_length() - 1) for r in range(p)]
+    for lane in (0, 1, t_lanes - 1):
+        np.testing.assert_allclose(fwd[lane], [w ** (lane * k) for k in k1], atol=1e-12)
+        np.testing.assert_allclose(inv[lane], [np.conj(w ** (tt * (lane + t_lanes * qq)))
+                                               for qq in range(q) for tt in range(t_lanes)], atol=1e-12)
+
+
+@pytest.mark.parametrize("d", DIMS)
+def test_gpu_twiddle_layout_matches_the_kernels_reads(d):
+    """The float32 table sent to the GPU, read the way the generated code reads it (float4 entry
+    ``(r / 2) T + t`` from the forward base and from ``D / 2`` on for the inverse), gives each lane's
+    twiddles."""
+    t_lanes, p, _, _ = cuda_fft._layout(d)
+    fwd, inv = cuda_fft.twiddle_tables(d)
+    tw = cuda_fft._twiddles(d, torch.device("cpu")).double().numpy()
+    c = tw[:, 0] + 1j * tw[:, 1]
+    src = cuda_fft.kernel_source(d, False, False)[0]
+    assert "__ldg(twf + 1 * T)" in src and "twi + (i / 2) * T" in src and "tw + (D / 2) + t" in src
+    for lane in range(t_lanes):
+        np.testing.assert_allclose([c[2 * ((r // 2) * t_lanes + lane) + r % 2] for r in range(p)], fwd[lane], atol=1e-6)
+        np.testing.assert_allclose([c[d + 2 * ((r // 2) * t_lanes + lane) + r % 2] for r in range(p)], inv[lane],
+                                   atol=1e-6)
+
+
+@pytest.mark.parametrize("d", DIMS)
 def test_layout_fits_a_block(d):
     t, p, q, rows = cuda_fft._layout(d)
-    assert t * p == d and p % t == 0 and q == p // t and t in (16, 32)
+    assert t * p == d and p % t == 0 and q == p // t and t in (16, 32, 64)
     assert rows * p * (t + 1) * 8 <= cuda_fft.SMEM_LIMIT and rows * t <= cuda_fft.BLOCK_THREADS
     src, name, threads, rows2 = cuda_fft.kernel_source(d, conj_b=True, normalize=True)
     assert name in src and threads == rows * t and rows2 == rows
-    assert "((D - n) & (D - 1))" in src  # the reversed read of unbind
+    assert "bp - T * j" in src and "bp + T * j" not in src  # the reversed read of unbind
+    assert "bp + T * j" in cuda_fft.kernel_source(d, False, False)[0]
     assert "__shfl_xor_sync(0xffffffffu, ss, o)" in src  # the unit-norm epilogue
     assert "__shfl_xor_sync(0xffffffffu, ss, o)" not in cuda_fft.kernel_source(d, False, False)[0]
 
@@ -167,16 +199,20 @@ def test_auto_prefers_the_cuda_kernel_then_triton(kernels):
     from torchnitro.hrr import ops
 
     rows = ops.FFT_KERNEL_MIN_ROWS
-    for d, want in [(256, "cuda"), (1024, "cuda"), (2048, "cuda"), (4096, "triton"), (128, None)]:
+    for d, want in [(256, "cuda"), (1024, "cuda"), (4096, "cuda"), (8192, "triton"), (128, None)]:
         x = _FakeCuda(rows, d)
         assert ops._one_pass(x, x, "auto", conj_b=False) == want, d
-    assert ops._one_pass(_FakeCuda(rows - 1, 1024), _FakeCuda(rows - 1, 1024), "auto", conj_b=False) is None
+    small = _FakeCuda(ops.CUDA_KERNEL_MIN_ROWS, 1024)  # one launch beats torch.fft's four at any batch
+    assert ops._one_pass(small, small, "auto", conj_b=False) == "cuda"
+    few = _FakeCuda(rows - 1, 8192)  # the Triton kernel keeps its row threshold
+    assert ops._one_pass(few, few, "auto", conj_b=False) is None
+    assert ops._one_pass(_FakeCuda(0, 1024), _FakeCuda(0, 1024), "auto", conj_b=False) is None  # empty: torch
     x = _FakeCuda(8, 1024)  # explicit backends ignore the row threshold
     assert ops._one_pass(x, x, "cuda", conj_b=True, normalize=True) == "cuda"
     assert ops._one_pass(x, x, "triton", conj_b=True) == "triton"
     assert kernels[-2:] == [("cuda", 1024, True, True), ("triton", 1024, True, False)]
     with pytest.raises(BackendUnavailableError, match="backend='cuda': d out of range"):
-        ops._one_pass(_FakeCuda(8, 4096), _FakeCuda(8, 4096), "cuda", conj_b=False)
+        ops._one_pass(_FakeCuda(8, 8192), _FakeCuda(8, 8192), "cuda", conj_b=False)
     with pytest.raises(InputError, match="received 'cufft'"):
         ops._one_pass(x, x, "cufft", conj_b=False)
 
