@@ -287,12 +287,12 @@ def bind_superpose(
 def bind_normalize(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
     """``normalize(bind(a, b))``.
 
-    * ``"auto"``: on CUDA float32, same shapes, no autograd and at least ``ops.FFT_KERNEL_MIN_ROWS``
-      rows, a one-pass bind kernel normalises each row before its one store (hrr.cuda_fft for d in
-      [256, 2048], hrr.fft_kernel for other powers of two from ``ops.FFT_KERNEL_MIN_D``); the plain
-      path otherwise. On an H200 (benchmarks/hrr_fft_sweep.py --normalize) the CUDA kernel took
-      0.21-0.53x the plain path's time at 64 MiB per operand, and the Triton kernel 0.45x at
-      batch 1000, d = 1024.
+    * ``"auto"``: on CUDA float32, same shapes, no autograd, a one-pass bind kernel normalises each
+      row before its one store, where ``hrr.bind``'s "auto" would take one (see ``ops._one_pass``); the
+      plain path otherwise. On an H100 the CUDA kernel's form took 0.42-0.54x the time of the unfused
+      path at 10-1000 rows, d = 1024 (``benchmarks/hrr.py --device cuda``, fused paths), and 0.46-0.57x
+      at 64 MiB per operand, d = 256-4096 (``benchmarks/hrr_fft_sweep.py --normalize``), where the
+      unfused path already binds through the same kernel.
     * ``"cuda"`` / ``"triton"``: that one-pass kernel (raising where it does not apply); ``"triton"``
       falls back to the spectral kernel (multiply, Parseval scaling, one launch) for shapes the FFT
       kernel does not take.

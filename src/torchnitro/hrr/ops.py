@@ -177,13 +177,18 @@ def unitary(
 
 
 BIND_BACKENDS = ("auto", "torch", "triton", "cuda", "mkl")
-# "auto" takes a one-pass GPU kernel on CUDA float32 (equal shapes, no autograd) from this many rows
-# (product of the leading dims): the CUDA C++ kernel (hrr.cuda_fft) for d in [256, 2048], else the
-# Triton kernel (hrr.fft_kernel) from FFT_KERNEL_MIN_D. Measured side by side on an H200
-# (benchmarks/hrr_fft_sweep.py, results/hrr_fft_sweep_cuda_h200.md) at 64 MiB per operand: the CUDA
-# kernel takes 0.27-0.50x torch.fft's time and 0.56-0.76x the Triton kernel's; the Triton kernel
-# took 0.37x torch.fft's at (65536, 1024) and 0.57x at (16384, 4096) on an H100. Batches under 1000
-# rows were not measured, so those keep torch.fft
+# "auto" on CUDA float32 (equal shapes, no autograd) binds through a one-pass GPU kernel: the CUDA
+# C++ kernel (hrr.cuda_fft, power-of-two d in [256, 4096]) from CUDA_KERNEL_MIN_ROWS rows (product of
+# the leading dims), else the Triton kernel (hrr.fft_kernel) from FFT_KERNEL_MIN_ROWS rows of
+# d >= FFT_KERNEL_MIN_D (in practice: where the CUDA kernel cannot be built), else torch.fft.
+# Measured side by side on an H100 (benchmarks/hrr_fft_sweep.py, results/hrr_fft_sweep_cuda_h100.md):
+# at 64 MiB per operand the CUDA kernel takes 0.24-0.36x torch.fft's time and 0.60-0.71x the Triton
+# kernel's (84-95% of copy bandwidth at d = 256-1024, 61-66% at 2048-4096). Small batches are
+# launch-bound: at 1000 x 1024 it takes 35 us against 46 (Triton) and 70 (torch.fft, four kernels);
+# at 250 x 4096, 60 us against 116 (results/hrr_fft_latency_h100.md), and its normalising form took
+# 0.42-0.54x the unfused path's time at 10 and 100 rows (results/hrr_cuda.md, fused paths), so it
+# runs from one row
+CUDA_KERNEL_MIN_ROWS = 1
 FFT_KERNEL_MIN_ROWS = 512
 FFT_KERNEL_MIN_D = 1024
 
@@ -213,10 +218,10 @@ def _one_pass(x: torch.Tensor, y: torch.Tensor, backend: str, conj_b: bool,
     global _cuda_failed
     if backend not in BIND_BACKENDS:
         raise InputError(f"backend: received {backend!r}, expected one of {BIND_BACKENDS}")
-    if backend in ("torch", "mkl") or (backend == "auto" and not (
-            x.is_cuda and x.numel() // max(x.shape[-1], 1) >= FFT_KERNEL_MIN_ROWS)):
-        return None  # the common CPU / small-batch call pays two comparisons, not the checks below
-    if backend in ("cuda", "auto") and (backend == "cuda" or not _cuda_failed):
+    if backend in ("torch", "mkl") or (backend == "auto" and not x.is_cuda):
+        return None  # the common CPU call pays two comparisons, not the checks below
+    rows = x.numel() // max(x.shape[-1], 1)
+    if backend == "cuda" or (backend == "auto" and not _cuda_failed and rows >= CUDA_KERNEL_MIN_ROWS):
         why = _fft_kernel_reason(x, y, "cuda")
         if backend == "cuda" and why is not None:
             raise BackendUnavailableError(f"backend='cuda': {why}; use backend='torch' or 'auto'")
@@ -230,7 +235,7 @@ def _one_pass(x: torch.Tensor, y: torch.Tensor, backend: str, conj_b: bool,
                     raise
                 _cuda_failed = str(e)
                 warnings.warn(f"hrr: {e}; binding through the Triton kernel or torch.fft from now on", stacklevel=3)
-    if backend == "auto" and x.shape[-1] < FFT_KERNEL_MIN_D:
+    if backend == "auto" and (x.shape[-1] < FFT_KERNEL_MIN_D or rows < FFT_KERNEL_MIN_ROWS):
         return None
     why = _fft_kernel_reason(x, y, "triton")
     if backend == "triton" and why is not None:
@@ -273,10 +278,10 @@ def bind(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Te
     backend: ``"torch"`` (``torch.fft``), ``"mkl"`` (hrr.mkl_fft: CPU float32/float64, MKL
     descriptors kept across calls, rows in cache-sized blocks; equal shapes or one single vector),
     ``"triton"`` (hrr.fft_kernel: CUDA float32, power-of-two d in [16, 4096], equal shapes, one pass
-    over memory), ``"cuda"`` (hrr.cuda_fft: the same in CUDA C++ built with NVRTC, d in [256, 2048])
-    or ``"auto"``: the MKL path on the CPU where it applies; on CUDA, from ``FFT_KERNEL_MIN_ROWS``
-    rows, the CUDA kernel where it applies, else the Triton kernel from ``d >= FFT_KERNEL_MIN_D``;
-    torch otherwise.
+    over memory), ``"cuda"`` (hrr.cuda_fft: the same as a CUDA C++ kernel built with NVRTC, d in
+    [256, 4096], 1.4-1.7x the Triton kernel's throughput on an H100) or ``"auto"``: the MKL path on
+    the CPU where it applies; on CUDA the CUDA kernel where it applies, else the Triton kernel (from
+    ``FFT_KERNEL_MIN_ROWS`` rows of ``d >= FFT_KERNEL_MIN_D``); torch otherwise.
     """
     _check_pair(a, b)
     out = _one_pass(a, b, backend, conj_b=False)
