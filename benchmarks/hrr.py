@@ -30,6 +30,7 @@ import torch
 from torchnitro import hrr
 from torchnitro.bench import ResultTable, TimingConfig, compare, save_plot
 from torchnitro.hardware import hardware_info
+from torchnitro.hrr.cuda_fft import cuda_bind_reason
 
 K_SUPERPOSE = 16  # vectors bundled per output in "superpose"
 N_CODEBOOK = 10_000  # items in the grid's cleanup memory
@@ -182,6 +183,21 @@ def run_gemm_cleanup(args, device: str) -> ResultTable:
     return t
 
 
+def _normalize_path(a: torch.Tensor, b: torch.Tensor) -> str:
+    """Which path hrr.bind_normalize's "auto" takes for these inputs."""
+    from torchnitro.hrr import ops
+
+    rows = a.shape[0]
+    if not a.is_cuda:
+        return "plain"
+    if rows >= ops.CUDA_KERNEL_MIN_ROWS and ops._fft_kernel_reason(a, b, "cuda") is None:
+        return "CUDA kernel"
+    if (rows >= ops.FFT_KERNEL_MIN_ROWS and a.shape[-1] >= ops.FFT_KERNEL_MIN_D
+            and ops._fft_kernel_reason(a, b, "triton") is None):
+        return "Triton kernel"
+    return "plain"
+
+
 def run_fused(args, device: str) -> ResultTable:
     t = ResultTable(f"fused paths ({device})", ["op", "d", "batch", "k", "fused_us", "unfused_us", "speedup", "backend"])
     cfg = TimingConfig(device=device, warmup=2, warmup_s=0.02, min_iters=5, min_time_s=args.min_time,
@@ -197,43 +213,62 @@ def run_fused(args, device: str) -> ResultTable:
               unfused_us=res["unfused"].median * 1e6, speedup=res["unfused"].median / res["fused"].median,
               backend=backend)
         a, b = keys[:, 0].contiguous(), vals[:, 0].contiguous()
-        res = compare({"fused": lambda: hrr.bind_normalize(a, b, backend=backend),
-                       "unfused": lambda: hrr.normalize(hrr.bind(a, b)),
-                       "parseval_torch": lambda: hrr.bind_superpose(a.unsqueeze(-2), b.unsqueeze(-2), normalized=True,
-                                                                    backend="torch")}, cfg)
-        auto = "triton" if device == "cuda" else "plain (torch backend)"
-        t.add(op="bind_normalize", d=d, batch=batch, k=1, fused_us=res["fused"].median * 1e6,
-              unfused_us=res["unfused"].median * 1e6, speedup=res["unfused"].median / res["fused"].median, backend=auto)
-        t.add(op="bind_normalize (Parseval, torch)", d=d, batch=batch, k=1,
-              fused_us=res["parseval_torch"].median * 1e6, unfused_us=res["unfused"].median * 1e6,
-              speedup=res["unfused"].median / res["parseval_torch"].median, backend="torch")
+        fns = {"auto": lambda: hrr.bind_normalize(a, b),
+               "unfused": lambda: hrr.normalize(hrr.bind(a, b)),
+               "Parseval, torch": lambda: hrr.bind_superpose(a.unsqueeze(-2), b.unsqueeze(-2), normalized=True,
+                                                             backend="torch")}
+        if device == "cuda":
+            fns["Triton kernel epilogue"] = lambda: hrr.bind_normalize(a, b, backend="triton")
+            if cuda_bind_reason(a) is None:
+                fns["CUDA kernel epilogue"] = lambda: hrr.bind_normalize(a, b, backend="cuda")
+        res = compare(fns, cfg)
+        for key, tm in res.items():
+            if key == "unfused":
+                continue
+            label = f"auto: {_normalize_path(a, b)}" if key == "auto" else key
+            t.add(op=f"bind_normalize ({label})", d=d, batch=batch, k=1, fused_us=tm.median * 1e6,
+                  unfused_us=res["unfused"].median * 1e6, speedup=res["unfused"].median / tm.median,
+                  backend=key)
     return t
 
 
 def run_cuda_targets(args) -> ResultTable:
+    """Batch-1000 latency and large-batch bandwidth of each bind path: torch.fft, the Triton kernel,
+    the CUDA C++ kernel (d it builds) and "auto" (what hrr.bind picks)."""
     t = ResultTable("CUDA targets", ["what", "batch", "d", "median_us", "gb_per_s", "pct_of_copy_bw"])
     cfg = TimingConfig(device="cuda", min_time_s=0.3)
     g = torch.Generator().manual_seed(3)
+
+    def paths(a, b, unbind=False):
+        fns = {"torch.fft": lambda: hrr.bind(a, b, backend="torch"),
+               "Triton kernel": lambda: hrr.bind(a, b, backend="triton")}
+        if cuda_bind_reason(a) is None:
+            fns["CUDA kernel"] = lambda: hrr.bind(a, b, backend="cuda")
+            if unbind:
+                fns["unbind, CUDA kernel"] = lambda: hrr.unbind(a, b, backend="cuda")
+        if unbind:
+            fns["unbind, Triton kernel"] = lambda: hrr.unbind(a, b, backend="triton")
+        fns["auto"] = lambda: hrr.bind(a, b)
+        return fns
+
     a, b = (x.cuda() for x in hrr.random((2, 1000), 1024, generator=g))
-    lat = compare({"torch": lambda: hrr.bind(a, b, backend="torch"),
-                   "kernel": lambda: hrr.bind(a, b, backend="triton")}, cfg)
-    t.add(what="bind latency, torch.fft (target <= 100 us)", batch=1000, d=1024, median_us=lat["torch"].median * 1e6)
-    t.add(what="bind latency, one-pass FFT kernel", batch=1000, d=1024, median_us=lat["kernel"].median * 1e6)
+    lat = compare(paths(a, b), cfg)
+    for key, tm in lat.items():
+        t.add(what=f"bind latency, {key} (target <= 100 us)", batch=1000, d=1024, median_us=tm.median * 1e6)
     for batch, d in ((16384, 1024), (65536, 1024), (16384, 4096)):
         a, b = torch.randn(batch, d, device="cuda"), torch.randn(batch, d, device="cuda")
         out = torch.empty_like(a)
-        res = compare({"torch": lambda: hrr.bind(a, b, backend="torch"),
-                       "kernel": lambda: hrr.bind(a, b, backend="triton"),
-                       "unbind kernel": lambda: hrr.unbind(a, b, backend="triton"),
-                       "copy": lambda: out.copy_(a)}, cfg)
+        res = compare({**paths(a, b, unbind=True), "copy": lambda: out.copy_(a)}, cfg)
         nbytes = a.numel() * 4
         copy_bw = 2 * nbytes / res["copy"].median
         t.add(what="copy", batch=batch, d=d, median_us=res["copy"].median * 1e6, gb_per_s=copy_bw / 1e9,
               pct_of_copy_bw=100.0)
-        for key, label in (("torch", "bind, torch.fft"), ("kernel", "bind, one-pass FFT kernel"),
-                           ("unbind kernel", "unbind, one-pass FFT kernel")):
-            bw = 3 * nbytes / res[key].median  # reads two tensors, writes one
-            t.add(what=f"{label} (3 tensors of traffic)", batch=batch, d=d, median_us=res[key].median * 1e6,
+        for key, tm in res.items():
+            if key == "copy":
+                continue
+            bw = 3 * nbytes / tm.median  # reads two tensors, writes one
+            label = key if key.startswith("unbind") else f"bind, {key}"
+            t.add(what=f"{label} (3 tensors of traffic)", batch=batch, d=d, median_us=tm.median * 1e6,
                   gb_per_s=bw / 1e9, pct_of_copy_bw=100 * bw / copy_bw)
     t.meta["targets"] = "batch-1000 bind at d=1024 <= 0.1 ms; >= 70% of copy bandwidth at large batches"
     return t

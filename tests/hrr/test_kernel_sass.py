@@ -36,3 +36,23 @@ def test_counts_sass_of_the_fft_kernel_without_a_gpu(tmp_path, monkeypatch):
     # a wider row needs more instructions per thread on the same single warp
     wide = tool._sass_counts(kernel, 64, 1, 1, False, 90, tmp_path)
     assert wide["total"] > bind["total"]
+
+
+def test_counts_sass_of_the_cuda_kernel_without_a_gpu(tmp_path):
+    """--cuda: hrr.cuda_fft's generated source builds with NVRTC for sm_90 and its machine code has the
+    two shared-memory transposes, no spills, and more work at a larger d. Needs libnvrtc
+    (nvidia-cuda-nvrtc wheel or TORCHNITRO_NVRTC), which CI does not install."""
+    tool = _tool()
+    try:
+        tool._nvrtc()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    pytest.importorskip("triton", reason="Triton is not installed (its bundled cuobjdump)")
+    small = tool._cuda_sass_counts(256, False, False, 90, tmp_path)
+    big = tool._cuda_sass_counts(1024, True, True, 90, tmp_path)
+    for c in (small, big):
+        ops = c["ops"]
+        assert ops["STS"] >= 2 * 16 and ops["LDS"] >= 2 * 16, ops  # each lane's P values, out and back
+        assert ops["STL"] + ops["LDL"] == 0 and ops["SHFL"] >= 4, ops  # no spills; the per-row max
+        assert c["total"] == sum(ops.values()) and 0 < c["regs"] <= 255
+    assert big["total"] * big["threads"] // big["rows"] > small["total"] * small["threads"] // small["rows"]
