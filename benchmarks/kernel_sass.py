@@ -65,6 +65,13 @@ def _sass_counts(kernel, d: int, rows: int, warps: int, conj_b: bool, arch: int,
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
     cubin = workdir / f"k_{d}_{rows}_{warps}_{int(conj_b)}_{int(normalize)}.cubin"
     cubin.write_bytes(compiled.asm["cubin"])
+    return _disassemble(cubin)
+
+
+def _disassemble(cubin: Path) -> dict:
+    """Opcode counts and registers of a cubin, read with Triton's bundled cuobjdump."""
+    import triton
+
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
                           check=True).stdout
@@ -97,8 +104,6 @@ def _nvrtc():
 def _cuda_sass_counts(d: int, conj_b: bool, normalize: bool, arch: int, workdir: Path) -> dict:
     import ctypes
 
-    import triton
-
     from torchnitro.hrr.cuda_fft import kernel_source
 
     src, name, threads, rows = kernel_source(d, conj_b, normalize)
@@ -120,15 +125,7 @@ def _cuda_sass_counts(d: int, conj_b: bool, normalize: bool, arch: int, workdir:
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     cubin = workdir / f"{name}.cubin"
     cubin.write_bytes(buf.raw)
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
-                          check=True).stdout
-    usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
-                           check=True).stdout
-    ops = collections.Counter(m.group(1) for line in sass.splitlines() if (m := _OPCODE.match(line)))
-    regs = re.search(r"REG:(\d+)", usage)
-    return {"ops": ops, "total": sum(ops.values()), "regs": int(regs.group(1)) if regs else None,
-            "threads": threads, "rows": rows}
+    return {**_disassemble(cubin), "threads": threads, "rows": rows}
 
 
 def main() -> int:

@@ -43,7 +43,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
+from torchnitro.errors import BackendUnavailableError, InputError
+from torchnitro.hrr.fft_kernel import kernel_rows
 
 __all__ = ["cuda_bind", "cuda_bind_reason", "kernel_source", "reference_bind", "lanes_per_row",
            "dif_schedule", "dit_schedule", "MIN_D", "MAX_D"]
@@ -516,21 +517,8 @@ def cuda_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, normali
     in one kernel; ``normalize=True`` scales each result row to unit L2 norm in the same pass.
     ``rows_per_block`` and ``min_blocks`` (blocks per SM the register count must allow) override the
     launch defaults (benchmarks/hrr_fft_sweep.py)."""
-    if a.shape != b.shape:
-        raise ShapeError(f"cuda_bind: received shapes {tuple(a.shape)} and {tuple(b.shape)}; expected equal shapes "
-                         "(broadcasting goes through hrr.bind)")
-    why = cuda_bind_reason(a)
-    if why is not None:
-        raise InputError(f"cuda_bind: {why}")
-    if a.device != b.device or b.dtype != a.dtype:
-        raise InputError(f"cuda_bind: a is {a.dtype} on {a.device}, b is {b.dtype} on {b.device}; expected the same")
-    d = a.shape[-1]
-    a2 = a.reshape(-1, d)
-    b2 = b.reshape(-1, d)
-    a2 = a2 if a2.stride(-1) == 1 else a2.contiguous()
-    b2 = b2 if b2.stride(-1) == 1 else b2.contiguous()
-    n = a2.shape[0]
-    out = torch.empty((n, d), dtype=torch.float32, device=a.device)
+    a2, b2, out = kernel_rows("cuda_bind", a, b, cuda_bind_reason(a) if a.shape == b.shape else None)
+    n, d = out.shape
     if n == 0:
         return out.reshape(a.shape)
     if max(a2.stride(0), b2.stride(0)) >= 2**31:

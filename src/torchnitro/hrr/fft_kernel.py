@@ -126,6 +126,25 @@ def fft_bind_reason(a: torch.Tensor) -> str | None:
     return None
 
 
+def kernel_rows(name: str, a: torch.Tensor, b: torch.Tensor,
+                why: str | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The checks and row views both one-pass bind kernels share: ``a`` and ``b`` as ``(n, d)`` rows
+    with unit stride along ``d``, and an empty float32 ``(n, d)`` result. ``why`` is the kernel's
+    reason for refusing ``a`` (None: it runs)."""
+    if a.shape != b.shape:
+        raise ShapeError(f"{name}: received shapes {tuple(a.shape)} and {tuple(b.shape)}; expected equal shapes "
+                         "(broadcasting goes through hrr.bind)")
+    if why is not None:
+        raise InputError(f"{name}: {why}")
+    if a.device != b.device or b.dtype != a.dtype:
+        raise InputError(f"{name}: a is {a.dtype} on {a.device}, b is {b.dtype} on {b.device}; expected the same")
+    d = a.shape[-1]
+    a2, b2 = a.reshape(-1, d), b.reshape(-1, d)
+    a2 = a2 if a2.stride(-1) == 1 else a2.contiguous()
+    b2 = b2 if b2.stride(-1) == 1 else b2.contiguous()
+    return a2, b2, torch.empty((a2.shape[0], d), dtype=torch.float32, device=a.device)
+
+
 def _launch(d: int) -> tuple[int, int]:
     """(rows per program, warps). Measured on an H100 (benchmarks/hrr_fft_sweep.py,
     results/hrr_fft_sweep_warps_*.md): one row on one warp at d = 1024 (61% of copy bandwidth
@@ -143,21 +162,8 @@ def fft_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, normaliz
     result row to unit L2 norm in the same pass (``ops.normalize(..., eps)``: rows with norm below
     ``eps`` are divided by ``eps``). ``rows_per_program`` (a power of two) and ``num_warps`` override the
     launch heuristics (benchmarks/hrr_fft_sweep.py)."""
-    if a.shape != b.shape:
-        raise ShapeError(f"fft_bind: received shapes {tuple(a.shape)} and {tuple(b.shape)}; expected equal shapes "
-                         "(broadcasting goes through hrr.bind)")
-    why = fft_bind_reason(a)
-    if why is not None:
-        raise InputError(f"fft_bind: {why}")
-    if a.device != b.device or b.dtype != a.dtype:
-        raise InputError(f"fft_bind: a is {a.dtype} on {a.device}, b is {b.dtype} on {b.device}; expected the same")
-    d = a.shape[-1]
-    a2 = a.reshape(-1, d)
-    b2 = b.reshape(-1, d)
-    a2 = a2 if a2.stride(-1) == 1 else a2.contiguous()
-    b2 = b2 if b2.stride(-1) == 1 else b2.contiguous()
-    n = a2.shape[0]
-    out = torch.empty((n, d), dtype=torch.float32, device=a.device)
+    a2, b2, out = kernel_rows("fft_bind", a, b, fft_bind_reason(a) if a.shape == b.shape else None)
+    n, d = out.shape
     if n == 0:
         return out.reshape(a.shape)
     twr, twi = _twiddles(d, a.device)
