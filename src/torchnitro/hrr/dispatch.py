@@ -37,8 +37,9 @@ __all__ = [
 ]
 
 # 2: per-op calibrations (bind, cleanup); 3: the CPU bind takes the faster MKL path (hrr.mkl_fft), so
-# the crossover moved. Files of an older version are re-measured.
-CALIBRATION_VERSION = 3
+# the crossover moved; 4: the GPU bind takes the one-launch CUDA kernel (hrr.cuda_fft) from one row.
+# Files of an older version are re-measured.
+CALIBRATION_VERSION = 4
 OPS = ("bind", "cleanup")
 _DEFAULT_BATCHES = (1, 4, 16, 64, 256, 1024, 4096)
 _CLEANUP_MEASURE_BYTES = 64 << 20  # largest codebook the cleanup calibration builds (per device)
