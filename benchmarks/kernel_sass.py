@@ -27,10 +27,12 @@ import argparse
 import collections
 import importlib.util
 import os
+import platform
 import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from torchnitro.bench import ResultTable
@@ -112,7 +114,9 @@ def _cuda_sass_counts(d: int, conj_b: bool, normalize: bool, arch: int, workdir:
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"hrr_bind.cu", 0, None, None) != 0:
         raise RuntimeError("nvrtcCreateProgram failed")
     opts = [b"-std=c++17", f"-arch=sm_{arch}".encode()]
+    t0 = time.perf_counter()
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    build_s = time.perf_counter() - t0
     size = ctypes.c_size_t()
     if rc != 0:
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -125,7 +129,7 @@ def _cuda_sass_counts(d: int, conj_b: bool, normalize: bool, arch: int, workdir:
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     cubin = workdir / f"{name}.cubin"
     cubin.write_bytes(buf.raw)
-    return {**_disassemble(cubin), "threads": threads, "rows": rows}
+    return {**_disassemble(cubin), "threads": threads, "rows": rows, "build_s": build_s}
 
 
 def main() -> int:
@@ -183,9 +187,11 @@ def _main_cuda(args) -> int:
         return 2
     t = ResultTable(f"SASS instruction counts, sm_{args.arch}, hrr.cuda_fft (NVRTC)",
                     ["d", "rows", "threads", "instr_per_thread", "instr_per_row", "fp_arith", "exchange", "barriers",
-                     "regs", "spills"],
+                     "regs", "spills", "nvrtc_build_s"],
                     meta={"command": "python benchmarks/kernel_sass.py " + " ".join(sys.argv[1:]),
-                          "kernel": "torchnitro.hrr.cuda_fft", "fp_arith": "FADD + FMUL + FFMA",
+                          "kernel": "torchnitro.hrr.cuda_fft", "cpu": platform.processor() or platform.machine(),
+                          "nvrtc_build_s": "nvrtcCompileProgram to a cubin on this machine's CPU (what a first "
+                                           "call costs per kernel variant, before the driver loads it)", "fp_arith": "FADD + FMUL + FFMA",
                           "exchange": "SHFL + FSEL + STS + LDS", "instr_per_row": "instr_per_thread x threads / rows"})
     workdir = Path(tempfile.mkdtemp(prefix="kernel_sass_"))
     for d in args.dims:
@@ -194,7 +200,7 @@ def _main_cuda(args) -> int:
         t.add(d=d, rows=c["rows"], threads=c["threads"], instr_per_thread=c["total"],
               instr_per_row=c["total"] * c["threads"] // c["rows"], fp_arith=ops["FADD"] + ops["FMUL"] + ops["FFMA"],
               exchange=ops["SHFL"] + ops["FSEL"] + ops["STS"] + ops["LDS"], barriers=ops["BAR"] + ops["WARPSYNC"],
-              regs=c["regs"], spills=ops["STL"] + ops["LDL"])
+              regs=c["regs"], spills=ops["STL"] + ops["LDL"], nvrtc_build_s=c["build_s"])
     t.print()
     t.save(args.name)
     return 0
