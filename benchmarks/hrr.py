@@ -187,15 +187,8 @@ def _normalize_path(a: torch.Tensor, b: torch.Tensor) -> str:
     """Which path hrr.bind_normalize's "auto" takes for these inputs."""
     from torchnitro.hrr import ops
 
-    rows = a.shape[0]
-    if not a.is_cuda:
-        return "plain"
-    if rows >= ops.CUDA_KERNEL_MIN_ROWS and ops._fft_kernel_reason(a, b, "cuda") is None:
-        return "CUDA kernel"
-    if (rows >= ops.FFT_KERNEL_MIN_ROWS and a.shape[-1] >= ops.FFT_KERNEL_MIN_D
-            and ops._fft_kernel_reason(a, b, "triton") is None):
-        return "Triton kernel"
-    return "plain"
+    kernel = ops._one_pass_kernel(a, b, "auto")
+    return {"cuda": "CUDA kernel", "triton": "Triton kernel"}.get(kernel, "plain")
 
 
 def run_fused(args, device: str) -> ResultTable:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import importlib.util
 import os
 import platform
@@ -84,6 +85,7 @@ def _disassemble(cubin: Path) -> dict:
     return {"ops": ops, "total": sum(ops.values()), "regs": int(regs.group(1)) if regs else None}
 
 
+@functools.lru_cache(maxsize=1)
 def _nvrtc():
     """libnvrtc through ctypes: $TORCHNITRO_NVRTC, the nvidia-cuda-nvrtc wheel, or the system's."""
     import ctypes

@@ -151,7 +151,6 @@ def reference_bind(a: np.ndarray, b: np.ndarray, conj_b: bool = False) -> np.nda
     n_rows, d = a.shape
     t_lanes, p, q, _ = _layout(d)
     logp = p.bit_length() - 1
-    logt = t_lanes.bit_length() - 1
     bb = b[:, (-np.arange(d)) % d] if conj_b else b
     ma = np.abs(a).max(axis=1, keepdims=True)
     mb = np.abs(bb).max(axis=1, keepdims=True)
@@ -181,7 +180,6 @@ def reference_bind(a: np.ndarray, b: np.ndarray, conj_b: bool = False) -> np.nda
     y = y * tw_inv
     for qq in range(q):
         tile[:, lanes + t_lanes * qq, :] = y[:, :, qq * t_lanes:(qq + 1) * t_lanes]
-    del logt
     regs = tile[:, k1_of_reg, :].transpose(0, 2, 1).copy()  # lane t, register r <- tile[bitrev(r)][t]
     _np_dit(regs, p, inverse=True)  # natural j out
     res = np.empty((n_rows, d))

@@ -211,11 +211,9 @@ def _fft_kernel_reason(x: torch.Tensor, y: torch.Tensor, backend: str = "triton"
 _cuda_failed: str | None = None  # set when building the CUDA kernel failed under "auto": Triton from then on
 
 
-def _one_pass(x: torch.Tensor, y: torch.Tensor, backend: str, conj_b: bool,
-              normalize: bool = False) -> torch.Tensor | None:
-    """``bind(x, y)`` (``conj_b``: with ``y``'s involution; ``normalize``: rows to unit norm) through a
-    one-pass GPU kernel where ``backend`` asks for one and it applies, else None."""
-    global _cuda_failed
+def _one_pass_kernel(x: torch.Tensor, y: torch.Tensor, backend: str) -> str | None:
+    """Which one-pass GPU kernel binds ``x`` with ``y`` under ``backend``: "cuda", "triton" or None
+    (none applies, or ``backend`` asks for none). An explicit "cuda"/"triton" that cannot run raises."""
     if backend not in BIND_BACKENDS:
         raise InputError(f"backend: received {backend!r}, expected one of {BIND_BACKENDS}")
     if backend in ("torch", "mkl") or (backend == "auto" and not x.is_cuda):
@@ -223,28 +221,55 @@ def _one_pass(x: torch.Tensor, y: torch.Tensor, backend: str, conj_b: bool,
     rows = x.numel() // max(x.shape[-1], 1)
     if backend == "cuda" or (backend == "auto" and not _cuda_failed and rows >= CUDA_KERNEL_MIN_ROWS):
         why = _fft_kernel_reason(x, y, "cuda")
-        if backend == "cuda" and why is not None:
-            raise BackendUnavailableError(f"backend='cuda': {why}; use backend='torch' or 'auto'")
         if why is None:
-            from torchnitro.hrr.cuda_fft import cuda_bind
-
-            try:
-                return cuda_bind(x, y, conj_b=conj_b, normalize=normalize)
-            except BackendUnavailableError as e:  # NVRTC missing or the build failed
-                if backend == "cuda":
-                    raise
-                _cuda_failed = str(e)
-                warnings.warn(f"hrr: {e}; binding through the Triton kernel or torch.fft from now on", stacklevel=3)
+            return "cuda"
+        if backend == "cuda":
+            raise BackendUnavailableError(f"backend='cuda': {why}; use backend='torch' or 'auto'")
     if backend == "auto" and (x.shape[-1] < FFT_KERNEL_MIN_D or rows < FFT_KERNEL_MIN_ROWS):
         return None
     why = _fft_kernel_reason(x, y, "triton")
     if backend == "triton" and why is not None:
         raise BackendUnavailableError(f"backend='triton': {why}; use backend='torch' or 'auto'")
-    if why is not None:
+    return "triton" if why is None else None
+
+
+def _one_pass(x: torch.Tensor, y: torch.Tensor, backend: str, conj_b: bool,
+              normalize: bool = False) -> torch.Tensor | None:
+    """``bind(x, y)`` (``conj_b``: with ``y``'s involution; ``normalize``: rows to unit norm) through the
+    one-pass GPU kernel ``_one_pass_kernel`` picks, else None."""
+    global _cuda_failed
+    kernel = _one_pass_kernel(x, y, backend)
+    if kernel == "cuda":
+        from torchnitro.hrr.cuda_fft import cuda_bind
+
+        try:
+            return cuda_bind(x, y, conj_b=conj_b, normalize=normalize)
+        except BackendUnavailableError as e:  # NVRTC missing or the build failed
+            if backend == "cuda":
+                raise
+            _cuda_failed = str(e)
+            warnings.warn(f"hrr: {e}; binding through the Triton kernel or torch.fft from now on", stacklevel=3)
+            kernel = _one_pass_kernel(x, y, backend)
+    if kernel != "triton":
         return None
     from torchnitro.hrr.fft_kernel import fft_bind
 
     return fft_bind(x, y, conj_b=conj_b, normalize=normalize)
+
+
+def _direct(x: torch.Tensor, y: torch.Tensor, backend: str, conj_b: bool, kernels: bool = True) -> torch.Tensor | None:
+    """``bind(x, y)`` (``conj_b``: with ``y``'s involution) without going through full spectra: a one-pass
+    GPU kernel or the MKL path where one applies (``kernels``), or the empty result of an empty batch
+    (torch.fft rejects one). None: transform the operands."""
+    if kernels:
+        out = _one_pass(x, y, backend, conj_b)
+        if out is None:
+            out = _mkl_bind(x, y, backend, conj_b)
+        if out is not None:
+            return out
+    if x.numel() == 0 or y.numel() == 0:
+        return torch.empty(torch.broadcast_shapes(x.shape, y.shape), dtype=x.dtype, device=x.device)
+    return None
 
 
 _mkl_failed: str | None = None  # set when an MKL call failed under "auto": later calls use torch.fft
@@ -284,13 +309,9 @@ def bind(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -> torch.Te
     ``FFT_KERNEL_MIN_ROWS`` rows of ``d >= FFT_KERNEL_MIN_D``); torch otherwise.
     """
     _check_pair(a, b)
-    out = _one_pass(a, b, backend, conj_b=False)
-    if out is None:
-        out = _mkl_bind(a, b, backend, conj_b=False)
+    out = _direct(a, b, backend, conj_b=False)
     if out is not None:
         return out
-    if a.numel() == 0 or b.numel() == 0:  # torch.fft rejects an empty batch
-        return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=a.dtype, device=a.device)
     fft, ifft, _ = _transforms(a, b, kept=backend == "auto")  # e.g. shapes that broadcast both ways
     A, B = _spectra(a, b, fft)
     spec = A.mul_(B) if A.shape == B.shape else A * B  # in place when no broadcasting is needed
@@ -326,15 +347,9 @@ def unbind(c: torch.Tensor, a: torch.Tensor, method: str = "involution", *, back
         raise InputError(f"unbind: received method={method!r}, expected one of {UNBIND_METHODS}")
     if backend in ("triton", "cuda", "mkl") and method != "involution":
         raise BackendUnavailableError(f"backend={backend!r} runs method='involution' only (received {method!r})")
-    out = None
-    if method == "involution":
-        out = _one_pass(c, a, backend, conj_b=True)
-        if out is None:
-            out = _mkl_bind(c, a, backend, conj_b=True)
+    out = _direct(c, a, backend, conj_b=True, kernels=method == "involution")
     if out is not None:
         return out
-    if c.numel() == 0 or a.numel() == 0:  # torch.fft rejects an empty batch
-        return torch.empty(torch.broadcast_shapes(c.shape, a.shape), dtype=c.dtype, device=c.device)
     fft, ifft, _ = _transforms(c, a, kept=backend == "auto")  # the other methods, other shapes
     C, A = _spectra(c, a, fft)
     if method == "exact":  # out of place: autograd keeps A for the denominator's gradient
