@@ -15,16 +15,24 @@ def _as_tuple(y):
 
 
 def check_against_reference(fn: Callable, ref: Callable, inputs: Sequence, dtype: torch.dtype,
-                            grad: bool = True, tol_scale: float = 1.0) -> None:
-    """Forward outputs and input gradients of ``fn`` match ``ref`` run in fp32 on the same values."""
+                            grad: bool = True, tol_scale: float = 1.0,
+                            out_dtype: torch.dtype | None = None) -> None:
+    """Forward outputs and input gradients of ``fn`` match ``ref`` run in fp32 on the same values.
+
+    Every output of ``fn`` must have ``out_dtype`` (default: the dtype of the first floating-point
+    input, unless the op documents another) and the reference's shape.
+    """
     atol, rtol = (t * tol_scale for t in TOL[dtype])
     xs = [x.detach().clone().requires_grad_(grad and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
           for x in inputs]
     xr = [x.detach().float().clone().requires_grad_(grad and x.is_floating_point())
           if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
+    want = out_dtype or next(x.dtype for x in inputs if isinstance(x, torch.Tensor) and x.is_floating_point())
     ys, yr = _as_tuple(fn(*xs)), _as_tuple(ref(*xr))
-    for a, b in zip(ys, yr):
-        assert a.dtype == (b.dtype if b.dtype != torch.float32 else a.dtype)
+    assert len(ys) == len(yr), f"the fused op returned {len(ys)} outputs, the reference {len(yr)}"
+    for i, (a, b) in enumerate(zip(ys, yr)):
+        assert a.dtype == want, f"output {i}: dtype {a.dtype}, expected {want}"
+        assert a.shape == b.shape, f"output {i}: shape {tuple(a.shape)}, expected {tuple(b.shape)}"
         torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol)
     if not grad:
         return

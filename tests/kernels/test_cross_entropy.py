@@ -17,7 +17,7 @@ def test_cross_entropy_matches_reference(triton_cpu, N, V, reduction, dtype):
     target[1] = -100
     check_against_reference(lambda z: cross_entropy(z, target, reduction=reduction, label_smoothing=0.1),
                             lambda z: reference.cross_entropy(z, target, reduction=reduction, label_smoothing=0.1),
-                            [logits], dtype)
+                            [logits], dtype, out_dtype=torch.float32)  # documented: the loss is fp32
 
 
 @pytest.mark.parametrize("N,D,V", [(16, 32, 64), (7, 13, 33)])
@@ -30,7 +30,7 @@ def test_fused_linear_cross_entropy_matches_reference(triton_cpu, N, D, V, bias)
     inputs = [x, w] + ([b] if bias else [])
     check_against_reference(lambda *a: fused_linear_cross_entropy(a[0], a[1], target, *a[2:], chunk_size=3),
                             lambda *a: reference.fused_linear_cross_entropy(a[0], a[1], target, *a[2:]),
-                            inputs, torch.float32)
+                            inputs, torch.float32, out_dtype=torch.float32)
 
 
 def test_cross_entropy_bad_input(triton_cpu):
@@ -49,7 +49,8 @@ def test_fused_linear_cross_entropy_gpu_bf16():
     w = torch.randn(32000, 128, device="cuda", dtype=torch.bfloat16) / 11
     t = torch.randint(0, 32000, (256,), device="cuda")
     check_against_reference(lambda a, b: fused_linear_cross_entropy(a, b, t),
-                            lambda a, b: reference.fused_linear_cross_entropy(a, b, t), [x, w], torch.bfloat16)
+                            lambda a, b: reference.fused_linear_cross_entropy(a, b, t), [x, w], torch.bfloat16,
+                            out_dtype=torch.float32)
 
 
 @pytest.mark.parametrize("accum", [None, torch.float32])
@@ -59,7 +60,8 @@ def test_fused_linear_cross_entropy_fp16_grad_accumulation(triton_cpu, accum):
     target = torch.randint(0, V, (N,))
     check_against_reference(
         lambda a, b: fused_linear_cross_entropy(a, b, target, chunk_size=4, grad_accum_dtype=accum),
-        lambda a, b: reference.fused_linear_cross_entropy(a, b, target), [x, w], torch.float16)
+        lambda a, b: reference.fused_linear_cross_entropy(a, b, target), [x, w], torch.float16,
+        out_dtype=torch.float32)
 
 
 def test_loss_modules_match_torch(triton_cpu):
