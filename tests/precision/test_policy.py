@@ -37,10 +37,16 @@ def test_bad_policy():
 def test_train_step_learns_and_reports(policy):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    seen = []  # the dtype each Linear's matmul produced: a policy that ignores its dtype shows fp32 here
+    for lin in (m[0], m[2]):
+        lin.register_forward_hook(lambda mod, args, out: seen.append(out.dtype))
     step = TrainStep(m, torch.optim.AdamW(m.parameters(), 1e-2), policy, max_grad_norm=1.0)
     x, y = torch.randn(64, 16), torch.randint(0, 4, (64,))
     losses = [step(x, target=y) for _ in range(15)]
     assert losses[-1] < losses[0]
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[policy]
+    assert seen == [want] * 30, set(seen)
+    assert all(p.dtype == torch.float32 for p in m.parameters())  # master weights stay fp32
     r = step.report()
     assert r["policy"] == policy and r["steps"] == 15 and r["grad_scaler"] == (policy == "fp16")
     assert step.last_grad_norm is not None
