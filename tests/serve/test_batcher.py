@@ -8,6 +8,7 @@ import pytest
 from torchnitro.config import from_dict
 from torchnitro.errors import ConfigError, DeadlineExceededError, DrainingError, InputError, QueueFullError
 from torchnitro.serve.batcher import BatchingConfig, DynamicBatcher
+from torchnitro.serve.testing import run_virtual
 
 
 def run(coro):
@@ -166,20 +167,46 @@ def test_cancelled_request_leaves_queue_and_is_not_computed():
     run(main())
 
 
-def test_failing_batch_fails_only_its_requests():
+def test_failing_batch_is_split_until_only_the_culprit_fails():
+    calls = []
+
     async def main():
         async def fn(items):
+            calls.append(list(items))
             if 13 in items:
                 raise RuntimeError("bad luck")
             return items
 
-        async with DynamicBatcher(fn, BatchingConfig(max_batch_size=2, max_wait_ms=20)) as b:
-            res = await asyncio.gather(b.submit(13), b.submit(1), b.submit(2), b.submit(3),
+        async with DynamicBatcher(fn, BatchingConfig(max_batch_size=8, max_wait_ms=20)) as b:
+            res = await asyncio.gather(*(b.submit(x) for x in (1, 2, 3, 13, 5, 6, 7, 8)),
                                        return_exceptions=True)
-        assert isinstance(res[0], RuntimeError) and isinstance(res[1], RuntimeError)
-        assert res[2:] == [2, 3]
+        return res
 
-    run(main())
+    res = run_virtual(main)
+    assert isinstance(res[3], RuntimeError) and "bad luck" in str(res[3])
+    assert res[:3] + res[4:] == [1, 2, 3, 5, 6, 7, 8]  # batched with the bad one, answered anyway
+    # whole batch, its halves, then quarters of the failing half, then the pair holding 13
+    assert calls == [[1, 2, 3, 13, 5, 6, 7, 8], [1, 2, 3, 13], [1, 2], [3, 13], [3], [13], [5, 6, 7, 8]]
+
+
+def test_function_failing_for_every_item_fails_each_without_retrying_deadlines():
+    calls = []
+
+    async def main():
+        async def fn(items):
+            calls.append(len(items))
+            raise DeadlineExceededError("not retried: it is about time, not input") if items[0] < 0 \
+                else ValueError("broken model")
+
+        async with DynamicBatcher(fn, BatchingConfig(max_batch_size=4, max_wait_ms=20)) as b:
+            res = await asyncio.gather(*(b.submit(x) for x in range(4)), return_exceptions=True)
+            assert all(isinstance(r, ValueError) for r in res)
+            assert calls == [4, 2, 1, 1, 2, 1, 1]  # bounded: 2 * 4 - 1 calls
+            calls.clear()
+            res = await asyncio.gather(*(b.submit(x) for x in (-1, -2)), return_exceptions=True)
+            assert all(isinstance(r, DeadlineExceededError) for r in res) and calls == [2]
+
+    run_virtual(main)
 
 
 def test_buckets_never_mix_lengths():
@@ -335,3 +362,32 @@ def test_two_consumers_cancelled_and_timed_out_requests_keep_counts_right():
         assert not {100, 101, 102, 200} & set(computed)
 
     run(main())
+
+
+async def _double(items):
+    return [x * 2 for x in items]
+
+
+@pytest.mark.parametrize("how", ["deadline", "disconnect"])
+def test_request_gone_inside_batch_window_does_not_wedge(how):
+    async def main():
+        loop = asyncio.get_running_loop()
+        b = await DynamicBatcher(_double, BatchingConfig(max_batch_size=8, max_wait_ms=300),
+                                 clock=loop.time).start()
+        if how == "deadline":
+            with pytest.raises(DeadlineExceededError):
+                await b.submit(1, timeout_ms=30)  # expires while its batch waits for company
+        else:
+            req = b.enqueue(1)
+            await asyncio.sleep(0.05)  # collected, the batch window still open
+            b.cancel(req)
+        assert b.depth == 0 and b._queue.live_rows == 0
+        await asyncio.sleep(1)  # the emptied batch's window is over: the consumer waits for work
+        t0 = loop.time()
+        assert await asyncio.wait_for(b.submit(2), 5) == 4  # a single request is answered alone
+        assert loop.time() - t0 <= 0.3 + 1e-6  # within its own window (virtual time)
+        t0 = loop.time()
+        await b.stop(drain=True, timeout_s=30)
+        assert loop.time() - t0 < 0.1  # idle: nothing to drain
+
+    run_virtual(main)

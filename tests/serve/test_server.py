@@ -235,3 +235,20 @@ def test_worker_crash_fails_its_batch_and_is_restarted():
         big = {"inputs": [{"name": "x", "shape": [5000, 4], "datatype": "FP32", "data": list(range(20000))}]}
         r = c.post("/v2/models/affine/infer", json=big)
         assert r.status_code == 200 and r.json()["outputs"][0]["data"] == [2.0 * v + 1 for v in range(20000)]
+
+
+def test_expired_and_abandoned_requests_inside_the_window_do_not_wedge_the_server():
+    cfg = BatchingConfig(max_batch_size=8, max_wait_ms=300)
+    with serving("torchnitro.serve.testing:affine", "affine", cfg) as (srv, base):
+        c = httpx.Client(base_url=base, timeout=10)
+        r = c.post("/v2/models/affine/infer", json=req(1, timeout=30))  # expires in its batch's window
+        assert r.status_code == 504
+        with pytest.raises(httpx.TimeoutException):  # this client hangs up inside the window
+            c.post("/v2/models/affine/infer", json=req(2), timeout=0.1)
+        time.sleep(0.5)  # both windows are over: the batch loop now waits for new work
+        assert metric(base, "torchnitro_queue_depth") == 0
+        r = c.post("/v2/models/affine/infer", json=req(3))  # alone: answered at its window's end
+        assert r.status_code == 200 and r.json()["outputs"][0]["data"] == expect(3)
+        assert metric(base, "torchnitro_queue_depth") == 0
+        srv.stop(timeout_s=20)  # idle: nothing to drain (it waited 30 s on a depth of -1)
+        assert not srv._thread.is_alive()

@@ -7,11 +7,19 @@ so a batch is formed only when a consumer (a worker) is free and load goes to wh
 Per request: a priority (0 is the most urgent) that ages, so a waiting low-priority request gains
 one level every ``aging_ms`` and is never starved; a deadline (expired requests are answered with
 ``DeadlineExceededError`` and never computed); cancellation (a cancelled ``submit`` leaves the
-queue and is skipped); an optional length, which puts it in a bucket so one batch only mixes
+queue and is skipped; one that a filling batch already holds is dropped from it); an optional length, which puts it in a bucket so one batch only mixes
 similar lengths (the function pads to the batch's longest and unpads, see ``protocol``); with
 ``exact_lengths`` (models that padding would change) only equal lengths share a batch.
 
 The queue is bounded: a full queue raises ``QueueFullError`` at once instead of waiting.
+
+A batch whose function raises is split in halves and each half retried (recursively), so one bad
+request fails alone and the good ones batched with it still get their answers.
+
+Accounting: the ``RequestQueue`` alone decides whether a request is counted as queued (a batch
+that collects it takes it out; a deadline or cancel after that leaves the queue's counts alone);
+the batcher keeps every accepted, unanswered request in ``_pending`` so a drain waits for exactly
+those, wherever they are (queued, held by a filling batch, or computing).
 """
 
 from __future__ import annotations
@@ -79,6 +87,10 @@ class BatchObserver(Protocol):
     def on_queue_depth(self, depth: int) -> None: ...
 
 
+# errors about the request itself, not its input: splitting the batch would not change them
+_NOT_RETRIED = (DeadlineExceededError, DrainingError, QueueFullError)
+
+
 def _release(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -89,17 +101,20 @@ class DynamicBatcher:
 
     ``fn`` may be a plain function (run in a thread so the event loop stays free) or a coroutine
     function. It receives a list of items and must return a sequence of the same length. An
-    exception from ``fn`` fails every request of that batch (and only that batch).
+    exception from ``fn`` is narrowed down by retrying halves of the batch: it fails only the
+    request(s) it still raises for alone.
     """
 
     def __init__(self, fn: Callable[[list[Any]], Sequence[Any] | Awaitable[Sequence[Any]]],
                  config: BatchingConfig | None = None, *, observer: Any = None,
-                 clock: Callable[[], float] = time.monotonic, exact_lengths: bool = False):
+                 clock: Callable[[], float] | None = None, exact_lengths: bool = False):
         self.fn = fn
         self.exact_lengths = exact_lengths  # only equal lengths share a batch (padding would change results)
         self.config = config or BatchingConfig()
         self.observer = observer
-        self.clock = clock
+        # default: the event loop's own clock, the one its timers (deadlines, windows) run on
+        self._clock_arg = clock
+        self.clock: Callable[[], float] = clock or time.monotonic
         self._is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
             getattr(fn, "__call__", None))
         self._queue = RequestQueue(self.config.priority_levels, self.config.aging_ms / 1e3)
@@ -108,6 +123,8 @@ class DynamicBatcher:
         self._started = False
         self._consumers: list[asyncio.Task] = []
         self._inflight: set[Request] = set()
+        self._pending: set[Request] = set()  # accepted and not yet answered, wherever they are
+        self._idle: asyncio.Event | None = None  # set while _pending is empty (what a drain waits for)
         self._accepting = True
         self.adaptive = None
         if self.config.adaptive:
@@ -118,6 +135,10 @@ class DynamicBatcher:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> "DynamicBatcher":
         if not self._consumers:
+            if self._clock_arg is None:
+                self.clock = asyncio.get_running_loop().time
+            self._idle = asyncio.Event()
+            self._idle.set()
             self._started = True
             self._accepting = True
             self._consumers = [asyncio.create_task(self._consume(), name=f"batcher-{i}")
@@ -142,23 +163,20 @@ class DynamicBatcher:
     async def stop(self, drain: bool = True, timeout_s: float = 30.0) -> None:
         """Stop accepting; with ``drain`` finish everything accepted first, else fail it (503)."""
         self._accepting = False
-        if drain:
-            end = self.clock() + timeout_s
-            while (self._queue.live or self._inflight) and self.clock() < end:
-                self._notify(force=True)
-                await asyncio.sleep(0.005)
+        if drain and self._idle is not None and self._pending:
+            self._notify(force=True)  # filling batches close now instead of at their window's end
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                pass
         for t in self._consumers:
             t.cancel()
         await asyncio.gather(*self._consumers, return_exceptions=True)
         self._consumers = []
         err = DrainingError("the batcher stopped before this request ran; retry on another replica")
-        for lane in self._queue.lanes.values():
-            while lane:
-                r = lane.popleft()
-                if r.live:
-                    r.finished = True
-                    r.future.set_exception(err)
-        self._queue.live = self._queue.live_rows = 0
+        for r in list(self._pending):
+            self._finish(r, "error", exc=err)
+        self._queue.clear()
         self._started = False
 
     # ------------------------------------------------------------------ submit
@@ -195,6 +213,9 @@ class DynamicBatcher:
         deadline = None if timeout_ms is None else now + timeout_ms / 1e3
         req = Request(item, rows, priority, self._bucket(length), now, deadline, loop.create_future())
         self._queue.push(req)
+        self._pending.add(req)
+        if self._idle is not None:
+            self._idle.clear()
         if deadline is not None:
             loop.call_later(timeout_ms / 1e3, self._expire, req)
         if self.adaptive is not None:
@@ -226,7 +247,6 @@ class DynamicBatcher:
         if req.finished:
             return
         req.finished = True
-        queued = req.started is None
         fut = req.future
         if fut.done():  # cancelled together with the task that awaited it
             pass
@@ -236,9 +256,14 @@ class DynamicBatcher:
             fut.cancel()
         else:
             fut.set_exception(exc)
-        if queued:
-            self._queue.discard(req)
+        if self._queue.discard(req):
             self._observe_depth()
+        elif req.started is None:  # held by a filling batch: let its consumer see it is gone
+            self._notify(force=True)
+        self._pending.discard(req)
+        self._inflight.discard(req)
+        if not self._pending and self._idle is not None:
+            self._idle.set()
         if self.observer is not None:
             qs = None if req.started is None else req.started - req.arrival
             self.observer.on_request_done(status, qs, self.clock() - req.arrival)
@@ -331,6 +356,8 @@ class DynamicBatcher:
                 remaining = min(remaining, last_add + idle_s - self.clock())
             if remaining <= 0 or not self._accepting:
                 break
+            if not any(r.live for r in batch):
+                break  # every request it held expired or was withdrawn: start afresh
             if rows in self.config.preferred_batch_sizes and self._queue.live == 0:
                 break  # on a size the model likes and nothing else is waiting: go now
             if rows_before_wait is None:
@@ -357,9 +384,15 @@ class DynamicBatcher:
             await self._run(live)
 
     async def _run(self, batch: list[Request]) -> None:
+        """Compute ``batch``; if the function raises, retry each half so only the culprit fails.
+
+        Isolation costs at most ``2 * len(batch) - 1`` calls (a function that fails on everything);
+        errors about the request itself (deadline, draining) are not retried.
+        """
         t0 = self.clock()
         for r in batch:
-            r.started = t0
+            if r.started is None:  # a retried half keeps its first start (queue time is real wait)
+                r.started = t0
             self._inflight.add(r)
         rows = sum(r.rows for r in batch)
         try:
@@ -374,12 +407,17 @@ class DynamicBatcher:
         except asyncio.CancelledError:
             for r in batch:
                 self._finish(r, "error", exc=DrainingError("the batcher stopped while this request ran"))
-                self._inflight.discard(r)
             raise
-        except BaseException as exc:  # noqa: BLE001 - one bad batch fails only its own requests
+        except BaseException as exc:  # noqa: BLE001 - one bad request fails only itself
+            if len(batch) > 1 and isinstance(exc, Exception) and not isinstance(exc, _NOT_RETRIED):
+                mid = len(batch) // 2
+                for half in (batch[:mid], batch[mid:]):
+                    live = [r for r in half if r.live]
+                    if live:
+                        await self._run(live)
+                return
             for r in batch:
                 self._finish(r, getattr(exc, "status", "error"), exc=exc)
-                self._inflight.discard(r)
             return
         finally:
             dt = self.clock() - t0
@@ -389,4 +427,3 @@ class DynamicBatcher:
                 self.adaptive.on_batch(rows, dt)
         for r, res in zip(batch, out):
             self._finish(r, "ok", result=res)
-            self._inflight.discard(r)

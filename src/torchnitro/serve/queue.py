@@ -24,8 +24,9 @@ class Request:
     arrival: float
     deadline: float | None
     future: asyncio.Future = field(repr=False)
-    started: float | None = None  # when its batch was handed to the function
+    started: float | None = None  # when its batch was first handed to the function
     finished: bool = False  # answered (result, error or cancel) and accounted for
+    queued: bool = False  # counted in the queue's totals; only RequestQueue sets or clears it
     seq: int = field(default_factory=lambda: next(_ids))
 
     @property
@@ -44,13 +45,20 @@ class RequestQueue:
 
     def push(self, r: Request) -> None:
         self.lanes.setdefault((r.bucket, r.priority), deque()).append(r)
+        r.queued = True
         self.live += 1
         self.live_rows += r.rows
 
-    def discard(self, r: Request) -> None:
-        """A queued request finished early (timeout/cancel); it leaves lazily."""
+    def discard(self, r: Request) -> bool:
+        """Uncount ``r`` if it is still queued (it finished early: timeout/cancel); it leaves its
+        lane lazily. Returns whether it was queued: a request a batch already took is not counted
+        here, so a deadline or a disconnect after collection changes nothing."""
+        if not r.queued:
+            return False
+        r.queued = False
         self.live -= 1
         self.live_rows -= r.rows
+        return True
 
     def _head(self, lane: deque[Request]) -> Request | None:
         while lane and not lane[0].live:
@@ -76,5 +84,12 @@ class RequestQueue:
         if lane[0] is not r:  # pragma: no cover - only heads are ever popped
             raise RuntimeError("internal: popped a request that is not at the head of its lane")
         lane.popleft()
-        self.live -= 1
-        self.live_rows -= r.rows
+        self.discard(r)
+
+    def clear(self) -> list[Request]:
+        """Empty every lane; returns the requests that were still queued."""
+        out = [r for lane in self.lanes.values() for r in lane if r.queued]
+        for r in out:
+            self.discard(r)
+        self.lanes.clear()
+        return out

@@ -209,7 +209,7 @@ class InferenceServer:
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """Drain and stop a server started with ``start_in_thread``."""
-        if self._uvicorn is not None and self._thread is not None:
+        if self._uvicorn is not None and self._thread is not None and self._thread.is_alive():
             self.begin_drain(self._uvicorn)
             self._thread.join(timeout_s)
 

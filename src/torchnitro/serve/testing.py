@@ -1,23 +1,75 @@
-"""Tiny deterministic models for exercising a server (smoke tests, the reliability suite).
+"""Tiny deterministic models for exercising a server (smoke tests, the reliability suite), and an
+event loop on virtual time for testing the batcher without wall-clock waits.
 
-Each is a zero-argument factory, so it can be served by spec: ``torchnitro serve
+Each model is a zero-argument factory, so it can be served by spec: ``torchnitro serve
 torchnitro.serve.testing:affine --workers 2``. Results are a known function of the input, so a
 client can check that every answer belongs to its own request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
+import selectors
 import time
+from typing import Any, Awaitable, Callable, TypeVar
 
 from torch import Tensor
 
 from torchnitro.serve.models import ServedModel
 from torchnitro.serve.protocol import ModelSignature, TensorSpec
 
-__all__ = ["POISON", "affine", "slow_affine", "ragged_double"]
+__all__ = ["POISON", "RAISE", "affine", "slow_affine", "ragged_double", "picky_affine",
+           "VirtualTimeLoop", "run_virtual"]
 
 POISON = -999.0  # an input row starting with this value kills the worker process (crash tests)
+RAISE = -777.0  # an input row starting with this value makes ``picky_affine`` raise (isolation tests)
+T = TypeVar("T")
+
+
+class _JumpingSelector:
+    """Polls the real selector without blocking; when nothing is ready and the loop would sleep
+    until its next timer, moves the virtual clock to that timer instead of sleeping."""
+
+    def __init__(self, real: selectors.BaseSelector, loop: "VirtualTimeLoop"):
+        self._real, self._loop = real, loop
+
+    def select(self, timeout: float | None = None) -> list[Any]:
+        events = self._real.select(0)
+        if events or timeout == 0:
+            return events
+        if timeout is None:  # no timer pending: only I/O (e.g. an executor thread) can wake us
+            return self._real.select(None)
+        self._loop.now += timeout
+        return events
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop whose ``time()`` is virtual: ``sleep(5)`` returns at once with ``time()`` 5 s
+    later, in the same order as on a real clock. Tests of timing *logic* (windows, deadlines,
+    aging) then assert exact orders and virtual durations, immune to a loaded machine."""
+
+    def __init__(self) -> None:
+        super().__init__(selectors.DefaultSelector())
+        self.now = 0.0
+        self._selector = _JumpingSelector(self._selector, self)
+
+    def time(self) -> float:
+        return self.now
+
+
+def run_virtual(main: Callable[[], Awaitable[T]]) -> T:
+    """Run the coroutine ``main()`` to completion on a fresh ``VirtualTimeLoop``."""
+    loop = VirtualTimeLoop()
+    try:
+        asyncio.set_event_loop(loop)
+        return loop.run_until_complete(main())
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
 
 
 def _affine_fn(delay_s: float):
@@ -44,6 +96,19 @@ def slow_affine() -> ServedModel:
     """``affine`` that takes 50 ms per batch (queues build up: priorities, drain, deadlines)."""
     return ServedModel(_affine_fn(float(os.environ.get("TORCHNITRO_TEST_DELAY_S", "0.05"))),
                        _affine_sig("slow_affine"))
+
+
+def picky_affine() -> ServedModel:
+    """``affine`` that raises ``ValueError`` on a batch holding a row that starts with ``RAISE``
+    (a model that fails on one request's input and would fail every request batched with it)."""
+    base = _affine_fn(0.0)
+
+    def fn(x: Tensor) -> Tensor:
+        if bool((x[:, 0] == RAISE).any()):
+            raise ValueError(f"row value {RAISE} is not allowed by this model")
+        return base(x)
+
+    return ServedModel(fn, _affine_sig("picky_affine"))
 
 
 def ragged_double() -> ServedModel:
