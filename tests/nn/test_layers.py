@@ -35,14 +35,59 @@ def test_geglu_and_gelu_mlps(backend):
     torch.testing.assert_close(m(x), m.fc2(F.gelu(F.linear(x, m.fc1.weight, m.fc1.bias))), atol=1e-5, rtol=1e-5)
 
 
+def _plain_block(sd: dict, x: torch.Tensor, heads: int, kv_heads: int, mlp: str, norm: str,
+                 eps: float = 1e-6) -> torch.Tensor:
+    """The pre-norm block written from the math on copied weights: no torchnitro module or kernel runs."""
+    def nrm(prefix, t):
+        if norm == "layernorm":
+            mu = t.mean(-1, keepdim=True)
+            var = (t - mu).square().mean(-1, keepdim=True)
+            return (t - mu) / torch.sqrt(var + eps) * sd[prefix + ".weight"] + sd[prefix + ".bias"]
+        return t / torch.sqrt(t.square().mean(-1, keepdim=True) + eps) * sd[prefix + ".weight"]
+
+    def attn(t):  # t (B, T, D)
+        B, T, D = t.shape
+        dh = D // heads
+        q = (t @ sd["attn.wq.weight"].T).view(B, T, heads, dh).transpose(1, 2)  # (B, H, T, Dh)
+        k = (t @ sd["attn.wk.weight"].T).view(B, T, kv_heads, dh).transpose(1, 2)  # (B, Hkv, T, Dh)
+        v = (t @ sd["attn.wv.weight"].T).view(B, T, kv_heads, dh).transpose(1, 2)
+        ang = torch.arange(T).double()[:, None] / 10000.0 ** (torch.arange(0, dh, 2).double() / dh)  # (T, Dh/2)
+        cos, sin = ang.cos().float(), ang.sin().float()
+
+        def rot(z):  # rotate the pairs (z_i, z_{i + Dh/2}) by the position's angle
+            z1, z2 = z[..., : dh // 2], z[..., dh // 2:]
+            return torch.cat([z1 * cos - z2 * sin, z2 * cos + z1 * sin], -1)
+
+        q, k = rot(q), rot(k)
+        k, v = (z.repeat_interleave(heads // kv_heads, dim=1) for z in (k, v))  # query head h reads kv head h // g
+        s = q @ k.transpose(-1, -2) / dh ** 0.5  # (B, H, T, T)
+        s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        y = torch.softmax(s, -1) @ v  # (B, H, T, Dh)
+        return y.transpose(1, 2).reshape(B, T, D) @ sd["attn.wo.weight"].T
+
+    def ffn(t):
+        if mlp == "gelu":
+            hid = F.gelu(t @ sd["mlp.fc1.weight"].T + sd["mlp.fc1.bias"])
+            return hid @ sd["mlp.fc2.weight"].T + sd["mlp.fc2.bias"]
+        gate = t @ sd["mlp.w1.weight"].T
+        act = gate * torch.sigmoid(gate) if mlp == "swiglu" else 0.5 * gate * (1 + torch.erf(gate / 2 ** 0.5))
+        return (act * (t @ sd["mlp.w3.weight"].T)) @ sd["mlp.w2.weight"].T
+
+    h = x + attn(nrm("attn_norm", x))
+    return h + ffn(nrm("mlp_norm", h))
+
+
 @pytest.mark.parametrize("mlp,norm", [("swiglu", "rmsnorm"), ("gelu", "layernorm"), ("geglu", "rmsnorm")])
 def test_transformer_block_matches_unfused_math(backend, mlp, norm):
+    torch.manual_seed(0)
     blk = tnn.TransformerBlock(dim=32, heads=4, kv_heads=2, mlp=mlp, norm=norm, rope=True, max_seq_len=16)
+    with torch.no_grad():  # norms with non-trivial affine terms, so a dropped or misplaced one shows
+        for name, p in blk.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn_like(p) * 0.5 + (1.0 if name.endswith("weight") else 0.0))
     x = torch.randn(2, 9, 32, requires_grad=True)
-    with torch.no_grad():
-        a = blk.attn(blk.attn_norm(x))
-        h = x + a
-        ref = h + blk.mlp(blk.mlp_norm(h))
+    sd = {k: v.detach().clone() for k, v in blk.state_dict().items()}
+    ref = _plain_block(sd, x.detach(), heads=4, kv_heads=2, mlp=mlp, norm=norm)
     out = blk(x)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     out.square().mean().backward()
