@@ -1,0 +1,164 @@
+"""Models as users hold them: an HF ``AutoModel`` given directly, wrapped in a class of the test's own,
+called with a tokenizer's dict; the padding-free recipes find the encoder inside, keep the output
+type, and the gate compares real (unmasked) positions."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from torchnitro.autotune.recipe import BuildContext, get_recipe  # noqa: E402
+from torchnitro.autotune.recipes.bert_unpad import bert_inapplicable_reason, unpad_model  # noqa: E402
+from torchnitro.autotune.recipes.hf_encoders import UnpaddedEncoder, find_encoders  # noqa: E402
+from torchnitro.hardware import hardware_info  # noqa: E402
+from torchnitro.hf import bert_config  # noqa: E402
+
+
+def _auto(cfg) -> nn.Module:
+    from transformers import AutoModel
+
+    torch.manual_seed(0)
+    return AutoModel.from_config(cfg, attn_implementation="sdpa").float().eval()
+
+
+def _tiny_bert() -> nn.Module:
+    return _auto(bert_config(hidden_size=32, intermediate_size=64))
+
+
+def _roberta() -> nn.Module:
+    from transformers import RobertaConfig
+
+    return _auto(RobertaConfig(vocab_size=1024, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=64, max_position_embeddings=80, pad_token_id=1))
+
+
+def _distilbert() -> nn.Module:
+    from transformers import DistilBertConfig
+
+    return _auto(DistilBertConfig(vocab_size=1024, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                  max_position_embeddings=80))
+
+
+def _ragged(batch: int, seq: int, seed: int, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 1024, (batch, seq), generator=g)
+    lens = torch.randint(1, seq + 1, (batch,), generator=g)
+    lens[-1] = seq
+    mask = (torch.arange(seq)[None] < lens[:, None]).long()
+    return ids * mask + pad_id * (1 - mask), mask
+
+
+class ScriptEncoder(nn.Module):
+    """What a user writes in a script: their own class around ``AutoModel``, mean pooling over the mask."""
+
+    def __init__(self, bert: nn.Module):
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.bert(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, D)
+        m = mask.unsqueeze(-1).float()
+        return (h * m).sum(1) / m.sum(1).clamp(min=1)
+
+
+def _ctx(model: nn.Module, inputs, tmp_path) -> BuildContext:
+    return BuildContext(model=copy.deepcopy(model), example_inputs=inputs, hardware=hardware_info(),
+                        device=torch.device("cpu"), workdir=tmp_path, dynamic_dims={0: [0, 1], 1: [0, 1]})
+
+
+@pytest.mark.parametrize("make", [_tiny_bert, _roberta, _distilbert], ids=["bert", "roberta", "distilbert"])
+@pytest.mark.parametrize("shape", [(4, 16), (5, 23)])
+def test_automodel_given_directly_keeps_its_output_type_and_matches_eager_on_real_tokens(make, shape):
+    model = make()
+    pad = int(model.config.pad_token_id or 0)
+    ids, mask = _ragged(*shape, seed=1, pad_id=pad)
+    fast = unpad_model(copy.deepcopy(model))
+    assert isinstance(fast, UnpaddedEncoder)
+    with torch.inference_mode():
+        ref, out = model(ids, mask), fast(ids, mask)
+    assert type(out) is type(ref) and list(out.keys()) == list(ref.keys())
+    real = mask.bool()
+    torch.testing.assert_close(out.last_hidden_state[real], ref.last_hidden_state[real], rtol=1e-4, atol=1e-5)
+    assert bool((out.last_hidden_state[~real] == 0).all())  # documented: zeros at masked positions
+    if "pooler_output" in ref:
+        torch.testing.assert_close(out.pooler_output, ref.pooler_output, rtol=1e-4, atol=1e-5)
+
+
+def test_token_type_ids_keyword_call_and_tuple_return_are_mirrored():
+    model = _tiny_bert()
+    ids, mask = _ragged(3, 12, seed=2)
+    tt = (torch.arange(12)[None] >= 6).long().expand(3, -1)  # sentence pairs
+    fast = unpad_model(copy.deepcopy(model))
+    with torch.inference_mode():
+        ref = model(input_ids=ids, attention_mask=mask, token_type_ids=tt, return_dict=False)
+        out = fast(input_ids=ids, attention_mask=mask, token_type_ids=tt, return_dict=False)
+    assert isinstance(out, tuple) and len(out) == len(ref) == 2
+    real = mask.bool()
+    torch.testing.assert_close(out[0][real], ref[0][real], rtol=1e-4, atol=1e-5)
+
+
+def test_calls_the_fast_path_does_not_mirror_run_the_original_module():
+    model = _tiny_bert()
+    ids, mask = _ragged(3, 10, seed=3)
+    mask[1] = mask[1].flip(0)  # left padding: the pooler reads a padded position
+    fast = unpad_model(copy.deepcopy(model))
+    with torch.inference_mode():
+        ref = model(ids, mask, output_hidden_states=True)
+        out = fast(ids, mask, output_hidden_states=True)
+        assert len(out.hidden_states) == len(ref.hidden_states)
+        torch.testing.assert_close(fast(ids, mask).last_hidden_state, model(ids, mask).last_hidden_state)
+
+
+def test_encoder_found_inside_a_wrapper_and_a_task_head():
+    from transformers import BertForSequenceClassification
+
+    wrapped = ScriptEncoder(_tiny_bert())
+    assert [f.name for f in find_encoders(wrapped)] == ["bert"]
+    assert bert_inapplicable_reason(wrapped) is None
+    head = BertForSequenceClassification(bert_config(hidden_size=32, intermediate_size=64)).eval()
+    assert [f.name for f in find_encoders(head)] == ["bert"]
+    assert bert_inapplicable_reason(nn.Sequential(nn.Linear(4, 4))).startswith("no HF encoder of the BERT family")
+
+
+def test_unsupported_architecture_is_named():
+    from transformers import GPT2Config, GPT2Model
+
+    reason = bert_inapplicable_reason(GPT2Model(GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=100)))
+    assert reason is not None and "not supported yet: GPT2Model" in reason
+
+
+@pytest.mark.parametrize("name", ["bert-unpad", "bert-unpad-int8", "bert-unpad-bf16"])
+def test_recipes_apply_to_a_script_wrapper_in_place(tmp_path, name):
+    recipe = get_recipe(name)
+    if recipe.unavailable_reason(hardware_info()) is not None:
+        pytest.skip(recipe.unavailable_reason(hardware_info()))
+    model = ScriptEncoder(_tiny_bert())
+    x = _ragged(8, 24, seed=4)
+    built = recipe.build(_ctx(model, x, tmp_path))
+    assert type(built.fn) is ScriptEncoder and isinstance(built.fn.bert, UnpaddedEncoder)  # the user's class runs
+    held = _ragged(6, 20, seed=5)
+    with torch.inference_mode():
+        ref, out = model(*held), built.fn(*held)
+        again = recipe.load(tmp_path, built.meta, model)(*held)
+    assert out.dtype == torch.float32
+    floor = {"exact": 0.99999, "reduced": 0.999, "int8": 0.98}[recipe.numeric_class.value]
+    assert float(torch.nn.functional.cosine_similarity(ref, out).min()) >= floor
+    torch.testing.assert_close(again, out)  # the artifact rebuilds the same variant
+    assert isinstance(model.bert, type(_tiny_bert()))  # load() left the user's model alone
+
+
+def test_int8_fallback_in_place_still_matches_eager(tmp_path):
+    recipe = get_recipe("bert-unpad-int8")
+    if recipe.unavailable_reason(hardware_info()) is not None:
+        pytest.skip(recipe.unavailable_reason(hardware_info()))
+    model = _tiny_bert()
+    built = recipe.build(_ctx(model, _ragged(8, 24, seed=4), tmp_path))
+    ids, mask = _ragged(3, 10, seed=6)
+    with torch.inference_mode():  # an unmirrored call: the original fp32 module, untouched by int8 planning
+        torch.testing.assert_close(built.fn(ids, mask, output_hidden_states=True).last_hidden_state,
+                                   model(ids, mask).last_hidden_state)
