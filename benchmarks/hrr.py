@@ -185,9 +185,9 @@ def run_gemm_cleanup(args, device: str) -> ResultTable:
 
 def _normalize_path(a: torch.Tensor, b: torch.Tensor) -> str:
     """Which path hrr.bind_normalize's "auto" takes for these inputs."""
-    from torchnitro.hrr import ops
+    from torchnitro.hrr.backend import one_pass_kernel
 
-    kernel = ops._one_pass_kernel(a, b, "auto")
+    kernel = one_pass_kernel(a, b, "auto")
     return {"cuda": "CUDA kernel", "triton": "Triton kernel"}.get(kernel, "plain")
 
 

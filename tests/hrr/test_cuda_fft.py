@@ -180,10 +180,10 @@ class _FakeCuda:
 def kernels(monkeypatch):
     """Both GPU kernels replaced by recorders; returns the list of (kernel, d, conj_b, normalize) calls."""
     import torchnitro.hrr.fft_kernel as fk
-    from torchnitro.hrr import ops
+    from torchnitro.hrr import backend
 
     calls = []
-    monkeypatch.setattr(ops, "_cuda_failed", None)
+    monkeypatch.setattr(backend.HEALTH, "cuda", None)
     monkeypatch.setattr(cuda_fft, "cuda_bind_reason",
                         lambda x: None if cuda_fft.MIN_D <= x.shape[-1] <= cuda_fft.MAX_D else "d out of range")
     monkeypatch.setattr(fk, "fft_bind_reason", lambda x: None)
@@ -196,36 +196,36 @@ def kernels(monkeypatch):
 
 
 def test_auto_prefers_the_cuda_kernel_then_triton(kernels):
-    from torchnitro.hrr import ops
+    from torchnitro.hrr import backend as ops
 
     rows = ops.FFT_KERNEL_MIN_ROWS
     for d, want in [(256, "cuda"), (1024, "cuda"), (4096, "cuda"), (8192, "triton"), (128, None)]:
         x = _FakeCuda(rows, d)
-        assert ops._one_pass(x, x, "auto", conj_b=False) == want, d
+        assert ops.one_pass(x, x, "auto", conj_b=False) == want, d
     small = _FakeCuda(ops.CUDA_KERNEL_MIN_ROWS, 1024)  # one launch beats torch.fft's four at any batch
-    assert ops._one_pass(small, small, "auto", conj_b=False) == "cuda"
+    assert ops.one_pass(small, small, "auto", conj_b=False) == "cuda"
     few = _FakeCuda(rows - 1, 8192)  # the Triton kernel keeps its row threshold
-    assert ops._one_pass(few, few, "auto", conj_b=False) is None
-    assert ops._one_pass(_FakeCuda(0, 1024), _FakeCuda(0, 1024), "auto", conj_b=False) is None  # empty: torch
+    assert ops.one_pass(few, few, "auto", conj_b=False) is None
+    assert ops.one_pass(_FakeCuda(0, 1024), _FakeCuda(0, 1024), "auto", conj_b=False) is None  # empty: torch
     x = _FakeCuda(8, 1024)  # explicit backends ignore the row threshold
-    assert ops._one_pass(x, x, "cuda", conj_b=True, normalize=True) == "cuda"
-    assert ops._one_pass(x, x, "triton", conj_b=True) == "triton"
+    assert ops.one_pass(x, x, "cuda", conj_b=True, normalize=True) == "cuda"
+    assert ops.one_pass(x, x, "triton", conj_b=True) == "triton"
     assert kernels[-2:] == [("cuda", 1024, True, True), ("triton", 1024, True, False)]
     with pytest.raises(BackendUnavailableError, match="backend='cuda': d out of range"):
-        ops._one_pass(_FakeCuda(8, 8192), _FakeCuda(8, 8192), "cuda", conj_b=False)
+        ops.one_pass(_FakeCuda(8, 8192), _FakeCuda(8, 8192), "cuda", conj_b=False)
     with pytest.raises(InputError, match="received 'cufft'"):
-        ops._one_pass(x, x, "cufft", conj_b=False)
+        ops.one_pass(x, x, "cufft", conj_b=False)
 
 
 def test_a_failed_build_warns_once_and_falls_back_to_triton(kernels, monkeypatch):
-    from torchnitro.hrr import ops
+    from torchnitro.hrr import backend as ops
 
     def broken(*args, **kwargs):
         raise BackendUnavailableError("hrr.cuda_fft: building the d=1024 kernel failed: no NVRTC")
     monkeypatch.setattr(cuda_fft, "cuda_bind", broken)
     x = _FakeCuda(ops.FFT_KERNEL_MIN_ROWS, 1024)
     with pytest.warns(UserWarning, match="no NVRTC"):
-        assert ops._one_pass(x, x, "auto", conj_b=False) == "triton"
-    assert ops._one_pass(x, x, "auto", conj_b=False) == "triton"  # no second try, no second warning
+        assert ops.one_pass(x, x, "auto", conj_b=False) == "triton"
+    assert ops.one_pass(x, x, "auto", conj_b=False) == "triton"  # no second try, no second warning
     with pytest.raises(BackendUnavailableError, match="no NVRTC"):
-        ops._one_pass(x, x, "cuda", conj_b=False)  # asked for explicitly: the error, not a fallback
+        ops.one_pass(x, x, "cuda", conj_b=False)  # asked for explicitly: the error, not a fallback

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torchnitro.errors import BackendUnavailableError, InputError
-from torchnitro.hrr import dispatch
+from torchnitro.hrr import backend, dispatch
 from torchnitro.hrr.dispatch import Dispatcher, calibrate, is_device_failure
 
 
@@ -134,9 +134,9 @@ def test_is_device_failure():
 @pytest.mark.gpu
 def test_pinned_non_blocking_roundtrip_and_real_oom_fallback():
     x = torch.randn(1000, 64)
-    y = dispatch.to_device(x, torch.device("cuda"))
+    y = backend.to_device(x, torch.device("cuda"))
     assert y.is_cuda
-    back = dispatch.to_host(y * 2)
+    back = backend.to_host(y * 2)
     assert back.is_pinned() and torch.equal(back, x * 2)
 
     def boom(t):

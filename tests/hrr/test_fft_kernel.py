@@ -6,7 +6,7 @@ import torch
 from torchnitro import hrr
 from tests.hrr._interpreted import run_interpreted
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
-from torchnitro.hrr import ops
+from torchnitro.hrr import backend
 from torchnitro.hrr.fft_kernel import fft_bind, fft_bind_reason
 
 _INTERPRETED = r"""
@@ -76,7 +76,7 @@ def test_auto_keeps_small_batches_and_cpu_tensors_on_torch_fft(monkeypatch):
     import torchnitro.hrr.fft_kernel as fk
 
     monkeypatch.setattr(fk, "fft_bind", lambda *a, **k: calls.append(1))
-    a = torch.randn(ops.FFT_KERNEL_MIN_ROWS, 64)
+    a = torch.randn(backend.FFT_KERNEL_MIN_ROWS, 64)
     torch.testing.assert_close(hrr.bind(a, a), hrr.bind(a, a, backend="torch"))  # CPU: never the kernel
     assert calls == []
 

@@ -8,7 +8,8 @@ import torch
 from torchnitro.errors import InputError, OutOfMemoryError, ShapeError
 from torchnitro.hrr import ops as h
 from torchnitro.hrr.dispatch import Dispatcher
-from torchnitro.hrr.memory import ItemMemory, topk_chunked
+from torchnitro.hrr.backend import topk_chunked
+from torchnitro.hrr.memory import ItemMemory
 
 
 def _book(n: int = 300, d: int = 64, seed: int = 0) -> torch.Tensor:

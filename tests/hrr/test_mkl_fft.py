@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
-from torchnitro.hrr import mkl_fft
+from torchnitro.hrr import backend, mkl_fft
 from torchnitro.hrr import ops as h
 
 pytestmark = pytest.mark.skipif(not mkl_fft.mkl_available(),
@@ -185,8 +185,8 @@ def test_rfft_irfft_reject_what_they_cannot_take():
 
 def test_auto_takes_the_mkl_path_on_cpu(monkeypatch):
     calls = []
-    real = mkl_fft._bind
-    monkeypatch.setattr(mkl_fft, "_bind", lambda x, y, conj_b: calls.append(conj_b) or real(x, y, conj_b))
+    real = mkl_fft.mkl_bind
+    monkeypatch.setattr(mkl_fft, "mkl_bind", lambda x, y, conj_b: calls.append(conj_b) or real(x, y, conj_b=conj_b))
     a, b = _pair((6, 64), (6, 64), torch.float32)
     torch.testing.assert_close(h.bind(a, b), h.bind(a, b, backend="torch"), **TOL[torch.float32])
     torch.testing.assert_close(h.unbind(a, b), h.unbind(a, b, backend="torch"), **TOL[torch.float32])
@@ -231,8 +231,8 @@ def test_a_failing_mkl_call_falls_back_once_with_a_warning(monkeypatch):
     def broken(*args, **kwargs):
         raise BackendUnavailableError("MKL DFTI call failed with status 1: injected")
 
-    monkeypatch.setattr(mkl_fft, "_bind", broken)
-    monkeypatch.setattr(h, "_mkl_failed", None)
+    monkeypatch.setattr(mkl_fft, "mkl_bind", broken)
+    monkeypatch.setattr(backend.HEALTH, "mkl", None)
     a, b = _pair((3, 16), (3, 16), torch.float32)
     with pytest.warns(UserWarning, match="injected"):
         got = h.bind(a, b)

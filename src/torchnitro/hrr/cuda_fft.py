@@ -500,8 +500,8 @@ def _twiddles(d: int, device: torch.device) -> torch.Tensor:
     if key not in _TWIDDLES:
         fwd, inv = twiddle_tables(d)
         # (T, P) -> float4 entries [P / 2][T]: lane t's pair (r, r + 1) at (r / 2) T + t, so a warp's
-        # load of one pair reads adjacent 16-byte entries (a per-lane row layout read 256-byte strides,
-        # one L1 line per lane, and took 1.27-1.44x the time on an H100: results/hrr_fft_sweep_cuda_h100_v2.md)
+        # load of one pair reads adjacent 16-byte entries, one L1 line per warp rather than one per lane
+        # (the layouts tried: docs/hrr.md, "The CUDA C++ kernel")
         parts = [np.stack([x.real, x.imag], axis=-1).reshape(x.shape[0], x.shape[1] // 2, 4).transpose(1, 0, 2)
                  for x in (fwd, inv)]
         table = np.concatenate([x.reshape(-1) for x in parts])

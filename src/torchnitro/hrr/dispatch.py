@@ -30,15 +30,16 @@ from typing import Any, Callable
 import torch
 
 from torchnitro.errors import BackendUnavailableError, InputError, OutOfMemoryError
+from torchnitro.hrr import ops
+from torchnitro.hrr.backend import to_device, to_host, topk_chunked
 
 __all__ = [
-    "Calibration", "calibrate", "calibration_path", "Dispatcher", "to_device", "to_host",
-    "is_device_failure", "items_bucket", "CALIBRATION_VERSION", "OPS",
+    "Calibration", "calibrate", "calibration_path", "Dispatcher", "is_device_failure", "items_bucket",
+    "CALIBRATION_VERSION", "OPS",
 ]
 
-# 2: per-op calibrations (bind, cleanup); 3: the CPU bind takes the faster MKL path (hrr.mkl_fft), so
-# the crossover moved; 4: the GPU bind takes the one-launch CUDA kernel (hrr.cuda_fft) from one row.
-# Files of an older version are re-measured.
+# raised whenever what a calibration times changes (a new bind path on either side moves the
+# crossover); cache files of another version are re-measured. What each version changed: docs/hrr.md
 CALIBRATION_VERSION = 4
 OPS = ("bind", "cleanup")
 _DEFAULT_BATCHES = (1, 4, 16, 64, 256, 1024, 4096)
@@ -88,30 +89,8 @@ def is_device_failure(exc: BaseException) -> bool:
     return False
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> accelerator through pinned memory with a non-blocking copy."""
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        if not t.is_pinned():
-            t = t.pin_memory()
-        return t.to(device, non_blocking=True)
-    return t.to(device)
-
-
-def to_host(t: torch.Tensor) -> torch.Tensor:
-    """Accelerator -> host into pinned memory, non-blocking, then one stream sync before use."""
-    if t.device.type != "cuda":
-        return t
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t, non_blocking=True)
-    torch.cuda.current_stream(t.device).synchronize()
-    return out
-
-
 def _measure_crossover(d: int, batches: tuple[int, ...], accel: torch.device) -> dict[str, dict[str, float]]:
     from torchnitro.bench import TimingConfig, compare
-    from torchnitro.hrr import ops
 
     cfg = TimingConfig(device=accel.type).quick()
     out: dict[str, dict[str, float]] = {}
@@ -138,8 +117,6 @@ def _measure_cleanup_crossover(d: int, n_items: int, batches: tuple[int, ...],
     side from multiplying 4096 queries against a large codebook just to confirm it.
     """
     from torchnitro.bench import TimingConfig, compare
-    from torchnitro.hrr import ops
-    from torchnitro.hrr.memory import topk_chunked
 
     n = max(1, min(n_items, _CLEANUP_MEASURE_BYTES // (4 * d)))
     g = torch.Generator().manual_seed(n)

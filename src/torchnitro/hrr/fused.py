@@ -39,6 +39,7 @@ import math
 import torch
 
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
+from torchnitro.hrr import backend as hb
 from torchnitro.hrr import ops
 from torchnitro.kernels._triton import LazyKernel, interpreting, next_pow2, triton_importable
 
@@ -199,7 +200,7 @@ def _blocked_spectral_sum(keys: torch.Tensor, values: torch.Tensor, weights: tor
                           lead: torch.Size, normalized: bool, fft, ifft) -> torch.Tensor:
     """CPU: the spectral sum over blocks of batch rows, so no full-size spectrum is ever allocated.
 
-    Shared operands (no batch dims) are transformed once. ``fft``/``ifft`` come from ``ops._transforms``.
+    Shared operands (no batch dims) are transformed once. ``fft``/``ifft`` come from ``hrr.backend.transforms``.
     Through torch.fft: 2.2-2.8x faster than the
     unblocked spectral sum at (1000, 16, 1024) and (100, 16, 4096) on the 2-core CPU; with MKL's
     kept descriptors 1.0-1.9x bind-then-sum at (10|100|1000, 16, 1024) and (100, 16, 4096), where
@@ -210,7 +211,7 @@ def _blocked_spectral_sum(keys: torch.Tensor, values: torch.Tensor, weights: tor
     kr, vr = _as_rows(keys, batch_shape, B), _as_rows(values, batch_shape, B)
     if kr is None or vr is None:  # pragma: no cover - excluded by _blocked_applies
         raise ShapeError(f"bind_superpose: cannot split keys {tuple(keys.shape)} / values {tuple(values.shape)} into rows")
-    in_place = not ops._records_grad(keys, values, weights)  # autograd needs both spectra as they were
+    in_place = not hb.records_grad(keys, values, weights)  # autograd needs both spectra as they were
     k_shared = fft(kr) if kr.dim() == 2 else None
     v_shared = fft(vr) if vr.dim() == 2 else None
     w = None if weights is None else weights.expand(*batch_shape, k).reshape(B, k)
@@ -247,7 +248,7 @@ def bind_superpose(
     ``keys`` and ``values`` broadcast against each other (e.g. shared (k, d) roles with (B, k, d)
     fillers); ``weights`` is (..., k). ``normalized`` scales each result to unit norm.
     """
-    ops._check_pair(keys, values, ("keys", "values"))
+    hb.check_pair(keys, values, ("keys", "values"))
     if keys.dim() < 2 or values.dim() < 2:
         raise ShapeError(f"bind_superpose: received keys {tuple(keys.shape)} and values {tuple(values.shape)}, "
                          "expected (..., k, d) for both")
@@ -262,7 +263,7 @@ def bind_superpose(
         if weights.dim() == 0 or weights.shape[-1] != k:
             raise ShapeError(f"bind_superpose: received weights {tuple(weights.shape)}, expected (..., {k})")
     chosen = _pick_backend(backend, keys, pairs=math.prod(lead))
-    fft, ifft, kept = ops._transforms(keys, values, weights)
+    fft, ifft, kept = hb.transforms(keys, values, weights)
     if chosen == "torch" and not keys.is_cuda and _blocked_applies(keys, values, lead, kept):
         return _blocked_spectral_sum(keys, values, weights, lead, normalized, fft, ifft)
     K, V = fft(keys), fft(values)
@@ -274,7 +275,7 @@ def bind_superpose(
         K2 = K.expand(*lead, K.shape[-1]).reshape(B, k, -1) if K.shape[:-1] != lead else K.reshape(B, k, -1)
         V2 = V.expand(*lead, V.shape[-1]).reshape(B, k, -1) if V.shape[:-1] != lead else V.reshape(B, k, -1)
         spec = _spectral_mac_triton(K2, V2, w, d, normalized).reshape(*batch_shape, -1)
-        return ops.irfft(spec, d, keys.dtype)
+        return hb.irfft(spec, d, keys.dtype)
     prod = K * V  # (..., k, F)
     if weights is not None:
         prod = prod * weights.to(prod.real.dtype).unsqueeze(-1)
@@ -288,7 +289,7 @@ def bind_normalize(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -
     """``normalize(bind(a, b))``.
 
     * ``"auto"``: on CUDA float32, same shapes, no autograd, a one-pass bind kernel normalises each
-      row before its one store, where ``hrr.bind``'s "auto" would take one (see ``ops._one_pass``); the
+      row before its one store, where ``hrr.bind``'s "auto" would take one (see ``hrr.backend.one_pass``); the
       plain path otherwise. On an H100 the CUDA kernel's form took 0.42-0.54x the time of the unfused
       path at 10-1000 rows, d = 1024 (``benchmarks/hrr.py --device cuda``, fused paths), and 0.46-0.57x
       at 64 MiB per operand, d = 256-4096 (``benchmarks/hrr_fft_sweep.py --normalize``), where the
@@ -298,14 +299,14 @@ def bind_normalize(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -
       kernel does not take.
     * ``"torch"``: ``ops.normalize(ops.bind(a, b))``, unfused.
     """
-    ops._check_pair(a, b)
+    hb.check_pair(a, b)
     if backend not in NORMALIZE_BACKENDS:
         raise InputError(f"backend: received {backend!r}, expected one of {NORMALIZE_BACKENDS}")
     if backend in ("auto", "cuda"):
-        out = ops._one_pass(a, b, backend, conj_b=False, normalize=True)  # "cuda" raises where it does not apply
+        out = hb.one_pass(a, b, backend, conj_b=False, normalize=True)  # "cuda" raises where it does not apply
         return out if out is not None else ops.normalize(ops.bind(a, b))
     if backend == "triton" and _pick_backend(backend, a) == "triton":
-        if ops._fft_kernel_reason(a, b) is None:
+        if hb.fft_kernel_reason(a, b) is None:
             from torchnitro.hrr.fft_kernel import fft_bind
 
             return fft_bind(a, b, normalize=True)

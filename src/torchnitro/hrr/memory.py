@@ -23,61 +23,19 @@ from typing import Any, Sequence
 import torch
 
 from torchnitro.errors import InputError, ShapeError
-from torchnitro.hrr.dispatch import Dispatcher, to_device
+from torchnitro.hrr.backend import to_device, topk_chunked
+from torchnitro.hrr.dispatch import Dispatcher
 from torchnitro.hrr.store import load_store, save_store
 
-__all__ = ["ItemMemory", "topk_chunked"]
+__all__ = ["ItemMemory"]
 
 _FORMAT = "torchnitro.hrr.ItemMemory"
-# target size of one (Q, chunk) score block: big GEMMs, bounded memory. A CPU block stays near the
-# caches; a GPU block is larger so that a 1,000 x 100,000 cleanup is a couple of GEMMs, not a dozen.
-_SCORE_BYTES = {"cpu": 32 << 20, "cuda": 256 << 20}
-
-
-def _auto_chunk(q: int, n: int, itemsize: int, device: torch.device | None = None) -> int:
-    budget = _SCORE_BYTES["cuda" if device is not None and device.type == "cuda" else "cpu"]
-    return max(1024, min(n, budget // max(1, q * itemsize)))
-
-
-def _topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise top-k; k == 1 is a plain max, a single reduction pass."""
-    if k == 1:
-        v, i = scores.max(dim=1, keepdim=True)
-        return v, i
-    return scores.topk(k, dim=1)
 
 
 def _check_chunk(chunk_size: int | None) -> int | None:
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise InputError(f"chunk_size: received {chunk_size!r}, expected a positive int or None (automatic)")
     return chunk_size
-
-
-def topk_chunked(
-    queries: torch.Tensor, unit: torch.Tensor, k: int, chunk_size: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` dot products of ``queries`` (Q, d) against the rows of ``unit`` (N, d), chunked.
-
-    ``unit`` may live on another device (e.g. pinned host memory): each chunk is copied to the
-    queries' device non-blocking. Returns (values (Q, k), indices (Q, k)), best first.
-    """
-    q, n = queries.shape[0], unit.shape[0]
-    chunk = chunk_size or _auto_chunk(q, n, queries.element_size(), queries.device)
-    best_v = queries.new_empty((q, 0))
-    best_i = torch.empty((q, 0), dtype=torch.long, device=queries.device)
-    for start in range(0, n, chunk):
-        block = to_device(unit[start:start + chunk], queries.device)
-        if block.dtype != queries.dtype:
-            block = block.to(queries.dtype)
-        scores = queries @ block.T  # (Q, chunk)
-        v, i = _topk(scores, min(k, scores.shape[1]))
-        if best_v.shape[1] == 0:
-            best_v, best_i = v, i + start
-            continue
-        v, pos = _topk(torch.cat([best_v, v], dim=1), min(k, best_v.shape[1] + v.shape[1]))
-        best_i = torch.cat([best_i, i + start], dim=1).gather(1, pos)
-        best_v = v
-    return best_v, best_i
 
 
 class ItemMemory:

@@ -15,7 +15,7 @@ the ones ``torch.fft`` calls, exported by ``libtorch_cpu``) through ``ctypes``:
   two descriptors per direction, and a new size costs one commit (what ``torch.fft`` pays on every
   call).
 
-``rfft`` and ``irfft`` give the other CPU transforms (``hrr.ops._transforms``: project, the exact and
+``rfft`` and ``irfft`` give the other CPU transforms (``hrr.backend.transforms``: project, the exact and
 projected unbinds, shapes that broadcast both ways, hrr.fused's spectral sum) the same kept descriptors.
 
 The results match ``torch.fft``'s to rounding (the same MKL transforms and ``1 / d`` scale; MKL
@@ -187,14 +187,18 @@ def _shape_reason(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return None
 
 
-def mkl_bind_reason(a: torch.Tensor, b: torch.Tensor) -> str | None:
-    """None when ``mkl_bind`` runs on ``a`` and ``b``, else why not."""
+def _platform_reason(a: torch.Tensor, b: torch.Tensor) -> str | None:
     why = _library()[1]
     if why is None and (a.device.type != "cpu" or b.device.type != "cpu"):
         why = f"tensors on {a.device} and {b.device}; the MKL path runs on the CPU"
     if why is None and (a.dtype not in _PRECISION or b.dtype != a.dtype):
         why = f"dtypes {a.dtype} and {b.dtype}; the MKL path takes two float32 or two float64 tensors"
-    return why or _shape_reason(a, b)
+    return why
+
+
+def mkl_bind_reason(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """None when ``mkl_bind`` runs on ``a`` and ``b``, else why not."""
+    return _platform_reason(a, b) or _shape_reason(a, b)
 
 
 def mkl_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
@@ -204,7 +208,7 @@ def mkl_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, block_by
     why = _shape_reason(a, b)
     if why is not None:
         raise ShapeError(f"mkl_bind: {why}")
-    why = mkl_bind_reason(a, b)
+    why = _platform_reason(a, b)
     if why is not None:
         raise BackendUnavailableError(f"mkl_bind: {why}")
     if block_bytes < 1:
@@ -213,7 +217,7 @@ def mkl_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, block_by
 
 
 def _bind(a: torch.Tensor, b: torch.Tensor, conj_b: bool, block_bytes: int = BLOCK_BYTES) -> torch.Tensor:
-    """``mkl_bind`` on inputs ``mkl_bind_reason`` accepted (hrr.bind checks once, not twice)."""
+    """``mkl_bind``'s work, once its inputs are checked."""
     d, dtype = a.shape[-1], a.dtype
     # x: the operand with the rows; y: the other, or a single vector whose spectrum is ``shared``
     x, y, conj_x, conj_y = (b, a, conj_b, False) if a.shape != b.shape and a.numel() == d else (a, b, False, conj_b)

@@ -25,6 +25,7 @@ import torch
 
 from torchnitro.errors import InputError, ShapeError
 from torchnitro.hrr import ops
+from torchnitro.hrr.backend import check_vec
 from torchnitro.hrr.fused import bind_superpose
 from torchnitro.hrr.memory import ItemMemory
 
@@ -127,7 +128,7 @@ class Sequence:
         if not isinstance(items, torch.Tensor) or items.dim() < 2 or items.shape[-2] == 0:
             got = tuple(items.shape) if isinstance(items, torch.Tensor) else type(items).__name__
             raise ShapeError(f"Sequence.encode: received {got}, expected a tensor (..., L, d) with L >= 1 items")
-        ops._check_vec("items", items)
+        check_vec("items", items)
         length, d = items.shape[-2], items.shape[-1]
         fwd, _ = _position_index(d, length, seed)
         idx = fwd.to(items.device).expand(*items.shape[:-2], length, d)

@@ -1,0 +1,187 @@
+"""The import graph of ``src/torchnitro``, read from the AST: no module-level import cycles.
+
+Two kinds of edges are counted separately:
+
+* module-level imports (anything that runs when the module is imported: top level, class bodies,
+  ``try``/``if`` blocks; ``if TYPE_CHECKING:`` blocks are skipped, they never run);
+* function-level imports (inside a ``def``): they run on first call, so a cycle that needs one of
+  them does not break an import, but it still ties a lower layer to a higher one.
+
+A cycle through module-level imports fails. A cycle that closes only through a function-level
+import fails too when it is new; both known lists below may only shrink (issue 17): a new cycle
+fails, and a fixed one must be taken off its list.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+PACKAGE = "torchnitro"
+
+# issue 17: module-level cycles that exist today; remove an entry when its cycle is fixed
+KNOWN_MODULE_CYCLES: set[frozenset[str]] = set()
+
+# issue 17: cycles that close only through an import inside a function; remove an entry when fixed
+KNOWN_FUNCTION_CYCLES: set[frozenset[str]] = {
+    frozenset({"torchnitro.hf", "torchnitro.nn.zoo"}),  # zoo finds HF built-ins by importing hf (item 3)
+}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted((SRC / PACKAGE).rglob("*.py"))}
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _targets(node: ast.Import | ast.ImportFrom, module: str, is_package: bool, known: set[str]) -> set[str]:
+    """The torchnitro modules an import statement loads (a ``from pkg import sub`` names pkg.sub)."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names if a.name in known}
+    base = node.module or ""
+    if node.level:  # relative: strip one package level per dot beyond the first
+        anchor = module.split(".") if is_package else module.split(".")[:-1]
+        anchor = anchor[: len(anchor) - (node.level - 1)]
+        base = ".".join(anchor + ([base] if base else []))
+    out = set()
+    for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        if sub in known:
+            out.add(sub)
+        elif base in known:
+            out.add(base)
+    return out
+
+
+class _Collector(ast.NodeVisitor):
+    def __init__(self, module: str, is_package: bool, known: set[str]) -> None:
+        self.module, self.is_package, self.known = module, is_package, known
+        self.depth = 0  # > 0 inside a function body
+        self.module_level: set[str] = set()
+        self.function_level: set[str] = set()
+
+    def _add(self, node: ast.Import | ast.ImportFrom) -> None:
+        found = _targets(node, self.module, self.is_package, self.known) - {self.module}
+        (self.function_level if self.depth else self.module_level).update(found)
+
+    visit_Import = visit_ImportFrom = _add
+
+    def visit_FunctionDef(self, node: ast.AST) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_Lambda = visit_FunctionDef
+
+    def visit_If(self, node: ast.If) -> None:
+        if _is_type_checking(node.test):
+            for child in node.orelse:
+                self.visit(child)
+            return
+        self.generic_visit(node)
+
+
+def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """(module-level edges, function-level edges) between torchnitro modules."""
+    mods = _modules()
+    known = set(mods)
+    top: dict[str, set[str]] = {}
+    inner: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        c = _Collector(name, path.name == "__init__.py", known)
+        c.visit(ast.parse(path.read_text(), str(path)))
+        top[name], inner[name] = c.module_level, c.function_level - c.module_level
+    return top, inner
+
+
+def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: set[frozenset[str]] = set()
+    counter = 0
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph.get(root, ()))))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, it = work[-1]
+            nxt = next(it, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = counter
+                    counter += 1
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = set()
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    comp.add(m)
+                    if m == node:
+                        break
+                if len(comp) > 1:
+                    found.add(frozenset(comp))
+    return found
+
+
+def _describe(comps: set[frozenset[str]]) -> str:
+    return "\n".join("  {" + ", ".join(sorted(c)) + "}" for c in sorted(comps, key=sorted))
+
+
+def _check_only_shrinks(now: set[frozenset[str]], known: set[frozenset[str]], kind: str) -> None:
+    new, fixed = now - known, known - now
+    assert not new, f"new {kind} import cycle(s) in src/{PACKAGE}:\n{_describe(new)}"
+    assert not fixed, (f"{kind} import cycle(s) listed as known are gone; take them off the list in "
+                       f"tests/test_import_graph.py:\n{_describe(fixed)}")
+
+
+def test_no_new_module_level_cycles():
+    top, _ = import_graph()
+    _check_only_shrinks(cycles(top), KNOWN_MODULE_CYCLES, "module-level")
+
+
+def test_no_new_cycles_through_function_level_imports():
+    top, inner = import_graph()
+    both = {m: top[m] | inner[m] for m in top}
+    _check_only_shrinks(cycles(both) - cycles(top), KNOWN_FUNCTION_CYCLES, "function-level")
+
+
+def test_the_graph_reader_sees_both_kinds_of_edge_and_finds_a_cycle():
+    top, inner = import_graph()
+    assert "torchnitro.errors" in top["torchnitro.hrr.ops"]  # a module-level import
+    assert "torchnitro.bench" in inner["torchnitro.hrr.dispatch"] | top["torchnitro.hrr.dispatch"]
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
+    assert cycles({"a": {"b"}, "b": set()}) == set()
+
+
+def test_hrr_backend_imports_only_the_kernels_below_it():
+    top, inner = import_graph()
+    below = {"torchnitro.hrr.mkl_fft", "torchnitro.hrr.fft_kernel", "torchnitro.hrr.cuda_fft"}
+    used = {m for m in top["torchnitro.hrr.backend"] | inner["torchnitro.hrr.backend"] if m.startswith("torchnitro.hrr")}
+    assert used <= below, f"hrr.backend imports {sorted(used - below)} from the layer above it"
