@@ -40,6 +40,8 @@ class CandidateResult:
     first_call_ms: dict[str, float] = field(default_factory=dict)  # first call at each new size (recompilation)
     interleaved: bool = False  # p50/p99/speedup come from the interleaved finalist comparison (else: search timing)
     isolated: bool = False
+    alone: bool = False  # the comparison timed it alone in its own process (own runtime), alternating with eager
+    redone: bool = False  # the final comparison was redone: eager inside it differed from eager alone
     cached: bool = False
     notes: str = ""
 

@@ -3,22 +3,27 @@
 1. Eager runs first and gives the references (held-out inputs) and the baseline timing.
 2. Each selected recipe is skipped (unavailable here, not applicable, budget spent), or built,
    run twice on every held-out set and timed: in this process with a time limit, or in a child
-   process when the recipe is ``isolate=True`` (native code) or ``isolate_all`` is set. An
-   exception, hang or crash marks that candidate ``failed`` and the search goes on.
+   process when the recipe is ``isolate=True`` (native code) or ``isolate_all`` is set; the child
+   gets a program prepared here (``autotune.program``), never the model object. An exception, hang or
+   crash marks that candidate ``failed`` (one clean line, ``autotune.failure``) and the search goes on.
+   A candidate starts only within the budget (a child's start-up counts against it; one that cannot
+   start is ``skipped``) and then has its whole limit: a search ends by its budget plus one limit.
 3. The gate (``verify.judge``) marks each ``verified`` or ``rejected`` (with its error numbers).
 4. Finalists: the ``finalists`` best search estimates plus any within ``NOISE_BAND`` of the best (one
    early sample each, taken minutes apart, can be hit by load) are screened in a short interleaved
    run with eager when they outnumber ``finalists``; the best ``finalists`` by that ratio are re-timed
    interleaved with eager (``bench.compare``); the winner must beat eager by ``min_speedup`` and by
-   eager's own noise, otherwise eager is chosen.
+   eager's own noise, otherwise eager is chosen. Candidates with their own runtime (``isolate=True``,
+   standalone artifact) are timed alone in their own process in both runs (``autotune.fair``), and
+   eager inside the comparison is checked against eager alone (redone once when it drifted).
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -28,14 +33,20 @@ from torch import nn
 from torchnitro.autotune.cache import CACHE_VERSION, CandidateCache, function_id, make_key, model_hash
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.evaluate import CandidateTimeout, Evaluation, evaluate, run_isolated, time_limit
+from torchnitro.autotune.failure import Failure
 from torchnitro.autotune.inputs import ModelInfo, input_signature
+from torchnitro.autotune.program import Programs, isolation
 from torchnitro.autotune.recipe import BuildContext, Recipe
 from torchnitro.autotune.recipes._util import restructure
 from torchnitro.autotune.report import CandidateResult, Report, Status
 from torchnitro.autotune.verify import judge
 from torchnitro.autotune.workload import (SearchOutcome, SearchProgress, Workload, objective_stat, objective_text,
-                                          preload_modules, prepare_workload, select_recipes)
-from torchnitro.bench.timing import TimingConfig, compare
+                                          prepare_workload, select_recipes)
+from torchnitro.autotune import fair
+from torchnitro.bench.environment import describe_environment
+from torchnitro.bench.isolated import ChildTimer, save_inputs, shared_process
+from torchnitro.bench.timing import Timing, TimingConfig, compare
+from torchnitro.errors import InputError, RecipeError
 from torchnitro.hardware import hardware_info
 
 __all__ = ["search", "resolve_device", "finalist_pool", "NOISE_BAND"]
@@ -63,6 +74,7 @@ class _Search:
         self.fns: dict[str, Callable[..., Any]] = {}  # in-process candidates, kept for the final comparison
         self.where: dict[str, tuple[Path, dict[str, Any], list[str], bool]] = {}  # name -> dir, meta, files, standalone
         self.notes: set[str] = set()
+        self.programs = Programs(model, wl.example_inputs, dict(wl.dynamic_dims), Path(self.tmp.name) / "_programs")
         self.p50: dict[str, float] = {}  # search-time p50 of live in-process candidates
         self.timing = TimingConfig(warmup=1, warmup_s=0.0, min_iters=cfg.timing_min_iters,
                                    min_time_s=cfg.timing_min_time_s, max_time_s=max(2.0, cfg.timing_min_time_s * 4),
@@ -78,13 +90,16 @@ class _Search:
                         tol=self.cfg.tolerance(r.numeric_class.value),
                         metric=function_id(self.cfg.metric_fn), thr=self.cfg.metric_threshold)
 
-    def ctx(self, r: Recipe) -> BuildContext:
+    def ctx(self, r: Recipe, isolated: bool) -> BuildContext:
         work = Path(self.tmp.name) / r.name
         work.mkdir(parents=True, exist_ok=True)
-        return BuildContext(copy.deepcopy(self.model), self.wl.example_inputs, self.hw, self.device, work,
+        model = None if isolated else copy.deepcopy(self.model)  # an isolated child gets a program instead
+        return BuildContext(model, self.wl.example_inputs, self.hw, self.device, work,  # type: ignore[arg-type]
                             dict(self.wl.dynamic_dims), self.cfg)
 
-    def run_one(self, r: Recipe, limit_s: float) -> CandidateResult:
+    def run_one(self, r: Recipe, limit_s: float, remaining_s: float = math.inf) -> CandidateResult:
+        """Evaluate ``r`` under its ``limit_s``; an isolated child must also start within ``remaining_s``
+        (the search budget left), else the candidate is skipped for the budget."""
         res = CandidateResult(r.name, r.numeric_class.value, Status.FAILED)
         key = self.cand_key(r) if self.cache else None
         if key and r.name != "eager":
@@ -96,30 +111,24 @@ class _Search:
                 if res.status == Status.VERIFIED:
                     self.where[r.name] = (d, entry["meta"], entry["files"], entry["standalone"])
                 return res
-        ctx = self.ctx(r)
-        isolated = (r.isolate or self.cfg.isolate_all) and r.name != "eager"
-        preload = preload_modules(self.info, self.model)
-        if isolated and preload is None:
-            isolated = False
-            self.notes.add("the model's classes are defined interactively, so risky candidates ran in this process "
-                           "(no crash isolation); define the model in a .py file to isolate them")
+        isolated, note = isolation(r, self.cfg.isolate_all)
+        if note:
+            self.notes.add(note)
+        ctx = self.ctx(r, isolated)
         res.isolated = isolated
         try:
             if isolated:
-                ev = run_isolated(r, ctx, self.wl.held_out, self.wl.timing_sets, self.timing, self.wl.items_per_call,
-                                  limit_s, preload or [])
-                if isinstance(ev, str):
-                    res.reason = ev
-                    return res
+                ev = self._in_child(r, ctx, limit_s, remaining_s)
             else:
                 with time_limit(limit_s):
                     ev = evaluate(r, ctx, self.wl.held_out, self.wl.timing_sets, self.timing, self.wl.items_per_call)
         except CandidateTimeout as exc:
-            res.reason = str(exc)
-            return res
+            ev = Failure("", str(exc))
         except Exception as exc:  # noqa: BLE001 - one candidate never takes the search down
-            res.reason = f"{type(exc).__name__}: {exc}".strip()[:400]
-            res.notes = traceback.format_exc(limit=-2)[-400:]
+            ev = Failure.from_exception(exc)
+        if isinstance(ev, Failure):
+            res.status = Status.SKIPPED if ev.budget else Status.FAILED
+            res.reason, res.notes = ev.reason, ev.notes
             return res
         self._fill(res, r, ev)
         if res.status == Status.VERIFIED:
@@ -134,6 +143,22 @@ class _Search:
             if stored is not None and r.name in self.where:
                 self.where[r.name] = (stored, ev.meta, ev.files, ev.standalone)
         return res
+
+    def _in_child(self, r: Recipe, ctx: BuildContext, limit_s: float, remaining_s: float) -> Evaluation | Failure:
+        """``r`` in a child process fed the program it declares (prepared once, shared); preparing
+        and the child's start-up count against the budget, not against the recipe's limit."""
+        t0 = time.perf_counter()
+        program, prep_s = self.programs.get(r.isolated_input, limit_s, remaining_s)
+        if isinstance(program, Failure):
+            return program
+        ctx.program = program
+        ev = run_isolated(r, ctx, self.wl.held_out, self.wl.timing_sets, self.timing, self.wl.items_per_call,
+                          limit_s, remaining_s - (time.perf_counter() - t0))
+        if isinstance(ev, Evaluation):  # the child never saw the model itself: say what it built from
+            how = f"built from the {program.kind} program ({prep_s:.1f} s to prepare, shared)" + (
+                f"; torch.export failed: {program.meta['export_error']}" if "export_error" in program.meta else "")
+            ev.notes = f"{ev.notes}; {how}" if ev.notes else how
+        return ev
 
     def _trim(self) -> None:
         """Keep live only the in-process candidates that can still be finalists (each may hold a model
@@ -194,7 +219,8 @@ def search(model: nn.Module, example_inputs: tuple[Any, ...], info: ModelInfo, c
     try:
         wl = prepare_workload(model, example_inputs, info, cfg, device)
         s = _Search(model, info, cfg, wl, device)
-        return _run(s, recipes, t_start)
+        with shared_process():  # eager and in-process candidates are timed here: no runtime pool may spin
+            return _run(s, recipes, t_start)
     finally:
         torch.set_num_threads(old_threads)
 
@@ -213,12 +239,12 @@ def _run(s: _Search, recipes: list[Recipe], t_start: float) -> SearchOutcome:
             except Exception as exc:  # noqa: BLE001 - a buggy check costs only its own recipe
                 why = f"its applicability check raised {type(exc).__name__}: {exc}"[:300]
             if why is None and r.name != "eager" and remaining < 1.0:
-                why = f"time budget of {cfg.budget_s:.0f} s spent (raise budget_s)"
+                why = f"budget: the search's {cfg.budget_s:.0f} s are spent (raise budget_s)"
             if why is not None and r.name != "eager":
                 report.candidates.append(CandidateResult(r.name, r.numeric_class.value, Status.SKIPPED, why))
-            else:
-                limit = max(cfg.candidate_timeout_s, 60.0) if r.name == "eager" else min(cfg.candidate_timeout_s, remaining)
-                report.candidates.append(s.run_one(r, limit))
+            else:  # one that starts within the budget gets its whole limit: a search ends by budget + one limit
+                limit = max(cfg.candidate_timeout_s, 60.0) if r.name == "eager" else cfg.candidate_timeout_s
+                report.candidates.append(s.run_one(r, limit, remaining))
             prog.step(r.name, advance=1)
         prog.step("comparing finalists with eager")
         chosen = _finalists(s, report)
@@ -249,37 +275,79 @@ def finalist_pool(ranked: list[CandidateResult], key: Callable[[CandidateResult]
     return pool[: max(2 * k, k + 2)]
 
 
-def _callables(s: _Search, cands: list[CandidateResult]) -> dict[str, Callable[[], Any]]:
+def _note(c: CandidateResult, text: str) -> None:
+    c.notes = (c.notes + "; " if c.notes else "") + text
+
+
+def _local(s: _Search, c: CandidateResult) -> Callable[[], Any] | None:
+    """The in-process timing closure of ``c``; None (``c`` marked failed) when it cannot be reloaded."""
     from torchnitro.autotune.recipe import get_recipe
 
-    fns: dict[str, Callable[[], Any]] = {}
+    try:
+        fn = s.callable_for(get_recipe(c.recipe))
+    except Exception as exc:  # noqa: BLE001
+        c.status = Status.FAILED
+        c.reason = f"reloading the built candidate failed: {type(exc).__name__}: {exc}"[:300]
+        return None
     sets = s.wl.timing_sets
-    for c in cands:
+    return lambda: [fn(*x) for x in sets]
+
+
+def _callables(s: _Search, cands: list[CandidateResult], timers: dict[str, ChildTimer]) -> dict[str, Callable[..., Any]]:
+    """What the comparison times, in ``cands`` order: a closure per in-process candidate, and a ready
+    ``ChildTimer`` (also put in ``timers``, for the caller to close) per candidate that runs alone."""
+    from torchnitro.autotune.recipe import get_recipe
+
+    alone = [c for c in cands if c.recipe in s.where and fair.runs_alone(get_recipe(c.recipe), s.where[c.recipe][3])]
+    inputs = Path(s.tmp.name) / "_timing_inputs.pt"
+    if alone:
         try:
-            fn = s.callable_for(get_recipe(c.recipe))
-        except Exception as exc:  # noqa: BLE001
-            c.status = Status.FAILED
-            c.reason = f"reloading the built candidate failed: {type(exc).__name__}: {exc}"[:300]
-            continue
-        fns[c.recipe] = lambda fn=fn: [fn(*x) for x in sets]
+            save_inputs(s.wl.timing_sets, inputs)
+        except InputError as exc:
+            s.notes.add(f"isolated-runtime finalists were timed in this process: {exc}"[:300])
+            alone = []
+    for c in alone:  # every child starts now; they load side by side, before anything is timed
+        d, meta, _, _ = s.where[c.recipe]
+        timers[c.recipe] = fair.start_alone(get_recipe(c.recipe), d, meta, inputs, threads=torch.get_num_threads(),
+                                            device=s.device.type)
+    fns: dict[str, Callable[..., Any]] = {}
+    for c in cands:
+        timer = timers.get(c.recipe)
+        if timer is not None:
+            try:
+                timer.wait_ready()
+                fns[c.recipe], c.alone = timer, True
+                continue
+            except RecipeError as exc:
+                timer.close()
+                del timers[c.recipe]
+                _note(c, f"timed in this process: its own timing process failed ({exc})"[:300])
+        fn = _local(s, c)
+        if fn is not None:
+            fns[c.recipe] = fn
     return fns
 
 
-def _screen(s: _Search, report: Report, eager_fn: Callable[[], Any], fns: dict[str, Callable[[], Any]],
-            k: int) -> dict[str, Callable[[], Any]]:
+def _compare_finalists(s: _Search, fns: dict[str, Callable[..., Any]], tc: TimingConfig) -> dict[str, Timing]:
+    """One interleaved run; a ``ChildTimer`` entry alternates this process with the candidate's own."""
+    with torch.inference_mode():
+        return compare(fns, tc, items_per_call=s.wl.items_per_call, baseline="eager")
+
+
+def _screen(s: _Search, report: Report, eager_fn: Callable[[], Any], fns: dict[str, Callable[..., Any]],
+            k: int) -> dict[str, Callable[..., Any]]:
     """A short interleaved run of eager and the whole pool; keeps the ``k`` best by median ratio to eager.
 
     Ratios from one interleaved run survive load drift that the search-time samples do not."""
     cfg = s.cfg
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=cfg.final_min_time_s / 2,
                       max_time_s=max(3.0, cfg.final_min_time_s * 2), device=s.device.type)
-    with torch.inference_mode():
-        res = compare({"eager": eager_fn, **fns}, tc, items_per_call=s.wl.items_per_call, baseline="eager")
+    res = _compare_finalists(s, {"eager": eager_fn, **fns}, tc)
     ratio = {n: res["eager"].median / t.median for n, t in res.items() if n != "eager"}
     keep = sorted(ratio, key=ratio.get, reverse=True)[:k]
     for name, r in ratio.items():
         c = report.get(name)
-        c.notes = (c.notes + "; " if c.notes else "") + f"screen {r:.2f}x vs eager (short interleaved run)"
+        _note(c, f"screen {r:.2f}x vs eager (short interleaved run)")
         if name not in keep:  # not re-timed again: the screen's interleaved numbers are its best estimate
             t = res[name]
             c.p50_ms, c.p99_ms, c.cv, c.throughput, c.speedup, c.interleaved = (
@@ -289,6 +357,27 @@ def _screen(s: _Search, report: Report, eager_fn: Callable[[], Any], fns: dict[s
     return {n: fns[n] for n in keep}
 
 
+def _checked_comparison(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], alone_ms: float,
+                        alone_cv: float | None) -> dict[str, Timing]:
+    """The final comparison; redone once after ``fair.SETTLE_S`` when eager inside it differs from eager alone."""
+    cfg = s.cfg
+    iters = max(cfg.final_min_iters, 30) if cfg.percentile == "p99" else cfg.final_min_iters  # a p99 needs samples
+    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=iters, min_time_s=cfg.final_min_time_s,
+                      max_time_s=max(5.0, cfg.final_min_time_s * 3), device=s.device.type)
+    res = _compare_finalists(s, fns, tc)
+    check = fair.check_eager(alone_ms, alone_cv, res["eager"])
+    if not check.ok:
+        report.notes.append(f"final comparison redone after a {fair.SETTLE_S:g} s pause: first run's {check.text()}")
+        time.sleep(fair.SETTLE_S)
+        res = _compare_finalists(s, fns, tc)
+        check = fair.check_eager(alone_ms, alone_cv, res["eager"])
+        for name in res:
+            report.get(name).redone = True
+    report.notes.append(check.text() + ("" if check.ok else ": still outside the band after the redo, so the "
+                                        "speedups below carry that error"))
+    return res
+
+
 def _finalists(s: _Search, report: Report) -> Recipe:
     from torchnitro.autotune.recipe import get_recipe
 
@@ -296,8 +385,6 @@ def _finalists(s: _Search, report: Report) -> Recipe:
     eager = get_recipe("eager")
     eager_res = report.get("eager")
     if eager_res.status != Status.VERIFIED:
-        from torchnitro.errors import InputError
-
         raise InputError(f"the eager model failed on its own inputs: {eager_res.reason}; expected a model that runs "
                          "deterministically in eval mode on the example inputs")
     verified = [c for c in report.candidates if c.status == Status.VERIFIED and c.recipe != "eager"]
@@ -309,20 +396,22 @@ def _finalists(s: _Search, report: Report) -> Recipe:
     if verified:
         report.notes.append(f"~: search-time estimate against eager's search-time p50 of {eager_res.p50_ms:.2f} ms "
                             "(one short measurement each; unmarked speedups come from the interleaved comparison)")
-    fns = _callables(s, finalist_pool(verified, key, cfg.finalists))
-    if not fns:
-        return eager
-    efn = s.callable_for(eager)
-    sets = s.wl.timing_sets
-    eager_fn = lambda: [efn(*x) for x in sets]  # noqa: E731
-    if len(fns) > cfg.finalists:
-        fns = _screen(s, report, eager_fn, fns, cfg.finalists)
-    fns = {"eager": eager_fn, **fns}
-    iters = max(cfg.final_min_iters, 30) if cfg.percentile == "p99" else cfg.final_min_iters  # a p99 needs samples
-    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=iters, min_time_s=cfg.final_min_time_s,
-                      max_time_s=max(5.0, cfg.final_min_time_s * 3), device=s.device.type)
-    with torch.inference_mode():
-        res = compare(fns, tc, items_per_call=s.wl.items_per_call, baseline="eager")
+    report.notes.append(f"timing environment: {describe_environment()}")
+    alone_ms, alone_cv = eager_res.p50_ms, eager_res.cv  # eager alone, before any candidate ran
+    timers: dict[str, ChildTimer] = {}
+    try:
+        fns = _callables(s, finalist_pool(verified, key, cfg.finalists), timers)
+        if not fns:
+            return eager
+        efn = s.callable_for(eager)
+        sets = s.wl.timing_sets
+        eager_fn = lambda: [efn(*x) for x in sets]  # noqa: E731
+        if len(fns) > cfg.finalists:
+            fns = _screen(s, report, eager_fn, fns, cfg.finalists)
+        res = _checked_comparison(s, report, {"eager": eager_fn, **fns}, alone_ms, alone_cv)
+    finally:
+        for timer in timers.values():
+            timer.close()
     base = objective_stat(res["eager"], cfg)
     # below 1 the user accepts a slower verified candidate on purpose (forcing a recipe); else beat the noise too
     required = cfg.min_speedup if cfg.min_speedup < 1 else max(cfg.min_speedup, 1.0 + min(res["eager"].cv, 0.10))
@@ -334,7 +423,10 @@ def _finalists(s: _Search, report: Report) -> Recipe:
         c.interleaved = True
         if name != "eager" and c.speedup >= required and c.speedup > best_speed:
             best, best_speed = get_recipe(name), c.speedup
-    report.notes.append(f"finalists re-timed interleaved with eager; a winner needs >= {required:.2f}x")
+    alone = sorted(n for n in res if report.get(n).alone)
+    report.notes.append("finalists re-timed interleaved with eager" + (
+        f" ({', '.join(alone)} each alone in its own process, rounds alternating with eager here)" if alone else "")
+        + f"; a winner needs >= {required:.2f}x")
     return best
 
 

@@ -1,10 +1,17 @@
 """ONNX export + ONNX Runtime (all graph optimisations, intra-op threads = usable cores), and ORT
 dynamic int8 quantisation with per-channel weight scales. Both run in a subprocess during the search
-(native code that can crash) and are standalone artifacts (``model.onnx``)."""
+(native code that can crash) and are standalone artifacts (``model.onnx``).
+
+Spinning: ORT's idle intra-op threads spin after each call by default, which is often fastest alone
+but takes the cores from anything else timed in the same process (issue 14: eager looked 1.5-2x
+slower right after an ORT call). The build times the session alone with spinning on and off and
+stores the faster in ``meta["ort_spinning"]`` (what a deployed artifact uses); inside
+``bench.isolated.shared_process()`` (the search) a session never spins."""
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -15,9 +22,11 @@ from torch import Tensor, nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
 from torchnitro.autotune.recipes._util import output_kind, restructure
+from torchnitro.bench.isolated import process_is_shared
+from torchnitro.bench.timing import Timing, TimingConfig, measure
 from torchnitro.hardware import HardwareInfo
 
-__all__ = ["OnnxRuntime", "OnnxRuntimeInt8", "export_onnx", "OrtRunner"]
+__all__ = ["OnnxRuntime", "OnnxRuntimeInt8", "export_onnx", "OrtRunner", "choose_spinning"]
 
 
 def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_dims: dict[int, list[int]]) -> dict[str, Any]:
@@ -51,16 +60,23 @@ def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_d
 
 
 class OrtRunner:
-    """Callable wrapper of an ORT session: torch tensors in, torch tensors out (eager's structure)."""
+    """Callable wrapper of an ORT session: torch tensors in, torch tensors out (eager's structure).
 
-    def __init__(self, path: Path, meta: dict[str, Any], threads: int):
+    ``spinning``: whether idle intra-op threads spin between calls. None: the choice the build measured
+    (``meta["ort_spinning"]``, ORT's default of on when absent), and never inside ``shared_process()``."""
+
+    def __init__(self, path: Path, meta: dict[str, Any], threads: int, spinning: bool | None = None):
         import onnxruntime as ort
 
+        if spinning is None:
+            spinning = bool(meta.get("ort_spinning", True)) and not process_is_shared()
+        self.spinning = spinning
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         so.intra_op_num_threads = max(1, threads)
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
+        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
         if not torch.cuda.is_available():
             providers = ["CPUExecutionProvider"]
@@ -82,8 +98,45 @@ def _ort_missing() -> str | None:
     return None
 
 
+def _onnx_from(ctx: BuildContext, path: Path) -> dict[str, Any]:
+    """The model as ONNX at ``path``: in a child process the export the search prepared (shared by
+    both recipes; the child has no model object), else a fresh export. Returns the export's meta."""
+    if ctx.program is not None and ctx.program.kind == "onnx":
+        shutil.copyfile(ctx.program.path, path)
+        return dict(ctx.program.meta)
+    return export_onnx(ctx.model, ctx.example_inputs, path, ctx.dynamic_dims)
+
+
 def _threads(ctx: BuildContext) -> int:
     return ctx.config.resolved_threads() if ctx.config is not None else ctx.hardware.cpu_cores
+
+
+_SPIN_TIMING = TimingConfig(warmup=2, warmup_s=0.0, min_iters=5, min_time_s=0.2, max_time_s=1.0)
+
+
+def choose_spinning(path: Path, meta: dict[str, Any], inputs: tuple[Any, ...]) -> OrtRunner:
+    """Time the session alone with spinning on, then off; store the choice in ``meta`` and return a runner.
+
+    Spinning is kept only when it wins by more than the noise (3% or the cv): a spinning pool costs
+    cores that a server's other threads (batcher, HTTP) may need."""
+    times: dict[bool, Timing] = {}
+    for spin in (True, False):  # one session at a time: a live spinning pool would slow the other
+        runner = OrtRunner(path, meta, meta["threads"], spinning=spin)
+        times[spin] = measure(lambda: runner(*inputs), _SPIN_TIMING)
+    on, off = times[True], times[False]
+    meta["ort_spinning"] = on.median < off.median * (1 - max(0.03, off.cv))
+    meta["ort_spin_p50_ms"] = {"on": on.median * 1e3, "off": off.median * 1e3}
+    if meta["ort_spinning"] and not process_is_shared():
+        runner = OrtRunner(path, meta, meta["threads"])
+    return runner  # the spinning-off session when that is what this process should run
+
+
+def _built(ctx: BuildContext, meta: dict[str, Any], notes: str) -> Built:
+    meta["threads"] = _threads(ctx)
+    runner = choose_spinning(ctx.workdir / "model.onnx", meta, ctx.example_inputs)
+    ms = meta["ort_spin_p50_ms"]
+    spin = f"spinning {'on' if meta['ort_spinning'] else 'off'} ({ms['on']:.2f} vs {ms['off']:.2f} ms alone)"
+    return Built(runner, ["model.onnx"], meta, standalone=True, notes=f"{notes}; {spin}")
 
 
 @register_recipe
@@ -92,16 +145,16 @@ class OnnxRuntime(Recipe):
     numeric_class = NumericClass.EXACT
     description = "ONNX export + ONNX Runtime, graph optimisations on, intra-op threads = cores"
     isolate = True
+    isolated_input = "onnx"
     order = 20
+    version = "2"  # meta records the measured spinning choice
 
     def unavailable_reason(self, hw: HardwareInfo) -> str | None:
         return _ort_missing()
 
     def build(self, ctx: BuildContext) -> Built:
-        meta = export_onnx(ctx.model, ctx.example_inputs, ctx.workdir / "model.onnx", ctx.dynamic_dims)
-        meta["threads"] = _threads(ctx)
-        return Built(OrtRunner(ctx.workdir / "model.onnx", meta, meta["threads"]), ["model.onnx"], meta,
-                     standalone=True, notes=f"{meta['exporter']} exporter")
+        meta = _onnx_from(ctx, ctx.workdir / "model.onnx")
+        return _built(ctx, meta, f"{meta['exporter']} exporter")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         return OrtRunner(directory / "model.onnx", meta, meta.get("threads", 1))
@@ -113,7 +166,9 @@ class OnnxRuntimeInt8(Recipe):
     numeric_class = NumericClass.INT8
     description = "ONNX Runtime dynamic int8 (per-channel weights, activations quantised per call)"
     isolate = True
+    isolated_input = "onnx"
     order = 40
+    version = "2"  # meta records the measured spinning choice
 
     def unavailable_reason(self, hw: HardwareInfo) -> str | None:
         return _ort_missing()
@@ -127,14 +182,12 @@ class OnnxRuntimeInt8(Recipe):
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         fp32 = ctx.workdir / "fp32.onnx"
-        meta = export_onnx(ctx.model, ctx.example_inputs, fp32, ctx.dynamic_dims)
+        meta = _onnx_from(ctx, fp32)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             quantize_dynamic(str(fp32), str(ctx.workdir / "model.onnx"), per_channel=True, weight_type=QuantType.QInt8)
         fp32.unlink()
-        meta["threads"] = _threads(ctx)
-        return Built(OrtRunner(ctx.workdir / "model.onnx", meta, meta["threads"]), ["model.onnx"], meta,
-                     standalone=True, notes="per-channel int8 weights")
+        return _built(ctx, meta, "per-channel int8 weights")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         return OrtRunner(directory / "model.onnx", meta, meta.get("threads", 1))

@@ -1,0 +1,188 @@
+"""Timing a function alone in its own process, alternated with work timed in this one.
+
+A runtime with its own thread pool (ONNX Runtime, OpenVINO) keeps its threads spinning after a call
+and takes the cores from whatever this process times next; a function that will be deployed alone
+must be timed alone. ``ChildTimer`` starts ``python -m torchnitro.bench.isolated``, which builds the
+function from a loader named ``"module:function"`` (plus JSON keyword arguments) and the inputs from
+a tensor file (``torch.load(weights_only=True)``: nothing the user wrote is unpickled), calls it once
+and reports ready; start-up is never timed. Then each ``timer(k)`` asks the child for one sample of
+``k`` calls, timed by the child on its own clock, and returns seconds per call: ``bench.compare``
+takes such a timer in place of a function, so rounds alternate this process and the child (A B A B).
+
+While this process waits for the child it sleeps in ``read``; the child sleeps in ``readline`` while
+this process times. A short settle pause on each switch lets spinning pools of the side that just
+ran go quiet before the other side's sample starts.
+
+``shared_process()`` marks code that times several things in one process: runtimes that own a
+thread pool must not let it spin there (``process_is_shared()``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from torchnitro.errors import RecipeError
+
+__all__ = ["ChildTimer", "shared_process", "process_is_shared", "save_inputs", "SETTLE_S"]
+
+SETTLE_S = 0.02  # pause on each switch between processes: ORT's pool stops spinning within a few ms
+_STARTUP_S = 180.0  # interpreter + torch import + loading the artifact on a busy 2-core machine
+_SHARED = [0]  # depth of nested shared_process() blocks in this process
+
+
+@contextlib.contextmanager
+def shared_process() -> Iterator[None]:
+    """While active, this process times several variants: runtimes must keep their pools from spinning."""
+    _SHARED[0] += 1
+    try:
+        yield
+    finally:
+        _SHARED[0] -= 1
+
+
+def process_is_shared() -> bool:
+    """True inside ``shared_process()``: other work is timed in this process beside a runtime's calls."""
+    return _SHARED[0] > 0
+
+
+def save_inputs(sets: Sequence[tuple[Any, ...]], path: Path) -> None:
+    """Write the timing inputs for a child: tensors and plain values only, loadable with weights_only=True."""
+    torch.save([list(s) for s in sets], path)
+    try:
+        torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - anything that is not tensors/plain values
+        from torchnitro.errors import InputError
+
+        raise InputError(f"the timing inputs hold objects other than tensors and plain values ({exc}); expected "
+                         "tensors, numbers, strings, lists, tuples or dicts of those") from exc
+
+
+class ChildTimer:
+    """One function timed in its own process; ``timer(k)`` -> seconds per call over one sample of ``k`` calls."""
+
+    times_itself = True  # bench.compare calls it with k instead of wrapping it in a sampler
+
+    def __init__(self, loader: str, kwargs: dict[str, Any], inputs: Path, *, threads: int, device: str = "cpu",
+                 settle_s: float | None = None, timeout_s: float = 120.0, log: Path | None = None):
+        spec = {"loader": loader, "kwargs": kwargs, "inputs": str(inputs), "threads": threads, "device": device}
+        self.settle_s = SETTLE_S if settle_s is None else settle_s
+        self.timeout_s = timeout_s
+        self.samples = 0
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+        self.log = log or inputs.with_suffix(f".{os.getpid()}.{id(self)}.log")
+        self._err = open(self.log, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "torchnitro.bench.isolated", json.dumps(spec)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env,
+                                     bufsize=0)  # unbuffered: select() sees every line
+        self._ready = False
+
+    def wait_ready(self) -> None:
+        """Block until the child has loaded the function and called it once (not timed)."""
+        if not self._ready:
+            self._expect(self._read(_STARTUP_S + self.timeout_s), "ready")
+            self._ready = True
+
+    def __call__(self, k: int) -> float:
+        self.wait_ready()
+        time.sleep(self.settle_s)  # this process's pools go quiet
+        self._send(str(int(k)))
+        line = self._read(self.timeout_s * max(1, k))
+        time.sleep(self.settle_s)  # the child's pools go quiet
+        self.samples += 1
+        return float(self._expect(line, "sample"))
+
+    def _send(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write((text + "\n").encode())
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise RecipeError(f"the timing process exited: {self._tail()}") from exc
+
+    def _read(self, timeout_s: float) -> str:
+        assert self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        if not ready:
+            self.close()
+            raise RecipeError(f"the timing process did not answer within {timeout_s:.0f} s (killed)")
+        return self.proc.stdout.readline().decode().strip()
+
+    def _expect(self, line: str, what: str) -> str:
+        tag, _, rest = line.partition(" ")
+        if tag != what:
+            detail = rest if tag == "error" else f"{line!r}; {self._tail()}"
+            self.close()
+            raise RecipeError(f"the timing process failed while waiting for {what!r}: {detail}")
+        return rest
+
+    def _tail(self) -> str:
+        self._err.flush()
+        lines = self.log.read_text(errors="replace").strip().splitlines() if self.log.exists() else []
+        return " / ".join(lines[-3:])[-400:] or f"exit code {self.proc.poll()}"
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError, ValueError):
+                self._send("quit")
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout, self._err):
+            with contextlib.suppress(OSError, ValueError):
+                f.close()  # type: ignore[union-attr]
+        self.log.unlink(missing_ok=True)
+
+    def __enter__(self) -> "ChildTimer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _load(loader: str, kwargs: dict[str, Any]) -> Callable[..., Any]:
+    mod, _, name = loader.partition(":")
+    return getattr(importlib.import_module(mod), name)(**kwargs)
+
+
+def _child(spec: dict[str, Any]) -> None:
+    from torchnitro.bench.timing import TimingConfig, _Sampler, _use_cuda
+
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # the protocol owns the real stdout; a stray print goes to the log
+
+    def send(line: str) -> None:
+        proto.write(line.replace("\n", " ") + "\n")
+
+    try:
+        torch.set_num_threads(spec["threads"])
+        fn = _load(spec["loader"], spec["kwargs"])
+        sets = torch.load(spec["inputs"], weights_only=True)
+        with torch.inference_mode():
+            call = lambda: [fn(*x) for x in sets]  # noqa: E731
+            call()  # lazy initialisation is start-up, not timed
+            sampler = _Sampler(call, _use_cuda(TimingConfig(device=spec["device"])))
+            send("ready")
+            for line in sys.stdin:
+                if line.strip() == "quit":
+                    break
+                send(f"sample {sampler(int(line)):.9e}")
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as the reason
+        send(f"error {type(exc).__name__}: {exc}"[:600])
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised through ChildTimer
+    _child(json.loads(sys.argv[1]))
