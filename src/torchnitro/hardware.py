@@ -23,7 +23,7 @@ _INTERESTING_FLAGS = (
 )
 _LIBRARIES = (
     "torch", "triton", "onnx", "onnxruntime", "onnxscript", "transformers", "safetensors",
-    "numpy", "torch_tensorrt", "starlette", "uvicorn", "torchao",
+    "numpy", "torch_tensorrt", "starlette", "uvicorn", "torchao", "openvino", "nncf",
 )
 
 
