@@ -86,6 +86,8 @@ class BatchObserver(Protocol):
 
     def on_queue_depth(self, depth: int) -> None: ...
 
+    def on_pending(self, pending: int) -> None: ...  # accepted and not yet answered
+
 
 # errors about the request itself, not its input: splitting the batch would not change them
 _NOT_RETRIED = (DeadlineExceededError, DrainingError, QueueFullError)
@@ -216,6 +218,8 @@ class DynamicBatcher:
         self._pending.add(req)
         if self._idle is not None:
             self._idle.clear()
+        if self.observer is not None:
+            self.observer.on_pending(len(self._pending))
         if deadline is not None:
             loop.call_later(timeout_ms / 1e3, self._expire, req)
         if self.adaptive is not None:
@@ -265,6 +269,7 @@ class DynamicBatcher:
         if not self._pending and self._idle is not None:
             self._idle.set()
         if self.observer is not None:
+            self.observer.on_pending(len(self._pending))
             qs = None if req.started is None else req.started - req.arrival
             self.observer.on_request_done(status, qs, self.clock() - req.arrival)
 

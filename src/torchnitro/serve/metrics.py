@@ -2,7 +2,8 @@
 
 Names (all prefixed ``torchnitro_``): ``requests_total{model,code}``, ``queue_seconds``,
 ``compute_seconds`` (per batch), ``request_seconds`` (end to end inside the server), ``batch_size``
-(histograms, label ``model``), ``queue_depth`` (gauge) and ``worker_restarts_total``.
+(histograms, label ``model``), ``queue_depth`` and ``requests_pending`` (accepted, not yet answered:
+queued, batching or computing) gauges, and ``worker_restarts_total``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class _Observer:
         # labelled children resolved once: .labels() costs a lock and a dict lookup per call
         self.queue, self.batch = m.queue.labels(model), m.batch.labels(model)
         self.compute, self.depth = m.compute.labels(model), m.depth.labels(model)
+        self.pending = m.pending.labels(model)
 
     def on_request_done(self, status: str, queue_s: float | None, total_s: float) -> None:
         if queue_s is not None:
@@ -35,6 +37,9 @@ class _Observer:
 
     def on_queue_depth(self, depth: int) -> None:
         self.depth.set(depth)
+
+    def on_pending(self, pending: int) -> None:
+        self.pending.set(pending)
 
 
 class ServeMetrics:
@@ -52,6 +57,8 @@ class ServeMetrics:
         self.batch = Histogram("torchnitro_batch_size", "Rows per executed batch", ["model"],
                                buckets=_SIZES, registry=r)
         self.depth = Gauge("torchnitro_queue_depth", "Requests waiting for a batch", ["model"], registry=r)
+        self.pending = Gauge("torchnitro_requests_pending", "Accepted requests not yet answered", ["model"],
+                             registry=r)
         self.restarts = Counter("torchnitro_worker_restarts_total", "Worker processes restarted after a crash",
                                 ["model"], registry=r)
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from torchnitro.serve.models import ServedModel
 from torchnitro.serve.protocol import ModelSignature, TensorSpec
 
-__all__ = ["POISON", "RAISE", "affine", "slow_affine", "ragged_double", "picky_affine",
+__all__ = ["POISON", "RAISE", "affine", "slow_affine", "gated_affine", "ragged_double", "picky_affine",
            "VirtualTimeLoop", "run_virtual"]
 
 POISON = -999.0  # an input row starting with this value kills the worker process (crash tests)
@@ -96,6 +96,20 @@ def slow_affine() -> ServedModel:
     """``affine`` that takes 50 ms per batch (queues build up: priorities, drain, deadlines)."""
     return ServedModel(_affine_fn(float(os.environ.get("TORCHNITRO_TEST_DELAY_S", "0.05"))),
                        _affine_sig("slow_affine"))
+
+
+def gated_affine() -> ServedModel:
+    """``affine`` that holds every batch until the file named by ``$TORCHNITRO_TEST_GATE`` exists
+    (up to 120 s): a test decides when in-flight work may finish instead of racing a sleep."""
+    gate, base = os.environ.get("TORCHNITRO_TEST_GATE", ""), _affine_fn(0.0)
+
+    def fn(x: Tensor) -> Tensor:
+        end = time.monotonic() + 120
+        while gate and not os.path.exists(gate) and time.monotonic() < end:
+            time.sleep(0.01)
+        return base(x)
+
+    return ServedModel(fn, _affine_sig("gated_affine"))
 
 
 def picky_affine() -> ServedModel:

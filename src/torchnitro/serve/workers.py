@@ -24,6 +24,7 @@ import copy
 import itertools
 import multiprocessing as mp
 import os
+import signal
 from typing import Any, Callable, Sequence
 
 import torch
@@ -107,6 +108,10 @@ class InlinePool:
 
 # --------------------------------------------------------------------------- processes
 def _worker_main(spec: Any, name: str, conn: Any, arena: Tensor, threads: int) -> None:
+    # Ctrl-C, `docker stop`, systemd and Kubernetes signal the whole process group: the parent
+    # drains (finishes in-flight batches on these workers) and then stops them over the pipe
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(1)
