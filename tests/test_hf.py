@@ -58,15 +58,31 @@ def test_minilm_matches_sentence_transformers_pooling():
 
 @pytest.mark.parametrize("cfg,expect_dim", [(bert_config, 64), (gpt2_config, 1024), (llama_config, 1024)])
 def test_random_hf_architectures(cfg, expect_dim):
+    from transformers import AutoModel, AutoModelForCausalLM
+
     model = random_hf_model(cfg())
     ids = torch.randint(1, 1024, (2, 10))
     mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding: pooling and attention (causal too) must respect the mask
     with torch.inference_mode():
         out = model(ids, mask)
     assert isinstance(out, torch.Tensor) and out.shape[-1] == expect_dim and torch.isfinite(out).all()
     again = random_hf_model(cfg())
     with torch.inference_mode():
         torch.testing.assert_close(again(ids, mask), out)  # seeded weights
+    # values: transformers' own model on the same seed, eager attention, pooled by hand here
+    decoder = expect_dim == 1024
+    torch.manual_seed(0)
+    hf = (AutoModelForCausalLM if decoder else AutoModel).from_config(cfg(), attn_implementation="eager").eval()
+    with torch.inference_mode():
+        ho = hf(input_ids=ids, attention_mask=mask, use_cache=False)
+    if decoder:  # logits (B, T, V); padded positions are not compared
+        keep = mask.bool()
+        torch.testing.assert_close(out[keep], ho.logits[keep], rtol=1e-4, atol=1e-4)
+    else:  # sentence embedding: mean over real tokens, then L2 norm
+        m = mask.unsqueeze(-1).float()
+        pooled = (ho.last_hidden_state * m).sum(1) / m.sum(1)
+        torch.testing.assert_close(out, pooled / pooled.norm(dim=1, keepdim=True), rtol=1e-4, atol=1e-4)
 
 
 def test_load_hf_local_folder(tmp_path):
