@@ -46,7 +46,9 @@ from typing import Any
 from torchnitro.errors import InputError
 
 __all__ = ["Budget", "checkpoint_indices", "MemoryPlan", "PlanTerm", "plan", "parse_dtype", "DTYPE_BYTES",
-           "CHECKPOINT_POLICIES", "ATTENTION_KINDS", "sdpa_backend", "attention_bytes"]
+           "CHECKPOINT_POLICIES", "ATTENTION_KINDS", "sdpa_backend", "attention_bytes", "StepShape", "step_shape",
+           "parameter_terms", "gradient_term", "optimizer_state_term", "layer_terms", "selective_layer_bytes",
+           "head_bytes", "Checkpointed", "checkpointed_activations", "optimizer_temporaries_term"]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 _OPTIMIZER_STATE = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
@@ -125,12 +127,6 @@ class MemoryPlan:
         return "\n".join(lines)
 
     __str__ = table
-
-
-def _cfg_get(cfg: Any, name: str, default: Any = None) -> Any:
-    if isinstance(cfg, dict):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
 
 
 def _shape(cfg: Any) -> dict[str, int]:
@@ -239,6 +235,200 @@ def attention_bytes(kind: str, device: str, *, B: int, T: int, H: int, Hkv: int,
     return b, f"c({'3' if copy else '2'}BTD + 2BT*Hkv*Dh) + 4BH*{'ceil32(T)' if kind == 'efficient' else 'T'} ({kind})"
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """One training step's sizes and byte widths: what every estimator below reads.
+
+    The estimators count one model replica; a distributed planner calls them per rank with that
+    rank's shard of the sizes (e.g. ``L`` layers of a pipeline stage, ``H`` heads of a TP shard).
+    """
+
+    B: int  # micro-batch size
+    T: int  # sequence length
+    V: int  # vocabulary size: embedding, lm_head and the logits
+    D: int  # model width
+    L: int  # transformer blocks
+    H: int  # query heads
+    Hkv: int  # key/value heads (fewer than H with GQA)
+    Dh: int  # head dimension
+    F: int  # SwiGLU hidden size
+    S: int  # max_seq_len: the RoPE cos/sin buffers are allocated for it
+    tied: int  # 1 when the embedding and lm_head share one weight
+    e: int  # bytes per element of the model dtype
+    c: int  # bytes of what the matmuls produce: e, or the autocast dtype's
+    amp: bool  # torch.autocast over fp32 parameters (TrainStep's mixed precision)
+    device: str  # "cpu" or "cuda": picks the norm and attention kernels
+    attention: str  # SDPA backend that runs: flash, efficient, cudnn or math
+
+    @property
+    def BT(self) -> int:
+        return self.B * self.T
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one block: q, k, v, o projections, the three SwiGLU matrices, two norms."""
+        D, H, Hkv, Dh = self.D, self.H, self.Hkv, self.Dh
+        return D * H * Dh + 2 * D * Hkv * Dh + H * Dh * D + 3 * D * self.F + 2 * D
+
+    @property
+    def n_params(self) -> int:
+        return self.V * self.D * (2 - self.tied) + self.L * self.layer_params + self.D
+
+
+def step_shape(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", amp: str | None = None,
+               attention: str = "auto", device: Any = None) -> StepShape:
+    """Check the step's inputs and resolve them (the byte widths, the device, the SDPA backend)."""
+    s = _shape(model_config)
+    for name, v in (("batch", batch), ("seq", seq)):
+        if not isinstance(v, int) or v < 1:
+            raise InputError(f"{name}: received {v!r}, expected a positive integer")
+    if seq > s["S"]:
+        raise InputError(f"seq: received {seq}, expected <= max_seq_len={s['S']}; raise max_seq_len in the config")
+    if attention not in ATTENTION_KINDS:
+        raise InputError(f"attention: received {attention!r}, expected one of {ATTENTION_KINDS}")
+    dev = _device(device)
+    e = parse_dtype(dtype)
+    c = parse_dtype(amp) if amp is not None else e
+    if amp is not None and (e != 4 or c == 4):
+        raise InputError(f"amp={amp!r} with dtype={dtype!r}: expected fp32 parameters (dtype='fp32') and a "
+                         "16-bit autocast dtype ('bf16' or 'fp16')")
+    if attention == "auto":
+        attention = sdpa_backend(dev, c, n_heads=s["H"], kv_heads=s["Hkv"], head_dim=s["Dh"], seq=seq)
+    return StepShape(B=batch, T=seq, **s, e=e, c=c, amp=amp is not None, device=dev, attention=attention)
+
+
+# --- parameters, gradients, optimizer state -------------------------------------------------------
+
+
+def parameter_terms(s: StepShape) -> list[PlanTerm]:
+    """The weights and the RoPE buffers."""
+    return [PlanTerm("parameters", s.n_params * s.e, f"{s.n_params:,} params x {s.e} B", "parameters"),
+            PlanTerm("buffers", 2 * s.S * (s.Dh // 2) * s.e, "RoPE cos/sin: 2 x max_seq x Dh/2 x e", "parameters")]
+
+
+def gradient_term(s: StepShape) -> PlanTerm:
+    return PlanTerm("gradients", s.n_params * s.e, "one per parameter, model dtype", "gradients")
+
+
+def optimizer_state_term(s: StepShape, optimizer: str) -> PlanTerm:
+    """State tensors per parameter (Adam: two moments, plus a 4-byte step per tensor)."""
+    k = _OPTIMIZER_STATE[optimizer]
+    n_tensors = (2 - s.tied) + s.L * 9 + 1
+    state = k * s.n_params * s.e + (4 * n_tensors if optimizer in ("adam", "adamw") else 0)
+    return PlanTerm("optimizer_state", state, f"{optimizer}: {k} x params", "optimizer_state")
+
+
+# --- activations ----------------------------------------------------------------------------------
+
+
+def _norm_bytes(s: StepShape) -> int:
+    """One RMSNorm: CUDA's fused kernel keeps its input and rstd, the decomposed one (CPU, autocast)
+    the fp32 input, rsqrt, the normalised x and the output."""
+    fused = s.device == "cuda" and not s.amp
+    return (2 * s.e if fused else 8 + s.e) * s.BT * s.D + 4 * s.BT
+
+
+def layer_terms(s: StepShape) -> list[PlanTerm]:
+    """What one full (not checkpointed) block saves for backward, and its attention's share."""
+    BT, c = s.BT, s.c
+    attn, attn_formula = attention_bytes(s.attention, s.device, B=s.B, T=s.T, H=s.H, Hkv=s.Hkv, Dh=s.Dh, c=c)
+    mlp = 4 * c * BT * s.F
+    if not s.amp:
+        layer = 2 * _norm_bytes(s) + attn + mlp
+    else:  # fp32 x and x*rsqrt per norm; one input cast per Linear (3 attn + 2 mlp); weight casts
+        amp_norms = 2 * (8 * BT * s.D + 4 * BT) + 5 * c * BT * s.D
+        layer = amp_norms + attn + mlp + c * (s.layer_params - 2 * s.D) + 4 * s.T * (s.Dh // 2) * c
+    fused = s.device == "cuda" and not s.amp
+    return [PlanTerm("activations/layer", layer, f"2[{'2e' if fused else '(8+e)'}BTD+4BT] + attn + 4cBTF", "per-layer"),
+            PlanTerm("activations/attention", attn, attn_formula, "per-layer")]
+
+
+def selective_layer_bytes(s: StepShape) -> int:
+    """A block under selective checkpointing: its input, the q/k/v and w1/w3 matmul outputs and the
+    attention kernel's outputs (``checkpoint_``'s default policy recomputes wo and w2)."""
+    BT, c = s.BT, s.c
+    if s.attention == "math":  # the two bmm outputs: scores (B, H, T, T) and (B, H, T, Dh); fp32 on CPU
+        sel_attn = (4 if s.device == "cpu" else c) * (s.B * s.H * s.T * s.T + BT * s.D)
+    else:
+        lse_rows = 32 * math.ceil(s.T / 32) if s.attention == "efficient" else s.T
+        sel_attn = c * BT * s.D + 4 * s.B * s.H * lse_rows
+    return s.e * BT * s.D + c * (BT * s.D + 2 * BT * s.Hkv * s.Dh + 2 * BT * s.F) + sel_attn
+
+
+def head_bytes(s: StepShape) -> int:
+    """Final norm and the fp32 log-softmax cross-entropy keeps (with autocast: fp32 norm + lm_head
+    input and weight casts)."""
+    BT = s.BT
+    if s.amp:
+        return 8 * BT * s.D + 4 * BT + s.c * BT * s.D + s.c * s.V * s.D + 4 * BT * s.V
+    return _norm_bytes(s) + 4 * BT * s.V
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    """Activation memory of the blocks under a checkpointing policy."""
+
+    kind: str  # the policy's kind: none, blocks, every_n, selective, budget
+    indices: tuple[int, ...]  # blocks that are checkpointed
+    stored: int  # what all blocks hold between their forward and their backward
+    recompute: int  # one checkpointed group re-run in backward
+    peak: int  # worst moment of a backward that recomputes (0 without checkpointing)
+
+
+def checkpointed_activations(s: StepShape, policy: Any, layer: int, head: int) -> Checkpointed:
+    """Blocks kept whole, checkpointed (their input only) or selective, for a block of ``layer`` bytes."""
+    kind, every = _groups(policy)
+    L, boundary = s.L, s.e * s.BT * s.D  # a checkpointed block keeps its input
+    count = 0
+    if kind == "budget":
+        allowed = policy.fraction * (L * layer + head)
+        saving = layer - boundary
+        count = min(L, max(0, math.ceil((L * layer + head - allowed) / saving - 1e-9))) if saving > 0 else 0
+    idx = checkpoint_indices(kind, L, every, count)
+    ck = set(idx)
+    sel_layer = selective_layer_bytes(s)
+
+    def kept(j: int) -> int:  # what block j holds between forward and its backward
+        if kind == "selective":
+            return sel_layer
+        return boundary if j in ck else layer
+
+    recompute = (layer - sel_layer if kind == "selective" else layer) if idx else 0
+    # recomputing block i: blocks <= i still hold theirs, blocks > i have made their weight grads;
+    # plus the head's weight grad, dx of the block output and two BTF grads in its MLP backward
+    layer_grads = s.e * s.layer_params
+    peak = max((sum(kept(j) for j in range(i + 1)) + recompute + layer_grads * (L - 1 - i)
+                + s.e * s.V * s.D + boundary + 2 * s.c * s.BT * s.F for i in idx), default=0)
+    return Checkpointed(kind, tuple(idx), sum(kept(j) for j in range(L)), recompute, peak)
+
+
+# --- temporaries and peaks ------------------------------------------------------------------------
+
+
+def optimizer_temporaries_term(s: StepShape, foreach: bool) -> PlanTerm:
+    """The update's temporaries: 2x the largest tensor for the per-tensor loop, 1x all params for foreach."""
+    largest = max(s.V * s.D, s.D * s.F, s.D * s.H * s.Dh) * s.e
+    return PlanTerm("optimizer temporaries", s.n_params * s.e if foreach else 2 * largest,
+                    "foreach: 1x params" if foreach else "per-tensor: 2x largest tensor", "temporaries")
+
+
+def _phases(s: StepShape, terms: dict[str, PlanTerm], ckpt: Checkpointed, optimizer: str) -> dict[str, int]:
+    P, logits = terms["parameters"].bytes, 4 * s.BT * s.V
+    base = P + terms["buffers"].bytes + terms["optimizer_state"].bytes
+    acts = ckpt.stored + terms["activations/head"].bytes
+    # autocast caches weight casts until it exits: checkpointed blocks hold theirs there too
+    casts = s.c * (s.layer_params - 2 * s.D) * len(ckpt.indices) if s.amp else 0
+    phases = {
+        "forward": base + acts + logits + casts,
+        "backward": base + max(acts + 2 * logits, ckpt.peak,
+                               P + (1 + s.tied) * s.e * s.V * s.D),  # end: grads + tied-embedding sum
+    }
+    if optimizer != "none":
+        stepping = _OPTIMIZER_STATE[optimizer] or optimizer == "sgd"
+        phases["optimizer"] = base + P + terms["optimizer temporaries"].bytes if stepping else base
+    return phases
+
+
 def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimizer: str = "adamw",
          checkpointing: Any = "none", attention: str = "auto", foreach: bool = False,
          amp: str | None = None, device: Any = None) -> MemoryPlan:
@@ -253,107 +443,23 @@ def plan(model_config: Any, *, batch: int, seq: int, dtype: Any = "fp32", optimi
     attention kernels. ``attention`` names the SDPA backend ('flash', 'efficient', 'cudnn',
     'math'); 'auto' is the one PyTorch would run (``sdpa_backend``).
     """
-    s = _shape(model_config)
-    for name, v in (("batch", batch), ("seq", seq)):
-        if not isinstance(v, int) or v < 1:
-            raise InputError(f"{name}: received {v!r}, expected a positive integer")
-    if seq > s["S"]:
-        raise InputError(f"seq: received {seq}, expected <= max_seq_len={s['S']}; raise max_seq_len in the config")
     if optimizer not in _OPTIMIZER_STATE:
         raise InputError(f"optimizer: received {optimizer!r}, expected one of {sorted(_OPTIMIZER_STATE)}")
-    if attention not in ATTENTION_KINDS:
-        raise InputError(f"attention: received {attention!r}, expected one of {ATTENTION_KINDS}")
-    dev = _device(device)
-    e = parse_dtype(dtype)
-    B, T = batch, seq
-    V, D, L, H, Hkv, Dh, F = (s[k] for k in ("V", "D", "L", "H", "Hkv", "Dh", "F"))
-    BT = B * T
-
-    per_layer_params = D * H * Dh + 2 * D * Hkv * Dh + H * Dh * D + 3 * D * F + 2 * D
-    n_params = V * D * (2 - s["tied"]) + L * per_layer_params + D
-    P = n_params * e
-    buffers = 2 * s["S"] * (Dh // 2) * e
-    largest = max(V * D, D * F, D * H * Dh) * e
-    n_tensors = (2 - s["tied"]) + L * 9 + 1
-    k_state = _OPTIMIZER_STATE[optimizer]
-    state = k_state * P + (4 * n_tensors if optimizer in ("adam", "adamw") else 0)
-
-    if amp is not None:
-        c = parse_dtype(amp)
-        if e != 4 or c == 4:
-            raise InputError(f"amp={amp!r} with dtype={dtype!r}: expected fp32 parameters (dtype='fp32') and a "
-                             "16-bit autocast dtype ('bf16' or 'fp16')")
-    c = parse_dtype(amp) if amp is not None else e  # bytes of what the matmuls produce
-    fused_norm = dev == "cuda" and amp is None  # CUDA: one fused rms_norm kernel saves input + rstd
-    norm = (2 * e if fused_norm else 8 + e) * BT * D + 4 * BT
-    kind_attn = attention if attention != "auto" else sdpa_backend(dev, c, n_heads=H, kv_heads=Hkv, head_dim=Dh, seq=T)
-    attn, attn_formula = attention_bytes(kind_attn, dev, B=B, T=T, H=H, Hkv=Hkv, Dh=Dh, c=c)
-    mlp = 4 * c * BT * F
-    if amp is None:
-        layer = 2 * norm + attn + mlp
-    else:  # fp32 x and x*rsqrt per norm; one input cast per Linear (3 attn + 2 mlp); weight casts
-        amp_norms = 2 * (8 * BT * D + 4 * BT) + 5 * c * BT * D
-        layer = amp_norms + attn + mlp + c * (per_layer_params - 2 * D) + 4 * T * (Dh // 2) * c
-    # selective keeps: block input, q/k/v and w1/w3 matmul outputs, the attention kernel's outputs
-    if kind_attn == "math":  # the two bmm outputs: scores (B, H, T, T) and (B, H, T, Dh); fp32 on CPU
-        sel_attn = (4 if dev == "cpu" else c) * (B * H * T * T + BT * D)
-    else:
-        sel_attn = c * BT * D + 4 * B * H * (32 * math.ceil(T / 32) if kind_attn == "efficient" else T)
-    sel_layer = e * BT * D + c * (BT * D + 2 * BT * Hkv * Dh + 2 * BT * F) + sel_attn
-    head = norm + 4 * BT * V  # final norm + fp32 log-softmax kept by cross-entropy
-    if amp is not None:  # fp32 norm + lm_head input cast + lm_head weight cast
-        head = 8 * BT * D + 4 * BT + c * BT * D + c * V * D + 4 * BT * V
-    logits = 4 * BT * V
-
-    kind, every = _groups(checkpointing)
-    count = 0
-    if kind == "budget":
-        allowed = checkpointing.fraction * (L * layer + head)
-        saving = layer - e * BT * D
-        count = min(L, max(0, math.ceil((L * layer + head - allowed) / saving - 1e-9))) if saving > 0 else 0
-    idx = checkpoint_indices(kind, L, every, count)
-    ck, n_ck = set(idx), len(idx)
-
-    def kept(j: int) -> int:  # what block j holds between forward and its backward
-        if kind == "selective":
-            return sel_layer
-        return e * BT * D if j in ck else layer
-
-    stored = sum(kept(j) for j in range(L))
-    recompute = (layer - sel_layer if kind == "selective" else layer) if idx else 0
-    # recomputing block i: blocks <= i still hold theirs, blocks > i have made their weight grads;
-    # plus the head's weight grad, dx of the block output and two BTF grads in its MLP backward
-    layer_grads = e * per_layer_params
-    rec_peak = max((sum(kept(j) for j in range(i + 1)) + recompute + layer_grads * (L - 1 - i)
-                    + e * V * D + e * BT * D + 2 * c * BT * F for i in idx), default=0)
-    acts = stored + head
-
+    s = step_shape(model_config, batch=batch, seq=seq, dtype=dtype, amp=amp, attention=attention, device=device)
+    layer, attn = layer_terms(s)
+    head = PlanTerm("activations/head", head_bytes(s), "final norm + 4BTV log-softmax", "activations")
+    ckpt = checkpointed_activations(s, checkpointing, layer.bytes, head.bytes)
+    n_ck = len(ckpt.indices)
     terms = [
-        PlanTerm("parameters", P, f"{n_params:,} params x {e} B", "parameters"),
-        PlanTerm("buffers", buffers, "RoPE cos/sin: 2 x max_seq x Dh/2 x e", "parameters"),
-        PlanTerm("gradients", P, "one per parameter, model dtype", "gradients"),
-        PlanTerm("optimizer_state", state, f"{optimizer}: {k_state} x params", "optimizer_state"),
-        PlanTerm("activations/layer", layer, f"2[{'2e' if fused_norm else '(8+e)'}BTD+4BT] + attn + 4cBTF",
-                 "per-layer"),
-        PlanTerm("activations/attention", attn, attn_formula, "per-layer"),
-        PlanTerm("activations/layers", stored, f"{L - n_ck} full + {n_ck} checkpointed ({kind})", "activations"),
-        PlanTerm("activations/head", head, "final norm + 4BTV log-softmax", "activations"),
-        PlanTerm("recompute", recompute, "one checkpointed group re-run in backward", "temporaries"),
-        PlanTerm("loss temporaries", 2 * logits, "NLL grad + log-softmax grad: 2 x 4BTV", "temporaries"),
-        PlanTerm("optimizer temporaries", P if foreach else 2 * largest,
-                 "foreach: 1x params" if foreach else "per-tensor: 2x largest tensor", "temporaries"),
+        *parameter_terms(s), gradient_term(s), optimizer_state_term(s, optimizer), layer, attn,
+        PlanTerm("activations/layers", ckpt.stored, f"{s.L - n_ck} full + {n_ck} checkpointed ({ckpt.kind})",
+                 "activations"),
+        head,
+        PlanTerm("recompute", ckpt.recompute, "one checkpointed group re-run in backward", "temporaries"),
+        PlanTerm("loss temporaries", 8 * s.BT * s.V, "NLL grad + log-softmax grad: 2 x 4BTV", "temporaries"),
+        optimizer_temporaries_term(s, foreach),
     ]
-    base = P + buffers + state
-    phases = {
-        # autocast caches weight casts until it exits: checkpointed blocks hold theirs there too
-        "forward": base + acts + logits + (c * (per_layer_params - 2 * D) * n_ck if amp is not None else 0),
-        "backward": base + max(acts + 2 * logits,
-                               rec_peak,
-                               P + (1 + s["tied"]) * e * V * D),  # end: grads + tied-embedding sum
-        "optimizer": base + P + terms[-1].bytes if k_state or optimizer == "sgd" else base,
-    }
-    if optimizer == "none":
-        phases.pop("optimizer")
-    inputs = dict(batch=B, seq=T, dtype=str(dtype), amp=amp, optimizer=optimizer, checkpointing=kind,
-                  checkpointed_layers=n_ck, attention=kind_attn, foreach=foreach, device=dev)
+    phases = _phases(s, {t.name: t for t in terms}, ckpt, optimizer)
+    inputs = dict(batch=s.B, seq=s.T, dtype=str(dtype), amp=amp, optimizer=optimizer, checkpointing=ckpt.kind,
+                  checkpointed_layers=n_ck, attention=s.attention, foreach=foreach, device=s.device)
     return MemoryPlan(terms, phases, inputs)
