@@ -58,12 +58,13 @@ def process_is_shared() -> bool:
 
 def save_inputs(sets: Sequence[tuple[Any, ...]], path: Path) -> None:
     """Write the timing inputs for a child: tensors and plain values only, loadable with weights_only=True."""
-    torch.save([list(s) for s in sets], path)
     try:
+        torch.save([list(s) for s in sets], path)
         torch.load(path, weights_only=True)
     except Exception as exc:  # noqa: BLE001 - anything that is not tensors/plain values
         from torchnitro.errors import InputError
 
+        path.unlink(missing_ok=True)
         raise InputError(f"the timing inputs hold objects other than tensors and plain values ({exc}); expected "
                          "tensors, numbers, strings, lists, tuples or dicts of those") from exc
 
