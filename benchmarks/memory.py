@@ -26,7 +26,7 @@ from rich.progress import track as progress
 
 from torchnitro.bench import ResultTable, TimingConfig, compare, save_plot
 from torchnitro.hardware import hardware_info
-from torchnitro.memory import checkpoint_, find_batch_size, plan, track
+from torchnitro.memory import FinderConfig, checkpoint_, find_batch_size, plan, track
 from torchnitro.nn.models import TransformerConfig, TransformerLM
 from torchnitro.precision import Float8Config, scaled_mm_available, to_float8_
 
@@ -151,10 +151,10 @@ def finder_section(quick: bool):
     budgets = [4, 8] if quick else [4, 8, 16]
     for mib in progress(budgets, description="finder"):
         budget = mib * 2**20
-        truth = find_batch_size(step, budget_bytes=budget, margin=1e-9, max_val=max_val, model=model,
+        truth = find_batch_size(step, FinderConfig(budget_bytes=budget, margin=1e-9, max_val=max_val), model=model,
                                 optimizer=opt).batch_size  # bisect to hi - lo == 1: the exact limit
         for start, kw in (("planner", dict(estimate=est)), ("1", {})):
-            r = find_batch_size(step, budget_bytes=budget, margin=margin, max_val=max_val, model=model,
+            r = find_batch_size(step, FinderConfig(budget_bytes=budget, margin=margin, max_val=max_val), model=model,
                                 optimizer=opt, **kw)
             table.add(**{"budget MiB": mib, "start": f"{start} ({r.start})", "mode": "binsearch",
                          "found": r.batch_size, "true limit": truth,

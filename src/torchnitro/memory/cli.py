@@ -120,7 +120,7 @@ def find_batch_command(
     import torch.nn.functional as F
 
     from torchnitro.memory.checkpointing import checkpoint_
-    from torchnitro.memory.finder import find_batch_size
+    from torchnitro.memory.finder import FinderConfig, find_batch_size
     from torchnitro.memory.planner import parse_dtype, plan
     from torchnitro.nn.models import TransformerLM
 
@@ -145,8 +145,8 @@ def find_batch_command(
         return plan(model_cfg, batch=b, seq=T, dtype=mem.dtype, optimizer=mem.optimizer,
                     checkpointing=_policy(mem), attention=mem.attention, foreach=dev == "cuda").peak_bytes
 
-    r = find_batch_size(step, budget_bytes=nbytes, mode=mem.mode, margin=mem.margin, max_val=mem.max_val,
-                        estimate=estimate, model=model, optimizer=opt)
+    search = FinderConfig(budget_bytes=nbytes, mode=mem.mode, margin=mem.margin, max_val=mem.max_val)
+    r = find_batch_size(step, search, estimate=estimate, model=model, optimizer=opt)
     t = Table(title=f"find-batch: budget {nbytes / 2**20:.0f} MiB, seq {T}, {mem.mode}, start {r.start}")
     for c in ("batch", "fits", "peak MiB", "planned MiB", "seconds", "reason"):
         t.add_column(c)

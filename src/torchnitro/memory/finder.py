@@ -1,6 +1,6 @@
 """Find the largest (or the fastest) batch size that fits, by real trials.
 
-``find_batch_size(step_fn, budget_bytes=..., mode=...)`` calls ``step_fn(batch_size)`` (one training
+``find_batch_size(step_fn, FinderConfig(budget_bytes=..., mode=...))`` calls ``step_fn(batch_size)`` (one training
 step at that batch size) and treats an out-of-memory error as "does not fit". Modes:
 
 - ``"power"``: double from the start value until a trial fails; return the last that fit
@@ -25,14 +25,17 @@ import gc
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
 from torchnitro.errors import BudgetError, InputError, OutOfMemoryError
 
-__all__ = ["find_batch_size", "FinderResult", "Trial", "default_is_oom", "MODES"]
+if TYPE_CHECKING:
+    from torchnitro.bench import TimingConfig
+
+__all__ = ["find_batch_size", "FinderConfig", "FinderResult", "Trial", "default_is_oom", "MODES"]
 
 MODES = ("power", "binsearch", "throughput")
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "cudnn_status_not_supported",
@@ -157,106 +160,143 @@ def _start_from_estimate(estimate: Callable[[int], int], budget: int, max_val: i
     return lo
 
 
-def find_batch_size(
-    step_fn: Callable[[int], Any],
-    *,
-    budget_bytes: int | None = None,
-    mode: str = "binsearch",
-    margin: float = 0.05,
-    max_val: int = 4096,
-    init_val: int | None = None,
-    estimate: Callable[[int], int] | None = None,
-    model: nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    steps_per_trial: int = 2,
-    is_oom: Callable[[BaseException], bool] | None = None,
-    timing: Any = None,
-) -> FinderResult:
-    """Search the batch size for ``step_fn(batch_size)``; see the module docstring for modes.
+@dataclass(frozen=True)
+class FinderConfig:
+    """How ``find_batch_size`` searches: what counts as fitting, where it starts, when it stops."""
 
-    ``estimate(batch) -> bytes`` (e.g. ``lambda b: plan(cfg, batch=b, seq=T).peak_bytes``) picks the
-    start and rejects budgets the model cannot meet; ``steps_per_trial=2`` includes the optimizer
-    state created by the first step in the second step's peak.
-    """
-    if mode not in MODES:
-        raise InputError(f"mode: received {mode!r}, expected one of {list(MODES)}")
-    if not (isinstance(margin, (int, float)) and 0 < margin < 1):
-        raise InputError(f"margin: received {margin!r}, expected a fraction in (0, 1), e.g. 0.05")
-    if not isinstance(max_val, int) or max_val < 1:
-        raise InputError(f"max_val: received {max_val!r}, expected a positive integer")
-    if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
-        raise InputError(f"budget_bytes: received {budget_bytes!r}, expected a positive integer number of bytes")
-    if budget_bytes is not None and model is not None:
-        own = sum(p.numel() * p.element_size() for p in model.parameters())
-        if own > budget_bytes:
-            raise BudgetError(f"budget_bytes={budget_bytes:,} is smaller than the model's parameters "
-                              f"({own:,} bytes); expected a budget above the model size. Raise the budget "
-                              "or shrink the model (lower precision, fewer layers).")
-    detect = is_oom or default_is_oom
-    if init_val is not None:
-        start = max(1, min(int(init_val), max_val))
-    elif estimate is not None and budget_bytes is not None:
-        start = _start_from_estimate(estimate, budget_bytes, max_val)
-    else:
-        start = 1
-    snap = _Snapshot(model, optimizer)
-    on_cuda = _runs_on_cuda(model)
-    trials: list[Trial] = []
-    results: dict[int, bool] = {}
+    budget_bytes: int | None = None  # a tracked peak above it does not fit (the only limit on CPU); None: OOM only
+    mode: str = "binsearch"  # power, binsearch or throughput (module docstring)
+    margin: float = 0.05  # binsearch stops once hi / lo - 1 <= margin: the answer's relative precision
+    max_val: int = 4096  # largest batch tried: bounds the search on hardware that never fails
+    init_val: int | None = None  # first batch tried; None: from the estimate and budget, else 1
+    steps_per_trial: int = 2  # the second step's peak includes the optimizer state the first one created
+    timing: TimingConfig | None = None  # throughput mode's timing; None: TimingConfig().quick()
 
-    def trial(b: int) -> bool:
-        if b in results:
-            return results[b]
-        t0, peak, reason, ok = time.perf_counter(), None, "", True
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise InputError(f"mode: received {self.mode!r}, expected one of {list(MODES)}")
+        if not (isinstance(self.margin, (int, float)) and 0 < self.margin < 1):
+            raise InputError(f"margin: received {self.margin!r}, expected a fraction in (0, 1), e.g. 0.05")
+        if not isinstance(self.max_val, int) or self.max_val < 1:
+            raise InputError(f"max_val: received {self.max_val!r}, expected a positive integer")
+        b = self.budget_bytes
+        if b is not None and (not isinstance(b, int) or b <= 0):
+            raise InputError(f"budget_bytes: received {b!r}, expected a positive integer number of bytes")
+
+
+def _check_model_fits(budget: int | None, model: nn.Module | None) -> None:
+    if budget is None or model is None:
+        return
+    own = sum(p.numel() * p.element_size() for p in model.parameters())
+    if own > budget:
+        raise BudgetError(f"budget_bytes={budget:,} is smaller than the model's parameters "
+                          f"({own:,} bytes); expected a budget above the model size. Raise the budget "
+                          "or shrink the model (lower precision, fewer layers).")
+
+
+def _start(cfg: FinderConfig, estimate: Callable[[int], int] | None) -> int:
+    if cfg.init_val is not None:
+        return max(1, min(int(cfg.init_val), cfg.max_val))
+    if estimate is not None and cfg.budget_bytes is not None:
+        return _start_from_estimate(estimate, cfg.budget_bytes, cfg.max_val)
+    return 1
+
+
+class _Trials:
+    """Runs ``step_fn`` at one batch size, records a ``Trial`` and restores the snapshot; each size once."""
+
+    def __init__(self, step_fn: Callable[[int], Any], cfg: FinderConfig, snap: _Snapshot,
+                 detect: Callable[[BaseException], bool]) -> None:
+        self.step_fn, self.cfg, self.snap, self.detect = step_fn, cfg, snap, detect
+        self.on_cuda = _runs_on_cuda(snap.model)
+        self.trials: list[Trial] = []
+        self.results: dict[int, bool] = {}
+
+    def _peak(self, b: int) -> int | None:
+        """Run the trial's steps; the peak they reached, where it is measured."""
+        model, optimizer = self.snap.model, self.snap.optimizer
+        if self.cfg.budget_bytes is not None and not self.on_cuda:
+            from torchnitro.memory.tracker import track
+
+            with track(model, optimizer) as tr:
+                for _ in range(self.cfg.steps_per_trial):
+                    self.step_fn(b)
+            return tr.peak_bytes
+        if self.on_cuda:
+            # the step's own peak: allocator peak minus what other objects in the process hold
+            # (earlier models, cached data, the cuBLAS workspace), plus the model and optimizer
+            foreign = torch.cuda.memory_allocated() - _owned_cuda_bytes(model, optimizer)
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(self.cfg.steps_per_trial):
+            self.step_fn(b)
+        return torch.cuda.max_memory_allocated() - max(0, foreign) if self.on_cuda else None
+
+    def __call__(self, b: int) -> bool:
+        if b in self.results:
+            return self.results[b]
+        t0, peak, reason, ok, budget = time.perf_counter(), None, "", True, self.cfg.budget_bytes
         try:
-            if budget_bytes is not None and not on_cuda:
-                from torchnitro.memory.tracker import track
-
-                with track(model, optimizer) as tr:
-                    for _ in range(steps_per_trial):
-                        step_fn(b)
-                peak = tr.peak_bytes
-            else:
-                if on_cuda:
-                    # the step's own peak: allocator peak minus what other objects in the process hold
-                    # (earlier models, cached data, the cuBLAS workspace), plus the model and optimizer
-                    foreign = torch.cuda.memory_allocated() - _owned_cuda_bytes(model, optimizer)
-                    torch.cuda.reset_peak_memory_stats()
-                for _ in range(steps_per_trial):
-                    step_fn(b)
-                if on_cuda:
-                    peak = torch.cuda.max_memory_allocated() - max(0, foreign)
-            if budget_bytes is not None and peak is not None and peak > budget_bytes:
-                ok, reason = False, f"peak {peak:,} B > budget {budget_bytes:,} B"
+            peak = self._peak(b)
+            if budget is not None and peak is not None and peak > budget:
+                ok, reason = False, f"peak {peak:,} B > budget {budget:,} B"
         except BaseException as exc:  # noqa: BLE001 - classified right below
-            if not detect(exc):
-                snap.restore()
+            if not self.detect(exc):
+                self.snap.restore()
                 raise
             ok, reason = False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:80] if str(exc) else ''}"
         finally:
-            snap.restore()
+            self.snap.restore()
             if not ok:
                 _free()
-        trials.append(Trial(b, ok, peak, time.perf_counter() - t0, reason))
-        results[b] = ok
+        self.trials.append(Trial(b, ok, peak, time.perf_counter() - t0, reason))
+        self.results[b] = ok
         return ok
 
+
+def _search(trial: _Trials, start: int, cfg: FinderConfig) -> int | None:
+    """The largest fitting batch (within ``margin`` in the bisecting modes), None if batch 1 fails."""
     # from a planner estimate the limit is near: step by 1 + 4*margin instead of doubling
-    factor = 2.0 if (start == 1 or mode == "power") else 1.0 + 4 * margin
-    lo, hi = _bracket(trial, start, max_val, factor)
-    if mode != "power":
-        while hi is not None and lo is not None and hi - lo > max(1, int(margin * lo)):
+    factor = 2.0 if (start == 1 or cfg.mode == "power") else 1.0 + 4 * cfg.margin
+    lo, hi = _bracket(trial, start, cfg.max_val, factor)
+    if cfg.mode != "power":
+        while hi is not None and lo is not None and hi - lo > max(1, int(cfg.margin * lo)):
             mid = (lo + hi) // 2
             if trial(mid):
                 lo = mid
             else:
                 hi = mid
+    return lo
+
+
+def find_batch_size(
+    step_fn: Callable[[int], Any],
+    config: FinderConfig | None = None,
+    *,
+    model: nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    estimate: Callable[[int], int] | None = None,
+    is_oom: Callable[[BaseException], bool] | None = None,
+) -> FinderResult:
+    """Search the batch size for ``step_fn(batch_size)`` as ``config`` says; see the module docstring.
+
+    ``model`` and ``optimizer`` are snapshotted and restored after every trial. ``estimate(batch) ->
+    bytes`` (e.g. ``lambda b: plan(cfg, batch=b, seq=T).peak_bytes``) picks the start and rejects
+    budgets the model cannot meet. ``is_oom`` replaces the out-of-memory detection.
+    """
+    cfg = config if config is not None else FinderConfig()
+    if not isinstance(cfg, FinderConfig):
+        raise InputError(f"config: received {type(cfg).__name__}, expected a memory.FinderConfig")
+    _check_model_fits(cfg.budget_bytes, model)
+    start = _start(cfg, estimate)
+    snap = _Snapshot(model, optimizer)
+    trial = _Trials(step_fn, cfg, snap, is_oom or default_is_oom)
+    lo = _search(trial, start, cfg)
     if lo is None:
-        raise BudgetError(f"batch size 1 does not fit ({trials[-1].reason}); expected at least one batch "
+        raise BudgetError(f"batch size 1 does not fit ({trial.trials[-1].reason}); expected at least one batch "
                           "to fit. Raise the budget or reduce the model / sequence length.")
-    result = FinderResult(lo, mode, lo, trials, start)
-    if mode == "throughput":
-        result.throughput = _throughput(step_fn, lo, snap, timing)
+    result = FinderResult(lo, cfg.mode, lo, trial.trials, start)
+    if cfg.mode == "throughput":
+        result.throughput = _throughput(step_fn, lo, snap, cfg.timing)
         result.batch_size = max(result.throughput, key=result.throughput.__getitem__)
     return result
 
@@ -281,7 +321,8 @@ def _bracket(trial: Callable[[int], bool], start: int, max_val: int,
     return None, hi
 
 
-def _throughput(step_fn: Callable[[int], Any], limit: int, snap: _Snapshot, timing: Any) -> dict[int, float]:
+def _throughput(step_fn: Callable[[int], Any], limit: int, snap: _Snapshot,
+                timing: TimingConfig | None) -> dict[int, float]:
     from torchnitro.bench import TimingConfig, measure
 
     ladder = sorted({2 ** k for k in range(int(math.log2(limit)) + 1)} | {limit})
