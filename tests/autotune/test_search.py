@@ -152,37 +152,6 @@ def test_dynamic_shapes_timed_at_each_size(fast_cfg):
     assert opt.signature["inputs"][0]["shape"] == [-1, 512] and opt.signature["outputs"][0]["shape"] == [-1, 512]
 
 
-def test_model_class_in_users_script_runs_isolated(tmp_path):
-    """A model defined in the user's own script (``__main__``) is rebuilt in the child process."""
-    import subprocess
-    import sys
-
-    script = tmp_path / "user_script.py"
-    script.write_text(
-        "import torch, torchnitro\n"
-        "from fake_recipes import fast_config\n"
-        "class MyNet(torch.nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.lin = torch.nn.Linear(8, 4)\n"
-        "    def forward(self, x):\n"
-        "        return torch.relu(self.lin(x))\n"
-        "if __name__ == '__main__':\n"
-        "    from pathlib import Path\n"
-        "    cfg = fast_config(Path(__file__).parent, recipes=['onnxruntime'], min_speedup=0.0)\n"
-        "    opt = torchnitro.optimize(MyNet().eval(), (torch.randn(4, 8),), cfg)\n"
-        "    c = opt.report.get('onnxruntime')\n"
-        "    print('RESULT', c.status, c.isolated, c.reason)\n")
-    import os
-    from pathlib import Path
-
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), *sys.path]))
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")]
-    assert line, out.stderr[-2000:]
-    assert line[0].split()[1:3] in (["chosen", "True"], ["verified", "True"]), line[0]
-
-
 def test_isolate_all_runs_in_child(fake_recipes, fast_cfg):
     fr = fake_recipes
     opt = _run(fr, fast_cfg(recipes=["test-wrong"], isolate_all=True))

@@ -6,15 +6,16 @@ size is timed separately: that is where a recompiling recipe pays) and measures 
 verification verdict itself is given by the caller (``verify.judge``) so a user ``metric_fn`` never
 has to cross a process boundary.
 
-``run_isolated`` does the same in ``python -m torchnitro.autotune.evaluate PAYLOAD``: a crash
-(segfault, ``os._exit``), an exception or a hang past the time limit becomes an error string.
+``run_isolated`` does the same in ``python -m torchnitro.autotune.evaluate PAYLOAD RESULT``. The
+child gets tensors, plain config fields and the program the parent prepared (``autotune.program``):
+it never unpickles an object and never imports the user's script or modules. A crash (segfault,
+``os._exit``), an exception or a hang past the time limit becomes a ``Failure``.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import importlib
-import json
 import os
 import resource
 import signal
@@ -29,7 +30,8 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from torchnitro.autotune.recipe import BuildContext, Built, Recipe
+from torchnitro.autotune.failure import Failure, last_stderr_line
+from torchnitro.autotune.recipe import BuildContext, Built, Program, Recipe
 from torchnitro.autotune.verify import collect
 from torchnitro.bench.timing import TimingConfig, measure, synchronize
 
@@ -153,115 +155,136 @@ def evaluate(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any, ..
 
 # ---- isolation ------------------------------------------------------------------------------------
 
+_STARTUP_S = 120.0  # longest start-up (interpreter, torch import, program load) granted on a busy machine
+
+
+def _plain(obj: Any) -> dict[str, Any] | None:
+    """A config dataclass as plain fields (no functions: the parent applies a user metric_fn)."""
+    if obj is None or not dataclasses.is_dataclass(obj):
+        return None
+    return {f.name: (None if f.name == "metric_fn" else getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+
+
 def run_isolated(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any, ...]],
                  timing_sets: Sequence[tuple[Any, ...]], timing: TimingConfig, items_per_call: int,
-                 timeout_s: float, preload: Sequence[tuple[str, str]] = ()) -> Evaluation | str:
-    """Evaluate in a child process. Returns the Evaluation, or a string saying why it failed."""
+                 timeout_s: float, start_budget_s: float = _STARTUP_S) -> Evaluation | Failure:
+    """Evaluate in a child process that gets ``ctx.program`` and tensors, never ``ctx.model``.
+
+    The child's start-up is not part of the recipe's ``timeout_s``; it must finish within
+    ``start_budget_s`` (the search's remaining budget), or the result is a ``Failure`` with ``budget``
+    set. Returns the Evaluation, or the Failure (the child's own exception where it wrote one)."""
     cls = type(recipe)
+    prog = ctx.program
     payload = {
-        "recipe": (cls.__module__, cls.__qualname__), "model": ctx.model, "example_inputs": ctx.example_inputs,
+        "recipe": [cls.__module__, cls.__qualname__], "example_inputs": ctx.example_inputs,
+        "program": None if prog is None else {"kind": prog.kind, "path": str(prog.path), "meta": prog.meta},
         "device": str(ctx.device), "workdir": str(ctx.workdir), "dynamic_dims": ctx.dynamic_dims,
-        "config": ctx.config, "held_out": list(held_out), "timing_sets": list(timing_sets), "timing": timing,
-        "items": items_per_call, "preload": list(preload), "threads": torch.get_num_threads(),
+        "config": _plain(ctx.config), "held_out": list(held_out), "timing_sets": list(timing_sets),
+        "timing": _plain(timing), "items": items_per_call, "threads": torch.get_num_threads(),
     }
-    ppath, rpath = ctx.workdir / "_payload.pt", ctx.workdir / "_result.pt"
-    cfg = ctx.config
-    if cfg is not None and getattr(cfg, "metric_fn", None) is not None:  # functions may not pickle; not needed there
-        cfg_copy = copy.copy(cfg)  # functions may not pickle; the parent applies the metric
-        cfg_copy.metric_fn = None
-        payload["config"] = cfg_copy
+    ppath, rpath, started = ctx.workdir / "_payload.pt", ctx.workdir / "_result.pt", ctx.workdir / "_started"
     torch.save(payload, ppath)
     env = dict(os.environ)
-    env["TORCHNITRO_PRELOAD"] = json.dumps([list(p) for p in preload])
-    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])  # recipe modules
     errlog = ctx.workdir / "_stderr.txt"
+    start_s = min(_STARTUP_S, max(0.0, start_budget_s))
     try:
         with open(errlog, "wb") as err:
             proc = subprocess.Popen([sys.executable, "-m", "torchnitro.autotune.evaluate", str(ppath), str(rpath)],
                                     stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
-            rc = _wait(proc, ctx.workdir / "_started", timeout_s)
+            rc, did_start = _wait(proc, started, timeout_s, start_s)
             if rc is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-                return f"ran past its {timeout_s:.0f} s limit (process killed)"
+                if not did_start and start_s < _STARTUP_S:
+                    return Failure("", f"budget: the child process had not started after the {start_s:.1f} s left "
+                                       "of the search budget (raise budget_s)", budget=True)
+                if not did_start:
+                    return Failure("", f"the child process had not started after {start_s:.0f} s (process killed)")
+                return Failure("", f"ran past its {timeout_s:.0f} s limit (process killed)")
     finally:
         ppath.unlink(missing_ok=True)
-        (ctx.workdir / "_started").unlink(missing_ok=True)
-    tail = errlog.read_text(errors="replace").strip().splitlines()[-3:] if errlog.exists() else []
+        started.unlink(missing_ok=True)
+    stderr = errlog.read_text(errors="replace") if errlog.exists() else ""
     errlog.unlink(missing_ok=True)
-    if rc != 0 or not rpath.exists():
-        if rc < 0:
-            try:
-                sig = signal.Signals(-rc).name
-            except ValueError:
-                sig = str(-rc)
-            why = f"process crashed with signal {sig}"
-        else:
-            why = f"process exited with code {rc}"
-        return why + (f": {' / '.join(tail)[-400:]}" if tail else "")
-    res = torch.load(rpath, weights_only=True)
+    res = torch.load(rpath, weights_only=True) if rpath.exists() else None
     rpath.unlink(missing_ok=True)
-    if "error" in res:
-        return res["error"]
+    if res is not None and "error" in res:
+        return Failure.from_dict(res["error"])
+    if rc != 0 or res is None:
+        return _death(rc, stderr)
     outs = [(list(zip(names, f)), list(zip(names, s)), None, list(zip(names, l))) for names, f, s, l in res["outputs"]]
     return Evaluation(None, outs, res["timing"], res["build_s"], res["first_call_ms"], res["shape_ms"],
                       res["peak_mem_mb"], res["meta"], res["files"], res["standalone"], res["notes"])
 
 
-_STARTUP_S = 120.0  # interpreter + torch import + payload load on a busy machine; not charged to the recipe
+def _death(rc: int, stderr: str) -> Failure:
+    """A child that died without writing its error: the exit status and its last stderr line."""
+    if rc < 0:
+        try:
+            sig = signal.Signals(-rc).name
+        except ValueError:
+            sig = str(-rc)
+        why = f"process crashed with signal {sig}"
+    else:
+        why = f"process exited with code {rc}" + ("" if rc else " without writing its result")
+    last = last_stderr_line(stderr)
+    return Failure("", why + (f": {last}" if last else ""))
 
 
-def _wait(proc: subprocess.Popen, started: Path, timeout_s: float) -> int | None:
-    """Wait for the child: the recipe's limit counts from when it signalled it had started."""
-    t0 = time.monotonic()
-    deadline = t0 + _STARTUP_S + timeout_s
+def _wait(proc: subprocess.Popen, started: Path, timeout_s: float, start_s: float) -> tuple[int | None, bool]:
+    """Wait for the child: ``start_s`` for its start-up, then the recipe's ``timeout_s`` from the
+    moment it signalled it had started. Returns (exit code or None when it ran out of time, started)."""
+    deadline = time.monotonic() + start_s
     t_started = None
     while True:
         rc = proc.poll()
         if rc is not None:
-            return rc
+            return rc, t_started is not None or started.exists()
         now = time.monotonic()
         if t_started is None and started.exists():
             t_started = now
             deadline = now + timeout_s
         if now >= deadline:
-            return None
+            return None, t_started is not None
         time.sleep(0.02)
 
 
 def _child(ppath: str, rpath: str) -> None:
-    import importlib.util
+    """The child's whole life: load tensors and the program (no pickled objects: ``weights_only``),
+    signal start-up done, evaluate, write the result (or the structured error) atomically."""
+    from torchnitro.autotune.config import OptimizeConfig
+    from torchnitro.autotune.program import load_program
+    from torchnitro.hardware import hardware_info
 
-    for name, path in json.loads(os.environ.get("TORCHNITRO_PRELOAD", "[]")):  # factories, the user's script
-        as_name = "__mp_main__" if name == "__main__" else name  # its __main__ block must not run again
-        spec = importlib.util.spec_from_file_location(as_name, path)
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules[as_name] = module
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-        if name == "__main__":
-            sys.modules["__main__"] = module
-    payload = torch.load(ppath, weights_only=False)  # written by our own parent process, just now
-    Path(payload["workdir"], "_started").touch()
-    torch.set_num_threads(payload["threads"])
-    mod_name, qual = payload["recipe"]
-    obj: Any = importlib.import_module(mod_name)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    recipe = obj()
-    ctx = BuildContext(payload["model"], payload["example_inputs"], __import__("torchnitro.hardware",
-                       fromlist=["hardware_info"]).hardware_info(), torch.device(payload["device"]),
-                       Path(payload["workdir"]), payload["dynamic_dims"], payload["config"])
     try:
-        ev = evaluate(recipe, ctx, payload["held_out"], payload["timing_sets"], payload["timing"], payload["items"],
-                      keep_raw=False)
-    except Exception as exc:  # noqa: BLE001 - reported to the parent as the reason
-        torch.save({"error": f"{type(exc).__name__}: {exc}"[:600]}, rpath)
-        return
-    outs = [([n for n, _ in f], [t for _, t in f], [t for _, t in s], [t for _, t in later])
-            for f, s, _, later in ev.outputs]
-    torch.save({"outputs": outs, "timing": ev.timing, "build_s": ev.build_s, "first_call_ms": ev.first_call_ms,
-                "shape_ms": ev.shape_ms, "peak_mem_mb": ev.peak_mem_mb, "meta": ev.meta, "files": ev.files,
-                "standalone": ev.standalone, "notes": ev.notes}, rpath)
+        payload = torch.load(ppath, weights_only=True)
+        torch.set_num_threads(payload["threads"])
+        mod_name, qual = payload["recipe"]
+        obj: Any = importlib.import_module(mod_name)
+        for part in qual.split("."):
+            obj = getattr(obj, part)
+        recipe = obj()
+        program = None if payload["program"] is None else Program(
+            payload["program"]["kind"], Path(payload["program"]["path"]), payload["program"]["meta"])
+        model = load_program(program) if program is not None else None
+        cfg = OptimizeConfig(**payload["config"]) if payload["config"] is not None else None
+        ctx = BuildContext(model, payload["example_inputs"], hardware_info(), torch.device(payload["device"]),
+                           Path(payload["workdir"]), payload["dynamic_dims"], cfg, program)
+        Path(payload["workdir"], "_started").touch()
+        ev = evaluate(recipe, ctx, payload["held_out"], payload["timing_sets"], TimingConfig(**payload["timing"]),
+                      payload["items"], keep_raw=False)
+        outs = [([n for n, _ in f], [t for _, t in f], [t for _, t in s], [t for _, t in later])
+                for f, s, _, later in ev.outputs]
+        result: dict[str, Any] = {
+            "outputs": outs, "timing": ev.timing, "build_s": ev.build_s, "first_call_ms": ev.first_call_ms,
+            "shape_ms": ev.shape_ms, "peak_mem_mb": ev.peak_mem_mb, "meta": ev.meta, "files": ev.files,
+            "standalone": ev.standalone, "notes": ev.notes}
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent as the reason
+        result = {"error": Failure.from_exception(exc).to_dict()}
+    tmp = Path(rpath + ".tmp")
+    torch.save(result, tmp)
+    tmp.replace(rpath)  # the parent sees a whole result or none
 
 
 if __name__ == "__main__":  # pragma: no cover - exercised through run_isolated

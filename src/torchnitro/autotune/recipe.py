@@ -23,7 +23,7 @@ from torchnitro.errors import RecipeError
 from torchnitro.hardware import HardwareInfo
 
 __all__ = [
-    "NumericClass", "BuildContext", "Built", "Recipe", "register_recipe", "get_recipe",
+    "NumericClass", "Program", "BuildContext", "Built", "Recipe", "register_recipe", "get_recipe",
     "list_recipes", "all_recipes", "unregister_recipe",
 ]
 
@@ -37,16 +37,28 @@ class NumericClass(str, enum.Enum):
 
 
 @dataclass
+class Program:
+    """A self-contained program built from the model in the search's process, for a recipe that runs in
+    a child process: no class of the user's crosses the process boundary (see ``Recipe.isolated_input``)."""
+
+    kind: str  # 'exported' (torch.export.save), 'torchscript' (torch.jit.save) or 'onnx' (an ONNX file)
+    path: Path
+    meta: dict[str, Any] = field(default_factory=dict)  # JSON-safe, e.g. the ONNX export's output structure
+
+
+@dataclass
 class BuildContext:
     """Everything a recipe needs to build one candidate."""
 
     model: nn.Module  # a private deep copy of the user's model, eval mode, fp32; the recipe may mutate it
+    # (in a child process: the loaded 'exported'/'torchscript' program; None for an 'onnx' recipe)
     example_inputs: tuple[Any, ...]  # inputs the model runs on (also the shapes to specialise for)
     hardware: HardwareInfo
     device: torch.device
     workdir: Path  # empty directory for this candidate's files (ONNX graphs, TorchScript, ...)
     dynamic_dims: dict[int, list[int]] = field(default_factory=dict)  # input index -> dims that vary
     config: Any = None  # the OptimizeConfig of the search (threads, budget, ...)
+    program: Program | None = None  # in a child process: what the recipe's isolated_input asked for (else None)
 
 
 @dataclass
@@ -67,6 +79,11 @@ class Recipe:
     numeric_class: ClassVar[NumericClass] = NumericClass.EXACT
     description: ClassVar[str] = ""
     isolate: ClassVar[bool] = False  # build and first call in a subprocess (native code that may crash)
+    # what build() needs in that subprocess, prepared once per search in the parent and shared: 'exported'
+    # (ctx.model is the torch.export program's module, a TorchScript trace where export fails), 'onnx'
+    # (ctx.program is the ONNX export), or 'model' (the model object itself: never sent to another
+    # process, so the recipe runs in the search's process even under isolate_all)
+    isolated_input: ClassVar[str] = "exported"
     gpu_only: ClassVar[bool] = False
     default: ClassVar[bool] = True  # part of a search with no explicit recipe list (False: slow, opt in by name)
     order: ClassVar[int] = 50  # search order, low first (cheap and likely winners early, for the budget)

@@ -20,7 +20,7 @@ from torchnitro.bench.timing import Timing
 from torchnitro.errors import InputError
 
 __all__ = ["Workload", "SearchOutcome", "prepare_workload", "select_recipes", "objective_stat", "objective_text",
-           "SearchProgress", "preload_modules"]
+           "SearchProgress"]
 
 
 @dataclass
@@ -155,23 +155,3 @@ class SearchProgress:
     def close(self) -> None:
         if self.p is not None:
             self.p.stop()
-
-
-def preload_modules(info: ModelInfo, model: nn.Module) -> list[tuple[str, str]] | None:
-    """Modules a child process must import before it can unpickle ``model``.
-
-    Factories from ``file.py:function`` are loaded by path. Classes defined in the user's script
-    (``__main__``) are loaded the way ``multiprocessing`` does it: the script runs as ``__mp_main__``,
-    so code under ``if __name__ == "__main__":`` does not run again. Returns None when the model's
-    classes cannot be rebuilt in another process (defined in a notebook or an interactive session).
-    """
-    out: list[tuple[str, str]] = []
-    if info.spec and ":" in info.spec and info.spec.rpartition(":")[0].endswith(".py"):
-        path = Path(info.spec.rpartition(":")[0]).resolve()
-        out.append((path.stem, str(path)))
-    if any(type(m).__module__ == "__main__" for m in model.modules()):
-        main_file = getattr(sys.modules.get("__main__"), "__file__", None)
-        if not main_file or not Path(main_file).is_file():
-            return None
-        out.append(("__main__", str(Path(main_file).resolve())))
-    return out

@@ -1,0 +1,133 @@
+"""Self-contained programs for isolated candidates: built from the model in the search's process, loaded
+in the child without any class of the user's.
+
+A child process never unpickles the user's model: a model defined in a script without a main guard,
+in a notebook, or holding lambdas cannot be rebuilt there, and re-running the user's script to find
+its classes would re-run everything in it. Instead the parent hands over one of:
+
+- ``exported``: ``torch.export`` (non-strict, the declared dynamic dims as ``Dim.AUTO``) saved with
+  ``torch.export.save``; where export fails, a ``torch.jit.trace`` saved with ``torch.jit.save``
+  (kind ``torchscript``). The child's ``ctx.model`` is the loaded module.
+- ``onnx``: the ONNX export the ONNX Runtime recipes consume (``recipes.onnx.export_onnx``), made once
+  and shared by every recipe that asks for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchnitro.autotune.evaluate import CandidateTimeout, time_limit
+from torchnitro.autotune.failure import Failure
+from torchnitro.autotune.recipe import Program, Recipe
+from torchnitro.errors import RecipeError
+
+__all__ = ["ISOLATED_INPUTS", "prepare_program", "load_program", "isolation", "Programs"]
+
+ISOLATED_INPUTS = ("exported", "onnx", "model")  # the values of Recipe.isolated_input
+
+
+def _first_line(exc: BaseException) -> str:
+    from torchnitro.autotune.failure import clean_line
+
+    return clean_line(f"{type(exc).__name__}: {exc}", limit=200)
+
+
+def _export(model: nn.Module, inputs: tuple[Any, ...], dynamic_dims: dict[int, list[int]], directory: Path) -> Program:
+    from torch.export import Dim
+
+    shapes = tuple({d: Dim.AUTO for d in dynamic_dims.get(i, [])} if isinstance(x, torch.Tensor) else None
+                   for i, x in enumerate(inputs))
+    try:
+        ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+        path = directory / "model.pt2"
+        torch.export.save(ep, str(path))
+        return Program("exported", path)
+    except Exception as exc:  # noqa: BLE001 - TorchScript next
+        export_error = _first_line(exc)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            traced = torch.jit.trace(model, inputs, check_trace=False, strict=False)
+        path = directory / "model.ts"
+        torch.jit.save(traced, str(path))
+        return Program("torchscript", path, {"export_error": export_error})
+    except Exception as exc:  # noqa: BLE001 - both named in the reason
+        raise RecipeError(f"the model could not be exported for the isolated process (torch.export: {export_error}; "
+                          f"TorchScript: {_first_line(exc)})") from exc
+
+
+def prepare_program(kind: str, model: nn.Module, inputs: tuple[Any, ...], dynamic_dims: dict[int, list[int]],
+                    directory: Path) -> Program:
+    """Build the program of ``kind`` ('exported' or 'onnx') from ``model`` in ``directory``.
+    Raises RecipeError naming what failed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if kind == "exported":
+        with torch.no_grad():
+            return _export(model, inputs, dynamic_dims, directory)
+    if kind == "onnx":
+        from torchnitro.autotune.recipes.onnx import export_onnx
+
+        path = directory / "model.onnx"
+        return Program("onnx", path, export_onnx(model, inputs, path, dynamic_dims))
+    raise RecipeError(f"isolated_input: received {kind!r}, expected one of {list(ISOLATED_INPUTS[:2])} "
+                      "(or 'model' for a recipe that runs in the search's process)")
+
+
+def load_program(program: Program) -> nn.Module | None:
+    """The module a child's ``ctx.model`` is: the exported or traced program; None for ONNX."""
+    if program.kind == "exported":
+        return torch.export.load(str(program.path)).module()
+    if program.kind == "torchscript":
+        return torch.jit.load(str(program.path)).eval()
+    return None
+
+
+def isolation(r: Recipe, isolate_all: bool) -> tuple[bool, str | None]:
+    """Whether ``r`` runs in a child process, and the report note when it cannot although asked to."""
+    if r.name == "eager" or not (r.isolate or isolate_all):
+        return False, None
+    if r.isolated_input == "model":
+        return False, (f"{r.name} builds from the model object itself (isolated_input='model'), which never "
+                       "crosses a process boundary, so it ran in this process")
+    if type(r).__module__ == "__main__":
+        return False, (f"{r.name} is a recipe class defined in the running script, which a child process does not "
+                       "import, so it ran in this process; define it in an importable module to isolate it")
+    return True, None
+
+
+class Programs:
+    """The programs of one search: each kind prepared on first request, then shared by every recipe
+    that asks for it (its failure too, so a model that does not export fails each recipe in one line)."""
+
+    def __init__(self, model: nn.Module, inputs: tuple[Any, ...], dynamic_dims: dict[int, list[int]],
+                 directory: Path):
+        self.model, self.inputs, self.dynamic_dims, self.directory = model, inputs, dynamic_dims, directory
+        self.done: dict[str, tuple[Program | Failure, float]] = {}  # kind -> program or failure, seconds
+
+    def get(self, kind: str, limit_s: float, remaining_s: float) -> tuple[Program | Failure, float]:
+        """The program of ``kind`` and the seconds its preparation took (once per search). Preparing runs under ``min(limit_s, remaining_s)``; cut by the budget it is a budget
+        Failure and is tried again by the next recipe that asks."""
+        if kind in self.done:
+            return self.done[kind]
+        t0 = time.perf_counter()
+        cap = min(limit_s, remaining_s)
+        try:
+            with time_limit(cap):
+                out: Program | Failure = prepare_program(kind, copy.deepcopy(self.model), self.inputs,
+                                                         self.dynamic_dims, self.directory / kind)
+        except CandidateTimeout:
+            if remaining_s < limit_s:
+                return Failure("", f"budget: preparing the {kind} program took the {cap:.1f} s left of the search "
+                                   "budget (raise budget_s)", budget=True), time.perf_counter() - t0
+            out = Failure("", f"preparing the {kind} program for the child process ran past its {cap:.0f} s limit")
+        except Exception as exc:  # noqa: BLE001 - the candidate's reason
+            out = Failure.from_exception(exc)
+        self.done[kind] = (out, time.perf_counter() - t0)
+        return self.done[kind]
