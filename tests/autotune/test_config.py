@@ -12,8 +12,8 @@ from torchnitro.errors import ConfigError
 def test_defaults_and_tolerance_override():
     cfg = OptimizeConfig(tolerances={"int8": {"cosine": 0.995}})
     assert cfg.tolerance("exact") == {"rel": 1e-4}
-    assert cfg.tolerance("reduced") == {"cosine": 0.999}
-    assert cfg.tolerance("int8") == {"cosine": 0.995}
+    assert cfg.tolerance("reduced") == {"cosine": 0.999, "top1": 1.0}
+    assert cfg.tolerance("int8") == {"cosine": 0.995, "top1": 1.0}
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -154,7 +154,7 @@ def _from_cache(model: nn.Module, inputs: tuple[Any, ...], info: ModelInfo, cfg:
     if hit is None:
         return None
     from torchnitro.autotune.search import resolve_device
-    from torchnitro.autotune.verify import collect, judge
+    from torchnitro.autotune.verify import collect, gate_options, judge
     from torchnitro.autotune.workload import prepare_workload
 
     try:
@@ -168,7 +168,8 @@ def _from_cache(model: nn.Module, inputs: tuple[Any, ...], info: ModelInfo, cfg:
         fn = eager if recipe.name == "eager" else recipe.load(d, hit["meta"], None if hit["standalone"] else copy.deepcopy(eager))
         wl = prepare_workload(eager, inputs, info, cfg, device, recheck=True)
         gate = judge(collect(fn, wl.held_out), wl.references, cfg.tolerance(recipe.numeric_class.value),
-                     metric_fn=cfg.metric_fn, metric_threshold=cfg.metric_threshold, reference_raw=wl.reference_raw)
+                     metric_fn=cfg.metric_fn, metric_threshold=cfg.metric_threshold, reference_raw=wl.reference_raw,
+                     **gate_options(cfg, eager, wl.held_out))
     except InputError:
         raise
     except Exception:  # noqa: BLE001 - a stale or unreadable cache entry means: search again

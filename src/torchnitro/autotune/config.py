@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 from torchnitro.errors import ConfigError
 
@@ -17,10 +17,11 @@ __all__ = ["OptimizeConfig", "DEFAULT_TOLERANCES", "default_cache_dir"]
 
 # numeric class -> default gate. exact: norm-relative error (||a-b|| / ||a||) so fp32 reassociation
 # passes but a wrong kernel does not; reduced/int8: cosine similarity of each flattened output.
+# top1: share of rows of a class-logits output whose top-1 class must not change (verify.class_logits).
 DEFAULT_TOLERANCES: dict[str, dict[str, float]] = {
     "exact": {"rel": 1e-4},
-    "reduced": {"cosine": 0.999},
-    "int8": {"cosine": 0.99},
+    "reduced": {"cosine": 0.999, "top1": 1.0},
+    "int8": {"cosine": 0.99, "top1": 1.0},
 }
 
 _OBJECTIVES = ("latency", "throughput")
@@ -68,6 +69,9 @@ class OptimizeConfig:
     final_min_time_s: float = 1.0  # measured seconds per finalist in the interleaved comparison
     progress: bool = True  # rich progress display while searching (on a terminal)
     seed: int = 1234  # base seed of the held-out inputs
+    padding_mask: Optional[Union[int, str]] = None  # the attention-mask input (index or forward arg name); None: detect
+    compare_padding: bool = False  # True: the gate compares outputs at masked (padded) positions too
+    classifier: Optional[bool] = None  # top-1 gate: None detects class logits, True: every output, False: never
 
     def __post_init__(self) -> None:
         if self.objective not in _OBJECTIVES:
@@ -87,9 +91,12 @@ class OptimizeConfig:
         for cls, tol in self.tolerances.items():
             if cls not in DEFAULT_TOLERANCES:
                 raise ConfigError(f"tolerances: unknown class {cls!r}; expected one of {sorted(DEFAULT_TOLERANCES)}")
-            bad = sorted(set(tol) - {"rel", "cosine", "abs"})
+            bad = sorted(set(tol) - {"rel", "cosine", "abs", "top1"})
             if bad:
-                raise ConfigError(f"tolerances[{cls!r}]: unknown key(s) {bad}; expected 'rel', 'abs' or 'cosine'")
+                raise ConfigError(f"tolerances[{cls!r}]: unknown key(s) {bad}; expected 'rel', 'abs', 'cosine' or 'top1'")
+        if self.padding_mask is not None and not isinstance(self.padding_mask, (int, str)):
+            raise ConfigError(f"padding_mask: received {type(self.padding_mask).__name__}; expected an input index, "
+                              "a forward argument name, or None to detect the attention mask")
 
     def tolerance(self, numeric_class: str) -> dict[str, float]:
         """The gate for one numeric class: the default, updated by the user's override."""
@@ -113,4 +120,5 @@ class OptimizeConfig:
             "dynamic_dims": self.dynamic_dims, "shapes": self.shapes, "device": self.device,
             "metric": _function_id(self.metric_fn), "metric_threshold": self.metric_threshold,
             "min_speedup": self.min_speedup, "threads": self.threads, "finalists": self.finalists,
+            "padding_mask": self.padding_mask, "compare_padding": self.compare_padding, "classifier": self.classifier,
         }

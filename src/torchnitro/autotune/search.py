@@ -39,7 +39,7 @@ from torchnitro.autotune.program import Programs, isolation
 from torchnitro.autotune.recipe import BuildContext, Recipe
 from torchnitro.autotune.recipes._util import restructure
 from torchnitro.autotune.report import CandidateResult, Report, Status
-from torchnitro.autotune.verify import judge
+from torchnitro.autotune.verify import gate_options, judge
 from torchnitro.autotune.workload import (SearchOutcome, SearchProgress, Workload, objective_stat, objective_text,
                                           prepare_workload, select_recipes)
 from torchnitro.autotune import fair
@@ -88,7 +88,8 @@ class _Search:
     def cand_key(self, r: Recipe) -> str:
         return make_key(**self.base_key(), recipe=r.name, rv=r.version, cls=f"{type(r).__module__}.{type(r).__qualname__}",
                         tol=self.cfg.tolerance(r.numeric_class.value),
-                        metric=function_id(self.cfg.metric_fn), thr=self.cfg.metric_threshold)
+                        metric=function_id(self.cfg.metric_fn), thr=self.cfg.metric_threshold,
+                        gate=[self.cfg.padding_mask, self.cfg.compare_padding, self.cfg.classifier])
 
     def ctx(self, r: Recipe, isolated: bool) -> BuildContext:
         work = Path(self.tmp.name) / r.name
@@ -172,7 +173,8 @@ class _Search:
         kind = self.wl.output_kind
         gate = judge(ev.outputs, self.wl.references, self.cfg.tolerance(r.numeric_class.value),
                      metric_fn=self.cfg.metric_fn, metric_threshold=self.cfg.metric_threshold,
-                     reference_raw=self.wl.reference_raw, rebuild=lambda flat: restructure(kind, flat))
+                     reference_raw=self.wl.reference_raw, rebuild=lambda flat: restructure(kind, flat),
+                     **gate_options(self.cfg, self.model, self.wl.held_out))
         t = ev.timing
         res.status = Status.VERIFIED if gate.passed else Status.REJECTED
         res.reason = gate.reason
@@ -182,6 +184,7 @@ class _Search:
         res.max_abs, res.max_rel, res.norm_rel, res.min_cosine, res.metric = (
             gate.max_abs, gate.max_rel, gate.norm_rel, gate.min_cosine, gate.metric)
         res.shape_ms, res.first_call_ms, res.notes = ev.shape_ms, ev.first_call_ms, ev.notes
+        res.notes = "; ".join(n for n in (res.notes, gate.note) if n)  # masked rows left out, top-1 agreement
 
     def callable_for(self, r: Recipe) -> Callable[..., Any]:
         if r.name in self.fns:

@@ -14,6 +14,18 @@ With a user ``metric_fn(reference_outputs, candidate_outputs) -> float`` the met
 input sets, must be >= the threshold) decides instead of the class tolerance; the errors above are
 still reported.
 
+**Padding.** When the inputs carry an attention mask (``mask_index``: a forward argument named
+``attention_mask``, the second input of a token model, or the input the user names), outputs laid out
+``(B, T, ...)`` like the mask are compared at the real positions only: what a model computes for a
+padded query is ignored by every mask-aware pooling and head, and padding-free variants return zeros
+there. ``GateResult.note`` says how many rows were compared; ``compare_padding`` compares all.
+
+**Classifiers.** Outputs that look like class logits (``class_logits``: a 2-D ``(B, C)`` output named
+``logits``, or any 2-D ``(B, C)`` output whose rows are not unit vectors) also get top-1 and top-5
+agreement with eager; the tolerance key ``top1`` (default 1.0 for the lossy classes) is the share of
+rows whose top-1 class must not change, since a cosine of 0.999 can still flip a close call.
+Token-level logits ``(B, T, V)`` are reported, and gated only with ``classifier=True``.
+
 A candidate is called twice per input set and the copies must agree; and an output it returned must
 not change when it is called again (a candidate handing out a reused buffer, as raw CUDA graphs do,
 fails).
@@ -21,6 +33,7 @@ fails).
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -28,7 +41,10 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["flatten_outputs", "OutputError", "GateResult", "compare_outputs", "collect", "judge", "clone_outputs"]
+from torchnitro.errors import ConfigError
+
+__all__ = ["flatten_outputs", "OutputError", "GateResult", "compare_outputs", "collect", "judge", "clone_outputs",
+           "mask_index", "padding_masks", "class_logits", "gate_options"]
 
 
 def flatten_outputs(out: Any, prefix: str = "output") -> list[tuple[str, Tensor]]:
@@ -65,6 +81,11 @@ class OutputError:
     max_rel: float
     norm_rel: float
     cosine: float
+    rows: int = 0  # rows (vectors along the last dim) compared
+    total_rows: int = 0  # rows in the output; more than ``rows`` where masked positions were left out
+    top1: float | None = None  # share of rows whose top-1 class agrees with eager (class logits only)
+    top5: float | None = None  # share of rows whose eager top-1 class is in the candidate's top 5
+    gated_top1: bool = False  # whether ``top1`` is part of the verdict (2-D class logits, or classifier=True)
 
 
 @dataclass
@@ -77,6 +98,9 @@ class GateResult:
     min_cosine: float = 1.0
     metric: float | None = None  # the user's metric_fn (worst over input sets), when given
     per_output: list[OutputError] = field(default_factory=list)
+    top1: float | None = None  # worst top-1 agreement over class-logit outputs (None: none)
+    top5: float | None = None
+    note: str = ""  # what was compared (masked positions left out, top-1 agreement)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,14 +119,100 @@ def _cosine(a: Tensor, b: Tensor) -> float:
     return float(cos.min()) if cos.numel() else 1.0
 
 
-def compare_outputs(ref: list[tuple[str, Tensor]], cand: list[tuple[str, Tensor]]) -> list[OutputError] | str:
-    """Per-output errors, or a string saying why the outputs cannot be compared."""
+def mask_index(model: Any, inputs: tuple[Any, ...], named: int | str | None = None) -> int | None:
+    """Which input is the attention mask: ``named`` (an index or a forward argument name), else the
+    forward argument called ``attention_mask``, else the second input of a token model (integer ids
+    and a 0/1 tensor of the same shape). None when there is none."""
+    try:
+        params = [p.name for p in inspect.signature(model.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError, AttributeError):
+        params = []
+    if named is not None:
+        i = named if isinstance(named, int) else (params.index(named) if named in params else None)
+        if i is None or not 0 <= i < len(inputs) or not isinstance(inputs[i], Tensor):
+            raise ConfigError(f"padding_mask: received {named!r}; expected the index or forward-argument name of a "
+                              f"tensor input (forward arguments: {params[:len(inputs)]}, {len(inputs)} inputs given)")
+        return i
+    if "attention_mask" in params[:len(inputs)]:
+        i = params.index("attention_mask")
+        if isinstance(inputs[i], Tensor) and inputs[i].dim() == 2:
+            return i
+    if len(inputs) >= 2 and all(isinstance(t, Tensor) and t.dim() == 2 for t in inputs[:2]):
+        ids, mask = inputs[0], inputs[1]
+        if (not ids.is_floating_point() and tuple(ids.shape) == tuple(mask.shape) and not mask.is_floating_point()
+                and bool(((mask == 0) | (mask == 1)).all())):
+            return 1
+    return None
+
+
+def padding_masks(model: Any, input_sets: Sequence[tuple[Any, ...]], named: int | str | None = None,
+                  compare_padding: bool = False) -> list[Tensor | None] | None:
+    """The attention mask of each input set (for ``judge``), or None to compare every position."""
+    if compare_padding or not input_sets:
+        return None
+    i = mask_index(model, input_sets[0], named)
+    if i is None:
+        return None
+    return [s[i].detach().cpu() if isinstance(s[i], Tensor) else None for s in input_sets]
+
+
+def gate_options(cfg: Any, model: Any, input_sets: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+    """``judge``'s padding and classifier keywords from an ``OptimizeConfig`` (``padding_mask``,
+    ``compare_padding``, ``classifier``) for ``model`` on ``input_sets``."""
+    return {"masks": padding_masks(model, input_sets, getattr(cfg, "padding_mask", None),
+                                   bool(getattr(cfg, "compare_padding", False))),
+            "classifier": getattr(cfg, "classifier", None)}
+
+
+def class_logits(name: str, ref: Tensor, classifier: bool | None = None) -> tuple[bool, bool]:
+    """(report top-1 agreement, gate on it) for one output: see the module docstring."""
+    if classifier is False or ref.dim() < 2 or ref.shape[-1] < 2 or not ref.is_floating_point():
+        return False, False
+    if classifier:
+        return True, True
+    named = name.split(".")[-1].endswith("logits")
+    if ref.dim() == 2:
+        unit = bool(((ref.double().norm(dim=1) - 1).abs() < 1e-3).all())  # L2-normalised embeddings
+        return named or not unit, named or not unit
+    return named, False
+
+
+def _agreement(r: Tensor, c: Tensor) -> tuple[float, float]:
+    """Top-1 and top-5 agreement over rows (last dim = classes); exact ties in eager count as agreeing."""
+    r, c = r.reshape(-1, r.shape[-1]), c.reshape(-1, c.shape[-1])
+    if r.shape[0] == 0:
+        return 1.0, 1.0
+    top = r.argmax(-1, keepdim=True)  # (rows, 1)
+    pick = c.argmax(-1, keepdim=True)
+    same = (pick == top) | (r.gather(-1, pick) == r.gather(-1, top))  # (rows, 1)
+    in5 = (c.topk(min(5, c.shape[-1]), dim=-1).indices == top).any(-1)
+    return float(same.float().mean()), float(in5.float().mean())
+
+
+def _real_rows(r: Tensor, c: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Only the real positions of an output laid out ``(B, T, F...)`` like ``mask`` (B, T)."""
+    if mask is None or r.dim() < 3 or tuple(r.shape[:2]) != tuple(mask.shape):
+        return r, c
+    keep = mask != 0
+    return r[keep], c[keep]  # (N, F...)
+
+
+def _rows(t: Tensor) -> int:
+    return int(t.numel() // t.shape[-1]) if t.dim() >= 2 and t.shape[-1] else 1
+
+
+def compare_outputs(ref: list[tuple[str, Tensor]], cand: list[tuple[str, Tensor]], mask: Tensor | None = None,
+                    classifier: bool | None = None) -> list[OutputError] | str:
+    """Per-output errors, or a string saying why the outputs cannot be compared. ``mask``: (B, T)
+    attention mask; outputs laid out like it are compared at its nonzero positions only."""
     if len(ref) != len(cand):
         return f"returned {len(cand)} output tensor(s), eager returns {len(ref)}"
     errs = []
-    for (name, r), (_, c) in zip(ref, cand):
-        if tuple(r.shape) != tuple(c.shape):
-            return f"output {name!r} has shape {tuple(c.shape)}, eager gives {tuple(r.shape)}"
+    for (name, r_all), (_, c_all) in zip(ref, cand):
+        if tuple(r_all.shape) != tuple(c_all.shape):
+            return f"output {name!r} has shape {tuple(c_all.shape)}, eager gives {tuple(r_all.shape)}"
+        r, c = _real_rows(r_all, c_all, mask)
         r64, c64 = r.double(), c.double()
         if not torch.isfinite(c64).all() and torch.isfinite(r64).all():
             return f"output {name!r} has NaN/Inf where eager is finite"
@@ -111,7 +221,12 @@ def compare_outputs(ref: list[tuple[str, Tensor]], cand: list[tuple[str, Tensor]
         max_rel = float((diff / (r64.abs() + 1e-6)).max()) if diff.numel() else 0.0
         rn = float(r64.norm())
         norm_rel = float(diff.norm()) / rn if rn > 0 else (0.0 if max_abs == 0 else math.inf)
-        errs.append(OutputError(name, max_abs, max_rel, norm_rel, _cosine(r64, c64)))
+        e = OutputError(name, max_abs, max_rel, norm_rel, _cosine(r64, c64), _rows(r), _rows(r_all))
+        report, gated = class_logits(name, r_all, classifier)
+        if report:
+            e.top1, e.top5 = _agreement(r, c)
+            e.gated_top1 = gated
+        errs.append(e)
     return errs
 
 
@@ -140,11 +255,15 @@ def judge(
     metric_threshold: float | None = None,
     reference_raw: Sequence[Any] | None = None,
     rebuild: Callable[[list[Tensor]], Any] | None = None,
+    masks: Sequence[Tensor | None] | None = None,
+    classifier: bool | None = None,
 ) -> GateResult:
     """The verdict on a candidate's outputs (two calls per held-out set) against eager's.
 
     ``rebuild`` turns flat tensors back into eager's structure for ``metric_fn`` when the raw
-    output did not survive (candidates evaluated in a child process).
+    output did not survive (candidates evaluated in a child process). ``masks``: each set's
+    attention mask (``padding_masks``): masked positions are not compared. ``classifier``: None
+    detects class logits, True treats every output as logits, False never.
     """
     if len(outputs) != len(references):
         return GateResult(False, f"ran on {len(outputs)} input set(s), expected {len(references)}")
@@ -152,15 +271,16 @@ def judge(
     per_output: dict[str, OutputError] = {}
     metric_vals: list[float] = []
     for i, ((first, second, raw, later), ref) in enumerate(zip(outputs, references)):
-        kept = compare_outputs(first, later)
+        mask = masks[i] if masks is not None and i < len(masks) else None
+        kept = compare_outputs(first, later, mask, False)
         if isinstance(kept, str) or any(e.max_abs > 0 for e in kept):
             return GateResult(False, "an earlier output changed when the candidate was called again: it hands out a "
                               "reused buffer (copy outputs before returning them)")
-        again = compare_outputs(first, second)
+        again = compare_outputs(first, second, mask, False)
         if isinstance(again, str) or any(e.norm_rel > 1e-5 for e in again):
             return GateResult(False, "two calls on the same input disagree (a reused output buffer?)"
                               + (f": {again}" if isinstance(again, str) else ""))
-        errs = compare_outputs(ref, first)
+        errs = compare_outputs(ref, first, mask, classifier)
         if isinstance(errs, str):
             return GateResult(False, errs)
         for e in errs:
@@ -170,6 +290,10 @@ def judge(
             else:
                 w.max_abs, w.max_rel = max(w.max_abs, e.max_abs), max(w.max_rel, e.max_rel)
                 w.norm_rel, w.cosine = max(w.norm_rel, e.norm_rel), min(w.cosine, e.cosine)
+                w.rows, w.total_rows = w.rows + e.rows, w.total_rows + e.total_rows
+                if e.top1 is not None:
+                    w.top1 = e.top1 if w.top1 is None else min(w.top1, e.top1)
+                    w.top5 = e.top5 if w.top5 is None else min(w.top5, e.top5 or 1.0)
         if metric_fn is not None:
             ref_obj = reference_raw[i] if reference_raw is not None else [t for _, t in ref]
             cand = raw if raw is not None else (rebuild([t for _, t in first]) if rebuild else [t for _, t in first])
@@ -180,6 +304,10 @@ def judge(
     worst.max_rel = max((e.max_rel for e in outs), default=0.0)
     worst.norm_rel = max((e.norm_rel for e in outs), default=0.0)
     worst.min_cosine = min((e.cosine for e in outs), default=1.0)
+    logits = [e for e in outs if e.top1 is not None]
+    worst.top1 = min((e.top1 for e in logits), default=None)
+    worst.top5 = min((e.top5 for e in logits if e.top5 is not None), default=None)
+    worst.note = _gate_note(outs)
     reasons = []
     if metric_fn is not None:  # the user's metric replaces the class tolerance
         tolerance = {}
@@ -189,6 +317,10 @@ def judge(
         reasons.append(f"max abs error {worst.max_abs:.2e} > {tolerance['abs']:.0e}")
     if "cosine" in tolerance and not worst.min_cosine >= tolerance["cosine"]:
         reasons.append(f"cosine {worst.min_cosine:.5f} < {tolerance['cosine']}")
+    for e in logits:
+        if "top1" in tolerance and e.gated_top1 and not e.top1 >= tolerance["top1"]:
+            reasons.append(f"top-1 class changed on {1 - e.top1:.1%} of the {e.rows} rows of {e.name!r} "
+                           f"(agreement {e.top1:.4f} < {tolerance['top1']}; cosine {e.cosine:.5f})")
     if metric_vals:
         worst.metric = min(metric_vals)
         if metric_threshold is not None and not worst.metric >= metric_threshold:
@@ -196,3 +328,18 @@ def judge(
     if reasons:
         worst.passed, worst.reason = False, "; ".join(reasons)
     return worst
+
+
+def _gate_note(outs: Sequence[OutputError]) -> str:
+    """One line on what the gate compared beyond plain tensors: masked positions left out, top-1."""
+    parts = []
+    masked = [e for e in outs if e.rows < e.total_rows]
+    if masked:
+        parts.append("gate compared real positions only: " + ", ".join(
+            f"{e.rows} of {e.total_rows} rows of {e.name!r}" for e in masked)
+            + " (masked positions left out; compare_padding=True compares all)")
+    for e in outs:
+        if e.top1 is not None:
+            parts.append(f"{e.name!r} as class logits: top-1 agreement {e.top1:.4f}, top-5 {e.top5:.4f}"
+                         + ("" if e.gated_top1 else " (reported, not gated)"))
+    return "; ".join(parts)
