@@ -15,21 +15,18 @@ Backends:
 * ``"triton"`` (CUDA, float32): one kernel per batch row multiplies and accumulates the k spectra in
   registers, so the (..., k, d//2+1) complex product tensor is not materialised either, and applies
   the Parseval normalisation in the same launch; ``TRITON_INTERPRET=1`` runs it on the CPU for tests.
-* ``"auto"``: Triton on CUDA float32 for ``bind_superpose`` with at least ``TRITON_MIN_PAIRS``
-  (batch x k) pairs, else torch. Measured on an H100 and an H200 (``benchmarks/hrr.py --device
-  cuda``): the kernel path costs ~0.2 ms whatever the size, so it won at (1000, 16, 1024) pairs
-  (1.8x / 1.2x) and lost at (10|100, 16, 1024) and (100, 16, 4096) (0.3-0.7x).
-  ``bind_normalize`` under "auto" on CUDA takes a one-pass FFT bind kernel with its normalising
-  epilogue where one applies (see its docstring for the measurements); its spectral Triton form
-  measured 0.42-0.45x the plain ``normalize(bind(a, b))`` on both GPUs and runs only when asked for.
+* ``"auto"``: Triton on CUDA float32 for ``bind_superpose`` from ``TRITON_MIN_PAIRS`` (batch x k)
+  pairs, else torch: the kernel path costs about the same whatever the size, so it pays only for
+  large batches. ``bind_normalize`` under "auto" on CUDA takes a one-pass FFT bind kernel with its
+  normalising epilogue where one applies; its spectral Triton form was slower than the plain
+  ``normalize(bind(a, b))`` and runs only when asked for.
 
 On the CPU inputs are processed in blocks of batch rows whose spectra fit in ~2 MiB, so no full-size
 intermediate exists there either. Without autograd the transforms use MKL's kept descriptors
 (hrr.mkl_fft) and every batch is blocked; through torch.fft, which commits a descriptor per call,
-only large ones are. Measured on the 2-core CPU (``benchmarks/hrr.py``, see docs/hrr.md): 1.6-1.8x
-bind-then-sum at (1000, 16, 1024), 1.1x at (100, 16, 4096), about even at (10|100, 16, 1024).
-Parseval normalisation in the spectrum was *slower* on the CPU than normalising the time-domain
-result, so on the CPU ``bind_normalize`` uses the plain path.
+only large ones are. Parseval normalisation in the spectrum was slower on the CPU than normalising
+the time-domain result, so on the CPU ``bind_normalize`` uses the plain path. The measurements
+behind each rule: docs/hrr.md, "Fused paths" (benchmarks/hrr.py, results/hrr_cpu*.md, results/hrr_cuda*.md).
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ __all__ = ["bind_superpose", "bind_normalize", "bind_superpose_reference", "BACK
 
 BACKENDS = ("auto", "torch", "triton")
 NORMALIZE_BACKENDS = ("auto", "torch", "triton", "cuda")
-TRITON_MIN_PAIRS = 8192  # batch x k from which "auto" takes the Triton kernel on CUDA (see module doc)
+TRITON_MIN_PAIRS = 8192  # batch x k from which "auto" takes the Triton kernel on CUDA (docs/hrr.md, "Fused paths")
 
 
 def bind_superpose_reference(
@@ -200,11 +197,8 @@ def _blocked_spectral_sum(keys: torch.Tensor, values: torch.Tensor, weights: tor
                           lead: torch.Size, normalized: bool, fft, ifft) -> torch.Tensor:
     """CPU: the spectral sum over blocks of batch rows, so no full-size spectrum is ever allocated.
 
-    Shared operands (no batch dims) are transformed once. ``fft``/``ifft`` come from ``hrr.backend.transforms``.
-    Through torch.fft: 2.2-2.8x faster than the
-    unblocked spectral sum at (1000, 16, 1024) and (100, 16, 4096) on the 2-core CPU; with MKL's
-    kept descriptors 1.0-1.9x bind-then-sum at (10|100|1000, 16, 1024) and (100, 16, 4096), where
-    the unblocked sum was 0.9x at the two smaller sizes (benchmarks/hrr.py, fused section).
+    Shared operands (no batch dims) are transformed once. ``fft``/``ifft`` come from
+    ``hrr.backend.transforms``. Blocks keep the spectra in cache (docs/hrr.md, "Fused paths").
     """
     d, batch_shape = keys.shape[-1], lead[:-1]
     B, k, F = math.prod(batch_shape), lead[-1], keys.shape[-1] // 2 + 1
@@ -289,11 +283,9 @@ def bind_normalize(a: torch.Tensor, b: torch.Tensor, *, backend: str = "auto") -
     """``normalize(bind(a, b))``.
 
     * ``"auto"``: on CUDA float32, same shapes, no autograd, a one-pass bind kernel normalises each
-      row before its one store, where ``hrr.bind``'s "auto" would take one (see ``hrr.backend.one_pass``); the
-      plain path otherwise. On an H100 the CUDA kernel's form took 0.42-0.54x the time of the unfused
-      path at 10-1000 rows, d = 1024 (``benchmarks/hrr.py --device cuda``, fused paths), and 0.46-0.57x
-      at 64 MiB per operand, d = 256-4096 (``benchmarks/hrr_fft_sweep.py --normalize``), where the
-      unfused path already binds through the same kernel.
+      row before its one store, where ``hrr.bind``'s "auto" would take one (see ``hrr.backend.one_pass``);
+      the plain path otherwise. The result is written once and never re-read, which made it faster
+      than the unfused path at every size measured (docs/hrr.md, "Fused paths").
     * ``"cuda"`` / ``"triton"``: that one-pass kernel (raising where it does not apply); ``"triton"``
       falls back to the spectral kernel (multiply, Parseval scaling, one launch) for shapes the FFT
       kernel does not take.
