@@ -9,6 +9,10 @@ from torchnitro.nn.models import TransformerConfig, TransformerLM
 
 from ._steps import tracked_peak
 
+# The README quotes the planner within 1.1% of the tracker's peak (worst of 40 cases in
+# results/memory_cpu.md); the tests hold it to that bound (worst here: 0.74%, autocast + blocks).
+PEAK_TOL = 0.011
+
 GRID = [
     (dict(vocab_size=1000, dim=64, n_layers=2, n_heads=4, max_seq_len=128), 2, 32),
     (dict(vocab_size=512, dim=96, n_layers=3, n_heads=3, max_seq_len=128), 3, 96),  # odd shapes
@@ -23,9 +27,9 @@ def test_planner_matches_tracker(cfg, batch, seq, dtype):
     c = TransformerConfig(**cfg)
     r = tracked_peak(c, batch, seq, {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
     p = plan(c, batch=batch, seq=seq, dtype=dtype, device="cpu")
-    assert abs(p.peak_bytes / r.peak.bytes - 1) < 0.10, p.table()
+    assert abs(p.peak_bytes / r.peak.bytes - 1) < PEAK_TOL, p.table()
     for phase in ("forward", "backward", "optimizer"):
-        assert abs(p.phases[phase] / r.per_phase[phase].bytes - 1) < 0.10, phase
+        assert abs(p.phases[phase] / r.per_phase[phase].bytes - 1) < PEAK_TOL, phase
 
 
 @pytest.mark.parametrize("policy", ["blocks", "every_2", "selective"])
@@ -33,7 +37,7 @@ def test_planner_matches_tracker_with_checkpointing(policy):
     c = TransformerConfig(vocab_size=512, dim=64, n_layers=4, n_heads=4, max_seq_len=128)
     r = tracked_peak(c, 2, 128, torch.float32, policy)
     p = plan(c, batch=2, seq=128, checkpointing=policy, device="cpu")
-    assert abs(p.peak_bytes / r.peak.bytes - 1) < 0.10, p.table()
+    assert abs(p.peak_bytes / r.peak.bytes - 1) < PEAK_TOL, p.table()
 
 
 def test_parameter_count_and_table():
@@ -95,7 +99,7 @@ def test_planner_math_attention_matches_tracker(kv):
         with track(model, opt) as t:
             step()
     p = plan(c, batch=2, seq=96, dtype="bf16", attention="math", device="cpu")
-    assert abs(p.peak_bytes / t.report().peak.bytes - 1) < 0.10, p.table()
+    assert abs(p.peak_bytes / t.report().peak.bytes - 1) < PEAK_TOL, p.table()
 
 
 @pytest.mark.parametrize("cfg,batch,seq,policy", [(*GRID[0], "none"), (*GRID[2], "none"), (*GRID[3], "none"),
@@ -122,9 +126,9 @@ def test_planner_autocast_matches_tracker(cfg, batch, seq, policy):
         step()
     r = t.report()
     p = plan(c, batch=batch, seq=seq, amp="bf16", checkpointing=policy, device="cpu")
-    assert abs(p.peak_bytes / r.peak.bytes - 1) < 0.10, p.table()
+    assert abs(p.peak_bytes / r.peak.bytes - 1) < PEAK_TOL, p.table()
     fwd_acts = r.per_phase["forward"].by_category["activations"]
-    assert abs(p.activation_bytes / fwd_acts - 1) < 0.10
+    assert abs(p.activation_bytes / fwd_acts - 1) < PEAK_TOL
 
 
 def test_autocast_bad_combinations():
@@ -210,7 +214,7 @@ H200_PEAKS_MIB = [
 def test_cuda_terms_match_h200_measurements(monkeypatch, cfg, batch, seq, dtype, policy, measured):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     p = plan(cfg, batch=batch, seq=seq, dtype=dtype, checkpointing=policy, foreach=True, device="cuda")
-    assert abs(p.peak_bytes / 2**20 / measured - 1) < 0.02, p.table()
+    assert abs(p.peak_bytes / 2**20 / measured - 1) < PEAK_TOL, p.table()  # worst: 0.38% (blocks)
 
 
 @pytest.mark.gpu
@@ -236,4 +240,5 @@ def test_planner_matches_tracker_on_cuda(dtype, policy):
     with track(model, opt) as t:
         step()
     p = plan(c, batch=3, seq=200, dtype=dtype, checkpointing=policy, foreach=True, device="cuda")
+    # 10%, not PEAK_TOL: this grid has not been rerun on a GPU since the bound was tightened
     assert abs(p.peak_bytes / t.report().peak.bytes - 1) < 0.10, p.table()
