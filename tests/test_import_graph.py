@@ -185,3 +185,38 @@ def test_hrr_backend_imports_only_the_kernels_below_it():
     below = {"torchnitro.hrr.mkl_fft", "torchnitro.hrr.fft_kernel", "torchnitro.hrr.cuda_fft"}
     used = {m for m in top["torchnitro.hrr.backend"] | inner["torchnitro.hrr.backend"] if m.startswith("torchnitro.hrr")}
     assert used <= below, f"hrr.backend imports {sorted(used - below)} from the layer above it"
+
+
+def _private_uses(path: Path, known: set[str]) -> list[str]:
+    """``module._name`` reads and ``from module import _name`` of another torchnitro module's private names."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases: dict[str, str] = {}
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.ImportFrom) and n.module and n.module.startswith(PACKAGE):
+            for a in n.names:
+                full = f"{n.module}.{a.name}"
+                if full in known:
+                    aliases[a.asname or a.name] = full
+                elif a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"from {n.module} import {a.name} (line {n.lineno})")
+        elif isinstance(n, ast.Import):
+            aliases.update({a.asname: a.name for a in n.names if a.asname and a.name in known})
+    for n in ast.walk(tree):
+        if (isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in aliases
+                and n.attr.startswith("_") and not n.attr.startswith("__")):
+            found.append(f"{aliases[n.value.id]}.{n.attr} (line {n.lineno})")
+    return found
+
+
+def test_hrr_modules_use_only_each_others_public_names():
+    mods = _modules()
+    uses = {m: _private_uses(p, set(mods)) for m, p in mods.items() if m.startswith("torchnitro.hrr")}
+    assert not {m: u for m, u in uses.items() if u}, uses
+
+
+def test_private_use_reader_finds_both_forms(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("from torchnitro.hrr import ops\nfrom torchnitro.hrr.ops import _EPS\nops._check(1)\nops.bind\n")
+    got = _private_uses(f, {"torchnitro.hrr.ops"})
+    assert got == ["from torchnitro.hrr.ops import _EPS (line 2)", "torchnitro.hrr.ops._check (line 3)"]
