@@ -46,6 +46,8 @@ def test_counts_sass_of_the_cuda_kernel_without_a_gpu(tmp_path):
     try:
         tool._nvrtc()
     except RuntimeError as exc:
+        if not str(exc).startswith("no libnvrtc found"):
+            raise  # only a missing library is a reason to skip; any other failure is a test failure
         pytest.skip(str(exc))
     pytest.importorskip("triton", reason="Triton is not installed (its bundled cuobjdump)")
     small = tool._cuda_sass_counts(256, False, False, 90, tmp_path)
