@@ -123,3 +123,29 @@ def test_client_gone_while_queued_gets_499_and_is_never_computed(served):
     gone, first = asyncio.run(asyncio.wait_for(main(), 20))
     assert gone[0] == 499 and first[0] == 200
     assert model.seen == [1.0]  # the abandoned request never reached the model
+
+
+def test_deep_json_is_a_400_and_an_unexpected_failure_is_a_json_500(served, monkeypatch):
+    srv, ep, model = served
+    auth = [(b"authorization", b"Bearer tok")]
+    deep = b'{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": ' + b"[" * 10_000 \
+        + b"]" * 10_000 + b"}]}"
+
+    async def main():
+        await ep.start(srv.metrics)
+        model.gate.set()
+        nested = await call(srv.app, scope("/v2/models/g/infer", headers=auth), deep)
+
+        def broken(body, sig):
+            raise KeyError("a bug")
+
+        monkeypatch.setattr("torchnitro.serve.fastpath.parse_infer_request", broken)
+        bug = await call(srv.app, scope("/v2/models/g/infer", headers=auth), body(1.0))
+        await ep.batcher.stop()
+        return nested, bug
+
+    nested, bug = asyncio.run(asyncio.wait_for(main(), 20))
+    assert nested[0] == 400 and "nests JSON too deeply" in json.loads(nested[2])["error"]
+    assert bug[0] == 500 and bug[1][b"content-type"] == b"application/json"
+    assert "KeyError" in json.loads(bug[2])["error"]
+    assert 'torchnitro_requests_total{code="500",model="g"} 1.0' in srv.metrics.render().decode()

@@ -46,7 +46,12 @@ def test_nested_data_is_accepted():
     (lambda b: b["inputs"][0].update(data=[1, 2]), r"has 2 elements, shape \[2, 3\] needs 6"),
     (lambda b: b["inputs"].pop(), r"missing \['mask'\]"),
     (lambda b: b["inputs"].append({"name": "zzz"}), r"unknown \['zzz'\]"),
-    (lambda b: b["inputs"][0].update(data=["a"] * 6), r"could not be read as INT64"),
+    (lambda b: b["inputs"][0].update(data=["a"] * 6), r"received strings \(e.g. 'a'\), expected INT64"),
+    (lambda b: b["inputs"][0].update(data=["1"] * 6), r"received strings \(e.g. '1'\), expected INT64"),
+    (lambda b: b["inputs"][0].update(data=[1, 2, 3, 4, 5, 101.7]), r"received 101.7 for INT64, expected whole"),
+    (lambda b: b["inputs"][0].update(data=[1, 2, 3, 4, 5, 2**63]), r"could not be read as INT64|INT64 holds"),
+    (lambda b: b["inputs"][0].update(data=[1, 2, [3], 4, 5, 6]), r"could not be read as INT64"),
+    (lambda b: b["inputs"][0].update(shape=[2, 0], data=[]), r"received shape \[2, 0\] with an empty dim"),
     (lambda b: b["inputs"][1].update(shape=[2, 2], data=[1] * 4), r"disagree on dimension 1"),
     (lambda b: b.update(parameters={"priority": "high"}), r"parameters.priority: received 'high'"),
     (lambda b: b.update(parameters={"timeout": -5}), r"parameters.timeout: received -5"),
@@ -69,6 +74,53 @@ def test_malformed_json_nan_and_fixed_dims():
     wrong = {"inputs": [{"name": "x", "shape": [1, 5], "datatype": "FP32", "data": [1] * 5}]}
     with pytest.raises(InputError, match=r"dimension 1 is 5, expected 4"):
         parse_infer_request(wrong, FSIG)
+
+
+@pytest.mark.parametrize("data,match", [
+    (["1.5", "2", "3", "4"], r"received strings \(e.g. '1.5'\), expected FP32 values as JSON numbers"),
+    (["true", 1, 2, 3], r"received strings"),
+    ([True, False, True, True], r"received booleans \(e.g. True\), expected FP32"),
+])
+def test_float_inputs_take_numbers_only(data, match):
+    req = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": data}]}
+    with pytest.raises(InputError, match=match):
+        parse_infer_request(json.dumps(req), FSIG)
+
+
+def test_integral_floats_become_ints_and_small_types_keep_their_range():
+    item = parse_infer_request(json.dumps(body(1, 2) | {"inputs": [
+        {"name": "ids", "shape": [1, 2], "datatype": "INT64", "data": [101.0, 7]},
+        {"name": "mask", "shape": [1, 2], "datatype": "INT64", "data": [1, 1]}]}), SIG)
+    assert item.tensors[0].tolist() == [[101, 7]] and item.tensors[0].dtype == torch.int64
+    usig = ModelSignature("u", [TensorSpec("b", "UINT8", (-1, 2))], [TensorSpec("y", "FP32", (-1, 2))])
+    with pytest.raises(InputError, match=r"received values in \[3, 300\], UINT8 holds \[0, 255\]"):
+        parse_infer_request({"inputs": [{"name": "b", "shape": [1, 2], "datatype": "UINT8", "data": [3, 300]}]},
+                            usig)
+
+
+def test_model_limits_value_range_and_length():
+    sig = ModelSignature("tok", [TensorSpec("ids", "INT64", (-1, -1), value_range=(0, 99), max_length=8)],
+                         [TensorSpec("y", "FP32", (-1, 4))])
+
+    def ids(data, shape=None):
+        return {"inputs": [{"name": "ids", "shape": shape or [1, len(data)], "datatype": "INT64", "data": data}]}
+
+    assert parse_infer_request(ids([0, 99, 5]), sig).tensors[0].tolist() == [[0, 99, 5]]
+    with pytest.raises(InputError, match=r"'ids': received values in \[3, 100\], this model takes \[0, 99\]"):
+        parse_infer_request(ids([3, 100]), sig)
+    with pytest.raises(InputError, match=r"received values in \[-5, 4\]"):
+        parse_infer_request(ids([-5, 4]), sig)
+    with pytest.raises(InputError, match=r"dimension 1 \(length\) is 9, this model takes at most 8"):
+        parse_infer_request(ids(list(range(9))), sig)
+
+
+def test_deeply_nested_json_is_a_clear_input_error():
+    deep = '{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": ' + "[" * 10_000 + "]" * 10_000 + "}]}"
+    with pytest.raises(InputError, match="nests JSON too deeply"):
+        parse_infer_request(deep, FSIG)
+    mid = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": json.loads("[" * 500 + "]" * 500)}]}
+    with pytest.raises(InputError, match="could not be read as FP32"):
+        parse_infer_request(json.dumps(mid), FSIG)
 
 
 @pytest.mark.parametrize("lengths", [(3, 5, 1), (7, 7)])

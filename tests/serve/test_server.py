@@ -16,7 +16,7 @@ pytest.importorskip("uvicorn")
 from torchnitro.serve.batcher import BatchingConfig  # noqa: E402
 from torchnitro.serve.loadtest import HttpClient  # noqa: E402
 from torchnitro.serve.server import InferenceServer, ModelEndpoint, ServeConfig, make_pool  # noqa: E402
-from torchnitro.serve.testing import POISON  # noqa: E402
+from torchnitro.serve.testing import POISON, RAISE  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -252,3 +252,36 @@ def test_expired_and_abandoned_requests_inside_the_window_do_not_wedge_the_serve
         assert metric(base, "torchnitro_queue_depth") == 0
         srv.stop(timeout_s=20)  # idle: nothing to drain (it waited 30 s on a depth of -1)
         assert not srv._thread.is_alive()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_one_bad_request_fails_alone_and_its_batch_mates_are_answered(workers):
+    cfg = BatchingConfig(max_batch_size=4, max_wait_ms=5_000)  # closes when full: the 4 share a batch
+    with serving("torchnitro.serve.testing:picky_affine", "picky", cfg, workers=workers, threads=1) as (_, base):
+        done = _concurrent(base, [{"model": "picky", **req(v)} for v in (1, 2, RAISE, 4)])
+        codes = [r.status_code for _, r in done]
+        assert codes == [200, 200, 500, 200], [r.text for _, r in done]
+        for v, (_, r) in zip((1, 2, 4), [done[0], done[1], done[3]]):
+            assert r.json()["outputs"][0]["data"] == expect(v)
+        assert "not allowed by this model" in done[2][1].json()["error"]
+        # all 4 in one batch, then its halves [1, 2] and [RAISE, 4], then [RAISE] and [4] alone
+        assert metric(base, "torchnitro_batch_size_count") == 5
+        assert metric(base, "torchnitro_batch_size_sum") == 4 + 2 + 2 + 1 + 1
+
+
+def test_token_model_limits_are_400s_before_batching():
+    cfg = BatchingConfig(max_batch_size=8, max_wait_ms=20)
+    with serving("encoder", "encoder", cfg) as (_, base):
+        def ids(data, shape=None):
+            return {"model": "encoder", "inputs": [{"name": "tokens", "shape": shape or [1, len(data)],
+                                                    "datatype": "INT64", "data": data}]}
+
+        bad = [ids([1, 8192]), ids([-5, 3]), ids([1] * 513), ids([], [1, 0]), ids([1.5, 2])]
+        done = _concurrent(base, [ids([1, 2, 3]), *bad, ids([4, 5])])
+        assert [r.status_code for _, r in done] == [200, 400, 400, 400, 400, 400, 200]
+        errors = [r.json()["error"] for _, r in done[1:6]]
+        assert "received values in [1, 8192], this model takes [0, 8191]" in errors[0]
+        assert "received values in [-5, 3]" in errors[1]
+        assert "dimension 1 (length) is 513, this model takes at most 512" in errors[2]
+        assert "received shape [1, 0] with an empty dimension" in errors[3]
+        assert "received 1.5 for INT64, expected whole numbers" in errors[4]

@@ -80,7 +80,11 @@ class InferPath:
 
     async def _infer(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.monotonic()
-        status, body, headers = await self._answer(name, scope, receive)
+        try:
+            status, body, headers = await self._answer(name, scope, receive)
+        except Exception as exc:  # noqa: BLE001 - a bug answers JSON and is counted, never a bare 500
+            status, body, headers = _err(f"internal error while answering this request: "
+                                         f"{type(exc).__name__}: {exc}", 500)
         model = name if name in self.server.models and status != 401 else ""
         self._count(model, status)
         if status == 200:

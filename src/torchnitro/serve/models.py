@@ -6,6 +6,11 @@
   * ``module:function`` - a factory returning a ``ServedModel`` (or an ``nn.Module`` plus example
     inputs via a ``ServedModel``), imported in each worker process.
 Worker processes call it themselves, so a spec must be a string that resolves the same everywhere.
+
+For an ``nn.Module`` the signature also records what its integer inputs can take
+(``add_module_limits``): token ids below the largest embedding's row count, an attention mask of 0/1,
+a sequence no longer than the learned position table (or the model's ``cfg.max_seq_len``), so a
+bad id is a 400 for its own request instead of an exception in the batch it shares.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from torch import Tensor, nn
 from torchnitro.errors import InputError
 from torchnitro.serve.protocol import ModelSignature, TensorSpec, datatype_of
 
-__all__ = ["ServedModel", "resolve_model", "signature_from_example"]
+__all__ = ["ServedModel", "resolve_model", "signature_from_example", "add_module_limits"]
 
 
 @dataclass
@@ -80,6 +85,54 @@ def signature_from_example(name: str, model: Callable[..., Any], example: Sequen
         ospecs.append(TensorSpec(n, datatype_of(t.dtype), shape))
     # a mask input makes padding invisible to each row's result; without one, only equal lengths batch
     return ModelSignature(name, ins, ospecs, padding_safe=any(s.name == "attention_mask" for s in ins))
+
+
+_INT_TYPES = ("INT64", "INT32", "INT16", "UINT8", "INT8")
+_NOT_IDS = {"attention_mask", "token_type_ids", "position_ids"}
+
+
+def _is_position_table(leaf: str) -> bool:
+    return leaf in ("pos", "wpe") or "position" in leaf
+
+
+def _position_limit(module: nn.Module, tables: dict[str, nn.Embedding]) -> int | None:
+    """Longest sequence ``module`` takes: its learned position table, else ``cfg.max_seq_len``."""
+    for leaf, m in tables.items():
+        if _is_position_table(leaf):
+            # RoBERTa-style tables start after the padding index: rows padding_idx+1.. are positions
+            return m.num_embeddings - (0 if m.padding_idx is None else m.padding_idx + 1)
+    limit = getattr(getattr(module, "cfg", None), "max_seq_len", None)
+    return limit if isinstance(limit, int) else None
+
+
+def add_module_limits(signature: ModelSignature, module: nn.Module) -> ModelSignature:
+    """Record on ``signature``'s integer inputs the value range and length ``module`` can take.
+
+    Token ids: ``[0, rows - 1]`` of the largest ``nn.Embedding`` that is not a position or
+    token-type table (the vocabulary); ``token_type_ids``:
+    the token-type table; ``attention_mask``: 0/1; every variable-length integer input: the position
+    limit. Inputs with limits already set are left alone; a module without embeddings gets none.
+    """
+    tables = {q.rpartition(".")[2].lower(): m for q, m in module.named_modules() if isinstance(m, nn.Embedding)}
+    if not tables:
+        return signature
+    types = next((m.num_embeddings for leaf, m in tables.items() if "token_type" in leaf), None)
+    vocab = max((m.num_embeddings for leaf, m in tables.items()
+                 if not _is_position_table(leaf) and "token_type" not in leaf), default=None)
+    max_len = _position_limit(module, tables)
+    for spec in signature.inputs:
+        if spec.datatype not in _INT_TYPES:
+            continue
+        if spec.value_range is None:
+            if spec.name == "attention_mask":
+                spec.value_range = (0, 1)
+            elif spec.name == "token_type_ids":
+                spec.value_range = None if types is None else (0, types - 1)
+            elif spec.name not in _NOT_IDS and vocab is not None:
+                spec.value_range = (0, vocab - 1)
+        if spec.max_length is None and spec.ragged and max_len is not None:
+            spec.max_length = max_len
+    return signature
 
 
 def _from_builtin(name: str) -> ServedModel:
@@ -146,6 +199,9 @@ def resolve_model(spec: str | ServedModel, name: str | None = None) -> ServedMod
                              "(wrap the module: ServedModel(module, signature_from_example(...)))")
     else:
         sm = _from_builtin(spec)
+    module = sm.module if sm.module is not None else sm.fn
+    if isinstance(module, nn.Module):
+        add_module_limits(sm.signature, module)
     if name:
         sm.signature.name = name
     return sm

@@ -3,8 +3,11 @@
 A model's ``ModelSignature`` names its inputs and outputs with datatypes and shapes (``-1`` for a
 variable dimension; dimension 0 is always the batch). ``parse_infer_request`` turns a request body
 into an ``InferItem`` (tensors in signature order, validated: names, datatypes, ranks, fixed dims,
-element counts, NaN); every problem raises ``InputError`` whose message names the tensor, what was
-received, what was expected and the fix (the server answers it with HTTP 400).
+empty dims, element counts, element types (no strings, no fractions for integer types, integers in
+the type's range), NaN, and what the model itself can take: a value range such as token ids below
+the embedding's size, a longest sequence such as the position table's length); every problem
+raises ``InputError`` whose message names the tensor, what was received, what was expected and the
+fix (the server answers it with HTTP 400).
 
 Variable-length sequences (dimension 1 is ``-1``) are padded to the longest in a batch with the
 input's ``pad_value`` (0 for token ids and attention masks) and outputs that carry that dimension
@@ -55,6 +58,10 @@ class TensorSpec:
     datatype: str  # v2 name: "FP32", "INT64", ...
     shape: tuple[int, ...]  # dim 0 is the batch (-1); -1 marks any variable dimension
     pad_value: float = 0  # value for padding a variable dim 1 up to the batch's longest
+    # inclusive [low, high] of values the model can take (token ids: its embedding's rows), so an
+    # out-of-range id is a 400 for its request instead of an exception for its whole batch
+    value_range: tuple[float, float] | None = None
+    max_length: int | None = None  # longest dimension 1 the model can take (its position table)
 
     def __post_init__(self) -> None:
         if self.datatype not in DATATYPES:
@@ -127,6 +134,12 @@ def _to_tensor(spec: TensorSpec, obj: dict[str, Any], allow_nan: bool) -> Tensor
                        f"(received shape {shape}, expected {list(spec.shape)})")
     if shape[0] < 1:
         raise _bad(f"input {name!r}: batch dimension is 0; send at least one row")
+    if 0 in shape:
+        raise _bad(f"input {name!r}: received shape {shape} with an empty dimension, expected every "
+                   "dimension >= 1 (an empty sequence has nothing to compute)")
+    if spec.max_length is not None and len(shape) > 1 and shape[1] > spec.max_length:
+        raise _bad(f"input {name!r}: dimension 1 (length) is {shape[1]}, this model takes at most "
+                   f"{spec.max_length}; truncate or split the sequence")
     data = obj.get("data")
     if not isinstance(data, list):
         raise _bad(f"input {name!r}: 'data' must be a (flat or nested) JSON list, received "
@@ -134,10 +147,9 @@ def _to_tensor(spec: TensorSpec, obj: dict[str, Any], allow_nan: bool) -> Tensor
     n = math.prod(shape)
     try:
         if spec.datatype in _NP:  # numpy reads a list of numbers ~3x faster than torch.tensor
-            with np.errstate(over="ignore", invalid="ignore"):  # out-of-range -> inf: rejected below
-                arr = np.asarray(data, dtype=_NP[spec.datatype])
+            arr = np.asarray(data)  # its own type first: strings, fractions, ranges are checked
             if arr.dtype == object:
-                raise ValueError("ragged nested lists")
+                raise ValueError("ragged nested lists or mixed element types")
         else:
             t = torch.tensor(data, dtype=spec.dtype)
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
@@ -146,16 +158,59 @@ def _to_tensor(spec: TensorSpec, obj: dict[str, Any], allow_nan: bool) -> Tensor
     if spec.datatype in _NP:  # checked in numpy: each torch op per request costs more than this check
         if arr.size != n:
             raise _bad(f"input {name!r}: 'data' has {arr.size} elements, shape {shape} needs {n}")
-        arr = arr.reshape(shape)
+        arr = _cast(name, spec.datatype, arr).reshape(shape)
         if arr.dtype.kind == "f" and not allow_nan and not np.isfinite(arr).all():
             raise _bad(f"input {name!r}: contains NaN or infinity; this model expects finite values")
+        if spec.value_range is not None:
+            _check_range(name, spec.value_range, arr)
         return torch.from_numpy(arr)
     if t.numel() != n:
         raise _bad(f"input {name!r}: 'data' has {t.numel()} elements, shape {shape} needs {n}")
     t = t.reshape(shape)
     if t.is_floating_point() and not allow_nan and not bool(torch.isfinite(t).all()):
         raise _bad(f"input {name!r}: contains NaN or infinity; this model expects finite values")
+    if spec.value_range is not None:
+        _check_range(name, spec.value_range, t.float().numpy())
     return t
+
+
+# element kinds (numpy dtype.kind) each v2 datatype accepts from JSON: numbers only, never strings;
+# a float for an integer type only when it has no fractional part (101.0, not 101.7)
+_KINDS = {"BOOL": "b", "FP16": "iuf", "FP32": "iuf", "FP64": "iuf"}
+_KIND_NAMES = {"U": "strings", "S": "strings", "b": "booleans", "f": "numbers with fractions", "O": "objects"}
+
+
+def _cast(name: str, datatype: str, arr: np.ndarray) -> np.ndarray:
+    """``arr`` (as JSON gave it) converted to ``datatype``, refusing what would change its values."""
+    target = _NP[datatype]
+    kind = arr.dtype.kind
+    if datatype == "BOOL" and kind in "iu" and bool(((arr == 0) | (arr == 1)).all()):
+        return arr.astype(target)
+    if kind not in _KINDS.get(datatype, "iuf"):
+        raise _bad(f"input {name!r}: received {_KIND_NAMES.get(kind, arr.dtype.name)} "
+                   f"(e.g. {arr.reshape(-1)[0].item()!r}), expected {datatype} values as JSON "
+                   f"{'true/false' if datatype == 'BOOL' else 'numbers'}; send the numbers themselves")
+    if np.issubdtype(target, np.integer):
+        if kind == "f":
+            if not np.isfinite(arr).all() or bool((arr != np.floor(arr)).any()):
+                bad = arr[~np.isfinite(arr) | (arr != np.floor(arr))].reshape(-1)[0].item()
+                raise _bad(f"input {name!r}: received {bad!r} for {datatype}, expected whole numbers; "
+                           "round on the client if that is what you mean")
+        info = np.iinfo(target)
+        if arr.size and (arr.min() < info.min or arr.max() >= info.max + 1):  # + 1: exact for floats too
+            raise _bad(f"input {name!r}: received values in [{arr.min()}, {arr.max()}], {datatype} holds "
+                       f"[{info.min}, {info.max}]")
+    elif kind == "f" and target != np.float64:
+        with np.errstate(over="ignore"):  # out of range -> inf: the NaN/inf check rejects it
+            return arr.astype(target)
+    return arr.astype(target, copy=False)
+
+
+def _check_range(name: str, bounds: tuple[float, float], arr: np.ndarray) -> None:
+    low, high = bounds
+    if arr.size and (arr.min() < low or arr.max() > high):
+        raise _bad(f"input {name!r}: received values in [{arr.min()}, {arr.max()}], this model takes "
+                   f"[{low:g}, {high:g}] (e.g. token ids must be below its vocabulary size)")
 
 
 def parse_infer_request(body: bytes | str | dict[str, Any], sig: ModelSignature) -> InferItem:
@@ -168,6 +223,9 @@ def parse_infer_request(body: bytes | str | dict[str, Any], sig: ModelSignature)
         except (ValueError, UnicodeDecodeError) as exc:
             raise _bad(f"request body is not valid JSON ({exc}); expected "
                        '{"inputs": [{"name", "shape", "datatype", "data"}, ...]}') from None
+        except RecursionError:
+            raise _bad("request body nests JSON too deeply to read; expected tensor data as a flat "
+                       "or shape-nested list") from None
     if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
         raise _bad("request body must be a JSON object with an 'inputs' list, received "
                    f"{type(req).__name__}{'' if not isinstance(req, dict) else ' without inputs'}")
