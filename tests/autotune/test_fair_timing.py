@@ -88,7 +88,7 @@ def test_save_inputs_refuses_objects_a_child_would_have_to_unpickle(tmp_path):
 
 # ---- the eager check ------------------------------------------------------------------------------
 
-def test_eager_check_band_is_5_percent_or_twice_the_cv():
+def test_eager_check_band_is_5_percent_or_twice_the_cv_at_most_25():
     t = lambda ms: Timing([ms / 1e3] * 5)  # noqa: E731
     assert fair.check_eager(10.0, 0.01, t(10.4)).ok  # +4% within 5%
     assert not fair.check_eager(10.0, 0.01, t(10.6)).ok  # +6% outside 5%
@@ -96,6 +96,7 @@ def test_eager_check_band_is_5_percent_or_twice_the_cv():
     wide = fair.check_eager(10.0, 0.05, t(5.0))
     assert not wide.ok and wide.band == pytest.approx(0.10) and wide.drift == pytest.approx(-0.5)
     assert "10.000 ms" in wide.text() and "5.000 ms" in wide.text()
+    assert fair.check_eager(10.0, 1.4, t(12.4)).ok and not fair.check_eager(10.0, 1.4, t(12.6)).ok  # capped at 25%
     with pytest.raises(InputError, match="positive"):
         fair.check_eager(0.0, 0.01, t(1.0))
 

@@ -1,0 +1,178 @@
+"""Does the optimizer's final comparison time each variant as it runs alone?
+
+For each workload, one ``torchnitro.optimize`` search over one recipe per runtime family (compile,
+TorchScript, ONNX Runtime, OpenVINO when installed) with every candidate in the final comparison,
+then every variant (eager included) built and timed alone, each in its own fresh process (rounds
+alternate between the processes; the parent only waits). Two checks per workload (issue 14):
+
+- each variant's p50 inside the optimizer's comparison is within 5% of its p50 alone;
+- the optimizer's reported speedup agrees with the isolated ratio (eager alone / variant alone) within 10%.
+
+Run (one benchmark at a time on a shared machine)::
+
+    flock /tmp/torchnitro-bench.lock python benchmarks/timing_fairness.py           # a few minutes
+    python benchmarks/timing_fairness.py --quick                                    # smoke test, ~1 min
+
+Writes results/timing_fairness.{json,md} (``--quick``: timing_fairness_quick.*) with the command,
+the machine, the library versions and the allocator/thread settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from torchnitro.autotune.api import optimize
+from torchnitro.autotune.config import OptimizeConfig
+from torchnitro.autotune.inputs import resolve_model
+from torchnitro.autotune.recipe import BuildContext, get_recipe
+from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir
+from torchnitro.bench.environment import describe_environment
+from torchnitro.bench.isolated import ChildTimer, save_inputs
+from torchnitro.hardware import hardware_info
+
+# family -> the recipe that stands for it
+FAMILIES = {"compile": "compile", "torchscript": "torchscript", "onnxruntime": "onnxruntime", "openvino": "openvino"}
+WORKLOADS = {"encoder": ("encoder", 8, 128), "mlp": ("mlp", 64, 0)}  # name -> (builtin, batch, seq)
+QUICK_WORKLOADS = {"mlp": ("mlp", 8, 0)}
+QUICK_SKIP = ("compile",)  # inductor's C++ build takes minutes on 2 cores: not for a smoke test
+P50_GOAL, SPEEDUP_GOAL = 0.05, 0.10
+VARIANT_COLUMNS = ("workload", "variant", "family", "p50 in comparison ms", "p50 alone ms", "diff", "within 5%",
+                   "timed in comparison")
+SPEEDUP_COLUMNS = ("workload", "variant", "reported speedup", "isolated ratio", "diff", "within 10%", "chosen")
+
+
+def build_variant(spec: str, batch: int, seq: int, recipe: str, workdir: str, threads: int) -> Callable[..., Any]:
+    """Child side (``ChildTimer`` loader): the built-in model, built into ``recipe``'s variant in this process."""
+    model, inputs, info = resolve_model(spec, batch=batch or None, seq=seq or None)
+    if recipe == "eager":
+        return model
+    ctx = BuildContext(model, inputs, hardware_info(), torch.device("cpu"), Path(workdir), dict(info.dynamic_dims),
+                       OptimizeConfig(threads=threads))
+    return get_recipe(recipe).build(ctx).fn
+
+
+def _families(quick: bool) -> dict[str, str]:
+    out = {}
+    for fam, name in FAMILIES.items():
+        if quick and fam in QUICK_SKIP:
+            continue
+        why = get_recipe(name).unavailable_reason(hardware_info())
+        if why is None:
+            out[fam] = name
+        else:
+            print(f"skipping {fam}: {why}")
+    return out
+
+
+def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any, ...], threads: int,
+           tc: TimingConfig, work: Path) -> dict[str, float]:
+    """p50 ms of each variant alone in its own fresh process (all started together, timed in rotation)."""
+    save_inputs([inputs], work / "inputs.pt")
+    timers = {}
+    try:
+        for n in names:
+            (work / n).mkdir()
+            timers[n] = ChildTimer(f"{Path(__file__).stem}:build_variant",
+                                   {"spec": spec, "batch": batch, "seq": seq, "recipe": n, "workdir": str(work / n),
+                                    "threads": threads}, work / "inputs.pt", threads=threads, timeout_s=600.0)
+        for t in timers.values():
+            t.wait_ready()
+        res = compare(timers, tc)
+    finally:
+        for t in timers.values():
+            t.close()
+    return {n: t.median * 1e3 for n, t in res.items()}
+
+
+def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], quick: bool,
+        variants: ResultTable, speedups: ResultTable, notes: list[str]) -> None:
+    model, inputs, info = resolve_model(spec, batch=batch or None, seq=seq or None)
+    final_s = 0.3 if quick else 2.0
+    with tempfile.TemporaryDirectory(prefix="timing-fairness-") as tmp:
+        cfg = OptimizeConfig(recipes=list(families.values()), finalists=len(families), min_speedup=1.0,
+                             final_min_time_s=final_s, final_min_iters=5 if quick else 15, budget_s=1800.0,
+                             candidate_timeout_s=600.0, cache_dir=str(Path(tmp) / "cache"), progress=not quick)
+        t0 = time.perf_counter()
+        opt = optimize(model, inputs, cfg, info=info)
+        rep = opt.report
+        notes.append(f"{name}: search {time.perf_counter() - t0:.0f} s, chosen {opt.recipe}; "
+                     + "; ".join(n for n in rep.notes if "eager p50 alone" in n or "redone" in n))
+        timed = [c.recipe for c in rep.candidates if c.interleaved]
+        for c in rep.candidates:
+            if c.recipe != "eager" and not c.interleaved:
+                notes.append(f"{name}: {c.recipe} not in the comparison ({c.status}: {c.reason[:120]})")
+        tc = TimingConfig(warmup=2, warmup_s=0.0, min_iters=5 if quick else 15, min_time_s=final_s,
+                          max_time_s=max(5.0, 3 * final_s))
+        alone = _alone(spec, batch, seq, timed, inputs, cfg.resolved_threads(), tc, Path(tmp))
+    fam_of = {v: k for k, v in families.items()} | {"eager": "eager"}
+    for n in timed:
+        c = rep.get(n)
+        diff = c.p50_ms / alone[n] - 1
+        how = "own process" if c.alone else "this process"
+        variants.add(workload=name, variant=n, family=fam_of.get(n, n), **{
+            "p50 in comparison ms": c.p50_ms, "p50 alone ms": alone[n], "diff": f"{diff:+.1%}",
+            "within 5%": abs(diff) <= P50_GOAL, "timed in comparison": how + (", redone" if c.redone else "")})
+        if n != "eager":
+            iso = alone["eager"] / alone[n]
+            d = c.speedup / iso - 1
+            speedups.add(workload=name, variant=n, **{"reported speedup": c.speedup, "isolated ratio": iso,
+                         "diff": f"{d:+.1%}", "within 10%": abs(d) <= SPEEDUP_GOAL, "chosen": n == opt.recipe})
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    for pkg in ("torchnitro", "onnxruntime", "onnx", "openvino"):
+        try:
+            out[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one small workload, no torch.compile: a smoke test")
+    ap.add_argument("--only", choices=sorted(WORKLOADS), help="one workload")
+    ap.add_argument("--out", default=None, help="output folder (default: results/)")
+    args = ap.parse_args(argv)
+    workloads = QUICK_WORKLOADS if args.quick else {k: v for k, v in WORKLOADS.items() if args.only in (None, k)}
+    families = _families(args.quick)
+    hw = hardware_info()
+    meta = {"command": "python " + " ".join([f"benchmarks/{Path(__file__).name}"] + (argv if argv is not None
+                                                                                      else sys.argv[1:])),
+            "machine": f"{hw.cpu_name}, {hw.cpu_cores} cores", "versions": _versions(),
+            "timing environment": describe_environment(), "families": families}
+    variants = ResultTable("p50 inside the optimizer's comparison vs alone in a fresh process", VARIANT_COLUMNS,
+                           meta=dict(meta))
+    speedups = ResultTable("reported speedup vs isolated ratio", SPEEDUP_COLUMNS)
+    notes: list[str] = []
+    for name, (spec, batch, seq) in workloads.items():
+        run(name, spec, batch, seq, families, args.quick, variants, speedups, notes)
+    variants.meta["notes"] = notes
+    variants.print()
+    speedups.print()
+    for n in notes:
+        print(n)
+    out = Path(args.out) if args.out else results_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "timing_fairness_quick" if args.quick else "timing_fairness"
+    variants.meta["written"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    (out / f"{stem}.json").write_text(json.dumps({"variants": variants.to_json(), "speedups": speedups.to_json()},
+                                                 indent=2, default=str))
+    (out / f"{stem}.md").write_text(variants.to_markdown() + "\n" + speedups.to_markdown())
+    print(f"wrote {out / stem}.json and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

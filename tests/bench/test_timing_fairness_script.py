@@ -1,0 +1,30 @@
+"""benchmarks/timing_fairness.py runs end to end (one tiny workload, TorchScript only) and writes its tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_timing_fairness_quick_writes_both_tables(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the timing children import the script by name
+    spec = importlib.util.spec_from_file_location("timing_fairness", ROOT / "benchmarks" / "timing_fairness.py")
+    tf = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "timing_fairness", tf)
+    spec.loader.exec_module(tf)
+    monkeypatch.setattr(tf, "QUICK_WORKLOADS", {"mlp": ("mlp", 2, 0)})
+    monkeypatch.setattr(tf, "FAMILIES", {"torchscript": "torchscript"})
+    assert tf.main(["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "timing_fairness_quick.json").read_text())
+    rows = data["variants"]["rows"]
+    assert [r["variant"] for r in rows] == ["eager", "torchscript"]
+    assert all(r["p50 in comparison ms"] > 0 and r["p50 alone ms"] > 0 for r in rows)
+    assert [r["variant"] for r in data["speedups"]["rows"]] == ["torchscript"]
+    meta = data["variants"]["meta"]
+    assert "torch" in meta["versions"] and meta["machine"] and "allocator" in meta["timing environment"]
+    assert "--quick" in meta["command"]
+    assert "isolated ratio" in (tmp_path / "timing_fairness_quick.md").read_text()
