@@ -162,3 +162,95 @@ def test_int8_fallback_in_place_still_matches_eager(tmp_path):
     with torch.inference_mode():  # an unmirrored call: the original fp32 module, untouched by int8 planning
         torch.testing.assert_close(built.fn(ids, mask, output_hidden_states=True).last_hidden_state,
                                    model(ids, mask).last_hidden_state)
+
+
+# ---- optimize() on models as users hold them ------------------------------------------------------
+
+def _tokenizer_output(batch: int = 6, seq: int = 20, seed: int = 7) -> dict[str, torch.Tensor]:
+    ids, mask = _ragged(batch, seq, seed)
+    return {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask}  # a tokenizer's order
+
+
+@pytest.mark.parametrize("held", ["automodel", "wrapper"])
+def test_optimize_applies_bert_unpad_and_verifies_on_real_positions(fast_cfg, held):
+    import torchnitro
+
+    bert = _tiny_bert()
+    if held == "automodel":
+        model, inputs = bert, _tokenizer_output()  # (c) dict inputs, AutoModel given directly
+    else:
+        enc = _tokenizer_output()
+        model, inputs = ScriptEncoder(bert), (enc["input_ids"], enc["attention_mask"])
+    om = torchnitro.optimize(model, inputs, fast_cfg(recipes=["bert-unpad"], min_speedup=0.0))
+    cand = next(c for c in om.report.candidates if c.recipe == "bert-unpad")
+    assert cand.status in ("verified", "chosen"), cand.reason
+    assert om.recipe == "bert-unpad"
+    if held == "automodel":
+        assert "gate compared real positions only" in cand.notes  # last_hidden_state (B, T, D) masked
+        enc = _tokenizer_output(seed=9)
+        out, ref = om(**enc), bert(**enc)  # keyword call, as the tokenizer's output is used
+        assert type(out) is type(ref)
+        real = enc["attention_mask"].bool()
+        torch.testing.assert_close(out.last_hidden_state[real], ref.last_hidden_state[real], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out.pooler_output, ref.pooler_output, rtol=1e-4, atol=1e-5)
+    else:
+        assert "real positions only" not in cand.notes  # a (B, D) sentence output: compared whole
+
+
+def test_dict_inputs_map_to_forward_arguments_and_bad_keys_are_named():
+    from torchnitro.autotune.inputs import inputs_from_mapping
+    from torchnitro.errors import InputError
+
+    bert = _tiny_bert()
+    enc = _tokenizer_output()
+    ids, tt, mask = enc["input_ids"], enc["token_type_ids"], enc["attention_mask"]
+    got = inputs_from_mapping(bert, enc)
+    assert got[0] is ids and got[1] is mask and got[2] is tt and len(got) == 3  # forward's order, not the dict's
+    with pytest.raises(InputError, match=r"\['pixel_values'\] cannot be passed"):
+        inputs_from_mapping(bert, {"input_ids": ids, "pixel_values": ids})
+
+    class Features(nn.Module):  # sentence-transformers style: one dict argument
+        def forward(self, features):
+            return features["input_ids"]
+
+    assert inputs_from_mapping(Features(), enc) == (enc,)
+
+
+def test_hf_conv1d_is_quantised_by_the_int8_recipes(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from torchnitro.autotune.recipes._util import is_hf_conv1d, linear_view
+    from torchnitro.hf import gpt2_config
+
+    torch.manual_seed(0)
+    gpt2 = AutoModelForCausalLM.from_config(gpt2_config(n_embd=32, n_layer=2, use_cache=False)).eval()
+    n_conv = sum(1 for m in gpt2.modules() if is_hf_conv1d(m))
+    assert n_conv == 8  # c_attn, c_proj, mlp.c_fc, mlp.c_proj per layer
+    ids = torch.randint(0, 1024, (2, 12))
+    with torch.inference_mode():
+        torch.testing.assert_close(linear_view(gpt2)(ids).logits, gpt2(ids).logits, rtol=1e-4, atol=1e-5)
+    for name in ("dynamic-int8", "int8-mixed"):
+        recipe = get_recipe(name)
+        if recipe.unavailable_reason(hardware_info()) is not None:
+            continue
+        built = recipe.build(BuildContext(model=copy.deepcopy(gpt2), example_inputs=(ids,), hardware=hardware_info(),
+                                          device=torch.device("cpu"), workdir=tmp_path, dynamic_dims={0: [0]}))
+        quantised = [n for n, m in built.fn.named_modules()
+                     if "quantized" in type(m).__module__ or type(m).__name__ in ("OneDnnInt8Linear", "SmoothedInt8Linear")]
+        assert sum(".mlp." in n or ".attn." in n for n in quantised) >= n_conv // 2, (name, quantised)  # not only lm_head
+
+
+def test_use_cache_output_is_dropped_for_the_optimization(fast_cfg):
+    from transformers import AutoModelForCausalLM
+
+    import torchnitro
+    from torchnitro.hf import gpt2_config
+
+    torch.manual_seed(0)
+    gpt2 = AutoModelForCausalLM.from_config(gpt2_config(n_embd=32, n_layer=1)).eval()
+    assert gpt2.config.use_cache
+    om = torchnitro.optimize(gpt2, (torch.randint(0, 1024, (2, 8)),), fast_cfg(recipes=["torchscript"], min_speedup=0.0))
+    assert any("use_cache=False" in n for n in om.report.notes)
+    assert gpt2.config.use_cache  # the user's model is left as it was
+    ts = next(c for c in om.report.candidates if c.recipe == "torchscript")
+    assert ts.status in ("verified", "chosen"), ts.reason

@@ -5,14 +5,15 @@ from __future__ import annotations
 import copy
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
 from torchnitro.autotune.config import OptimizeConfig
-from torchnitro.autotune.inputs import ModelInfo, input_signature, resolve_model, signature_of
+from torchnitro.autotune.inputs import (ModelInfo, forward_params, input_signature, inputs_from_mapping, resolve_model,
+                                        signature_of)
 from torchnitro.autotune.recipe import get_recipe
 from torchnitro.autotune.report import Report
 from torchnitro.errors import InputError
@@ -41,14 +42,26 @@ class OptimizedModel:
         self._keepalive = keepalive
         self._example_inputs = example_inputs  # for torch.export when saving eager without a factory
         self._dynamic_dims = dynamic_dims or {}
+        self.arg_names: list[str] = []  # the model's forward arguments by position, for keyword calls
 
     @property
     def numeric_class(self) -> str:
         return get_recipe(self.recipe).numeric_class.value
 
-    def __call__(self, *inputs: Any) -> Any:
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        if kwargs:  # a tokenizer's output as keywords: om(**batch)
+            inputs = self._positional(inputs, kwargs)
         with torch.inference_mode():
             return self._fn(*inputs)
+
+    def _positional(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        names = self.arg_names or [i["name"] for i in self.signature.get("inputs", [])]
+        unknown = [k for k in kwargs if k not in names[len(inputs):]]
+        if unknown:
+            raise InputError(f"received keyword input(s) {unknown}; expected argument names after the {len(inputs)} "
+                             f"positional one(s) among {names}")
+        last = max(names.index(k) for k in kwargs)
+        return tuple(inputs) + tuple(kwargs.get(n) for n in names[len(inputs):last + 1])
 
     def save(self, directory: str | Path) -> Path:
         """Write the artifact (see ``torchnitro.autotune.artifact``); returns the directory."""
@@ -78,16 +91,18 @@ class OptimizedModel:
         return f"OptimizedModel(recipe={self.recipe!r}, model={self.report.model!r})"
 
 
-def _as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+def _as_tuple(model: nn.Module, example_inputs: Any) -> tuple[Any, ...]:
     if example_inputs is None:
         return ()
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,)
+    if isinstance(example_inputs, Mapping):
+        return inputs_from_mapping(model, example_inputs)
     if isinstance(example_inputs, list):
         return tuple(example_inputs)
     if not isinstance(example_inputs, tuple):
-        raise InputError(f"example_inputs: received {type(example_inputs).__name__}; expected a tensor or a tuple of "
-                         "tensors passed positionally to the model")
+        raise InputError(f"example_inputs: received {type(example_inputs).__name__}; expected a tensor, a tuple of "
+                         "tensors passed positionally to the model, or a dict of them by argument name")
     return example_inputs
 
 
@@ -95,8 +110,10 @@ def optimize(model: nn.Module | str, example_inputs: Any = None, config: Optimiz
              info: ModelInfo | None = None) -> OptimizedModel:
     """Return the fastest variant of ``model`` that passes the verification gate on this machine.
 
-    ``model`` is an ``nn.Module`` (``example_inputs``: a tensor or tuple of positional inputs) or a
-    model spec string (a built-in name, ``'module:function'`` or ``'hf:/path'``).
+    ``model`` is an ``nn.Module`` (``example_inputs``: a tensor, a tuple of positional inputs, or a
+    dict / ``BatchEncoding`` of them by forward-argument name, as a tokenizer returns) or a model spec
+    string (a built-in name, ``'module:function'`` or ``'hf:/path'``). An HF model that returns its
+    key/value cache is optimized with ``use_cache=False`` (a report note says so).
     """
     cfg = config or OptimizeConfig()
     if not isinstance(cfg, OptimizeConfig):
@@ -106,7 +123,7 @@ def optimize(model: nn.Module | str, example_inputs: Any = None, config: Optimiz
         example_inputs = example_inputs if example_inputs is not None else resolved
     if not isinstance(model, nn.Module):
         raise InputError(f"model: received {type(model).__name__}; expected a torch.nn.Module or a model spec string")
-    inputs = _as_tuple(example_inputs)
+    inputs = _as_tuple(model, example_inputs)
     if not inputs:
         raise InputError("example_inputs: received nothing; expected the model's inputs, e.g. (torch.randint(0, 100, (8, 128)),)")
     if info is None:
@@ -114,22 +131,54 @@ def optimize(model: nn.Module | str, example_inputs: Any = None, config: Optimiz
         info = ModelInfo(None, type(model).__name__, None, dyn)
     if model.training:
         model = copy.deepcopy(model).eval()
+    model, cache_note = _without_cache(model, inputs)
     cached = _from_cache(model, inputs, info, cfg)
     if cached is not None:
         return cached
     from torchnitro.autotune.search import search
 
     out = search(model, inputs, info, cfg)
+    if cache_note:
+        out.report.notes.append(cache_note)
     sig = signature_of(model, inputs, out.workload.eager_outputs, out.workload.dynamic_dims, out.workload.references)
     ref = {"spec": info.spec, "name": info.name, "extra": info.extra}
     om = OptimizedModel(out.fn, out.recipe.name, out.report, sig, meta=out.meta, files=out.files,
                         files_dir=out.files_dir, standalone=out.standalone, model=model, model_ref=ref,
                         keepalive=out.tmp, example_inputs=inputs, dynamic_dims=out.workload.dynamic_dims)
+    om.arg_names = [p.name for p in forward_params(model)]
     if cfg.cache and (out.files_dir is None or not str(out.files_dir).startswith(str(out.tmp.name))):
         CandidateCache(cfg.resolved_cache_dir()).put_search(_search_key(model, inputs, cfg), {
             "report": out.report.to_dict(), "recipe": out.recipe.name, "dir": str(out.files_dir or ""),
             "meta": out.meta, "files": out.files, "standalone": out.standalone, "signature": sig, "ref": ref})
     return om
+
+
+def _returns_cache(out: Any) -> bool:
+    keys = out.keys() if hasattr(out, "keys") else []
+    vals = [out[k] for k in keys] if keys else (list(out) if isinstance(out, (tuple, list)) else [out])
+    return any(type(v).__name__.endswith("Cache") or (isinstance(v, tuple) and v and isinstance(v[0], tuple))
+               for v in vals)
+
+
+def _without_cache(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[nn.Module, str | None]:
+    """An HF model that returns its key/value cache (``use_cache``: a ``DynamicCache`` or
+    ``past_key_values``) is optimized as a copy with ``use_cache=False``: the cache is state for
+    generation, not an output to verify, and it does not trace or export."""
+    cfgs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True}
+    if not cfgs:
+        return model, None
+    try:
+        with torch.inference_mode():
+            if not _returns_cache(model(*inputs)):
+                return model, None
+    except Exception:  # noqa: BLE001 - the search runs the model again and reports the failure properly
+        return model, None
+    model = copy.deepcopy(model)
+    for m in model.modules():
+        if getattr(c := getattr(m, "config", None), "use_cache", None) is True:
+            c.use_cache = False
+    return model, ("use_cache=False for the optimization: the model's key/value cache (past_key_values) is "
+                   "generation state, not compared and not returned by the optimized variant")
 
 
 def _search_key(model: nn.Module, inputs: tuple[Any, ...], cfg: OptimizeConfig) -> str:
@@ -184,15 +233,17 @@ def _from_cache(model: nn.Module, inputs: tuple[Any, ...], info: ModelInfo, cfg:
                           example_inputs=inputs, dynamic_dims=info.dynamic_dims)
 
 
-def load(directory: str | Path, model: nn.Module | None = None) -> OptimizedModel:
+def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: bool = False) -> OptimizedModel:
     """Load a saved artifact after checking every file's SHA-256 (``ArtifactError`` on mismatch).
 
     ``model`` is only needed for non-standalone recipes whose artifact has no factory reference.
+    ``trust_code=True`` lets the artifact run code (a ``.py`` model factory, a TorchScript archive);
+    without it an artifact is loaded as data only (see ``torchnitro.autotune.artifact``).
     """
     from torchnitro.autotune.artifact import load_artifact
 
     d = Path(directory)
-    manifest, fn, eager = load_artifact(d, model)
+    manifest, fn, eager = load_artifact(d, model, trust_code=trust_code)
     report_path = d / "report.json"
     import json
 

@@ -20,7 +20,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torchnitro.errors import InputError
 
 __all__ = ["ModelInfo", "InputSpec", "parse_input_spec", "resolve_model", "rebuild_model", "random_like",
-           "signature_of", "input_signature"]
+           "signature_of", "input_signature", "forward_params", "inputs_from_mapping"]
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -228,6 +228,46 @@ def random_like(inputs: tuple[Any, ...], seed: int) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def forward_params(model: Any) -> list[inspect.Parameter]:
+    """``model.forward``'s arguments that can be passed by position, in order ([] when unknown)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError, AttributeError):
+        return []
+    return [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def inputs_from_mapping(model: Any, mapping: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A tokenizer's output (a dict or ``BatchEncoding`` of tensors) -> the positional inputs of
+    ``model.forward``: each key at its argument's position, skipped arguments at their default.
+
+    A forward that takes one dict argument (a sentence-transformers model's feature dict) gets the
+    mapping itself as its one input."""
+    params = forward_params(model)
+    names = [p.name for p in params]
+    keys = list(mapping.keys())
+    if not keys:
+        raise InputError("example_inputs: received an empty dict; expected the model's inputs by argument name, "
+                         "e.g. a tokenizer's output {'input_ids': ..., 'attention_mask': ...}")
+    unknown = [k for k in keys if k not in names]
+    if unknown:
+        if len(names) == 1 and names[0] not in keys:  # forward(features: dict)
+            return (dict(mapping),)
+        raise InputError(f"example_inputs: received a dict with keys {keys}; {type(model).__name__}.forward takes "
+                         f"{names}, so {unknown} cannot be passed. Drop those keys or pass a tuple in forward's order")
+    last = max(names.index(k) for k in keys)
+    out: list[Any] = []
+    for p in params[:last + 1]:
+        if p.name in mapping:
+            out.append(mapping[p.name])
+        elif p.default is not inspect.Parameter.empty:
+            out.append(p.default)
+        else:
+            raise InputError(f"example_inputs: the dict has no {p.name!r}, which {type(model).__name__}.forward "
+                             f"requires (received keys {keys})")
+    return tuple(out)
+
+
 def input_signature(inputs: tuple[Any, ...]) -> str:
     """'int64[8x128], float32[8x3x64x64]' (cache keys and reports)."""
     parts = []
@@ -242,12 +282,7 @@ def input_signature(inputs: tuple[Any, ...]) -> str:
 def signature_of(model: nn.Module, inputs: tuple[Any, ...], outputs: list[tuple[str, Tensor]],
                  dynamic_dims: dict[int, list[int]], other_outputs: Sequence[list[tuple[str, Tensor]]] = ()) -> dict[str, Any]:
     """Input names/dtypes/shapes (-1 where dynamic) and output names/dtypes/shapes, for the manifest."""
-    try:
-        params = [p for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        names = [p.name for p in params]
-    except (TypeError, ValueError):
-        names = []
+    names = [p.name for p in forward_params(model)]
     ins = []
     for i, t in enumerate(inputs):
         if not isinstance(t, Tensor):

@@ -33,7 +33,6 @@ fails).
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
@@ -41,6 +40,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import Tensor
 
+from torchnitro.autotune.inputs import forward_params
 from torchnitro.errors import ConfigError
 
 __all__ = ["flatten_outputs", "OutputError", "GateResult", "compare_outputs", "collect", "judge", "clone_outputs",
@@ -123,11 +123,7 @@ def mask_index(model: Any, inputs: tuple[Any, ...], named: int | str | None = No
     """Which input is the attention mask: ``named`` (an index or a forward argument name), else the
     forward argument called ``attention_mask``, else the second input of a token model (integer ids
     and a 0/1 tensor of the same shape). None when there is none."""
-    try:
-        params = [p.name for p in inspect.signature(model.forward).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError, AttributeError):
-        params = []
+    params = [p.name for p in forward_params(model)]
     if named is not None:
         i = named if isinstance(named, int) else (params.index(named) if named in params else None)
         if i is None or not 0 <= i < len(inputs) or not isinstance(inputs[i], Tensor):

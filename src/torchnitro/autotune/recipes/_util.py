@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import copy
+
 import torch
 from torch import Tensor, nn
 
-__all__ = ["cast_floats", "has_module", "restructure", "output_kind", "FloatOutputs"]
+__all__ = ["cast_floats", "has_module", "restructure", "output_kind", "FloatOutputs", "is_hf_conv1d", "is_linear",
+           "linear_view"]
 
 
 def cast_floats(xs: tuple[Any, ...], dtype: torch.dtype) -> tuple[Any, ...]:
@@ -39,6 +42,39 @@ class FloatOutputs:
 
 def has_module(model: nn.Module, kinds: tuple[type, ...]) -> bool:
     return any(isinstance(m, kinds) for m in model.modules())
+
+
+def is_hf_conv1d(m: nn.Module) -> bool:
+    """``transformers.pytorch_utils.Conv1D`` (GPT-2's projections): a Linear whose weight is stored
+    ``(in, out)``; found by class, so transformers is never imported here."""
+    w = getattr(m, "weight", None)
+    return (type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers.")
+            and isinstance(w, Tensor) and w.dim() == 2)
+
+
+def is_linear(m: nn.Module) -> bool:
+    """An ``nn.Linear`` or an HF ``Conv1D`` (the same math): what the int8 recipes quantise."""
+    return type(m) is nn.Linear or is_hf_conv1d(m)
+
+
+def linear_view(model: nn.Module) -> nn.Module:
+    """``model`` itself when it has no HF ``Conv1D``; else a copy with each ``Conv1D`` replaced by the
+    ``nn.Linear`` it is (weight transposed, same output up to float reassociation), so recipes that
+    select ``nn.Linear`` (int8, oneDNN) see GPT-2's projections too."""
+    names = [n for n, m in model.named_modules() if n and is_hf_conv1d(m)]
+    if not names:
+        return model
+    out = copy.deepcopy(model)
+    for n in names:
+        conv = out.get_submodule(n)
+        nx, nf = conv.weight.shape  # (in, out)
+        lin = nn.Linear(nx, nf, bias=conv.bias is not None, device=conv.weight.device, dtype=conv.weight.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(conv.weight.t())  # (out, in)
+            if conv.bias is not None:
+                lin.bias.copy_(conv.bias)
+        out.set_submodule(n, lin)
+    return out
 
 
 def output_kind(out: Any) -> dict[str, Any]:

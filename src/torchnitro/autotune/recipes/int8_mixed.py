@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
+from torchnitro.autotune.recipes._util import is_hf_conv1d, is_linear, linear_view
 from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear, onednn_int8_reason
 from torchnitro.errors import RecipeError
 from torchnitro.hardware import HardwareInfo
@@ -44,8 +45,8 @@ def int8_unavailable_reason() -> str | None:
 
 
 def linear_names(model: nn.Module) -> list[str]:
-    """Qualified names of every nn.Linear, in module order."""
-    return [n for n, m in model.named_modules() if type(m) is nn.Linear]
+    """Qualified names of every nn.Linear (and HF Conv1D, see ``_util.linear_view``), in module order."""
+    return [n for n, m in model.named_modules() if is_linear(m)]
 
 
 
@@ -355,7 +356,7 @@ class MixedInt8(Recipe):
     numeric_class = NumericClass.INT8
     description = "dynamic int8 Linears (per-channel, VNNI) with the most gate-sensitive layers kept in fp32"
     order = 46
-    version = "2"  # 2: built on the fused oneDNN int8 Linear where it runs
+    version = "3"  # 2: built on the fused oneDNN int8 Linear where it runs; 3: HF Conv1D quantised as Linear
 
     def unavailable_reason(self, hw: HardwareInfo) -> str | None:
         return int8_unavailable_reason()
@@ -368,14 +369,16 @@ class MixedInt8(Recipe):
         return None
 
     def build(self, ctx: BuildContext) -> Built:
+        n_conv1d = sum(1 for m in ctx.model.modules() if is_hf_conv1d(m))
+        model = linear_view(ctx.model)  # GPT-2's Conv1D as the Linear it is
         q, meta, engine = build_mixed_int8(
-            ctx, ctx.model, lambda plan, e: quantize_linears(ctx.model, plan["int8"], plan["scales"],
-                                                             plan["full_range"], e))
+            ctx, model, lambda plan, e: quantize_linears(model, plan["int8"], plan["scales"], plan["full_range"], e))
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
                      notes=f"{len(meta['int8'])} Linear int8 ({engine}), {len(meta['fp32'])} kept fp32 "
-                           f"(calibration cosine {meta['calib_cosine']:.4f})")
+                           f"(calibration cosine {meta['calib_cosine']:.4f})"
+                           + (f"; {n_conv1d} HF Conv1D taken as Linear" if n_conv1d else ""))
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
-        model = self.require_model(model)
-        return quantize_linears(model.eval(), meta["int8"], load_scales(directory / "smooth_scales.safetensors"),
+        model = linear_view(self.require_model(model).eval())
+        return quantize_linears(model, meta["int8"], load_scales(directory / "smooth_scales.safetensors"),
                                 load_full_range(meta), load_engine(meta, self.name))

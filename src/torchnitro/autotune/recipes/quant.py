@@ -14,23 +14,26 @@ import torch
 from torch import nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
+from torchnitro.autotune.recipes._util import is_linear, linear_view
 from torchnitro.hardware import HardwareInfo
 
 __all__ = ["DynamicInt8", "quantize_linear_dynamic"]
 
 
 def quantize_linear_dynamic(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every nn.Linear (HF Conv1D included, as the Linear it is) dynamic int8."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.ao.quantization deprecation notices
-        return torch.ao.quantization.quantize_dynamic(model.eval(), {nn.Linear}, dtype=torch.qint8)
+        return torch.ao.quantization.quantize_dynamic(linear_view(model.eval()), {nn.Linear}, dtype=torch.qint8)
 
 
 @register_recipe
 class DynamicInt8(Recipe):
     name = "dynamic-int8"
     numeric_class = NumericClass.INT8
-    description = "torch.ao dynamic int8 quantisation of nn.Linear (CPU)"
+    description = "torch.ao dynamic int8 quantisation of nn.Linear and HF Conv1D (CPU)"
     order = 45
+    version = "2"  # 2: HF Conv1D quantised as Linear
 
     def unavailable_reason(self, hw: HardwareInfo) -> str | None:
         engines = torch.backends.quantized.supported_engines
@@ -39,7 +42,7 @@ class DynamicInt8(Recipe):
         return None
 
     def inapplicable_reason(self, model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
-        if not any(isinstance(m, nn.Linear) for m in model.modules()):
+        if not any(is_linear(m) for m in model.modules()):
             return "no nn.Linear layers"
         if any(isinstance(x, torch.Tensor) and x.is_cuda for x in example_inputs):
             return "dynamic int8 kernels run on the CPU only"
