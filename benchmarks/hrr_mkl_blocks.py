@@ -22,6 +22,7 @@ from rich.progress import Progress
 
 from torchnitro import hrr
 from torchnitro.bench import ResultTable, TimingConfig, compare
+from torchnitro.bench.provenance import provenance
 from torchnitro.hrr import mkl_fft
 from torchnitro.hrr.mkl_fft import mkl_available, mkl_bind
 
@@ -60,8 +61,7 @@ def main() -> int:
     t = ResultTable(f"CPU {op}: MKL descriptors in row blocks vs torch.fft and torchhd ({platform.processor() or 'cpu'}, "
                     f"{args.threads} thread{'s' if args.threads > 1 else ''})",
                     ["d", "batch", "variant", "median_us", "x_vs_torch_fft", "x_vs_torchhd", "max_abs_err"],
-                    meta={"command": "python benchmarks/hrr_mkl_blocks.py " + " ".join(sys.argv[1:]),
-                          "torch": torch.__version__, "threads": args.threads})
+                    meta={**provenance("benchmarks/hrr_mkl_blocks.py", device="cpu"), "threads": args.threads})
     cfg = TimingConfig(device="cpu", min_time_s=0.3, max_time_s=3.0)
     g = torch.Generator().manual_seed(0)
     ref_fn = hrr.unbind if args.unbind else hrr.bind
@@ -120,8 +120,7 @@ def _steps(a: torch.Tensor, b: torch.Tensor, upto: int) -> None:
 def _parts(args, name: str) -> int:
     t = ResultTable(f"CPU bind through MKL, step by step ({args.threads} thread(s))",
                     ["d", "batch", "steps", "median_us", "share_of_bind"],
-                    meta={"command": "python benchmarks/hrr_mkl_blocks.py " + " ".join(sys.argv[1:]),
-                          "torch": torch.__version__, "threads": args.threads,
+                    meta={**provenance("benchmarks/hrr_mkl_blocks.py", device="cpu"), "threads": args.threads,
                           "note": "product by torch mul_ at every thread count; the share of each step is a difference of rows"})
     cfg = TimingConfig(device="cpu", min_time_s=0.3, max_time_s=3.0)
     g = torch.Generator().manual_seed(0)

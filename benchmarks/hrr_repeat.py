@@ -23,6 +23,7 @@ import torch
 from rich.progress import Progress
 
 from torchnitro.bench import ResultTable, TimingConfig, compare
+from torchnitro.bench.provenance import provenance
 
 
 def _hrr_benchmark():
@@ -51,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TimingConfig(device="cpu", warmup=2, warmup_s=0.02, min_iters=5, min_time_s=args.min_time,
                        max_time_s=args.max_time)  # hrr.py's grid settings
     grid = [(op, d, b) for op in args.ops for d in args.dims for b in args.batches]
-    load_at_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    meta = provenance("benchmarks/hrr_repeat.py", argv, device="cpu")  # before the run: its load average at start
     ratios: dict[tuple, list[float]] = {cell: [] for cell in grid}
     with Progress(transient=True) as prog:
         task = prog.add_task("rounds x cells", total=args.repeats * len(grid))
@@ -63,12 +64,11 @@ def main(argv: list[str] | None = None) -> int:
                 prog.advance(task)
     t = ResultTable(f"torchnitro vs torchhd, {args.repeats} rounds ({args.threads} thread(s))",
                     ["op", "d", "batch", "min_x", "median_x", "max_x", "rounds_at_2x", "every_round"],
-                    meta={"command": "python " + " ".join(sys.argv), "torch": torch.__version__,
-                          "threads": args.threads, "load_average_at_start": load_at_start})
+                    meta={**meta, "threads": args.threads})
     for (op, d, batch), xs in ratios.items():
         t.add(op=op, d=d, batch=batch, min_x=min(xs), median_x=statistics.median(xs), max_x=max(xs),
               rounds_at_2x=f"{sum(x >= 2 for x in xs)}/{len(xs)}", every_round=" ".join(f"{x:.2f}" for x in xs))
-    t.meta["load_average_at_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    t.meta["load average at end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     t.print()
     t.save(args.name or f"hrr_repeat_t{args.threads}")
     return 0

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from torchnitro import kernels as K
 from torchnitro.bench import ResultTable, save_plot
+from torchnitro.bench.provenance import provenance
 from torchnitro.kernels import reference as R
 
 
@@ -334,8 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     table = ResultTable(f"Fused kernels on {gpu} ({args.dtype})",
                         ["op", "shape", "provider", "fwd_ms", "bwd_ms", "fwdbwd_ms", "peak_mb", "GB/s", "%copy_bw",
                          "TFLOP/s", "x_eager", "x_liger"],
-                        meta={"gpu": gpu, "copy_bw_GBps": round(bw, 1), "dtype": args.dtype, "timer": "triton.testing.do_bench",
-                              "command": "python benchmarks/kernels.py " + " ".join(argv or sys.argv[1:])})
+                        meta={**provenance("benchmarks/kernels.py", argv, device="cuda"), "gpu": gpu,
+                              "copy_bw_GBps": round(bw, 1), "dtype": args.dtype, "timer": "triton.testing.do_bench"})
     results = run_cases(cases, do_bench, bw, table)
     table.print()
     targets = check_targets(cases, results)

@@ -10,21 +10,29 @@ Writes results/memory_<device>.{json,md} and results/memory_<device>.png. Sectio
 2. planner error against the tracker over a grid of configs x dtypes x policies (target: < 10%);
 3. batch-size finder vs the true limit under a byte budget (target: within one margin, in at most
    2*log2(max_val) trials), from the planner's start and from 1;
-4. FP8 (Float8Linear on torch._scaled_mm) vs bf16 step time: GPU with capability >= 8.9 only.
+4. FP8 (Float8Linear on torch._scaled_mm) vs bf16 step time: GPU with capability >= 8.9 only;
+5. zero-copy loading: resident memory a 200 MB safetensors file adds, memory-mapped vs read, before
+   and after its tensor is read. Seconds to run: ``--only-zerocopy`` measures just this section and
+   puts it into the existing results file, leaving the other sections as they were.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
 import math
-import platform
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from rich.progress import track as progress
 
-from torchnitro.bench import ResultTable, TimingConfig, compare, save_plot
+from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir, save_plot
+from torchnitro.bench.provenance import provenance
 from torchnitro.hardware import hardware_info
 from torchnitro.memory import FinderConfig, checkpoint_, find_batch_size, plan, track
 from torchnitro.nn.models import TransformerConfig, TransformerLM
@@ -190,6 +198,57 @@ def fp8_section(tcfg):
     return table
 
 
+def zerocopy_section(size_mb: int = 200) -> ResultTable:
+    """Resident memory (RSS) a safetensors file of ``size_mb`` MB adds when loaded memory-mapped or read,
+    right after loading and after half / all of its tensor has been read."""
+    from safetensors.torch import save_file
+
+    from torchnitro.memory.zerocopy import load_weights, resident_bytes
+
+    t = ResultTable(f"zero-copy loading ({size_mb} MB safetensors file, one fp32 tensor, file in the page cache)",
+                    ["load", "after", "resident MiB added"],
+                    meta={**provenance("benchmarks/memory.py", device="cpu"),
+                          "measure": "RSS from /proc/self/statm (torchnitro.memory.zerocopy.resident_bytes) "
+                                     "minus RSS before the load"})
+    n = size_mb * 10**6 // 4
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "w.safetensors"
+        save_file({"w": torch.ones(n)}, str(path))
+        for mmap in (True, False):
+            gc.collect()
+            base = resident_bytes()
+            state = load_weights(path, mmap=mmap)
+            label = "load_weights(mmap=True)" if mmap else "load_weights(mmap=False)"
+            t.add(load=label, after="loading", **{"resident MiB added": (resident_bytes() - base) / 2**20})
+            state["w"][: n // 2].sum().item()  # reads (pages in) the first half
+            t.add(load=label, after="reading half", **{"resident MiB added": (resident_bytes() - base) / 2**20})
+            state["w"].sum().item()
+            t.add(load=label, after="reading all", **{"resident MiB added": (resident_bytes() - base) / 2**20})
+            del state
+    return t
+
+
+def write_results(name: str, meta: dict, sections: list[ResultTable]) -> None:
+    """results/<name>.json (meta + every section's table) and results/<name>.md (the same, readable)."""
+    d = results_dir()
+    (d / f"{name}.json").write_text(json.dumps({"meta": meta, "sections": [t.to_json() for t in sections]},
+                                               indent=2, default=str))
+    (d / f"{name}.md").write_text("\n".join([f"# memory benchmark ({DEV})", ""] + [f"- {k}: {v}" for k, v in meta.items()]
+                                            + [""] + [t.to_markdown() for t in sections]))
+
+
+def add_zerocopy_only(name: str) -> None:
+    """Measure the zero-copy section and put it into the saved results, replacing an older one."""
+    path = results_dir() / f"{name}.json"
+    data = json.loads(path.read_text()) if path.exists() else {"meta": {}, "sections": []}
+    sections = [ResultTable(s["title"], s["columns"], s["rows"], s["meta"]) for s in data["sections"]
+                if not s["title"].startswith("zero-copy loading")]
+    zc = zerocopy_section()
+    zc.meta.setdefault("written", time.strftime("%Y-%m-%d %H:%M:%S"))
+    zc.print()
+    write_results(name, data["meta"], sections + [zc])
+
+
 def plot(rows_by_dtype, planner_rows, name: str) -> None:
     import matplotlib
 
@@ -244,9 +303,14 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads; 1 on a shared box keeps OpenMP barriers from stalling")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG from the saved JSON")
+    ap.add_argument("--only-zerocopy", action="store_true",
+                    help="measure only the zero-copy loading section (seconds) and add it to the saved results")
     args = ap.parse_args()
     if args.replot:
         replot(f"memory_{DEV}")
+        return 0
+    if args.only_zerocopy:
+        add_zerocopy_only(f"memory_{DEV}")
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -261,21 +325,15 @@ def main() -> int:
     pl, _ = planner_section(args.quick)
     fi = finder_section(args.quick)
     f8 = fp8_section(tcfg)
+    zc = zerocopy_section()
     name = f"memory_{DEV}"
-    combined = ResultTable("memory benchmark", ["section"], meta={
-        "machine": machine, "torch": torch.__version__, "python": platform.python_version(),
-        "command": "flock /tmp/torchnitro-bench.lock python benchmarks/memory.py" + (" --quick" if args.quick else "")
-        + (f" --threads {args.threads}" if args.threads else ""), "torch threads": torch.get_num_threads()})
-    for t in (ck32, ck16, pl, fi, f8):
+    meta = {**provenance("benchmarks/memory.py", device=DEV), "machine": machine}
+    meta["command"] = "flock /tmp/torchnitro-bench.lock " + meta["command"]
+    sections = [ck32, ck16, pl, fi, f8, zc]
+    for t in sections:
         t.meta.setdefault("machine", machine)
         t.print()
-    jp, mp = combined.save(name)
-    import json
-
-    jp.write_text(json.dumps({"meta": combined.meta, "sections": [t.to_json() for t in (ck32, ck16, pl, fi, f8)]},
-                             indent=2, default=str))
-    mp.write_text("\n".join([f"# memory benchmark ({DEV})", ""] + [f"- {k}: {v}" for k, v in combined.meta.items()]
-                            + [""] + [t.to_markdown() for t in (ck32, ck16, pl, fi, f8)]))
+    write_results(name, meta, sections)
     plot({"fp32": rows32, "bf16": rows16}, pl.rows, name)
     return 0
 

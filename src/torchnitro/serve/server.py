@@ -52,6 +52,7 @@ class ServeConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: how long accepted requests may take to finish
     retry_after_s: int = 1  # Retry-After header on 429
     log_level: str = "warning"  # uvicorn's log level
+    trust_code: bool = False  # artifact dirs may run code (.py factory, TorchScript): only from trusted sources
 
     def __post_init__(self) -> None:
         if self.workers < 0:
@@ -72,7 +73,7 @@ def make_pool(spec: Any, name: str, config: ServeConfig, on_restart: Any = None)
     from torchnitro.serve.workers import DevicePool, InlinePool, ProcessPool
 
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
-        sm = resolve_model(spec, name)
+        sm = resolve_model(spec, name, trust_code=config.trust_code)
         if sm.module is None:
             if config.device == "cuda":
                 raise BackendUnavailableError(f"model {name!r} is not an nn.Module, so it cannot be copied to "
@@ -80,8 +81,9 @@ def make_pool(spec: Any, name: str, config: ServeConfig, on_restart: Any = None)
         else:
             return DevicePool(sm, sm.module, streams=config.streams)
     if config.workers == 0 or not isinstance(spec, str):
-        return InlinePool(resolve_model(spec, name), replicas=max(1, config.workers))
-    return ProcessPool(spec, name, config.workers, threads=config.threads, on_restart=on_restart)
+        return InlinePool(resolve_model(spec, name, trust_code=config.trust_code), replicas=max(1, config.workers))
+    return ProcessPool(spec, name, config.workers, threads=config.threads, on_restart=on_restart,
+                       trust_code=config.trust_code)
 
 
 class ModelEndpoint:
