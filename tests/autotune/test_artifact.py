@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -117,7 +118,11 @@ def test_eager_python_object_saved_as_exported_program(tmp_path, fast_cfg):
     path = opt.save(tmp_path / "eager")
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["standalone"] and "candidate/model.pt2" in manifest["files"]
-    loaded = torchnitro.load(path)  # no model code needed
+    with pytest.warns(UserWarning, match="torch.export program"):  # a program, though not Python code
+        loaded = torchnitro.load(path)  # no model code needed
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torchnitro.load(path, trust_code=True)  # the opt-in acknowledges it: no warning
     for batch in (4, 9):
         x = tiny_inputs(batch)[0]
         torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-6)

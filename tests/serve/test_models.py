@@ -99,7 +99,7 @@ def test_artifact_dir_uses_manifest_signature(tmp_path, monkeypatch):
         def __call__(self, ids, mask):
             return torch.zeros(ids.shape[0], 384)
 
-    monkeypatch.setattr(torchnitro, "load", lambda path: Fake(), raising=False)
+    monkeypatch.setattr(torchnitro, "load", lambda path, trust_code=False: Fake(), raising=False)
     sm = resolve_model(str(tmp_path), "art")
     sig = sm.signature
     assert [s.shape for s in sig.inputs] == [(-1, -1), (-1, -1)]  # batch dim always free

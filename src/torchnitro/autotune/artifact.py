@@ -12,25 +12,44 @@ Layout::
 ``load_artifact`` checks the manifest's own hash and every file's SHA-256 before loading anything:
 a missing, truncated or edited file raises ``ArtifactError`` and nothing is unpickled. (The hashes
 catch corruption and accidental edits; they are not a signature against a deliberate attacker.)
+
+An artifact is data, because anyone can edit a manifest and recompute its unkeyed hash. Unless the
+caller passes ``trust_code=True`` (CLI: ``--trust-code``), loading refuses
+
+* a model reference that is not a built-in name, a local Hugging Face folder or a ``module:function``
+  in a module installed here (a ``.py`` path, or a module found inside the artifact, is refused);
+* a TorchScript (or any pickle-bearing) archive among the files: ``torch.jit.load`` runs the program
+  it holds. A ``torch.export`` program loads with one warning: its graph runs only registered ops,
+  but it is still a program from whoever made the file;
+* manifest keys that are absolute or contain ``..``, any symbolic link, and any file the manifest
+  does not list.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
 import json
+import os
 import shutil
 import time
-from pathlib import Path
+import warnings
+import zipfile
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from torch import nn
 
 from torchnitro.errors import ArtifactError
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "sha256_file", "write_artifact", "read_manifest", "load_artifact"]
+__all__ = ["FORMAT", "FORMAT_VERSION", "sha256_file", "write_artifact", "read_manifest", "load_artifact",
+           "check_model_spec"]
 
 FORMAT = "torchnitro-artifact"
 FORMAT_VERSION = 1
+_OPT_IN = ("If you trust whoever made this artifact, load it with trust_code=True (CLI: --trust-code), "
+           "as with Hugging Face's trust_remote_code.")
 
 
 def sha256_file(path: Path) -> str:
@@ -110,8 +129,9 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     if manifest.get("manifest_sha256") != _manifest_hash(manifest):
         raise ArtifactError(f"load: {str(mpath)!r} was edited after it was written (its hash does not match); "
                             "re-create the artifact instead of editing it")
+    _check_layout(d, manifest)
     bad = []
-    for rel, digest in manifest.get("files", {}).items():
+    for rel, digest in manifest["files"].items():
         p = d / rel
         if not p.is_file():
             bad.append(f"{rel} is missing")
@@ -123,13 +143,124 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     return manifest
 
 
-def load_artifact(directory: str | Path, model: nn.Module | None = None) -> tuple[dict[str, Any], Any, nn.Module | None]:
-    """Verify, then rebuild: returns (manifest, callable, eager model or None)."""
+def _plain_key(rel: Any) -> bool:
+    """A manifest key names a file below the folder: relative, forward slashes, no '.', '..' or empty parts."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\0" in rel:
+        return False
+    parts = rel.split("/")
+    return not PurePosixPath(rel).is_absolute() and all(p not in ("", ".", "..") for p in parts) \
+        and not (len(parts[0]) > 1 and parts[0][1] == ":")  # a Windows drive
+
+
+def _check_layout(d: Path, manifest: dict[str, Any]) -> None:
+    """The folder holds exactly the files the manifest lists, as regular files, and no links."""
+    files = manifest.get("files")
+    if not isinstance(files, dict):
+        raise ArtifactError(f"load: manifest.json of {str(d)!r} has 'files' of type {type(files).__name__}; "
+                            "expected a mapping of relative paths to SHA-256; re-create the artifact")
+    root = d.resolve()
+    bad = [f"{rel!r} is not a plain relative path inside the artifact" for rel in files if not _plain_key(rel)]
+    bad += [f"{rel!r} resolves outside the artifact" for rel in files
+            if _plain_key(rel) and not (root / rel).resolve().is_relative_to(root)]
+    bad += [f"candidate file {f!r} is not among the listed files" for f in manifest.get("candidate_files", [])
+            if f"candidate/{f}" not in files]
+    listed = set(files) | {"manifest.json"}
+    for top, dirs, names in os.walk(root):  # does not follow links: a linked folder is reported, not entered
+        for n in sorted(dirs + names):
+            p = Path(top) / n
+            rel = p.relative_to(root).as_posix()
+            if p.is_symlink():
+                bad.append(f"{rel} is a symbolic link")
+            elif n in names and not p.is_file():
+                bad.append(f"{rel} is not a regular file")
+            elif n in names and rel not in listed:
+                bad.append(f"{rel} is not listed in manifest.json")
+    if bad:
+        raise ArtifactError(f"load: artifact {str(d)!r} is not plain data: {'; '.join(bad)}. Expected only the "
+                            "regular files manifest.json lists, inside the folder; remove the others or re-create "
+                            "the artifact with torchnitro optimize --out")
+
+
+def check_model_spec(spec: str, directory: Path) -> None:
+    """Refuse a manifest model reference that would run code the artifact carries (see module docstring).
+
+    Built-in names and ``hf:`` folders are data. ``module:function`` must name a module installed
+    here, found without the artifact on the path; it is imported here so the rebuild uses this copy.
+    """
+    if ":" not in spec or spec.startswith("hf:"):
+        return
+    mod_name, _, fn_name = spec.rpartition(":")
+    where = f"manifest.json of {str(directory)!r} names the model factory {spec!r}"
+    if not all(p.isidentifier() for p in mod_name.split(".")) or not fn_name.isidentifier():
+        raise ArtifactError(f"load: {where}, which is not an installed 'module:function' (a file path?); an "
+                            f"artifact is data and torchnitro runs no code it points at. Pass the model: torchnitro.load(dir, "
+                            f"model=MyModel()). {_OPT_IN}")
+    try:
+        found = importlib.util.find_spec(mod_name.split(".")[0])  # locates the top package, runs nothing
+    except (ImportError, ValueError):
+        found = None
+    if found is None:
+        raise ArtifactError(f"load: {where}, but module {mod_name!r} is not installed here; install the package "
+                            "that provides it, or pass the model: torchnitro.load(dir, model=MyModel())")
+    root = directory.resolve()
+
+    def inside(place: str | None) -> bool:
+        return bool(place) and Path(place).resolve().is_relative_to(root)  # type: ignore[arg-type]
+
+    if not any(inside(p) for p in [found.origin, *(found.submodule_search_locations or [])]):
+        try:
+            module = importlib.import_module(mod_name)
+        except Exception as exc:  # noqa: BLE001 - an installed module that fails to import: one clear message
+            raise ArtifactError(f"load: {where}; importing {mod_name!r} failed ({type(exc).__name__}: {exc}); "
+                                "fix that installation, or pass the model: torchnitro.load(dir, model=...)") from exc
+        if not inside(getattr(module, "__file__", None)):
+            return
+    raise ArtifactError(f"load: {where}, a module inside the artifact directory; an artifact is data and "
+                        f"torchnitro runs no code it carries. {_OPT_IN}")
+
+
+def _program_kind(path: Path) -> str | None:
+    """'torchscript' for archives torch.jit.load would run (code/ or pickles), 'export' for torch.export."""
+    if not zipfile.is_zipfile(path):
+        return None
+    with zipfile.ZipFile(path) as z:
+        names = z.namelist()
+    if any(n.endswith(".pkl") or "/code/" in f"/{n}" for n in names):
+        return "torchscript"
+    if any(n.rpartition("/")[2] == "archive_format" for n in names):
+        return "export"
+    return None
+
+
+def _check_programs(d: Path, manifest: dict[str, Any]) -> None:
+    """Refuse TorchScript, warn on torch.export programs, judged by each file's content, not its name."""
+    kinds = {rel: _program_kind(d / rel) for rel in manifest["files"] if rel.startswith("candidate/")}
+    scripts = sorted(rel for rel, k in kinds.items() if k == "torchscript")
+    if scripts:
+        raise ArtifactError(f"load: {', '.join(scripts)} in {str(d)!r} is a TorchScript (pickle-bearing) archive; "
+                            "torch.jit.load runs the program it holds, so torchnitro does not load it from an "
+                            f"artifact by default (expected plain data: ONNX, safetensors). {_OPT_IN}")
+    exported = sorted(rel for rel, k in kinds.items() if k == "export")
+    if exported:
+        warnings.warn(f"{', '.join(exported)} in {str(d)!r} is a torch.export program: torch.export.load runs its "
+                      "graph (registered ops only). Load artifacts only from sources you trust; pass "
+                      "trust_code=True (CLI: --trust-code) to acknowledge and silence this", UserWarning, stacklevel=4)
+
+
+def load_artifact(directory: str | Path, model: nn.Module | None = None, *,
+                  trust_code: bool = False) -> tuple[dict[str, Any], Any, nn.Module | None]:
+    """Verify, then rebuild: returns (manifest, callable, eager model or None).
+
+    ``trust_code``: run code the artifact names or holds (a ``.py`` model factory, TorchScript);
+    only for artifacts from a source you trust.
+    """
     from torchnitro.autotune.recipe import get_recipe
     from torchnitro.errors import RecipeError
 
     d = Path(directory)
     manifest = read_manifest(d)
+    if not trust_code:
+        _check_programs(d, manifest)
     try:
         recipe = get_recipe(manifest["recipe"])
     except RecipeError as exc:
@@ -145,6 +276,8 @@ def load_artifact(directory: str | Path, model: nn.Module | None = None) -> tupl
                     "a Python object with no factory reference; pass it: torchnitro.load(dir, model=MyModel())")
             from torchnitro.autotune.inputs import rebuild_model
 
+            if not trust_code:
+                check_model_spec(str(ref["spec"]), d)
             model = rebuild_model(ref["spec"], ref.get("extra"))
         from safetensors.torch import load_model
 

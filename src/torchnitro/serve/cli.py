@@ -71,6 +71,8 @@ def register(app: typer.Typer) -> None:
         latency_target_ms: Optional[float] = typer.Option(None, help="Latency target for --adaptive."),
         token: Optional[str] = typer.Option(None, envvar="TORCHNITRO_TOKEN", help="Require this bearer token."),
         max_body_bytes: Optional[int] = typer.Option(None, help="Larger bodies get 413."),
+        trust_code: Optional[bool] = typer.Option(None, "--trust-code", help="Let an artifact dir run code it names "
+                                                  "or holds (.py factory, TorchScript); only for trusted sources."),
     ) -> None:
         """Serve a model over HTTP (KServe v2 JSON) with dynamic batching."""
         from pathlib import Path
@@ -85,7 +87,8 @@ def register(app: typer.Typer) -> None:
             max_wait_ms=max_wait_ms, max_queue_size=max_queue_size, priority_levels=priority_levels,
             default_timeout_ms=timeout_ms, bucket_boundaries=_ints(buckets, "--buckets") or None,
             preferred_batch_sizes=_ints(preferred, "--preferred") or None, adaptive=adaptive,
-            latency_target_ms=latency_target_ms, auth_token=token, max_body_bytes=max_body_bytes)
+            latency_target_ms=latency_target_ms, auth_token=token, max_body_bytes=max_body_bytes,
+            trust_code=trust_code)
         mname = name or (Path(model).name if Path(model).is_dir() else model.rpartition(":")[2])
         endpoint = ModelEndpoint(mname, make_pool(model, mname, scfg), batching)
         Console(stderr=True).print(

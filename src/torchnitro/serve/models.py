@@ -159,10 +159,10 @@ def _spec_list(items: Any, what: str) -> list[TensorSpec]:
     return out
 
 
-def _from_artifact(path: Path) -> ServedModel:
+def _from_artifact(path: Path, trust_code: bool = False) -> ServedModel:
     import torchnitro
 
-    model = torchnitro.load(path)
+    model = torchnitro.load(path, trust_code=trust_code)
     sig = getattr(model, "signature", None)
     if isinstance(sig, dict):
         ins = _spec_list(sig.get("inputs"), "input")
@@ -174,12 +174,14 @@ def _from_artifact(path: Path) -> ServedModel:
     return ServedModel(model, sig)
 
 
-def resolve_model(spec: str | ServedModel, name: str | None = None) -> ServedModel:
-    """Turn a model spec (see module docstring) into a ``ServedModel`` named ``name``."""
+def resolve_model(spec: str | ServedModel, name: str | None = None, *, trust_code: bool = False) -> ServedModel:
+    """Turn a model spec (see module docstring) into a ``ServedModel`` named ``name``.
+
+    ``trust_code`` is passed to ``torchnitro.load`` for artifact directories (``--trust-code``)."""
     if isinstance(spec, ServedModel):
         sm = spec
     elif Path(spec).is_dir():
-        sm = _from_artifact(Path(spec))
+        sm = _from_artifact(Path(spec), trust_code)
     elif ":" in spec and not spec.startswith(("hf:", "/")):
         mod, _, attr = spec.partition(":")
         try:

@@ -107,7 +107,7 @@ class InlinePool:
 
 
 # --------------------------------------------------------------------------- processes
-def _worker_main(spec: Any, name: str, conn: Any, arena: Tensor, threads: int) -> None:
+def _worker_main(spec: Any, name: str, conn: Any, arena: Tensor, threads: int, trust_code: bool = False) -> None:
     # Ctrl-C, `docker stop`, systemd and Kubernetes signal the whole process group: the parent
     # drains (finishes in-flight batches on these workers) and then stops them over the pipe
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -118,7 +118,7 @@ def _worker_main(spec: Any, name: str, conn: Any, arena: Tensor, threads: int) -
     except RuntimeError:
         pass
     try:
-        model = resolve_model(spec, name)
+        model = resolve_model(spec, name, trust_code=trust_code)
     except BaseException as exc:  # noqa: BLE001 - report why loading failed, then exit
         conn.send(("fail", f"{type(exc).__name__}: {exc}"))
         return
@@ -152,7 +152,7 @@ class ProcessPool:
 
     def __init__(self, spec: str, name: str | None = None, workers: int = 2, *, threads: int | None = None,
                  arena_mb: float = 16.0, start_timeout_s: float = 120.0,
-                 on_restart: Callable[[int], None] | None = None):
+                 on_restart: Callable[[int], None] | None = None, trust_code: bool = False):
         if workers < 1:
             raise ConfigError(f"workers: received {workers}, expected >= 1 (0 means in-process; use InlinePool)")
         self.spec, self.name, self.size = spec, name or str(spec), workers
@@ -160,6 +160,7 @@ class ProcessPool:
         self.arena_bytes = int(arena_mb * 2**20)
         self.start_timeout_s = start_timeout_s
         self.on_restart = on_restart
+        self.trust_code = trust_code  # artifact specs: let them run code (torchnitro.load(trust_code=True))
         self.restarts = 0
         self.signature: ModelSignature | None = None
         self._procs: dict[int, _Proc] = {}
@@ -172,7 +173,8 @@ class ProcessPool:
     def _spawn(self, idx: int) -> _Proc:
         arena = torch.empty(self.arena_bytes, dtype=torch.uint8).share_memory_()
         parent, child = self._ctx.Pipe(duplex=True)
-        p = self._ctx.Process(target=_worker_main, args=(self.spec, self.name, child, arena, self.threads),
+        p = self._ctx.Process(target=_worker_main,
+                              args=(self.spec, self.name, child, arena, self.threads, self.trust_code),
                               name=f"torchnitro-worker-{idx}", daemon=True)
         p.start()
         child.close()
