@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ pytest.importorskip("openvino", reason="openvino is not installed (pip install '
 
 import torchnitro  # noqa: E402
 from torchnitro.autotune.config import OptimizeConfig  # noqa: E402
-from torchnitro.autotune.recipe import get_recipe  # noqa: E402
+from torchnitro.autotune.recipe import BuildContext, get_recipe  # noqa: E402
 from torchnitro.autotune.verify import flatten_outputs  # noqa: E402
 from torchnitro.errors import RecipeError  # noqa: E402
 from torchnitro.hardware import hardware_info  # noqa: E402
@@ -72,20 +73,18 @@ def test_recipe_matches_eager_at_two_shapes_and_reloads(build, name, make):
     assert (work / "model.xml").is_file() and (work / "model.bin").is_file()
     cfg = built.meta["ov_config"]
     assert cfg["INFERENCE_NUM_THREADS"] == 1 and cfg["ENABLE_CPU_PINNING"] is False  # the search's threads
+    # OpenVINO's own default on a bf16 CPU is bf16: the exact recipe must have asked for f32
+    precision = built.fn.compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
+    assert precision == r.inference_precision(hardware_info())
+    assert precision == {"openvino": "f32", "openvino-bf16": "bf16"}.get(name, precision)
     with torch.no_grad():
+        first = built.fn(*x)
         for inputs in (x, other):  # the second shape: dynamic batch (and sequence for BERT)
             _check_close(name, built.fn(*inputs), model(*inputs))
+    _check_close(name, first, model(*x))  # outputs are copies: later calls did not overwrite them
     again = r.load(work, built.meta, None)  # standalone: no model needed
     for a, b in zip(flatten_outputs(again(*other)), flatten_outputs(built.fn(*other))):
         torch.testing.assert_close(a[1], b[1], rtol=0, atol=0)
-
-
-def test_exact_recipe_pins_f32_precision(build):
-    """OpenVINO's default on a bf16 CPU is bf16: the exact recipe must ask for f32 explicitly."""
-    model, x, dyn, _ = _mlp()
-    _, built, _ = build("openvino", model, x, dyn)
-    assert built.fn.compiled.get_property("INFERENCE_PRECISION_HINT").to_string() == "f32"
-    assert "f32" in built.notes
 
 
 def test_static_dims_stay_static(build):
@@ -145,3 +144,41 @@ def test_doctor_shows_openvino_version_and_recipes(capsys):
     assert "openvino" in out and importlib.metadata.version("openvino") in out
     for name in RECIPES:
         assert name in out
+
+
+def test_child_converts_the_exported_program(build, tmp_path):
+    """In an isolated child ctx.model is the exported program's module (which OpenVINO cannot trace):
+    the recipe converts the saved ``torch.export`` program itself."""
+    model, x, dyn, other = _mlp()
+    path = tmp_path / "model.pt2"
+    torch.export.save(torch.export.export(model, x, dynamic_shapes=({0: torch.export.Dim.AUTO},), strict=False), str(path))
+    r = get_recipe("openvino")
+    work = tmp_path / "work"
+    work.mkdir()
+    ctx = BuildContext(torch.export.load(str(path)).module(), x, hardware_info(), torch.device("cpu"), work, dyn,
+                       OptimizeConfig(threads=1))
+    ctx.program = SimpleNamespace(kind="exported", path=path, meta={})
+    built = r.build(ctx)
+    assert built.meta["converter"] == "torch.export program"
+    torch.testing.assert_close(built.fn(*other), model(*other), rtol=1e-4, atol=1e-4)
+
+
+def test_falls_back_to_onnx_when_direct_conversion_fails(build, monkeypatch):
+    pytest.importorskip("onnx")
+    import openvino as ov
+
+    real = ov.convert_model
+
+    def only_files(src, **kw):
+        if not isinstance(src, str):
+            raise RuntimeError("cannot trace this model\nsecond line")
+        return real(src, **kw)
+
+    monkeypatch.setattr(ov, "convert_model", only_files)
+    model, x, dyn, other = _mlp()
+    _, built, work = build("openvino", model, x, dyn)
+    assert built.meta["converter"] == "ONNX export"
+    assert built.meta["convert_errors"] == ["torch module: RuntimeError: cannot trace this model"]
+    assert not (work / "_export.onnx").exists()
+    torch.testing.assert_close(built.fn(*other), model(*other), rtol=1e-4, atol=1e-4)
+

@@ -171,8 +171,10 @@ class OvRunner:
 
     def __call__(self, *xs: Any) -> Any:
         feed = [x.detach().cpu().contiguous().numpy() if isinstance(x, Tensor) else np.asarray(x) for x in xs]
-        res = self.request.infer(feed)  # copies the outputs out of the request's buffers
-        return restructure(self.kind, [torch.from_numpy(np.asarray(res[p])) for p in self.compiled.outputs])
+        # inputs are read in place (the call is synchronous); outputs are copies, so a later call
+        # cannot overwrite what the caller holds. Halves the per-call overhead (~130 us) of a tiny model.
+        res = self.request.infer(feed, share_inputs=True)
+        return restructure(self.kind, [torch.from_numpy(o) for o in res.to_tuple()])
 
 
 class _OpenVinoRecipe(Recipe):
@@ -236,9 +238,10 @@ class OpenVinoBF16(_OpenVinoRecipe):
         return super().unavailable_reason(hw)
 
 
-def _looks_like_transformer(model: nn.Module) -> bool:
-    """NNCF's transformer scheme (SmoothQuant, attention-aware ignores) fits models with attention."""
-    return any("attention" in type(m).__name__.lower() for m in model.modules())
+def _has_attention(ov_model: Any) -> bool:
+    """NNCF's transformer scheme (SmoothQuant, attention-aware ignored ops) fits graphs with attention;
+    judged on the IR so an exported program (no module names left) is judged like the module."""
+    return any(op.get_type_name() in ("Softmax", "ScaledDotProductAttention") for op in ov_model.get_ops())
 
 
 @register_recipe
@@ -261,7 +264,7 @@ class OpenVinoInt8(_OpenVinoRecipe):
         import nncf
 
         samples = _calibration_samples(ctx)
-        kind = nncf.ModelType.TRANSFORMER if _looks_like_transformer(ctx.model) else None
+        kind = nncf.ModelType.TRANSFORMER if _has_attention(ov_model) else None
         with _quiet_nncf():
             q = nncf.quantize(ov_model, nncf.Dataset(samples), subset_size=len(samples), model_type=kind)
         meta["nncf"] = importlib.metadata.version("nncf")
