@@ -156,6 +156,33 @@ def test_exported_program_is_prepared_once_and_shared(tmp_path, monkeypatch):
     torch.testing.assert_close(loaded(x), progs.model(x))
 
 
+class _Box:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+class _ReturnsBox(nn.Module):
+    """Returns an unregistered Python object: neither torch.export nor TorchScript can take it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> _Box:
+        return _Box(self.lin(x))
+
+
+def test_unexportable_model_is_the_reason_in_one_line(tmp_path):
+    import torchnitro.autotune.program as program
+
+    progs = program.Programs(_ReturnsBox().eval(), (torch.randn(2, 4),), {0: [0]}, tmp_path)
+    out, _ = progs.get("exported", 60.0, 60.0)
+    assert isinstance(out, Failure) and not out.budget
+    assert out.reason.startswith("RecipeError: the model could not be exported for the isolated process (torch.export: ")
+    assert "; TorchScript: " in out.reason and "\n" not in out.reason, out.reason
+    assert progs.get("exported", 60.0, 60.0)[0] is out  # shared: the next recipe gets the same reason at no cost
+
+
 def test_clean_line_and_stderr_helpers():
     text = f"\x1b[33mwarn\x1b[0m {torch.ones(2, requires_grad=True) * 2!r}\n  10%|#   | 1/10 [00:00<?, ?it/s]\nend"
     assert clean_line(text) == "warn tensor(...) end"

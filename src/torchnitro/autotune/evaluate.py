@@ -159,10 +159,11 @@ _STARTUP_S = 120.0  # longest start-up (interpreter, torch import, program load)
 
 
 def _plain(obj: Any) -> dict[str, Any] | None:
-    """A config dataclass as plain fields (no functions: the parent applies a user metric_fn)."""
+    """A config dataclass as plain fields. Functions (a user's metric_fn) stay here: the parent applies them."""
     if obj is None or not dataclasses.is_dataclass(obj):
         return None
-    return {f.name: (None if f.name == "metric_fn" else getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    return {k: (None if callable(v) else v) for k, v in values.items()}
 
 
 def run_isolated(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any, ...]],

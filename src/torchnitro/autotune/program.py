@@ -36,7 +36,7 @@ ISOLATED_INPUTS = ("exported", "onnx", "model")  # the values of Recipe.isolated
 def _first_line(exc: BaseException) -> str:
     from torchnitro.autotune.failure import clean_line
 
-    return clean_line(f"{type(exc).__name__}: {exc}", limit=200)
+    return clean_line(f"{type(exc).__name__}: {exc}", limit=100)  # two of them fit one reason
 
 
 def _export(model: nn.Module, inputs: tuple[Any, ...], dynamic_dims: dict[int, list[int]], directory: Path) -> Program:
