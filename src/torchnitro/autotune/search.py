@@ -33,7 +33,7 @@ from torch import nn
 from torchnitro.autotune.cache import CACHE_VERSION, CandidateCache, function_id, make_key, model_hash
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.evaluate import CandidateTimeout, Evaluation, evaluate, run_isolated, time_limit
-from torchnitro.autotune.failure import Failure
+from torchnitro.autotune.failure import Failure, clean_line
 from torchnitro.autotune.inputs import ModelInfo, input_signature
 from torchnitro.autotune.program import Programs, isolation
 from torchnitro.autotune.recipe import BuildContext, Recipe
@@ -243,7 +243,7 @@ def _run(s: _Search, recipes: list[Recipe], t_start: float) -> SearchOutcome:
             try:
                 why = _not_here(r, hw, s.device) or r.inapplicable_reason(s.model, s.wl.example_inputs)
             except Exception as exc:  # noqa: BLE001 - a buggy check costs only its own recipe
-                why = f"its applicability check raised {type(exc).__name__}: {exc}"[:300]
+                why = clean_line(f"its applicability check raised {type(exc).__name__}: {exc}")
             if why is None and r.name != "eager" and remaining < 1.0:
                 why = f"budget: the search's {cfg.budget_s:.0f} s are spent (raise budget_s)"
             if why is not None and r.name != "eager":
