@@ -13,7 +13,7 @@ from torch import nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
 
-__all__ = ["BusyRuntime", "LOADS", "busy_threads", "identity_loader", "failing_loader"]
+__all__ = ["BusyRuntime", "DiesWhileTimed", "LOADS", "busy_threads", "identity_loader", "failing_loader"]
 
 LOADS: list[int] = []  # pids of the processes in which BusyRuntime.load ran (only this process is visible)
 _BUSY = "test-busy-runtime-pool"
@@ -49,6 +49,23 @@ class BusyRuntime(Recipe):
         m = tiny_model()
         m.load_state_dict(torch.load(directory / "weights.pt", weights_only=True))
         return m.eval()
+
+
+class DiesWhileTimed(BusyRuntime):
+    """Builds and verifies like BusyRuntime; its loaded artifact kills its process on the third call."""
+
+    name = "test-dies-while-timed"
+
+    def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
+        m, calls = tiny_model().eval(), [0]
+
+        def fn(*x: Any) -> Any:
+            calls[0] += 1
+            if calls[0] >= 3:
+                os._exit(7)
+            return m(*x)
+
+        return fn
 
 
 def identity_loader(scale: float) -> Callable[..., Any]:

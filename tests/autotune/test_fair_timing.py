@@ -107,8 +107,8 @@ def test_disturbed_eager_in_the_comparison_is_redone_and_reported(fake_recipes, 
     fr = fake_recipes
     real, calls = search_mod._compare_finalists, []
 
-    def disturbed_once(s, fns, tc):
-        res = real(s, fns, tc)
+    def disturbed_once(s, report, fns, tc):
+        res = real(s, report, fns, tc)
         calls.append(1)
         if len(calls) == 1:  # eager 20x slower, as after a spinning runtime's call
             e = res["eager"]
@@ -131,7 +131,7 @@ def test_undisturbed_comparison_is_not_redone(fake_recipes, fast_cfg, monkeypatc
     fr = fake_recipes
     calls: list[int] = []
 
-    def matches_alone(s, fns, tc):  # eager inside == eager alone exactly
+    def matches_alone(s, report, fns, tc):  # eager inside == eager alone exactly
         calls.append(1)
         alone = s.p50.get("eager") or 30.0
         return {n: Timing([alone / 1e3] * 4) if n == "eager" else Timing([alone / 3e3] * 4) for n in fns}
@@ -146,17 +146,25 @@ def test_undisturbed_comparison_is_not_redone(fake_recipes, fast_cfg, monkeypatc
 # ---- own-runtime candidates never load in the search process --------------------------------------
 
 def test_own_runtime_candidate_is_timed_alone_and_never_loaded_here(busy_recipe, fast_cfg):
-    """With the old comparison, load() ran here: its busy pool stole the core from eager timed after it."""
+    """With the old comparison, load() ran here: its busy pool stole the core from eager timed after it.
+
+    A second candidate's timing process dies mid-comparison: only that candidate fails."""
     from fake_recipes import tiny_inputs, tiny_model
 
-    # min_speedup 100: eager is handed back, so nothing of the candidate is needed in this process
-    opt = torchnitro.optimize(tiny_model(), tiny_inputs(), fast_cfg(recipes=[busy_recipe.BusyRuntime.name],
-                                                                     min_speedup=100.0))
-    c = opt.report.get(busy_recipe.BusyRuntime.name)
+    fs = busy_recipe
+    register_recipe(fs.DiesWhileTimed)
+    try:  # min_speedup 100: eager is handed back, so nothing of the candidates is needed in this process
+        opt = torchnitro.optimize(tiny_model(), tiny_inputs(), fast_cfg(
+            recipes=[fs.BusyRuntime.name, fs.DiesWhileTimed.name], min_speedup=100.0))
+    finally:
+        unregister_recipe(fs.DiesWhileTimed.name)
+    c = opt.report.get(fs.BusyRuntime.name)
     assert opt.recipe == "eager" and c.status == "verified" and c.interleaved and c.alone
-    assert not opt.report.get("eager").alone
-    assert os.getpid() not in busy_recipe.LOADS and busy_recipe.busy_threads() == []
+    assert not opt.report.get("eager").alone and opt.report.get("eager").interleaved
+    assert os.getpid() not in fs.LOADS and fs.busy_threads() == []
     assert any("each alone in its own process" in n for n in opt.report.notes)
+    dead = opt.report.get(fs.DiesWhileTimed.name)
+    assert dead.status == "failed" and dead.reason.startswith("timing it alone failed: the timing process")
 
 
 @needs_ort

@@ -334,10 +334,22 @@ def _callables(s: _Search, cands: list[CandidateResult], timers: dict[str, Child
     return fns
 
 
-def _compare_finalists(s: _Search, fns: dict[str, Callable[..., Any]], tc: TimingConfig) -> dict[str, Timing]:
-    """One interleaved run; a ``ChildTimer`` entry alternates this process with the candidate's own."""
-    with torch.inference_mode():
-        return compare(fns, tc, items_per_call=s.wl.items_per_call, baseline="eager")
+def _compare_finalists(s: _Search, report: Report, fns: dict[str, Callable[..., Any]],
+                       tc: TimingConfig) -> dict[str, Timing]:
+    """One interleaved run; a ``ChildTimer`` entry alternates this process with the candidate's own.
+
+    A candidate whose timing process dies is marked failed and dropped from ``fns``; the run restarts without it."""
+    while True:
+        try:
+            with torch.inference_mode():
+                return compare(fns, tc, items_per_call=s.wl.items_per_call, baseline="eager")
+        except RecipeError:
+            dead = [n for n, f in fns.items() if getattr(f, "failed", None)]
+            if not dead:
+                raise
+            for n in dead:
+                c = report.get(n)
+                c.status, c.reason = Status.FAILED, f"timing it alone failed: {fns.pop(n).failed}"[:300]
 
 
 def _screen(s: _Search, report: Report, eager_fn: Callable[[], Any], fns: dict[str, Callable[..., Any]],
@@ -348,7 +360,7 @@ def _screen(s: _Search, report: Report, eager_fn: Callable[[], Any], fns: dict[s
     cfg = s.cfg
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=cfg.final_min_time_s / 2,
                       max_time_s=max(3.0, cfg.final_min_time_s * 2), device=s.device.type)
-    res = _compare_finalists(s, {"eager": eager_fn, **fns}, tc)
+    res = _compare_finalists(s, report, {"eager": eager_fn, **fns}, tc)
     ratio = {n: res["eager"].median / t.median for n, t in res.items() if n != "eager"}
     keep = sorted(ratio, key=ratio.get, reverse=True)[:k]
     for name, r in ratio.items():
@@ -370,12 +382,12 @@ def _checked_comparison(s: _Search, report: Report, fns: dict[str, Callable[...,
     iters = max(cfg.final_min_iters, 30) if cfg.percentile == "p99" else cfg.final_min_iters  # a p99 needs samples
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=iters, min_time_s=cfg.final_min_time_s,
                       max_time_s=max(5.0, cfg.final_min_time_s * 3), device=s.device.type)
-    res = _compare_finalists(s, fns, tc)
+    res = _compare_finalists(s, report, fns, tc)
     check = fair.check_eager(alone_ms, alone_cv, res["eager"])
     if not check.ok:
         report.notes.append(f"final comparison redone after a {fair.SETTLE_S:g} s pause: first run's {check.text()}")
         time.sleep(fair.SETTLE_S)
-        res = _compare_finalists(s, fns, tc)
+        res = _compare_finalists(s, report, fns, tc)
         check = fair.check_eager(alone_ms, alone_cv, res["eager"])
         for name in res:
             report.get(name).redone = True

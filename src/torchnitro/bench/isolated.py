@@ -80,6 +80,7 @@ class ChildTimer:
         self.settle_s = SETTLE_S if settle_s is None else settle_s
         self.timeout_s = timeout_s
         self.samples = 0
+        self.failed: str | None = None  # why the child stopped answering, once it has
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         self.log = log or inputs.with_suffix(f".{os.getpid()}.{id(self)}.log")
@@ -110,23 +111,28 @@ class ChildTimer:
             self.proc.stdin.write((text + "\n").encode())
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
-            raise RecipeError(f"the timing process exited: {self._tail()}") from exc
+            self._fail(f"the timing process exited: {self._tail()}", exc)
 
     def _read(self, timeout_s: float) -> str:
         assert self.proc.stdout is not None
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
         if not ready:
-            self.close()
-            raise RecipeError(f"the timing process did not answer within {timeout_s:.0f} s (killed)")
+            self._fail(f"the timing process did not answer within {timeout_s:.0f} s (killed)")
         return self.proc.stdout.readline().decode().strip()
 
     def _expect(self, line: str, what: str) -> str:
         tag, _, rest = line.partition(" ")
         if tag != what:
             detail = rest if tag == "error" else f"{line!r}; {self._tail()}"
-            self.close()
-            raise RecipeError(f"the timing process failed while waiting for {what!r}: {detail}")
+            self._fail(f"the timing process failed while waiting for {what!r}: {detail}")
         return rest
+
+    def _fail(self, why: str, cause: BaseException | None = None) -> None:
+        self.failed = why
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.close()
+        raise RecipeError(why) from cause
 
     def _tail(self) -> str:
         self._err.flush()
