@@ -3,6 +3,8 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -130,8 +132,11 @@ def test_optimize_end_to_end_saves_loads_and_serves(fast_cfg, tmp_path):
     opt = torchnitro.optimize(model, x, fast_cfg(recipes=["openvino"], min_speedup=0.0))
     assert opt.recipe == "openvino", opt.report
     path = opt.save(tmp_path / "ov")
-    loaded = torchnitro.load(path)
-    torch.testing.assert_close(loaded(*other), model(*other), rtol=1e-4, atol=1e-4)
+    torch.save(other[0], tmp_path / "x.pt")
+    code = ("import sys, torch, torchnitro; m = torchnitro.load(sys.argv[1]); "
+            "torch.save(m(torch.load(sys.argv[2])), sys.argv[3])")  # a fresh process, no user code
+    subprocess.run([sys.executable, "-c", code, str(path), str(tmp_path / "x.pt"), str(tmp_path / "y.pt")], check=True)
+    torch.testing.assert_close(torch.load(tmp_path / "y.pt"), model(*other), rtol=1e-4, atol=1e-4)
     served = resolve_model(str(path))
     torch.testing.assert_close(served(*other)[0], model(*other), rtol=1e-4, atol=1e-4)
 
