@@ -115,9 +115,12 @@ def test_missing_packages_are_named(monkeypatch):
     assert get_recipe("openvino").unavailable_reason(hardware_info()) is None
 
 
-def test_non_tensor_input_is_inapplicable():
+def test_non_tensor_or_non_cpu_input_is_inapplicable():
     why = get_recipe("openvino").inapplicable_reason(nn.Linear(2, 2), (torch.randn(1, 2), 3))
     assert "input 1 is a int" in why
+    on_meta = nn.Linear(2, 2, device="meta")  # stands in for a model on a GPU
+    assert "runs on the CPU; this search runs on meta" in get_recipe("openvino").inapplicable_reason(
+        on_meta, (torch.randn(1, 2, device="meta"),))
 
 
 def test_load_without_files_names_the_directory(tmp_path):

@@ -26,6 +26,7 @@ import importlib.metadata
 import importlib.util
 import io
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator
 
@@ -73,10 +74,13 @@ def ov_config(threads: int, precision: str) -> dict[str, Any]:
             "ENABLE_CPU_PINNING": False, "INFERENCE_PRECISION_HINT": precision}
 
 
-def _tensor_inputs(inputs: tuple[Any, ...]) -> str | None:
+def _cpu_tensor_inputs(model: nn.Module, inputs: tuple[Any, ...]) -> str | None:
     for i, x in enumerate(inputs):
         if not isinstance(x, Tensor):
             return f"OpenVINO takes tensor inputs only; input {i} is a {type(x).__name__}"
+    devices = {t.device.type for t in (*inputs, *model.parameters())}
+    if devices - {"cpu"}:
+        return f"OpenVINO runs on the CPU; this search runs on {sorted(devices - {'cpu'})[0]}"
     return None
 
 
@@ -126,7 +130,8 @@ def convert_to_ov(ctx: BuildContext) -> tuple[Any, dict[str, Any]]:
     errors: list[str] = []
     ov_model = None
     try:
-        with torch.no_grad():
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # tracer warnings about the user's Python control flow
             if isinstance(obj, (str, torch.export.ExportedProgram)):
                 ov_model = ov.convert_model(obj)
             else:
@@ -188,7 +193,7 @@ class _OpenVinoRecipe(Recipe):
         return _missing(*self.needs)
 
     def inapplicable_reason(self, model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
-        return _tensor_inputs(example_inputs)
+        return _cpu_tensor_inputs(model, example_inputs)
 
     def inference_precision(self, hw: HardwareInfo) -> str:
         return self.precision
