@@ -237,13 +237,13 @@ def write_results(name: str, meta: dict, sections: list[ResultTable]) -> None:
                                             + [""] + [t.to_markdown() for t in sections]))
 
 
-def add_zerocopy_only(name: str) -> None:
+def add_zerocopy_only(name: str, size_mb: int = 200) -> None:
     """Measure the zero-copy section and put it into the saved results, replacing an older one."""
     path = results_dir() / f"{name}.json"
     data = json.loads(path.read_text()) if path.exists() else {"meta": {}, "sections": []}
     sections = [ResultTable(s["title"], s["columns"], s["rows"], s["meta"]) for s in data["sections"]
                 if not s["title"].startswith("zero-copy loading")]
-    zc = zerocopy_section()
+    zc = zerocopy_section(size_mb)
     zc.meta.setdefault("written", time.strftime("%Y-%m-%d %H:%M:%S"))
     zc.print()
     write_results(name, data["meta"], sections + [zc])

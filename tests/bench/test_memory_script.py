@@ -1,0 +1,41 @@
+"""benchmarks/memory.py --only-zerocopy: measures the zero-copy section and adds it to saved results,
+leaving the other sections as they were."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("memory_benchmark", ROOT / "benchmarks" / "memory.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_zerocopy_only_adds_its_section_and_keeps_the_others(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_RESULTS", str(tmp_path))
+    mem = _script()
+    old = {"title": "planner vs tracker", "columns": ["config", "error"], "rows": [{"config": "a", "error": 0.01}],
+           "meta": {"machine": "m"}}
+    (tmp_path / "memory_x.json").write_text(json.dumps({"meta": {"command": "full run"}, "sections": [old]}))
+    for _ in range(2):  # a second run replaces the section instead of adding another
+        mem.add_zerocopy_only("memory_x", size_mb=16)
+    data = json.loads((tmp_path / "memory_x.json").read_text())
+    assert data["meta"] == {"command": "full run"}
+    assert [s["title"][:18] for s in data["sections"]] == ["planner vs tracker", "zero-copy loading "]
+    assert data["sections"][0] == old
+    zc = data["sections"][1]
+    assert "memory.py" in zc["meta"]["command"] and "torch" in zc["meta"]["versions"]
+    added = {(r["load"], r["after"]): r["resident MiB added"] for r in zc["rows"]}
+    assert len(added) == 6
+    mapped, read = "load_weights(mmap=True)", "load_weights(mmap=False)"
+    # 16 MB = 15.3 MiB: mapping pages nothing in until the tensor is read; reading the file copies it at once
+    assert added[(mapped, "loading")] < 4 < 12 < added[(mapped, "reading all")]
+    assert added[(read, "loading")] > 12
+    md = (tmp_path / "memory_x.md").read_text()
+    assert "### planner vs tracker" in md and md.count("### zero-copy loading") == 1
