@@ -8,6 +8,10 @@ alternate between the processes; the parent only waits). Two checks per workload
 - each variant's p50 inside the optimizer's comparison is within 5% of its p50 alone;
 - the optimizer's reported speedup agrees with the isolated ratio (eager alone / variant alone) within 10%.
 
+A third table times eager alone in fresh processes under glibc allocator settings (the issue measured
+eager MobileNetV3 at 138 ms with glibc's defaults and 66.5 ms with ``MALLOC_MMAP_THRESHOLD_``): the
+setting a number was measured under is part of the number (``--no-allocator`` skips it).
+
 Run (one benchmark at a time on a shared machine)::
 
     flock /tmp/torchnitro-bench.lock python benchmarks/timing_fairness.py           # a few minutes
@@ -49,6 +53,12 @@ P50_GOAL, SPEEDUP_GOAL = 0.05, 0.10
 VARIANT_COLUMNS = ("workload", "variant", "family", "p50 in comparison ms", "p50 alone ms", "diff", "within 5%",
                    "timed in comparison")
 SPEEDUP_COLUMNS = ("workload", "variant", "reported speedup", "isolated ratio", "diff", "within 10%", "chosen")
+ALLOCATOR_COLUMNS = ("workload", "setting", "env", "eager p50 alone ms", "vs glibc defaults")
+MALLOC_SETTINGS = {  # name -> environment of a fresh process (glibc reads these once, at start-up)
+    "glibc defaults": {},
+    "mmap threshold 256 MiB": {"MALLOC_MMAP_THRESHOLD_": "268435456"},
+    "mmap + trim threshold 256/512 MiB": {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "536870912"},
+}
 
 
 def build_variant(spec: str, batch: int, seq: int, recipe: str, workdir: str, threads: int) -> Callable[..., Any]:
@@ -75,16 +85,20 @@ def _families(quick: bool) -> dict[str, str]:
 
 
 def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any, ...], threads: int,
-           tc: TimingConfig, work: Path) -> dict[str, float]:
-    """p50 ms of each variant alone in its own fresh process (all started together, timed in rotation)."""
+           tc: TimingConfig, work: Path, envs: dict[str, dict[str, str]] | None = None) -> dict[str, float]:
+    """p50 ms of each variant alone in its own fresh process (all started together, timed in rotation).
+
+    ``envs``: one process per entry instead, each running eager under that environment."""
+    work.mkdir(parents=True, exist_ok=True)
     save_inputs([inputs], work / "inputs.pt")
+    jobs = {n: ("eager", env) for n, env in envs.items()} if envs is not None else {n: (n, {}) for n in names}
     timers = {}
     try:
-        for n in names:
-            (work / n).mkdir()
+        for n, (recipe, env) in jobs.items():
+            d = Path(tempfile.mkdtemp(dir=work))
             timers[n] = ChildTimer(f"{Path(__file__).stem}:build_variant",
-                                   {"spec": spec, "batch": batch, "seq": seq, "recipe": n, "workdir": str(work / n),
-                                    "threads": threads}, work / "inputs.pt", threads=threads, timeout_s=600.0)
+                                   {"spec": spec, "batch": batch, "seq": seq, "recipe": recipe, "workdir": str(d),
+                                    "threads": threads}, work / "inputs.pt", threads=threads, timeout_s=600.0, env=env)
         for t in timers.values():
             t.wait_ready()
         res = compare(timers, tc)
@@ -95,7 +109,8 @@ def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any,
 
 
 def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], quick: bool,
-        variants: ResultTable, speedups: ResultTable, notes: list[str]) -> None:
+        tables: dict[str, ResultTable], notes: list[str]) -> None:
+    variants, speedups, allocator = tables["variants"], tables["speedups"], tables.get("allocator")
     model, inputs, info = resolve_model(spec, batch=batch or None, seq=seq or None)
     final_s = 0.3 if quick else 2.0
     with tempfile.TemporaryDirectory(prefix="timing-fairness-") as tmp:
@@ -114,6 +129,13 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
         tc = TimingConfig(warmup=2, warmup_s=0.0, min_iters=5 if quick else 15, min_time_s=final_s,
                           max_time_s=max(5.0, 3 * final_s))
         alone = _alone(spec, batch, seq, timed, inputs, cfg.resolved_threads(), tc, Path(tmp))
+        if allocator is not None:
+            by_env = _alone(spec, batch, seq, [], inputs, cfg.resolved_threads(), tc, Path(tmp) / "malloc",
+                            MALLOC_SETTINGS)
+            for setting, ms in by_env.items():
+                env = " ".join(f"{k}={v}" for k, v in MALLOC_SETTINGS[setting].items()) or "-"
+                allocator.add(workload=name, setting=setting, env=env, **{
+                    "eager p50 alone ms": ms, "vs glibc defaults": by_env["glibc defaults"] / ms})
     fam_of = {v: k for k, v in families.items()} | {"eager": "eager"}
     for n in timed:
         c = rep.get(n)
@@ -144,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="one small workload, no torch.compile: a smoke test")
     ap.add_argument("--only", choices=sorted(WORKLOADS), help="one workload")
     ap.add_argument("--out", default=None, help="output folder (default: results/)")
+    ap.add_argument("--no-allocator", action="store_true", help="skip eager under glibc allocator settings")
     args = ap.parse_args(argv)
     workloads = QUICK_WORKLOADS if args.quick else {k: v for k, v in WORKLOADS.items() if args.only in (None, k)}
     families = _families(args.quick)
@@ -154,22 +177,24 @@ def main(argv: list[str] | None = None) -> int:
             "timing environment": describe_environment(), "families": families}
     variants = ResultTable("p50 inside the optimizer's comparison vs alone in a fresh process", VARIANT_COLUMNS,
                            meta=dict(meta))
-    speedups = ResultTable("reported speedup vs isolated ratio", SPEEDUP_COLUMNS)
+    tables = {"variants": variants, "speedups": ResultTable("reported speedup vs isolated ratio", SPEEDUP_COLUMNS)}
+    if not args.no_allocator:
+        tables["allocator"] = ResultTable("eager alone in fresh processes under glibc allocator settings",
+                                          ALLOCATOR_COLUMNS)
     notes: list[str] = []
     for name, (spec, batch, seq) in workloads.items():
-        run(name, spec, batch, seq, families, args.quick, variants, speedups, notes)
+        run(name, spec, batch, seq, families, args.quick, tables, notes)
     variants.meta["notes"] = notes
-    variants.print()
-    speedups.print()
+    for t in tables.values():
+        t.print()
     for n in notes:
         print(n)
     out = Path(args.out) if args.out else results_dir()
     out.mkdir(parents=True, exist_ok=True)
     stem = "timing_fairness_quick" if args.quick else "timing_fairness"
     variants.meta["written"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    (out / f"{stem}.json").write_text(json.dumps({"variants": variants.to_json(), "speedups": speedups.to_json()},
-                                                 indent=2, default=str))
-    (out / f"{stem}.md").write_text(variants.to_markdown() + "\n" + speedups.to_markdown())
+    (out / f"{stem}.json").write_text(json.dumps({k: t.to_json() for k, t in tables.items()}, indent=2, default=str))
+    (out / f"{stem}.md").write_text("\n".join(t.to_markdown() for t in tables.values()))
     print(f"wrote {out / stem}.json and .md")
     return 0
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
 
-__all__ = ["BusyRuntime", "DiesWhileTimed", "LOADS", "busy_threads", "identity_loader", "failing_loader"]
+__all__ = ["BusyRuntime", "DiesWhileTimed", "LOADS", "busy_threads", "identity_loader", "failing_loader", "env_loader"]
 
 LOADS: list[int] = []  # pids of the processes in which BusyRuntime.load ran (only this process is visible)
 _BUSY = "test-busy-runtime-pool"
@@ -71,6 +71,13 @@ class DiesWhileTimed(BusyRuntime):
 def identity_loader(scale: float) -> Callable[..., Any]:
     """A ChildTimer loader: returns x * scale."""
     return lambda x: x * scale
+
+
+def env_loader(name: str, value: str) -> Callable[..., Any]:
+    """A ChildTimer loader that only loads when its process started with ``name=value`` in the environment."""
+    if os.environ.get(name) != value:
+        raise RuntimeError(f"{name}={os.environ.get(name)!r}, expected {value!r}")
+    return lambda x: x
 
 
 def failing_loader() -> Callable[..., Any]:

@@ -40,7 +40,7 @@ needs_ort = pytest.mark.skipif(not _has_ort(), reason="onnx/onnxruntime not inst
 
 # ---- the child timer ------------------------------------------------------------------------------
 
-def test_child_timer_alternates_with_this_process_and_reports_load_errors(tmp_path):
+def test_child_timer_alternates_with_this_process_reports_load_errors_and_takes_env(tmp_path):
     x = torch.randn(4, 8)
     save_inputs([(x,)], tmp_path / "in.pt")
     order: list[str] = []
@@ -50,7 +50,10 @@ def test_child_timer_alternates_with_this_process_and_reports_load_errors(tmp_pa
         return 1e-3
 
     here.times_itself = True  # type: ignore[attr-defined]
-    broken = ChildTimer("fake_standalone:failing_loader", {}, tmp_path / "in.pt", threads=1)  # both start at once
+    broken = ChildTimer("fake_standalone:failing_loader", {}, tmp_path / "in.pt", threads=1)  # all start at once
+    malloc = {"MALLOC_MMAP_THRESHOLD_": "268435456"}
+    with_env = ChildTimer("fake_standalone:env_loader", {"name": "MALLOC_MMAP_THRESHOLD_", "value": "268435456"},
+                          tmp_path / "in.pt", threads=1, env=malloc)
     with ChildTimer("fake_standalone:identity_loader", {"scale": 2.0}, tmp_path / "in.pt", threads=1,
                     settle_s=0.0) as timer:
         timer.wait_ready()
@@ -63,7 +66,9 @@ def test_child_timer_alternates_with_this_process_and_reports_load_errors(tmp_pa
     assert timer.proc.poll() is not None  # closed: the child exited
     with pytest.raises(RecipeError, match="artifact is missing its weights"):
         broken.wait_ready()
-    assert broken.proc.poll() is not None
+    assert broken.proc.poll() is not None and broken.failed
+    with with_env:
+        with_env.wait_ready()  # its loader raises unless the child started with the extra environment
 
 
 class _Counting:

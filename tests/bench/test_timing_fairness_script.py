@@ -28,3 +28,5 @@ def test_timing_fairness_quick_writes_both_tables(tmp_path, monkeypatch):
     assert "torch" in meta["versions"] and meta["machine"] and "allocator" in meta["timing environment"]
     assert "--quick" in meta["command"]
     assert "isolated ratio" in (tmp_path / "timing_fairness_quick.md").read_text()
+    settings = [r["setting"] for r in data["allocator"]["rows"]]
+    assert settings == list(tf.MALLOC_SETTINGS) and all(r["eager p50 alone ms"] > 0 for r in data["allocator"]["rows"])

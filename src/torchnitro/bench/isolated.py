@@ -75,13 +75,14 @@ class ChildTimer:
     times_itself = True  # bench.compare calls it with k instead of wrapping it in a sampler
 
     def __init__(self, loader: str, kwargs: dict[str, Any], inputs: Path, *, threads: int, device: str = "cpu",
-                 settle_s: float | None = None, timeout_s: float = 120.0, log: Path | None = None):
+                 settle_s: float | None = None, timeout_s: float = 120.0, log: Path | None = None,
+                 env: dict[str, str] | None = None):
         spec = {"loader": loader, "kwargs": kwargs, "inputs": str(inputs), "threads": threads, "device": device}
         self.settle_s = SETTLE_S if settle_s is None else settle_s
         self.timeout_s = timeout_s
         self.samples = 0
         self.failed: str | None = None  # why the child stopped answering, once it has
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}  # e.g. MALLOC_MMAP_THRESHOLD_: read once, when the child starts
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         self.log = log or inputs.with_suffix(f".{os.getpid()}.{id(self)}.log")
         self._err = open(self.log, "wb")

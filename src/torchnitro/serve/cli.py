@@ -73,6 +73,7 @@ def register(app: typer.Typer) -> None:
         max_body_bytes: Optional[int] = typer.Option(None, help="Larger bodies get 413."),
         trust_code: Optional[bool] = typer.Option(None, "--trust-code", help="Let an artifact dir run code it names "
                                                   "or holds (.py factory, TorchScript); only for trusted sources."),
+        grpc_port: Optional[int] = typer.Option(None, help="Also serve KServe v2 gRPC on this port (0 = any free)."),
     ) -> None:
         """Serve a model over HTTP (KServe v2 JSON) with dynamic batching."""
         from pathlib import Path
@@ -88,13 +89,14 @@ def register(app: typer.Typer) -> None:
             default_timeout_ms=timeout_ms, bucket_boundaries=_ints(buckets, "--buckets") or None,
             preferred_batch_sizes=_ints(preferred, "--preferred") or None, adaptive=adaptive,
             latency_target_ms=latency_target_ms, auth_token=token, max_body_bytes=max_body_bytes,
-            trust_code=trust_code)
+            trust_code=trust_code, grpc_port=grpc_port)
         mname = name or (Path(model).name if Path(model).is_dir() else model.rpartition(":")[2])
         endpoint = ModelEndpoint(mname, make_pool(model, mname, scfg), batching)
         Console(stderr=True).print(
             f"serving [bold]{mname}[/bold] on http://{scfg.host}:{scfg.port} "
             f"(workers={scfg.workers}, max_batch_size={batching.max_batch_size}, "
-            f"max_wait_ms={batching.max_wait_ms}{', adaptive' if batching.adaptive else ''})")
+            f"max_wait_ms={batching.max_wait_ms}{', adaptive' if batching.adaptive else ''})"
+            + (f"; gRPC on {scfg.host}:{scfg.grpc_port}" if scfg.grpc_port is not None else ""))
         InferenceServer([endpoint], scfg).run()
 
     @app.command()

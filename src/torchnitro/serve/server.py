@@ -53,6 +53,7 @@ class ServeConfig:
     retry_after_s: int = 1  # Retry-After header on 429
     log_level: str = "warning"  # uvicorn's log level
     trust_code: bool = False  # artifact dirs may run code (.py factory, TorchScript): only from trusted sources
+    grpc_port: int | None = None  # also serve KServe v2 gRPC (serve/grpc_server.py) here; 0 = any free port
 
     def __post_init__(self) -> None:
         if self.workers < 0:
@@ -61,6 +62,9 @@ class ServeConfig:
             raise ConfigError(f"ServeConfig.device: received {self.device!r}, expected 'auto', 'cpu' or 'cuda'")
         if self.max_body_bytes < 1:
             raise ConfigError(f"ServeConfig.max_body_bytes: received {self.max_body_bytes}, expected >= 1")
+        if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
+            raise ConfigError(f"ServeConfig.grpc_port: received {self.grpc_port}, expected a port in 0..65535 "
+                              "(0 = any free port) or None for no gRPC")
 
 
 def make_pool(spec: Any, name: str, config: ServeConfig, on_restart: Any = None) -> Any:
@@ -140,6 +144,7 @@ class InferenceServer:
         self.loop: asyncio.AbstractEventLoop | None = None
         self._uvicorn: _Uvicorn | None = None
         self._thread: threading.Thread | None = None
+        self.grpc: Any = None  # the GRPCFrontend when config.grpc_port is set
         self.starlette = Starlette(routes=[
             Route("/v2", self.server_meta), Route("/v2/health/live", self.live),
             Route("/v2/health/ready", self.ready), Route("/v2/models/{name}", self.model_meta),
@@ -155,9 +160,15 @@ class InferenceServer:
         for e in self.models.values():
             e.pool.on_restart = lambda idx, n=e.name: self.metrics.restarts.labels(n).inc()
             await e.start(self.metrics)
+        if self.config.grpc_port is not None:
+            from torchnitro.serve.grpc_server import GRPCFrontend
+
+            self.grpc = await GRPCFrontend(self).start()
         yield
         self.draining = True
         await self._drain()
+        if self.grpc is not None:
+            await self.grpc.stop()
         for e in self.models.values():
             await e.pool.close()
 

@@ -1,0 +1,246 @@
+"""KServe v2 gRPC front-end: a real grpc channel to a real server on loopback, next to its HTTP side."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import numpy as np
+import pytest
+import torch
+
+grpc = pytest.importorskip("grpc")
+httpx = pytest.importorskip("httpx")
+
+from torchnitro.errors import ConfigError  # noqa: E402
+from torchnitro.serve.batcher import BatchingConfig  # noqa: E402
+from torchnitro.serve.grpc_server import SERVICE  # noqa: E402
+from torchnitro.serve.proto import grpc_predict_v2_pb2 as pb  # noqa: E402
+from torchnitro.serve.server import InferenceServer, ModelEndpoint, ServeConfig, make_pool  # noqa: E402
+
+RPCS = {"ServerLive": (pb.ServerLiveRequest, pb.ServerLiveResponse),
+        "ServerReady": (pb.ServerReadyRequest, pb.ServerReadyResponse),
+        "ModelReady": (pb.ModelReadyRequest, pb.ModelReadyResponse),
+        "ServerMetadata": (pb.ServerMetadataRequest, pb.ServerMetadataResponse),
+        "ModelMetadata": (pb.ModelMetadataRequest, pb.ModelMetadataResponse),
+        "ModelInfer": (pb.ModelInferRequest, pb.ModelInferResponse)}
+
+
+class Client:
+    """A plain v2 gRPC client on a real channel (no generated stubs needed: the method paths are the spec's)."""
+
+    def __init__(self, port: int, metadata: tuple = ()):
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        self.metadata = metadata
+
+    def __getattr__(self, rpc: str):
+        req_t, resp_t = RPCS[rpc]
+        call = self.channel.unary_unary(f"/{SERVICE}/{rpc}", request_serializer=req_t.SerializeToString,
+                                        response_deserializer=resp_t.FromString)
+        return lambda req=None, **kw: call(req if req is not None else req_t(**kw), timeout=30,
+                                           metadata=self.metadata)
+
+
+@contextlib.contextmanager
+def serving(spec: str = "mlp", name: str = "mlp", **kw):
+    cfg = ServeConfig(port=0, grpc_port=0, **{"workers": 0, **kw})
+    srv = InferenceServer([ModelEndpoint(name, make_pool(spec, name, cfg), BatchingConfig(max_batch_size=8))],
+                          cfg).start_in_thread()
+    try:
+        yield srv, Client(srv.grpc.port), f"http://127.0.0.1:{srv.port}"
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    with serving() as s:
+        yield s
+
+
+def _raw_request(x: np.ndarray, **kw) -> pb.ModelInferRequest:
+    req = pb.ModelInferRequest(model_name="mlp", **kw)
+    req.inputs.add(name="x", datatype="FP32", shape=list(x.shape))
+    req.raw_input_contents.append(x.astype("<f4").tobytes())
+    return req
+
+
+def _http(base: str, x: np.ndarray) -> np.ndarray:
+    body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.reshape(-1).tolist()}]}
+    r = httpx.post(f"{base}/v2/models/mlp/infer", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    out = r.json()["outputs"][0]
+    return np.asarray(out["data"], dtype=np.float32).reshape(out["shape"])
+
+
+def test_health_and_metadata(mlp):
+    srv, c, _ = mlp
+    assert c.ServerLive().live and c.ServerReady().ready and c.ModelReady(name="mlp").ready
+    meta = c.ServerMetadata()
+    assert meta.name == "torchnitro" and meta.version
+    m = c.ModelMetadata(name="mlp")
+    assert m.name == "mlp" and list(m.versions) == ["1"]
+    assert [(t.name, t.datatype, list(t.shape)) for t in m.inputs] == [("x", "FP32", [-1, 512])]
+    assert [(t.datatype, list(t.shape)) for t in m.outputs] == [("FP32", [-1, 512])]
+    with pytest.raises(grpc.RpcError) as e:
+        c.ModelReady(name="nope")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in e.value.details()
+    config = c.channel.unary_unary(f"/{SERVICE}/ModelConfig", request_serializer=bytes, response_deserializer=bytes)
+    with pytest.raises(grpc.RpcError) as e:
+        config(b"", timeout=30)  # a Triton-only RPC
+    assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_raw_both_ways_equals_http_and_the_model(mlp, rows):
+    srv, c, base = mlp
+    x = np.random.default_rng(rows).standard_normal((rows, 512)).astype(np.float32)
+    resp = c.ModelInfer(_raw_request(x, id=f"r{rows}"))
+    assert resp.id == f"r{rows}" and resp.model_name == "mlp" and len(resp.raw_output_contents) == 1
+    out = resp.outputs[0]
+    assert (out.datatype, list(out.shape)) == ("FP32", [rows, 512]) and not out.contents.fp32_contents
+    got = np.frombuffer(resp.raw_output_contents[0], dtype="<f4").reshape(rows, 512)
+    np.testing.assert_array_equal(got, _http(base, x))  # same batcher, same model: bit-identical
+    from torchnitro.nn.zoo import get_builtin
+
+    want = get_builtin("mlp").build().eval()(torch.from_numpy(x)).detach().numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_typed_contents_both_ways(mlp):
+    srv, c, base = mlp
+    x = np.linspace(-1, 1, 2 * 512, dtype=np.float32).reshape(2, 512)
+    req = pb.ModelInferRequest(model_name="mlp", outputs=[pb.ModelInferRequest.InferRequestedOutputTensor(
+        name="output")])
+    req.inputs.add(name="x", datatype="FP32", shape=[2, 512]).contents.fp32_contents.extend(x.reshape(-1).tolist())
+    resp = c.ModelInfer(req)
+    assert not resp.raw_output_contents
+    got = np.asarray(resp.outputs[0].contents.fp32_contents, dtype=np.float32).reshape(2, 512)
+    np.testing.assert_array_equal(got, _http(base, x))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("short-raw", r"holds 2044 bytes, shape \[1, 512\] of FP32 needs 2048"),
+    ("wrong-dtype", r"datatype 'INT64' received, expected 'FP32'"),
+    ("wrong-shape", r"dimension 1 is 511, expected 512"),
+    ("nan", "NaN"),
+    ("wrong-field", r"contents.fp32_contents, received int64_contents"),
+    ("raw-count", r"raw_input_contents has 2 entries for 1 inputs"),
+    ("unknown-output", r"requested outputs \['nope'\] are unknown"),
+    ("unknown-input", r"inputs received \['y'\], expected \['x'\]"),
+])
+def test_bad_request_is_invalid_argument(mlp, case, match):
+    srv, c, _ = mlp
+    x = np.zeros((1, 512), np.float32)
+    req = _raw_request(x)
+    if case == "short-raw":
+        req.raw_input_contents[0] = req.raw_input_contents[0][:-4]
+    elif case == "wrong-dtype":
+        req.inputs[0].datatype = "INT64"
+        req.raw_input_contents[0] = np.zeros((1, 512), "<i8").tobytes()
+    elif case == "wrong-shape":
+        req = _raw_request(np.zeros((1, 511), np.float32))
+    elif case == "nan":
+        x[0, 3] = np.nan
+        req = _raw_request(x)
+    elif case == "wrong-field":
+        req = pb.ModelInferRequest(model_name="mlp")
+        req.inputs.add(name="x", datatype="FP32", shape=[1, 512]).contents.int64_contents.extend([0] * 512)
+    elif case == "raw-count":
+        req.raw_input_contents.append(b"")
+    elif case == "unknown-output":
+        req.outputs.add(name="nope")
+    else:
+        req.inputs[0].name = "y"
+    with pytest.raises(grpc.RpcError) as e:
+        c.ModelInfer(req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert re.search(match, e.value.details()), e.value.details()
+    assert c.ModelInfer(_raw_request(np.zeros((1, 512), np.float32))).outputs[0].shape == [1, 512]  # it answers on
+
+
+def test_unknown_model_and_metrics_shared_with_http(mlp):
+    srv, c, base = mlp
+    with pytest.raises(grpc.RpcError) as e:
+        c.ModelInfer(pb.ModelInferRequest(model_name="other"))
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "serves ['mlp']" in e.value.details()
+    c.ModelInfer(_raw_request(np.ones((1, 512), np.float32)))
+    text = httpx.get(base + "/metrics", timeout=10).text
+    assert 'torchnitro_requests_total{code="200",model="mlp"}' in text
+
+
+def test_token_required_except_health():
+    with serving(auth_token="s3cret") as (srv, c, _):
+        assert c.ServerLive().live and c.ServerReady().ready
+        with pytest.raises(grpc.RpcError) as e:
+            c.ModelInfer(_raw_request(np.zeros((1, 512), np.float32)))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "Bearer" in e.value.details()
+        ok = Client(srv.grpc.port, metadata=(("authorization", "Bearer s3cret"),))
+        assert ok.ModelInfer(_raw_request(np.zeros((1, 512), np.float32))).outputs[0].name == "output"
+
+
+def test_bad_grpc_port_is_a_config_error():
+    with pytest.raises(ConfigError, match="grpc_port: received 70000"):
+        ServeConfig(grpc_port=70000)
+
+
+def test_tritonclient_grpc_defaults(mlp):
+    """Triton's client as users call it: raw inputs, all outputs, its own copy of the v2 messages."""
+    tc = pytest.importorskip("tritonclient.grpc")
+    srv, _, base = mlp
+    client = tc.InferenceServerClient(f"127.0.0.1:{srv.grpc.port}")
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("mlp")
+    meta = client.get_model_metadata("mlp")
+    assert meta.inputs[0].name == "x" and list(meta.inputs[0].shape) == [-1, 512]
+    x = np.random.default_rng(7).standard_normal((3, 512)).astype(np.float32)
+    inp = tc.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    result = client.infer("mlp", [inp])
+    np.testing.assert_array_equal(result.as_numpy("output"), _http(base, x))
+    bad = tc.InferInput("x", [1, 4], "FP32")
+    bad.set_data_from_numpy(np.zeros((1, 4), np.float32))
+    with pytest.raises(Exception, match="dimension 1 is 4, expected 512"):
+        client.infer("mlp", [bad])
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_cli_grpc_port_with_a_worker_process_then_sigterm(tmp_path):
+    """`torchnitro serve mlp --grpc-port N`: gRPC next to HTTP on a worker process; SIGTERM stops both."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    port, gport = _free_port(), _free_port()
+    env = {**os.environ, "TORCHNITRO_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "torchnitro", "serve", "mlp", "--workers", "1", "--threads", "1",
+                             "--port", str(port), "--grpc-port", str(gport)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        c, end = Client(gport), time.monotonic() + 90
+        while True:
+            try:
+                if c.ServerReady().ready:
+                    break
+            except grpc.RpcError:
+                pass
+            if proc.poll() is not None or time.monotonic() > end:
+                pytest.fail(f"server did not start: {proc.stdout.read().decode()[-2000:]}")
+            time.sleep(0.2)
+        x = np.full((2, 512), 0.25, np.float32)
+        got = np.frombuffer(c.ModelInfer(_raw_request(x)).raw_output_contents[0], "<f4").reshape(2, 512)
+        np.testing.assert_array_equal(got, _http(f"http://127.0.0.1:{port}", x))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
