@@ -35,6 +35,7 @@ def generate() -> Path:
                         "DESCRIPTOR = POOL.AddSerializedFile(")
     text = text.replace("# NO CHECKED-IN PROTOBUF GENCODE\n", "# Checked in on purpose; regenerate with "
                         "python -m torchnitro.serve.proto._generate\n")
+    text += "__all__ = ['DESCRIPTOR', 'POOL', *DESCRIPTOR.message_types_by_name]\n"
     out.write_text(text)
     return out
 

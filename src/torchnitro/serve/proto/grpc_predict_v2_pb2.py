@@ -82,3 +82,4 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GRPCINFERENCESERVICE']._serialized_start=2520
   _globals['_GRPCINFERENCESERVICE']._serialized_end=3028
 # @@protoc_insertion_point(module_scope)
+__all__ = ['DESCRIPTOR', 'POOL', *DESCRIPTOR.message_types_by_name]
