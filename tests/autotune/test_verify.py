@@ -100,7 +100,7 @@ def test_garbage_at_masked_positions_passes_and_a_changed_real_position_fails():
 
     res = judge(collect(garbage, sets), ref, {"rel": 1e-4}, masks=masks)
     n_real = int(sets[0][1].sum())
-    assert res.passed and f"{n_real} of 48 rows" in res.note and "compare_padding" in res.note
+    assert res.passed and f"{n_real} of 48 rows" in res.compared and "compare_padding" in res.compared
     assert not judge(collect(garbage, sets), ref, {"rel": 1e-4}).passed  # all positions (compare_padding=True)
 
     def one_real_changed(ids, mask):
@@ -143,7 +143,7 @@ def test_padding_masks_off_with_compare_padding_and_sentence_outputs_compared_wh
     masks = padding_masks(_hidden, sets)
     ref = _refs(lambda i, m: _hidden(i, m).sum(1), sets)  # (B, 8): one row per sentence, no positions to mask
     res = judge(collect(lambda i, m: _hidden(i, m).sum(1) * 1.01, sets), ref, {"rel": 1e-4}, masks=masks)
-    assert not res.passed and "real positions only" not in res.note
+    assert not res.passed and res.compared == ""
 
 
 # ---- classifiers: top-1 agreement ---------------------------------------------------------------
@@ -180,3 +180,17 @@ def test_embeddings_and_token_logits_are_not_gated_on_top1_by_default():
     assert class_logits("logits", torch.randn(2, 5, 50)) == (True, False)  # token-level: reported only
     assert class_logits("logits", torch.randn(2, 5, 50), classifier=True) == (True, True)
     assert class_logits("output", torch.randn(4, 1)) == (False, False)
+
+
+def test_feature_dict_input_carries_its_mask():
+    from torchnitro.autotune.verify import padding_masks
+
+    ids, mask = _token_sets()[0]
+
+    class Features(torch.nn.Module):  # sentence-transformers: forward(features) -> features + embeddings
+        def forward(self, features):
+            return {"token_embeddings": _hidden(features["input_ids"], features["attention_mask"])}
+
+    sets = [({"input_ids": ids, "attention_mask": mask},)]
+    masks = padding_masks(Features(), sets)
+    assert masks is not None and torch.equal(masks[0], mask)

@@ -184,7 +184,9 @@ class _Search:
         res.max_abs, res.max_rel, res.norm_rel, res.min_cosine, res.metric = (
             gate.max_abs, gate.max_rel, gate.norm_rel, gate.min_cosine, gate.metric)
         res.shape_ms, res.first_call_ms, res.notes = ev.shape_ms, ev.first_call_ms, ev.notes
-        res.notes = "; ".join(n for n in (res.notes, gate.note) if n)  # masked rows left out, top-1 agreement
+        res.notes = "; ".join(n for n in (res.notes, gate.note) if n)  # top-1 agreement of class logits
+        if gate.compared:
+            self.notes.add(gate.compared)  # masked rows left out: the same for every candidate
 
     def callable_for(self, r: Recipe) -> Callable[..., Any]:
         if r.name in self.fns:

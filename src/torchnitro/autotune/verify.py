@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -100,7 +100,8 @@ class GateResult:
     per_output: list[OutputError] = field(default_factory=list)
     top1: float | None = None  # worst top-1 agreement over class-logit outputs (None: none)
     top5: float | None = None
-    note: str = ""  # what was compared (masked positions left out, top-1 agreement)
+    note: str = ""  # this candidate's class-logit agreement (top-1, top-5)
+    compared: str = ""  # what the gate compared, the same for every candidate (masked positions left out)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -142,15 +143,26 @@ def mask_index(model: Any, inputs: tuple[Any, ...], named: int | str | None = No
     return None
 
 
+def _mask_in(x: Any) -> Tensor | None:
+    """``x`` itself when it is a tensor, its ``attention_mask`` when it is a feature dict."""
+    if isinstance(x, Tensor):
+        return x
+    m = x.get("attention_mask") if isinstance(x, Mapping) else None
+    return m if isinstance(m, Tensor) and m.dim() == 2 else None
+
+
 def padding_masks(model: Any, input_sets: Sequence[tuple[Any, ...]], named: int | str | None = None,
                   compare_padding: bool = False) -> list[Tensor | None] | None:
-    """The attention mask of each input set (for ``judge``), or None to compare every position."""
+    """The attention mask of each input set (for ``judge``), or None to compare every position.
+    A feature-dict input (sentence-transformers) carries its mask under ``attention_mask``."""
     if compare_padding or not input_sets:
         return None
     i = mask_index(model, input_sets[0], named)
     if i is None:
+        i = next((k for k, x in enumerate(input_sets[0]) if isinstance(x, Mapping) and _mask_in(x) is not None), None)
+    if i is None:
         return None
-    return [s[i].detach().cpu() if isinstance(s[i], Tensor) else None for s in input_sets]
+    return [m.detach().cpu() if (m := _mask_in(s[i])) is not None else None for s in input_sets]
 
 
 def gate_options(cfg: Any, model: Any, input_sets: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
@@ -303,7 +315,7 @@ def judge(
     logits = [e for e in outs if e.top1 is not None]
     worst.top1 = min((e.top1 for e in logits), default=None)
     worst.top5 = min((e.top5 for e in logits if e.top5 is not None), default=None)
-    worst.note = _gate_note(outs)
+    worst.compared, worst.note = _gate_notes(outs)
     reasons = []
     if metric_fn is not None:  # the user's metric replaces the class tolerance
         tolerance = {}
@@ -326,16 +338,14 @@ def judge(
     return worst
 
 
-def _gate_note(outs: Sequence[OutputError]) -> str:
-    """One line on what the gate compared beyond plain tensors: masked positions left out, top-1."""
-    parts = []
+def _gate_notes(outs: Sequence[OutputError]) -> tuple[str, str]:
+    """(which rows were compared: masked positions left out, the top-1/top-5 agreement) as one line each."""
     masked = [e for e in outs if e.rows < e.total_rows]
+    compared = ""
     if masked:
-        parts.append("gate compared real positions only: " + ", ".join(
+        compared = ("gate compared real positions only: " + ", ".join(
             f"{e.rows} of {e.total_rows} rows of {e.name!r}" for e in masked)
             + " (masked positions left out; compare_padding=True compares all)")
-    for e in outs:
-        if e.top1 is not None:
-            parts.append(f"{e.name!r} as class logits: top-1 agreement {e.top1:.4f}, top-5 {e.top5:.4f}"
-                         + ("" if e.gated_top1 else " (reported, not gated)"))
-    return "; ".join(parts)
+    top = [f"{e.name!r} as class logits: top-1 agreement {e.top1:.4f}, top-5 {e.top5:.4f}"
+           + ("" if e.gated_top1 else " (reported, not gated)") for e in outs if e.top1 is not None]
+    return compared, "; ".join(top)

@@ -112,6 +112,7 @@ class UnpaddedEncoder(nn.Module):
 
             raise RecipeError(f"UnpaddedEncoder: {why}")
         cfg = hf_model.config
+        self.config = cfg  # code around the encoder reads it (sentence-transformers, user wrappers)
         self.arch = SUPPORTED[cfg.model_type]
         emb = hf_model.embeddings
         self.word, self.pos, self.ln_emb = emb.word_embeddings, emb.position_embeddings, emb.LayerNorm
