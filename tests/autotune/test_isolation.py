@@ -156,6 +156,16 @@ def test_exported_program_is_prepared_once_and_shared(tmp_path, monkeypatch):
     torch.testing.assert_close(loaded(x), progs.model(x))
 
 
+def test_recipe_needing_the_model_object_runs_in_process_under_isolate_all(fast_cfg):
+    from fake_recipes import tiny_inputs, tiny_model
+
+    opt = torchnitro.optimize(tiny_model(), tiny_inputs(), fast_cfg(recipes=["dynamic-int8"], isolate_all=True,
+                                                                      min_speedup=0.0))
+    c = opt.report.get("dynamic-int8")
+    assert not c.isolated and c.status in (Status.CHOSEN, Status.VERIFIED), (c.status, c.reason)
+    assert any("isolated_input='model'" in n and "ran in this process" in n for n in opt.report.notes)
+
+
 class _Box:
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t

@@ -146,6 +146,7 @@ def _real_fraction(inputs: tuple[Any, ...]) -> str:
 @register_recipe
 class UnpaddedBertRecipe(Recipe):
     name = "bert-unpad"
+    isolated_input = "model"  # rewrites modules of the model tree: needs the model object itself
     numeric_class = NumericClass.EXACT
     description = "BERT-family encoders on real tokens only (padding removed), fused QKV GEMM"
     order = 15
@@ -164,6 +165,7 @@ class UnpaddedBertRecipe(Recipe):
 @register_recipe
 class UnpaddedBertInt8(Recipe):
     name = "bert-unpad-int8"
+    isolated_input = "model"  # rewrites modules of the model tree: needs the model object itself
     numeric_class = NumericClass.INT8
     description = "padding-free BERT + SmoothQuant dynamic int8 Linears, gate-sensitive layers kept fp32"
     order = 16
@@ -194,6 +196,7 @@ class UnpaddedBertInt8(Recipe):
 @register_recipe
 class UnpaddedBertBf16(Recipe):
     name = "bert-unpad-bf16"
+    isolated_input = "model"  # rewrites modules of the model tree: needs the model object itself
     numeric_class = NumericClass.REDUCED
     description = "padding-free BERT with bf16 weights and activations (AVX512-BF16/AMX GEMMs), fp32 outputs"
     order = 17

@@ -20,6 +20,7 @@ __all__ = ["FusedKernelsRecipe"]
 @register_recipe
 class FusedKernelsRecipe(Recipe):
     name = "fused-kernels"
+    isolated_input = "model"  # rewrites modules of the model tree: needs the model object itself
     numeric_class = NumericClass.EXACT
     description = "Triton RMSNorm/LayerNorm/GELU/SwiGLU/Linear+GELU/flash attention via kernels.patch_"
     gpu_only = True

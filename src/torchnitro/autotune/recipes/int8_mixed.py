@@ -353,6 +353,7 @@ def int8_target(ctx: BuildContext, margin: float = 0.004) -> float:
 @register_recipe
 class MixedInt8(Recipe):
     name = "int8-mixed"
+    isolated_input = "model"  # rewrites modules of the model tree: needs the model object itself
     numeric_class = NumericClass.INT8
     description = "dynamic int8 Linears (per-channel, VNNI) with the most gate-sensitive layers kept in fp32"
     order = 46

@@ -30,6 +30,7 @@ def quantize_linear_dynamic(model: nn.Module) -> nn.Module:
 @register_recipe
 class DynamicInt8(Recipe):
     name = "dynamic-int8"
+    isolated_input = "model"  # rewrites modules of the model tree: needs the model object itself
     numeric_class = NumericClass.INT8
     description = "torch.ao dynamic int8 quantisation of nn.Linear and HF Conv1D (CPU)"
     order = 45

@@ -75,6 +75,7 @@ class ChannelsLastInputs:
 
 class _Vision(Recipe):
     numeric_class = NumericClass.EXACT
+    isolated_input = "model"  # rewrites modules of the model tree: needs the model object itself
     fold: ClassVar[bool] = False
     channels_last: ClassVar[bool] = False
 
