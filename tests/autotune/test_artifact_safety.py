@@ -188,3 +188,24 @@ def test_cli_serve_refuses_without_the_flag(saved, tmp_path, capsys):
     rc = main(["serve", str(d), "--workers", "0", "--device", "cpu", "--port", "1"])
     err = capsys.readouterr().err
     assert rc == 2 and "--trust-code" in err and "Traceback" not in err, err
+
+
+def test_trust_code_reaches_worker_processes(saved):
+    """ServeConfig.trust_code travels to the spawned worker that loads the artifact itself."""
+    import asyncio
+
+    from torchnitro.serve.protocol import InferItem
+    from torchnitro.serve.server import ServeConfig, make_pool
+
+    opt, path = saved["torchscript"]
+    x = torch.randn(2, 512)
+
+    async def go():
+        pool = make_pool(str(path), "ts", ServeConfig(workers=1, threads=1, device="cpu", trust_code=True))
+        await pool.start()
+        try:
+            return await pool.run([InferItem([x], 2, None)])
+        finally:
+            await pool.close()
+
+    torch.testing.assert_close(asyncio.run(go())[0][0], opt(x), rtol=0, atol=0)
