@@ -92,7 +92,11 @@ def _static_shapes(ov_model: Any, inputs: tuple[Tensor, ...], dynamic_dims: dict
     for i, (port, x) in enumerate(zip(ov_model.inputs, inputs)):
         dims = [-1 if d in dynamic_dims.get(i, []) else int(n) for d, n in enumerate(x.shape)]
         shapes[port] = ov.PartialShape(dims)
-    ov_model.reshape(shapes)
+    try:
+        ov_model.reshape(shapes)
+    except Exception as exc:  # noqa: BLE001 - one clean line naming the shapes asked for
+        raise RecipeError(f"OpenVINO could not reshape the inputs to {[str(v) for v in shapes.values()]} "
+                          f"(-1: dynamic): {_first_line(exc)}") from exc
 
 
 def _first_line(exc: BaseException) -> str:
