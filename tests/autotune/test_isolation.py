@@ -55,7 +55,7 @@ def test_script_without_main_guard_is_never_rerun(tmp_path):
         "        self.lin = torch.nn.Linear(8, 4)\n"
         "    def forward(self, x):\n"
         "        return torch.relu(self.lin(x))\n"
-        "cfg = fast_config(Path(__file__).parent, recipes=['onnxruntime'], min_speedup=0.0)\n"
+        "cfg = fast_config(Path(__file__).parent, recipes=['onnxruntime'], finalists=0)\n"
         "opt = torchnitro.optimize(MyNet().eval(), (torch.randn(4, 8),), cfg)\n"
         "c = opt.report.get('onnxruntime')\n"
         "print('RESULT', c.status, c.isolated, c.reason)\n")
@@ -81,7 +81,7 @@ class _WithLambda(nn.Module):
 def test_unpicklable_model_runs_isolated(fast_cfg):
     torch.manual_seed(0)
     model = _WithLambda().eval()
-    opt = torchnitro.optimize(model, (torch.randn(4, 8),), fast_cfg(recipes=["onnxruntime"], min_speedup=0.0))
+    opt = torchnitro.optimize(model, (torch.randn(4, 8),), fast_cfg(recipes=["onnxruntime"], finalists=0))
     _ort_ran(opt)
 
 
@@ -97,7 +97,7 @@ def test_notebook_model_runs_isolated(fast_cfg):
          "        return self.lin(x).sigmoid()\n", ns)
     model = ns["NotebookNet"]().eval()
     assert type(model).__module__ == "__main__"
-    opt = torchnitro.optimize(model, (torch.randn(4, 8),), fast_cfg(recipes=["onnxruntime"], min_speedup=0.0))
+    opt = torchnitro.optimize(model, (torch.randn(4, 8),), fast_cfg(recipes=["onnxruntime"], finalists=0))
     _ort_ran(opt)
 
 
