@@ -74,3 +74,17 @@ def test_random_like_keeps_ranges_and_signature():
     sig = signature_of(torch.nn.Linear(3, 2), (x,), [("output", torch.zeros(4, 2))], {0: [0]}, [[("output", torch.zeros(2, 2))]])
     assert sig == {"inputs": [{"name": "input", "dtype": "float32", "shape": [-1, 3]}],
                    "outputs": [{"name": "output", "dtype": "float32", "shape": [-1, 2]}]}
+
+
+def test_random_like_keeps_attention_masks_right_padded_and_fills_feature_dicts():
+    lens = torch.tensor([3, 8, 1, 5])
+    mask = (torch.arange(8)[None] < lens[:, None]).long()  # (B, T) right padding
+    ids = torch.randint(1, 50, (4, 8)) * mask
+    new_ids, new_mask = random_like((ids, mask), seed=3)
+    assert new_mask.dtype == mask.dtype and bool((new_mask[:, 0] == 1).all())  # every sentence has a first token
+    assert bool((new_mask[:, 1:] <= new_mask[:, :-1]).all()) and not torch.equal(new_mask, mask)
+    (feats,) = random_like(({"input_ids": ids, "attention_mask": mask, "modality": "text"},), seed=3)
+    assert feats["modality"] == "text" and torch.equal(feats["attention_mask"], new_mask)
+    assert not torch.equal(feats["input_ids"], ids)
+    zeros = torch.zeros(4, 8, dtype=torch.long)  # token_type_ids of single sentences: not a mask
+    assert torch.equal(random_like((zeros,), seed=3)[0], zeros)

@@ -210,22 +210,38 @@ def rebuild_model(spec: str, extra: dict[str, Any] | None = None) -> nn.Module:
 
 def random_like(inputs: tuple[Any, ...], seed: int) -> tuple[Any, ...]:
     """Fresh inputs of the same shapes/dtypes: floats with the example's mean/std, integers within
-    the example's range. Used for held-out inputs when no input generator is known."""
+    the example's range; tensors inside a feature dict too. Used for held-out inputs when no input
+    generator is known."""
     g = torch.Generator().manual_seed(seed)
-    out: list[Any] = []
-    for t in inputs:
-        if not isinstance(t, Tensor):
-            out.append(t)
-        elif t.dtype == torch.bool or t.numel() == 0:
-            out.append(t.clone())
-        elif t.dtype.is_floating_point:
-            x = t.float()
-            std = float(x.std()) if x.numel() > 1 else 1.0
-            out.append((torch.randn(t.shape, generator=g) * (std or 1.0) + float(x.mean())).to(t.dtype))
-        else:
-            lo, hi = int(t.min()), int(t.max())
-            out.append(torch.randint(lo, hi + 1, t.shape, generator=g).to(t.dtype))
-    return tuple(out)
+    return tuple(_random_one(t, g) for t in inputs)
+
+
+def _random_one(t: Any, g: torch.Generator) -> Any:
+    if isinstance(t, Mapping):  # a feature dict (sentence-transformers): its tensors, keys kept
+        return {k: _random_one(v, g) for k, v in t.items()}
+    if not isinstance(t, Tensor):
+        return t
+    if t.dtype == torch.bool or t.numel() == 0:
+        return t.clone()
+    if t.dtype.is_floating_point:
+        x = t.float()
+        std = float(x.std()) if x.numel() > 1 else 1.0
+        return (torch.randn(t.shape, generator=g) * (std or 1.0) + float(x.mean())).to(t.dtype)
+    if _is_prefix_mask(t):  # an attention mask: new sentence lengths, still right-padded
+        lens = torch.randint(1, t.shape[1] + 1, (t.shape[0],), generator=g)  # (B,)
+        return (torch.arange(t.shape[1])[None] < lens[:, None]).to(t.dtype)  # (B, T)
+    lo, hi = int(t.min()), int(t.max())
+    return torch.randint(lo, hi + 1, t.shape, generator=g).to(t.dtype)
+
+
+def _is_prefix_mask(t: Tensor) -> bool:
+    """A (B, T) 0/1 integer tensor whose rows are ones then zeros: a right-padded attention mask
+    (token_type_ids of single sentences are all zeros and stay as they are)."""
+    if t.dim() != 2 or t.dtype.is_floating_point or t.shape[1] < 2 or not bool(((t == 0) | (t == 1)).all()):
+        return False
+    if not bool((t[:, 0] == 1).all()):
+        return False
+    return bool((t[:, 1:] <= t[:, :-1]).all())
 
 
 def forward_params(model: Any) -> list[inspect.Parameter]:
