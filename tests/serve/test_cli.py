@@ -130,6 +130,7 @@ def test_serve_rejects_bad_flags():
 
     assert main(["serve", "torchnitro.serve.testing:affine", "--buckets", "a,b"]) == 2
     assert main(["serve", "no_such_module_xyz:f", "--workers", "0"]) == 2
+    assert main(["serve", "torchnitro.serve.testing:affine", "--workers", "0", "--token", ""]) == 2  # no open door
 
 
 def test_loadtest_command_writes_results(tmp_results):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import socket
 import time
 
 import pytest
@@ -13,6 +14,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
+from torchnitro.errors import ConfigError  # noqa: E402
 from torchnitro.serve.batcher import BatchingConfig  # noqa: E402
 from torchnitro.serve.loadtest import HttpClient  # noqa: E402
 from torchnitro.serve.server import InferenceServer, ModelEndpoint, ServeConfig, make_pool  # noqa: E402
@@ -285,3 +287,61 @@ def test_token_model_limits_are_400s_before_batching():
         assert "dimension 1 (length) is 513, this model takes at most 512" in errors[2]
         assert "received shape [1, 0] with an empty dimension" in errors[3]
         assert "received 1.5 for INT64, expected whole numbers" in errors[4]
+
+
+def _raw(port: int, data: bytes) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=20)  # generous bound: the server closes first
+    s.sendall(data)
+    return s
+
+
+def _read_all(s: socket.socket) -> bytes:
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
+
+
+_HEAD = b"POST /v2/models/affine/infer HTTP/1.1\r\nHost: x\r\n"  # a request head that never finishes
+
+
+def test_connection_limit_answers_503_beyond_it():
+    with serving("torchnitro.serve.testing:affine", "affine", max_connections=4) as (srv, base):
+        slow = [_raw(srv.port, _HEAD) for _ in range(2)]
+        good = httpx.post(base + "/v2/models/affine/infer", json=req(1), timeout=10)
+        assert good.status_code == 200  # 2 slow connections + this one: under the limit of 4
+        slow += [_raw(srv.port, _HEAD) for _ in range(2)]
+        over = httpx.post(base + "/v2/models/affine/infer", json=req(2), timeout=10)
+        assert over.status_code == 503  # the limit counts every open connection, slow ones too
+        for s in slow:
+            s.close()
+        end = time.monotonic() + 20
+        while (r := httpx.post(base + "/v2/models/affine/infer", json=req(3), timeout=10)).status_code == 503:
+            assert time.monotonic() < end, "closed connections were never released"
+            time.sleep(0.05)
+        assert r.status_code == 200
+
+
+def test_slow_request_heads_are_closed_and_slow_bodies_get_408():
+    with serving("torchnitro.serve.testing:affine", "affine", header_timeout_s=0.3, body_timeout_s=0.3) as (srv, base):
+        slow = [_raw(srv.port, _HEAD) for _ in range(3)]
+        for s in slow:
+            assert _read_all(s) == b""  # closed by the server without an answer
+            s.close()
+        body = json.dumps(req(3)).encode()
+        trickle = _raw(srv.port, b"POST /v2/models/affine/infer HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                       b"application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body[:10])
+        answer = _read_all(trickle)
+        trickle.close()
+        assert answer.startswith(b"HTTP/1.1 408") and b"did not arrive within 0.3 s" in answer
+        with httpx.Client(base_url=base, timeout=10) as c:  # keep-alive: a second request on the same connection
+            for i in (4, 5):
+                good = c.post("/v2/models/affine/infer", json=req(i))
+                assert good.status_code == 200 and good.json()["outputs"][0]["data"] == expect(i)
+
+
+def test_empty_token_is_refused_loudly():
+    with pytest.raises(ConfigError, match="empty token, which would let every client in"):
+        ServeConfig(auth_token="")
+    with pytest.raises(ConfigError, match="empty token"):
+        ServeConfig(auth_token="  ")

@@ -4,8 +4,8 @@
 ``Request``/``Response`` objects, no middleware stack. Each request costs one body read, one JSON
 parse into numpy-backed tensors, one enqueue into the batcher, one wait and one JSON write (orjson
 writes numpy arrays directly). Status codes and messages are the same as the Starlette routes':
-400 bad input, 401 token, 404 unknown model, 413 body too large, 429 queue full (``Retry-After``),
-499 client gone, 500 model failure, 503 draining, 504 deadline.
+400 bad input, 401 token, 404 unknown model, 408 body too slow, 413 body too large, 429 queue full
+(``Retry-After``), 499 client gone, 500 model failure, 503 draining, 504 deadline.
 
 A client that disconnects while its request waits has the request withdrawn from the batcher (it
 is never computed if still queued): a small watcher awaits the ASGI ``http.disconnect`` message.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sys
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -35,6 +36,14 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _PREFIX, _SUFFIX = "/v2/models/", "/infer"
 _JSON = (b"content-type", b"application/json")
 _WATCH_AFTER_S = 0.01  # how long a request waits before its client's disconnect is watched for
+
+
+async def _within(seconds: float, coro: Awaitable[Any]) -> Any:
+    """``await coro`` or raise ``asyncio.TimeoutError``; ``asyncio.timeout`` (3.11+) needs no task."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await coro
+    return await asyncio.wait_for(coro, seconds)  # pragma: no cover - Python 3.10
 
 
 def _err(msg: str, status: int, headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, bytes, list]:
@@ -58,6 +67,7 @@ class InferPath:
         cfg = server.config
         self._token = f"Bearer {cfg.auth_token}".encode() if cfg.auth_token else None
         self._limit = cfg.max_body_bytes
+        self._body_timeout = cfg.body_timeout_s
         self._retry = [(b"retry-after", str(cfg.retry_after_s).encode())]
         self._counters: dict[tuple[str, int], Any] = {}  # (model, status) -> prometheus child
         self._latency: dict[str, Any] = {}
@@ -110,6 +120,13 @@ class InferPath:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return _err(f"request body is {declared.decode()} bytes, the limit is {limit}; split the batch "
                         "or raise --max-body-bytes", 413)
+        try:  # one timer for the whole body: a client trickling bytes cannot hold the connection
+            return await _within(self._body_timeout, self._read_chunks(receive, limit))
+        except asyncio.TimeoutError:
+            return _err(f"the request body did not arrive within {self._body_timeout:g} s; send it at once "
+                        "(the limit is ServeConfig.body_timeout_s)", 408)
+
+    async def _read_chunks(self, receive: Receive, limit: int) -> bytes | tuple[int, bytes, list]:
         chunks, size = [], 0
         while True:
             msg = await receive()

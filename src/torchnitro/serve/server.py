@@ -33,6 +33,7 @@ from starlette.routing import Route
 import torchnitro
 from torchnitro.errors import ConfigError, ServeError
 from torchnitro.serve.batcher import BatchingConfig, DynamicBatcher
+from torchnitro.serve.connections import default_max_connections, header_timeout_protocol
 from torchnitro.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from torchnitro.serve.fastpath import InferPath
 
@@ -52,6 +53,12 @@ class ServeConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: how long accepted requests may take to finish
     retry_after_s: int = 1  # Retry-After header on 429
     log_level: str = "warning"  # uvicorn's log level
+    header_timeout_s: float = 10.0  # a request head must arrive within this, or the connection closes
+    body_timeout_s: float = 30.0  # longest wait for the next chunk of a request body (then 408)
+    keep_alive_s: float = 5.0  # idle keep-alive connections close after this
+    max_connections: int | None = None  # beyond it, 503; None: the open-file limit less a reserve
+    max_header_bytes: int = 16 * 2**10  # request line + headers larger than this are refused
+    worker_timeout_s: float | None = 120.0  # a worker holding one batch longer is killed and replaced
     trust_code: bool = False  # artifact dirs may run code (.py factory, TorchScript): only from trusted sources
     grpc_port: int | None = None  # also serve KServe v2 gRPC (serve/grpc_server.py) here; 0 = any free port
 
@@ -65,6 +72,18 @@ class ServeConfig:
         if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
             raise ConfigError(f"ServeConfig.grpc_port: received {self.grpc_port}, expected a port in 0..65535 "
                               "(0 = any free port) or None for no gRPC")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise ConfigError("ServeConfig.auth_token: received an empty token, which would let every client "
+                              "in; set a real token, or leave it unset (no --token, no TORCHNITRO_TOKEN) "
+                              "to serve without authentication")
+        for name in ("header_timeout_s", "body_timeout_s", "keep_alive_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"ServeConfig.{name}: received {getattr(self, name)}, expected seconds > 0")
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ConfigError(f"ServeConfig.max_connections: received {self.max_connections}, expected >= 1")
+        if self.worker_timeout_s is not None and self.worker_timeout_s <= 0:
+            raise ConfigError(f"ServeConfig.worker_timeout_s: received {self.worker_timeout_s}, expected "
+                              "seconds > 0, or None for no watchdog")
 
 
 def make_pool(spec: Any, name: str, config: ServeConfig, on_restart: Any = None) -> Any:
@@ -190,9 +209,12 @@ class InferenceServer:
             server.should_exit = True
 
     def _server(self) -> _Uvicorn:
-        cfg = uvicorn.Config(self.app, host=self.config.host, port=self.config.port, log_level=self.config.log_level,
-                             lifespan="on", access_log=False,
-                             proxy_headers=False, server_header=False, timeout_graceful_shutdown=self.config.drain_timeout_s)
+        c = self.config
+        cfg = uvicorn.Config(self.app, host=c.host, port=c.port, log_level=c.log_level, lifespan="on",
+                             access_log=False, proxy_headers=False, server_header=False,
+                             timeout_graceful_shutdown=c.drain_timeout_s, http=header_timeout_protocol(c.header_timeout_s),
+                             timeout_keep_alive=c.keep_alive_s, h11_max_incomplete_event_size=c.max_header_bytes,
+                             limit_concurrency=c.max_connections or default_max_connections())
         self._uvicorn = _Uvicorn(cfg, self)
         return self._uvicorn
 

@@ -1,0 +1,69 @@
+"""Connection limits for slow or idle clients, on top of uvicorn's HTTP protocol.
+
+uvicorn closes idle keep-alive connections (``timeout_keep_alive``) and answers 503 past
+``limit_concurrency``, but a client that opens a connection and sends its request head slowly, or
+never, holds a descriptor forever: a few hundred such clients starve good ones under a low
+open-file limit. ``header_timeout_protocol`` closes a connection whose next request head has not
+arrived within ``header_timeout_s`` of the connection opening or of the previous response ending.
+Bodies have their own per-chunk timeout in the infer route (``fastpath``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+from typing import Any
+
+__all__ = ["header_timeout_protocol", "default_max_connections"]
+
+_FD_RESERVE = 64  # descriptors kept for worker pipes, shared memory, logs and the listener
+
+
+def default_max_connections() -> int:
+    """Connections before 503s: the soft open-file limit less a reserve (never below 16)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 4096
+    return max(16, soft - _FD_RESERVE)
+
+
+def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol class (httptools or h11, as ``http="auto"`` picks) with a timer that
+    closes a connection whose request head is late."""
+    from uvicorn.config import HTTP_PROTOCOLS
+    from uvicorn.importer import import_from_string
+
+    base: Any = import_from_string(HTTP_PROTOCOLS["auto"])
+
+    class HeaderTimeoutProtocol(base):  # type: ignore[misc, valid-type]
+        _head_timer: asyncio.TimerHandle | None = None
+
+        def _arm(self) -> None:
+            self._disarm()
+            # a new request replaces self.cycle: if it is still the same one when the timer
+            # fires, no request head arrived in time
+            self._head_timer = self.loop.call_later(header_timeout_s, self._head_late, self.cycle)
+
+        def _disarm(self) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+        def _head_late(self, cycle: Any) -> None:
+            self._head_timer = None
+            if self.cycle is cycle and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            self._arm()  # before super(): a pipelined request it starts replaces the cycle
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol
