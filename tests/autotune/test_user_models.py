@@ -195,6 +195,7 @@ def test_optimize_applies_bert_unpad_and_verifies_on_real_positions(fast_cfg, he
         torch.testing.assert_close(out.pooler_output, ref.pooler_output, rtol=1e-4, atol=1e-5)
     else:
         assert not any("real positions only" in n for n in om.report.notes)  # (B, D) sentences: compared whole
+        assert om._fn.bert.fallback_calls == 0  # the gate ran the padding-free path, not the original module
 
 
 def test_dict_inputs_map_to_forward_arguments_and_bad_keys_are_named():

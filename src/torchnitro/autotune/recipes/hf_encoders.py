@@ -133,6 +133,7 @@ class UnpaddedEncoder(nn.Module):
         # (int8 planning and state_dict see only the packed layers)
         object.__setattr__(self, "_eager", hf_model)
         self._sig = inspect.signature(type(hf_model).forward)
+        self.fallback_calls = 0  # calls handed to the original module (see _mirrored)
 
     def _mirrored(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
         """The bound call when the fast path mirrors it, else None."""
@@ -159,6 +160,7 @@ class UnpaddedEncoder(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         bound = self._mirrored(args, kwargs)
         if bound is None:
+            self.fallback_calls += 1
             return self._eager(*args, **kwargs)
         ids = bound["input_ids"]  # (B, T)
         b, t = ids.shape
