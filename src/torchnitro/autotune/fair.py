@@ -21,7 +21,8 @@ from torchnitro.autotune.recipe import Recipe
 from torchnitro.bench.isolated import ChildTimer
 from torchnitro.bench.timing import Timing
 
-__all__ = ["runs_alone", "start_alone", "load_standalone", "EagerCheck", "check_eager", "SETTLE_S", "MIN_BAND", "MAX_BAND"]
+__all__ = ["runs_alone", "start_alone", "load_standalone", "EagerCheck", "check_eager", "SETTLE_S", "MIN_BAND",
+           "MAX_BAND"]
 
 SETTLE_S = 2.0  # pause before redoing a comparison whose eager drifted (let a burst of other load pass)
 MIN_BAND = 0.05  # eager inside the comparison may differ from eager alone by this much, or 2 x its cv

@@ -301,7 +301,8 @@ def _local(s: _Search, c: CandidateResult) -> Callable[[], Any] | None:
     return lambda: [fn(*x) for x in sets]
 
 
-def _callables(s: _Search, cands: list[CandidateResult], timers: dict[str, ChildTimer]) -> dict[str, Callable[..., Any]]:
+def _callables(s: _Search, cands: list[CandidateResult],
+               timers: dict[str, ChildTimer]) -> dict[str, Callable[..., Any]]:
     """What the comparison times, in ``cands`` order: a closure per in-process candidate, and a ready
     ``ChildTimer`` (also put in ``timers``, for the caller to close) per candidate that runs alone."""
     from torchnitro.autotune.recipe import get_recipe

@@ -29,7 +29,8 @@ def _loaded_allocators() -> list[str]:
 def timing_environment() -> dict[str, str]:
     """Allocator, allocator/thread environment variables and torch's thread counts of this process."""
     libc, ver = platform.libc_ver()
-    env = {"allocator": ", ".join(_loaded_allocators()) or (f"{libc} {ver} malloc".strip() if libc else "system malloc")}
+    default = f"{libc} {ver} malloc".strip() if libc else "system malloc"
+    env = {"allocator": ", ".join(_loaded_allocators()) or default}
     env.update({k: v for k, v in sorted(os.environ.items()) if k.startswith(_PREFIXES)})
     if os.environ.get("LD_PRELOAD"):
         env["LD_PRELOAD"] = os.environ["LD_PRELOAD"]
