@@ -345,3 +345,14 @@ def test_empty_token_is_refused_loudly():
         ServeConfig(auth_token="")
     with pytest.raises(ConfigError, match="empty token"):
         ServeConfig(auth_token="  ")
+
+
+def test_readiness_follows_the_pool():
+    with serving("torchnitro.serve.testing:affine", "affine") as (srv, base):
+        pool = srv.models["affine"].pool
+        assert httpx.get(base + "/v2/health/ready", timeout=10).status_code == 200
+        pool.ready = False  # what a ProcessPool reports while every worker is being replaced
+        assert httpx.get(base + "/v2/health/ready", timeout=10).status_code == 503
+        assert httpx.get(base + "/v2/models/affine/ready", timeout=10).json() == {"name": "affine", "ready": False}
+        pool.ready = True
+        assert httpx.get(base + "/v2/models/affine/ready", timeout=10).status_code == 200

@@ -141,3 +141,30 @@ def test_make_pool_device_choice():
         with pytest.raises(BackendUnavailableError, match="CUDA"):
             make_pool("mlp", "mlp", ServeConfig(device="cuda"))
         assert isinstance(make_pool("mlp", "mlp", ServeConfig(device="auto", workers=2)), ProcessPool)
+
+
+def test_watchdog_replaces_a_stopped_worker_and_fails_only_its_batch():
+    import os
+    import signal
+
+    from torchnitro.errors import WorkerError
+
+    item = InferItem([torch.ones(1, 4)], 1, None)
+
+    async def main():
+        pool = ProcessPool("torchnitro.serve.testing:affine", "affine", workers=1, threads=1, batch_timeout_s=1.0)
+        await pool.start()
+        try:
+            assert pool.ready
+            (pid,) = pool.pids
+            os.kill(pid, signal.SIGSTOP)  # holds the next batch forever
+            with pytest.raises(WorkerError, match=r"held this batch of 1 request\(s\) for more than 1 s"):
+                await pool.run([item])
+            assert not pool.ready and pool.restarts <= 1  # its only worker is being replaced
+            out = await pool.run([item])  # waits for the replacement, which answers
+            assert pool.ready and pool.restarts == 1 and pool.pids != [pid]
+            torch.testing.assert_close(out[0][0], torch.full((1, 4), 3.0))
+        finally:
+            await pool.close()
+
+    asyncio.run(asyncio.wait_for(main(), 120))

@@ -106,7 +106,7 @@ def make_pool(spec: Any, name: str, config: ServeConfig, on_restart: Any = None)
     if config.workers == 0 or not isinstance(spec, str):
         return InlinePool(resolve_model(spec, name, trust_code=config.trust_code), replicas=max(1, config.workers))
     return ProcessPool(spec, name, config.workers, threads=config.threads, on_restart=on_restart,
-                       trust_code=config.trust_code)
+                       trust_code=config.trust_code, batch_timeout_s=config.worker_timeout_s)
 
 
 class ModelEndpoint:
@@ -130,6 +130,11 @@ class ModelEndpoint:
     @property
     def signature(self) -> Any:
         return self.pool.signature
+
+    @property
+    def serving(self) -> bool:
+        """Loaded, and at least one replica is up (not all being replaced after a crash or hang)."""
+        return self.ready and self.pool.ready
 
 
 def _json(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -270,7 +275,7 @@ class InferenceServer:
         return _json({"live": True})
 
     async def ready(self, request: Request) -> Response:
-        ok = not self.draining and all(e.ready for e in self.models.values())
+        ok = not self.draining and all(e.serving for e in self.models.values())
         return _json({"ready": ok}, 200 if ok else 503)
 
     def _endpoint(self, request: Request) -> ModelEndpoint | Response:
@@ -291,7 +296,7 @@ class InferenceServer:
         ep = self._auth(request) or self._endpoint(request)
         if isinstance(ep, Response):
             return ep
-        ok = ep.ready and not self.draining
+        ok = ep.serving and not self.draining
         return _json({"name": ep.name, "ready": ok}, 200 if ok else 503)
 
     async def prom(self, request: Request) -> Response:

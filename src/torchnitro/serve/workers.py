@@ -2,13 +2,16 @@
 
 Every pool exposes ``size`` (batches it can run at once; the batcher runs that many consumers on
 one shared queue, so the next batch goes to whichever replica is free), ``async run(items)`` (one
-batch: assemble into reused buffers, compute, split per request) and ``restarts``.
+batch: assemble into reused buffers, compute, split per request), ``restarts`` and ``ready``.
 
 ``ProcessPool``: N spawned processes, each loading the model from its spec string with
 ``cpu_count // N`` torch threads. Batch inputs are written by the parent straight into a per-worker
 shared-memory arena (reused for every batch; only a small layout message crosses the pipe).
 A worker that dies is noticed by EOF on its pipe: the batch it held fails with ``WorkerError``
-(HTTP 500, never silence) and a replacement is spawned; the other workers keep serving.
+(HTTP 500, never silence; the batcher then retries its requests in halves) and a replacement is
+spawned; the other workers keep serving. A watchdog does the same to a worker that holds one batch
+longer than ``batch_timeout_s`` (stopped with SIGSTOP, deadlocked, swapping): it is killed and
+replaced. ``ready`` is False while no worker is up (all being replaced).
 
 ``InlinePool``: the model runs in the server process on a thread per replica (torch releases the
 GIL in its kernels); used for callables that cannot be pickled and for one-process setups.
@@ -86,6 +89,7 @@ class InlinePool:
         self.signature: ModelSignature = model.signature
         self.size = replicas
         self.restarts = 0
+        self.ready = True  # threads in this process: nothing to replace
         self._free: asyncio.Queue[list[Tensor]] | None = None
 
     async def start(self) -> None:
@@ -152,14 +156,17 @@ class ProcessPool:
 
     def __init__(self, spec: str, name: str | None = None, workers: int = 2, *, threads: int | None = None,
                  arena_mb: float = 16.0, start_timeout_s: float = 120.0,
-                 on_restart: Callable[[int], None] | None = None, trust_code: bool = False):
+                 on_restart: Callable[[int], None] | None = None, trust_code: bool = False,
+                 batch_timeout_s: float | None = 120.0):
         if workers < 1:
             raise ConfigError(f"workers: received {workers}, expected >= 1 (0 means in-process; use InlinePool)")
         self.spec, self.name, self.size = spec, name or str(spec), workers
         self.threads = threads or threads_per_worker(workers)
         self.arena_bytes = int(arena_mb * 2**20)
         self.start_timeout_s = start_timeout_s
+        self.batch_timeout_s = batch_timeout_s  # watchdog: a worker holding a batch longer is replaced
         self.on_restart = on_restart
+        self._replacing: set[int] = set()  # worker indices being restarted
         self.trust_code = trust_code  # artifact specs: let them run code (torchnitro.load(trust_code=True))
         self.restarts = 0
         self.signature: ModelSignature | None = None
@@ -181,6 +188,7 @@ class ProcessPool:
         return _Proc(idx, p, parent, arena)
 
     async def _recv(self, proc: _Proc, timeout: float | None = None) -> Any:
+        """The next message from ``proc``; ``asyncio.TimeoutError`` after ``timeout`` seconds."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         fd = proc.conn.fileno()
@@ -195,11 +203,18 @@ class ProcessPool:
             except BaseException as exc:  # noqa: BLE001 - EOF means the process died
                 fut.set_exception(exc)
 
+        def late() -> None:
+            if not fut.done():
+                fut.set_exception(asyncio.TimeoutError())
+
         loop.add_reader(fd, readable)
+        timer = None if timeout is None else loop.call_later(timeout, late)  # no task per batch
         try:
-            return await asyncio.wait_for(fut, timeout) if timeout else await fut
+            return await fut
         finally:
             loop.remove_reader(fd)
+            if timer is not None:
+                timer.cancel()
 
     async def _wait_ready(self, proc: _Proc) -> None:
         try:
@@ -225,9 +240,15 @@ class ProcessPool:
         for p in procs:
             self._free.put_nowait(p.idx)
 
+    @property
+    def ready(self) -> bool:
+        """At least one worker is up (not being replaced)."""
+        return len(self._replacing) < self.size
+
     def _schedule_restart(self, idx: int) -> None:
         if self._closing:
             return
+        self._replacing.add(idx)
         t = asyncio.get_running_loop().create_task(self._restart(idx))
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
@@ -247,6 +268,7 @@ class ProcessPool:
             except WorkerError:
                 await asyncio.sleep(1.0)  # keep trying; the other workers serve meanwhile
                 continue
+            self._replacing.discard(idx)
             self._free_queue().put_nowait(idx)
             return
 
@@ -302,9 +324,16 @@ class ProcessPool:
             try:
                 proc.conn.send(("batch", bid, layout if views is not None else None, inline))
                 while True:
-                    reply = await self._recv(proc)
+                    reply = await self._recv(proc, self.batch_timeout_s)
                     if reply[1] == bid:
                         break
+            except asyncio.TimeoutError:
+                healthy = False
+                proc.process.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
+                raise WorkerError(
+                    f"worker {proc.idx} (pid {proc.process.pid}) held this batch of {len(items)} request(s) "
+                    f"for more than {self.batch_timeout_s:g} s (stopped or hung); it was killed and is being "
+                    "replaced, retry the request (ServeConfig.worker_timeout_s sets the limit)") from None
             except (EOFError, OSError):
                 healthy = False
                 await asyncio.get_running_loop().run_in_executor(None, proc.process.join, 2)
@@ -353,6 +382,7 @@ class DevicePool:
         devs = list(devices) if devices is not None else list(range(torch.cuda.device_count()))
         self.signature = model.signature
         self.restarts = 0
+        self.ready = True
         self._replicas: list[tuple[torch.device, torch.cuda.Stream, Callable[..., Any]]] = []
         for d in devs:
             dev = torch.device("cuda", d)
