@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from torchnitro.autotune.evaluate import CandidateTimeout, time_limit
-from torchnitro.autotune.failure import Failure
+from torchnitro.autotune.failure import Failure, clean_line
 from torchnitro.autotune.recipe import Program, Recipe
 from torchnitro.errors import RecipeError
 
@@ -34,8 +34,6 @@ ISOLATED_INPUTS = ("exported", "onnx", "model")  # the values of Recipe.isolated
 
 
 def _first_line(exc: BaseException) -> str:
-    from torchnitro.autotune.failure import clean_line
-
     return clean_line(f"{type(exc).__name__}: {exc}", limit=100)  # two of them fit one reason
 
 
