@@ -36,7 +36,8 @@ from torchnitro.errors import RecipeError
 
 __all__ = ["ChildTimer", "shared_process", "process_is_shared", "save_inputs", "SETTLE_S"]
 
-SETTLE_S = 0.02  # pause on each switch between processes: ORT's pool stops spinning within a few ms
+SETTLE_S = 0.02  # pause on each switch between processes, for the side that just ran to park its threads
+# (ORT's and OpenMP's spin-waits last well under this); not yet calibrated on a quiet machine
 _STARTUP_S = 180.0  # interpreter + torch import + loading the artifact on a busy 2-core machine
 _SHARED = [0]  # depth of nested shared_process() blocks in this process
 
