@@ -6,6 +6,7 @@ import pytest
 
 from torchnitro.serve.adaptive import AdaptivePolicy, LatencyCurve
 from torchnitro.serve.batcher import BatchingConfig, DynamicBatcher
+from torchnitro.serve.testing import run_virtual
 
 
 @pytest.mark.parametrize("a,b", [(0.004, 0.001), (0.010, 0.0002)])
@@ -43,7 +44,10 @@ def test_policy_uses_config_until_it_has_data_and_never_below_one():
 
 
 def test_adaptive_batcher_converges_under_load():
-    """Batch cost 2 ms + 1 ms/row, target 40 ms: sizes settle at or below the feasible 14."""
+    """Batch cost 2 ms + 1 ms/row, target 40 ms: sizes settle at or below the feasible 14.
+
+    On virtual time (``run_virtual``) the model's cost is exact, so the bounds are the policy's
+    own, not a margin for a loaded machine."""
 
     async def model(items):
         await asyncio.sleep(0.002 + 0.001 * len(items))
@@ -67,8 +71,8 @@ def test_adaptive_batcher_converges_under_load():
 
             await asyncio.gather(*(client(i) for i in range(48)))
         late = sizes[len(sizes) // 2:]
-        assert max(late) <= 16  # worst case 2*(2+1*B) ms <= 0.8*40 -> B <= 14 (+ noise)
+        assert max(late) <= 14  # worst case 2*(2+1*B) ms <= 0.8*40 -> B <= 14
         assert sum(late) / len(late) >= 4  # still batching, not collapsed to 1
         assert b.adaptive.to_dict()["curve"]["b_s_per_row"] > 0
 
-    asyncio.run(asyncio.wait_for(main(), 30))
+    run_virtual(main)

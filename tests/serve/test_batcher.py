@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -11,8 +10,10 @@ from torchnitro.serve.batcher import BatchingConfig, DynamicBatcher
 from torchnitro.serve.testing import run_virtual
 
 
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 20))
+def now() -> float:
+    """The running loop's clock: virtual under ``run_virtual``, so durations are exact and a loaded
+    machine cannot change them (the batcher's default clock is the same one)."""
+    return asyncio.get_running_loop().time()
 
 
 class Recorder:
@@ -33,30 +34,30 @@ def test_batch_closes_at_max_size_and_results_follow_inputs():
     async def main():
         rec = Recorder()
         async with DynamicBatcher(rec, BatchingConfig(max_batch_size=4, max_wait_ms=200)) as b:
-            t0 = time.monotonic()
+            t0 = now()
             out = await asyncio.gather(*(b.submit(i) for i in range(8)))
-            dt = time.monotonic() - t0
+            dt = now() - t0
         assert out == [i * 2 for i in range(8)]
         assert [len(x) for x in rec.batches] == [4, 4]
-        assert dt < 0.15  # full batches do not wait for the 200 ms window
+        assert dt == 0  # full batches do not wait for the 200 ms window
 
-    run(main())
+    run_virtual(main)
 
 
 def test_batch_closes_when_wait_window_of_first_request_ends():
     async def main():
         rec = Recorder()
         async with DynamicBatcher(rec, BatchingConfig(max_batch_size=64, max_wait_ms=40)) as b:
-            t0 = time.monotonic()
+            t0 = now()
             first = asyncio.create_task(b.submit(1))
             await asyncio.sleep(0.02)
             second = asyncio.create_task(b.submit(2))
             assert await first == 2 and await second == 4
-            dt = time.monotonic() - t0
+            dt = now() - t0
         assert rec.batches == [[1, 2]]
-        assert 0.035 <= dt < 0.5  # window counted from the first request, not the second
+        assert dt == pytest.approx(0.04)  # window counted from the first request, not the second
 
-    run(main())
+    run_virtual(main)
 
 
 def test_sync_function_runs_in_thread():
@@ -71,7 +72,7 @@ def test_sync_function_runs_in_thread():
             out = await asyncio.gather(*(b.submit(i) for i in range(6)))
         assert out == [i + 1 for i in range(6)] and seen == [3, 3]
 
-    run(main())
+    run_virtual(main)
 
 
 def test_full_queue_rejects_immediately():
@@ -83,14 +84,14 @@ def test_full_queue_rejects_immediately():
             await asyncio.sleep(0.01)  # now in the (blocked) function
             queued = [asyncio.create_task(b.submit(i)) for i in (1, 2)]
             await asyncio.sleep(0.01)
-            t0 = time.monotonic()
+            t0 = now()
             with pytest.raises(QueueFullError, match="queue is full"):
                 await b.submit(3)
-            assert time.monotonic() - t0 < 0.05
+            assert now() == t0  # refused at once, not after waiting for room
             rec.gate.set()
             assert await running == 0 and [await q for q in queued] == [2, 4]
 
-    run(main())
+    run_virtual(main)
 
 
 def test_deadline_expired_requests_are_never_computed():
@@ -108,7 +109,7 @@ def test_deadline_expired_requests_are_never_computed():
             await asyncio.sleep(0.02)
         assert [99] not in rec.batches
 
-    run(main())
+    run_virtual(main)
 
 
 def test_high_priority_overtakes_full_low_priority_queue():
@@ -126,7 +127,7 @@ def test_high_priority_overtakes_full_low_priority_queue():
             await asyncio.gather(blocker, high, *low)
         assert rec.batches[1][0] == 100  # the very next batch after the blocker leads with it
 
-    run(main())
+    run_virtual(main)
 
 
 def test_aging_prevents_starvation():
@@ -144,7 +145,7 @@ def test_aging_prevents_starvation():
             await asyncio.gather(blocker, old_low, new_high)
         assert rec.batches[1] == [7]
 
-    run(main())
+    run_virtual(main)
 
 
 def test_cancelled_request_leaves_queue_and_is_not_computed():
@@ -164,7 +165,7 @@ def test_cancelled_request_leaves_queue_and_is_not_computed():
             assert await b.submit(6) == 12
         assert [5] not in rec.batches
 
-    run(main())
+    run_virtual(main)
 
 
 def test_failing_batch_is_split_until_only_the_culprit_fails():
@@ -222,7 +223,7 @@ def test_buckets_never_mix_lengths():
             assert len(buckets) == 1, batch
         assert len(rec.batches) == 3
 
-    run(main())
+    run_virtual(main)
 
 
 def test_rows_count_toward_batch_size_and_oversized_request_rejected():
@@ -234,7 +235,7 @@ def test_rows_count_toward_batch_size_and_oversized_request_rejected():
                 await b.submit(4, rows=5)
         assert sorted(len(x) for x in rec.batches) == [1, 2]
 
-    run(main())
+    run_virtual(main)
 
 
 def test_preferred_size_closes_early_when_nothing_waits():
@@ -242,11 +243,11 @@ def test_preferred_size_closes_early_when_nothing_waits():
         rec = Recorder()
         cfg = BatchingConfig(max_batch_size=16, max_wait_ms=300, preferred_batch_sizes=(2,))
         async with DynamicBatcher(rec, cfg) as b:
-            t0 = time.monotonic()
+            t0 = now()
             await asyncio.gather(b.submit(1), b.submit(2))
-            assert time.monotonic() - t0 < 0.2
+            assert now() == t0  # not the 300 ms window
 
-    run(main())
+    run_virtual(main)
 
 
 def test_concurrency_runs_batches_in_parallel():
@@ -257,11 +258,11 @@ def test_concurrency_runs_batches_in_parallel():
 
         cfg = BatchingConfig(max_batch_size=1, max_wait_ms=0, concurrency=4)
         async with DynamicBatcher(slow, cfg) as b:
-            t0 = time.monotonic()
+            t0 = now()
             await asyncio.gather(*(b.submit(i) for i in range(4)))
-            assert time.monotonic() - t0 < 0.15
+            assert now() - t0 == pytest.approx(0.05)  # four 50 ms batches at once, not one after another
 
-    run(main())
+    run_virtual(main)
 
 
 def test_stop_drains_accepted_then_rejects():
@@ -275,7 +276,7 @@ def test_stop_drains_accepted_then_rejects():
         with pytest.raises(DrainingError):
             await b.submit(1)
 
-    run(main())
+    run_virtual(main)
 
 
 def test_bad_priority_and_timeout_raise_input_error():
@@ -286,7 +287,7 @@ def test_bad_priority_and_timeout_raise_input_error():
             with pytest.raises(InputError, match="timeout"):
                 await b.submit(1, timeout_ms=-1)
 
-    run(main())
+    run_virtual(main)
 
 
 def test_config_validation_and_from_dict():
@@ -309,7 +310,7 @@ def test_exact_lengths_only_batches_equal_lengths():
             await asyncio.gather(*(b.submit(n, length=n) for n in lengths))
         assert sorted(sorted(x) for x in rec.batches) == [[3, 3, 3], [4, 4], [5]]
 
-    run(main())
+    run_virtual(main)
 
 
 def test_filling_batch_wakes_once_per_batch_not_per_request():
@@ -325,19 +326,19 @@ def test_filling_batch_wakes_once_per_batch_not_per_request():
 
         b._wait_for_work = counted
         async with b:
-            t0 = time.monotonic()
+            t0 = now()
             tasks = []
             for i in range(16):  # arrive one by one, each after the consumer went back to sleep
                 tasks.append(asyncio.create_task(b.submit(i)))
                 await asyncio.sleep(0.002)
             out = await asyncio.gather(*tasks)
-            dt = time.monotonic() - t0
+            dt = now() - t0
         assert out == [2 * i for i in range(16)] and [len(x) for x in rec.batches] == [16]
-        assert dt < 0.4  # closed when full, not at the 500 ms window
+        assert dt == pytest.approx(16 * 0.002)  # closed when full (the 16th arrived at 30 ms), not at 500 ms
         # one wait for the first request, then one for "15 more rows": not 15 separate wake-ups
         assert waits[:2] == [1, 15] and len(waits) <= 3, waits
 
-    run(main())
+    run_virtual(main)
 
 
 def test_two_consumers_cancelled_and_timed_out_requests_keep_counts_right():
@@ -361,7 +362,7 @@ def test_two_consumers_cancelled_and_timed_out_requests_keep_counts_right():
         computed = [x for batch in rec.batches for x in batch]
         assert not {100, 101, 102, 200} & set(computed)
 
-    run(main())
+    run_virtual(main)
 
 
 async def _double(items):

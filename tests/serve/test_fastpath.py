@@ -112,7 +112,8 @@ def test_client_gone_while_queued_gets_499_and_is_never_computed(served):
     async def main():
         await ep.start(srv.metrics)
         running = asyncio.create_task(call(srv.app, scope("/v2/models/g/infer", headers=auth), body(1.0)))
-        await asyncio.sleep(0.05)  # the first request holds the only slot (gate closed)
+        while ep.batcher.inflight < 1:  # until the first request holds the only slot (gate closed)
+            await asyncio.sleep(0.001)
         # the second waits in the queue; its client leaves after 30 ms (after the 10 ms watch delay)
         gone = await call(srv.app, scope("/v2/models/g/infer", headers=auth), body(2.0), disconnect_after=0.03)
         model.gate.set()

@@ -163,44 +163,77 @@ def _concurrent(base: str, bodies: list[dict], timeout: float = 30) -> list[tupl
     return asyncio.run(asyncio.wait_for(main(), timeout + 10))
 
 
-def test_deadline_priority_and_cancellation(monkeypatch):
-    monkeypatch.setenv("TORCHNITRO_TEST_DELAY_S", "0.05")
+def test_deadline_priority_and_cancellation(monkeypatch, tmp_path):
+    """The model is held by a gate (a file), so each step waits for the server's own state (what is
+    computing, how many wait), never for a sleep to be long enough."""
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("TORCHNITRO_TEST_GATE", str(gate))
+    monkeypatch.setenv("TORCHNITRO_TEST_DELAY_S", "0.02")  # once open: answers 20 ms apart, in order
     cfg = BatchingConfig(max_batch_size=1, max_wait_ms=0, priority_levels=3, aging_ms=60_000)
-    with serving("torchnitro.serve.testing:slow_affine", "slow", cfg) as (_, base):
-        # priority: 12 low-priority requests queue up, then one urgent request overtakes them
-        bodies = [{"model": "slow", **req(i, priority=2)} for i in range(12)]
-        bodies.append({"model": "slow", **req(100, priority=0)})
-        done = _concurrent(base, bodies)
-        assert all(r.status_code == 200 for _, r in done)
-        order = sorted(range(len(done)), key=lambda k: done[k][0])
-        assert order.index(12) <= 2, order  # at most the running one and one more before it
-        # deadline: stuck behind a queue, a 30 ms deadline answers 504 and is never computed
-        before = metric(base, "torchnitro_batch_size_count")
-        bodies = [{"model": "slow", **req(i)} for i in range(4)] + [{"model": "slow", **req(7, timeout=30)}]
-        done = _concurrent(base, bodies)
-        assert [r.status_code for _, r in done] == [200, 200, 200, 200, 504]
-        assert "deadline" in done[-1][1].json()["error"]
-        time.sleep(0.1)
-        assert metric(base, "torchnitro_batch_size_count") - before == 4
+    with serving("torchnitro.serve.testing:gated_affine", "g", cfg) as (srv, base):
+        b = srv.models["g"].batcher
 
-        # cancellation: a client that gives up is dropped from the queue
-        async def impatient():
+        async def until(cond, what):
+            for _ in range(3000):
+                if cond():
+                    return
+                await asyncio.sleep(0.01)
+            pytest.fail(f"never happened: {what}")
+
+        async def scenario():
             async with httpx.AsyncClient(base_url=base, timeout=30) as c:
-                long = [asyncio.create_task(c.post("/v2/models/slow/infer", json=req(i))) for i in range(3)]
-                await asyncio.sleep(0.02)
-                with pytest.raises(httpx.TimeoutException):
-                    await c.post("/v2/models/slow/infer", json=req(9), timeout=0.03)
-                await asyncio.gather(*long)
+                finished = []
 
-        before = metric(base, "torchnitro_batch_size_count")
-        asyncio.run(asyncio.wait_for(impatient(), 20))
-        time.sleep(0.2)
-        assert metric(base, "torchnitro_requests_total", code="499") == 1
-        assert metric(base, "torchnitro_batch_size_count") - before == 3  # the abandoned one never ran
+                async def post(i, **params):
+                    r = await c.post("/v2/models/g/infer", json=req(i, **params))
+                    finished.append(i)
+                    return r
+
+                async def blocked():  # one request computing behind the closed gate
+                    gate.unlink(missing_ok=True)
+                    t = asyncio.create_task(post(-1))
+                    await until(lambda: b.inflight == 1, "the first request reached the model")
+                    finished.clear()
+                    return t
+
+                # priority: 12 low-priority requests wait, then one urgent request overtakes them
+                blocker = await blocked()
+                low = [asyncio.create_task(post(i, priority=2)) for i in range(12)]
+                await until(lambda: b.depth == 12, "12 requests queued")
+                urgent = asyncio.create_task(post(100, priority=0))
+                await until(lambda: b.depth == 13, "the urgent request queued")
+                gate.touch()
+                assert all(r.status_code == 200 for r in await asyncio.gather(blocker, urgent, *low))
+                assert finished[:2] == [-1, 100], finished
+
+                # deadline: stuck in the queue, a 30 ms deadline answers 504 and is never computed
+                before = metric(base, "torchnitro_batch_size_count")
+                blocker = await blocked()
+                queued = [asyncio.create_task(post(i)) for i in range(3)]
+                late = await post(7, timeout=30)
+                assert late.status_code == 504 and "deadline" in late.json()["error"]
+                gate.touch()
+                assert all(r.status_code == 200 for r in await asyncio.gather(blocker, *queued))
+                assert metric(base, "torchnitro_batch_size_count") - before == 4  # not the expired one
+
+                # cancellation: a client that gives up is dropped from the queue
+                before = metric(base, "torchnitro_batch_size_count")
+                blocker = await blocked()
+                queued = [asyncio.create_task(post(i)) for i in range(2)]
+                await until(lambda: b.depth == 2, "2 requests queued")
+                with pytest.raises(httpx.TimeoutException):
+                    await c.post("/v2/models/g/infer", json=req(9), timeout=0.2)
+                await until(lambda: metric(base, "torchnitro_requests_total", code="499") == 1, "499 counted")
+                assert b.depth == 2
+                gate.touch()
+                assert all(r.status_code == 200 for r in await asyncio.gather(blocker, *queued))
+                assert metric(base, "torchnitro_batch_size_count") - before == 3  # the abandoned one never ran
+
+        asyncio.run(asyncio.wait_for(scenario(), 120))
 
 
 def test_ragged_requests_are_padded_and_unpadded():
-    cfg = BatchingConfig(max_batch_size=16, max_wait_ms=20, bucket_boundaries=(4, 16))
+    cfg = BatchingConfig(max_batch_size=16, max_wait_ms=500, bucket_boundaries=(4, 16))  # all arrive within it
     with serving("torchnitro.serve.testing:ragged_double", "rd", cfg) as (_, base):
         lengths = [1, 3, 9, 2, 15, 30, 5, 4]
         bodies = [{"model": "rd", "id": str(n), "inputs": [{"name": "tokens", "shape": [1, n], "datatype": "INT64",

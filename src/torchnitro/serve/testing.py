@@ -100,8 +100,10 @@ def slow_affine() -> ServedModel:
 
 def gated_affine() -> ServedModel:
     """``affine`` that holds every batch until the file named by ``$TORCHNITRO_TEST_GATE`` exists
-    (up to 120 s): a test decides when in-flight work may finish instead of racing a sleep."""
-    gate, base = os.environ.get("TORCHNITRO_TEST_GATE", ""), _affine_fn(0.0)
+    (up to 120 s; removing the file closes it again), then takes ``$TORCHNITRO_TEST_DELAY_S``
+    (default 0): a test decides when in-flight work may finish instead of racing a sleep."""
+    gate = os.environ.get("TORCHNITRO_TEST_GATE", "")
+    base = _affine_fn(float(os.environ.get("TORCHNITRO_TEST_DELAY_S", "0")))
 
     def fn(x: Tensor) -> Tensor:
         end = time.monotonic() + 120
