@@ -255,3 +255,44 @@ def test_use_cache_output_is_dropped_for_the_optimization(fast_cfg):
     assert gpt2.config.use_cache  # the user's model is left as it was
     ts = next(c for c in om.report.candidates if c.recipe == "torchscript")
     assert ts.status in ("verified", "chosen"), ts.reason
+
+
+def _tiny_sentence_transformer(tmp_path) -> nn.Module:
+    """A sentence-transformers model (Transformer -> mean Pooling -> Normalize) around a tiny random
+    BertModel, with all-MiniLM-L6-v2's tokenizer files (no download)."""
+    import shutil
+
+    st = pytest.importorskip("sentence_transformers")
+    from sentence_transformers import models
+    from transformers import AutoModel
+
+    from torchnitro.hf import minilm_path
+
+    torch.manual_seed(0)
+    AutoModel.from_config(bert_config(vocab_size=30522, hidden_size=32, intermediate_size=64)).save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        if (minilm_path() / f).exists():
+            shutil.copy(minilm_path() / f, tmp_path / f)
+    modules = [models.Transformer(str(tmp_path), model_kwargs={"local_files_only": True}),
+               models.Pooling(32, "mean"), models.Normalize()]
+    return st.SentenceTransformer(modules=modules, device="cpu").eval()
+
+
+def test_sentence_transformer_as_it_is_with_its_feature_dict(tmp_path, fast_cfg):
+    import torchnitro
+    from torchnitro.hf import sample_sentences
+
+    model = _tiny_sentence_transformer(tmp_path / "st")
+    feats = model.preprocess(sample_sentences(6, 0, max_words=10))
+    om = torchnitro.optimize(model, feats, fast_cfg(recipes=["bert-unpad", "bert-unpad-int8"], min_speedup=0.0))
+    by = {c.recipe: c for c in om.report.candidates}
+    assert by["bert-unpad"].status in ("verified", "chosen"), by["bert-unpad"].reason
+    assert any("of 'token_embeddings'" in n for n in om.report.notes)  # token rows masked, sentences compared whole
+    int8 = by["bert-unpad-int8"]
+    if int8.status != "failed":  # the dict the model wrote its outputs into is reused: still the fast path
+        assert int8.norm_rel > 0, "int8 ran the original fp32 module"
+    held = model.preprocess(sample_sentences(4, 5, max_words=20))
+    with torch.inference_mode():
+        ref = model(dict(held))["sentence_embedding"]
+    out = om(dict(held))["sentence_embedding"]
+    assert float(torch.nn.functional.cosine_similarity(out, ref).min()) > 0.98

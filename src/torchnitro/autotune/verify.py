@@ -177,6 +177,8 @@ def class_logits(name: str, ref: Tensor, classifier: bool | None = None) -> tupl
     """(report top-1 agreement, gate on it) for one output: see the module docstring."""
     if classifier is False or ref.dim() < 2 or ref.shape[-1] < 2 or not ref.is_floating_point():
         return False, False
+    if bool((ref == ref.round()).all()):  # integer-valued: ids or a mask handed back (outputs arrive as fp32)
+        return False, False
     if classifier:
         return True, True
     named = name.split(".")[-1].endswith("logits")

@@ -37,6 +37,17 @@ _NEUTRAL = {"use_cache": (None, False, True), "output_attentions": (None, False)
             "return_dict": (None, False, True)}  # arguments the fast path honours or may ignore (an encoder has no cache)
 
 
+def _hf_known_kwargs() -> frozenset[str] | None:
+    """The extra keywords HF models act on (``TransformersKwargs``); any other keyword an HF forward
+    takes through ``**kwargs`` is ignored by the model, so the fast path may ignore it too (e.g.
+    sentence-transformers passes its whole feature dict). None where transformers does not say."""
+    try:
+        from transformers.utils import TransformersKwargs
+    except ImportError:
+        return None
+    return frozenset(getattr(TransformersKwargs, "__annotations__", {}))
+
+
 @dataclass
 class FoundEncoder:
     """An HF base model in the module tree."""
@@ -133,6 +144,7 @@ class UnpaddedEncoder(nn.Module):
         # (int8 planning and state_dict see only the packed layers)
         object.__setattr__(self, "_eager", hf_model)
         self._sig = inspect.signature(type(hf_model).forward)
+        self._hf_kwargs = _hf_known_kwargs()
         self.fallback_calls = 0  # calls handed to the original module (see _mirrored)
 
     def _mirrored(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any] | None:
@@ -142,7 +154,10 @@ class UnpaddedEncoder(nn.Module):
         except TypeError:
             return None
         bound.pop("self", None)
-        bound.update(bound.pop("kwargs", {}))
+        extra = bound.pop("kwargs", {})
+        if self._hf_kwargs is not None:  # keywords the HF model ignores are ignored here too
+            extra = {k: v for k, v in extra.items() if k in self._hf_kwargs or k in _NEUTRAL}
+        bound.update(extra)
         for k, v in bound.items():
             if k in ("input_ids", "attention_mask", "token_type_ids"):
                 continue
