@@ -180,6 +180,7 @@ def test_embeddings_and_token_logits_are_not_gated_on_top1_by_default():
     assert class_logits("logits", torch.randn(2, 5, 50)) == (True, False)  # token-level: reported only
     assert class_logits("logits", torch.randn(2, 5, 50), classifier=True) == (True, True)
     assert class_logits("output", torch.randn(4, 1)) == (False, False)
+    assert class_logits("input_ids", torch.randint(0, 100, (4, 10)).float()) == (False, False)  # ids handed back
 
 
 def test_feature_dict_input_carries_its_mask():
