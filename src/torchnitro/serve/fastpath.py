@@ -10,6 +10,10 @@ writes numpy arrays directly). Status codes and messages are the same as the Sta
 A client that disconnects while its request waits has the request withdrawn from the batcher (it
 is never computed if still queued): a small watcher awaits the ASGI ``http.disconnect`` message.
 It starts once the request has waited 10 ms, so the many fast answers under load need no task.
+
+The binary tensor data extension (``Inference-Header-Content-Length``, ``serve.binary``) is read and
+written here too: binary inputs become numpy arrays without a JSON number in between, and binary
+outputs are the tensors' bytes.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from torchnitro.errors import InputError, NitroError, ServeError
-from torchnitro.serve.protocol import encode_infer_response, parse_infer_request
+from torchnitro.serve.binary import encode_response, read_request
+from torchnitro.serve.protocol import parse_infer_request
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchnitro.serve.server import InferenceServer
@@ -35,6 +40,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 _PREFIX, _SUFFIX = "/v2/models/", "/infer"
 _JSON = (b"content-type", b"application/json")
+_BINARY = (b"content-type", b"application/octet-stream")
+_HEADER_LENGTH = b"inference-header-content-length"  # binary tensor extension (serve.binary)
 _WATCH_AFTER_S = 0.01  # how long a request waits before its client's disconnect is watched for
 
 
@@ -102,18 +109,22 @@ class InferPath:
             if h is None:
                 h = self._latency[model] = self.server.metrics.latency.labels(model)
             h.observe(time.monotonic() - t0)
+        ctype = _BINARY if headers and headers[0][0] == _HEADER_LENGTH else _JSON
         await send({"type": "http.response.start", "status": status,
-                    "headers": [_JSON, (b"content-length", str(len(body)).encode()), *headers]})
+                    "headers": [ctype, (b"content-length", str(len(body)).encode()), *headers]})
         await send({"type": "http.response.body", "body": body})
 
-    def _headers(self, scope: Scope) -> tuple[bytes | None, bytes | None]:
-        auth = length = None
+    def _headers(self, scope: Scope) -> tuple[bytes | None, bytes | None, bytes | None]:
+        """(authorization, content-length, inference-header-content-length) as sent, or None."""
+        auth = length = binary = None
         for k, v in scope["headers"]:
             if k == b"authorization":
                 auth = v
             elif k == b"content-length":
                 length = v
-        return auth, length
+            elif k == _HEADER_LENGTH:
+                binary = v
+        return auth, length, binary
 
     async def _read_body(self, receive: Receive, declared: bytes | None) -> bytes | tuple[int, bytes, list]:
         limit = self._limit
@@ -143,7 +154,7 @@ class InferPath:
 
     async def _answer(self, name: str, scope: Scope, receive: Receive) -> tuple[int, bytes, list]:
         srv = self.server
-        auth, declared = self._headers(scope)
+        auth, declared, header_length = self._headers(scope)
         if self._token is not None and not hmac.compare_digest(auth or b"", self._token):
             return _err("missing or wrong bearer token; send 'Authorization: Bearer <token>'", 401,
                         [(b"www-authenticate", b"Bearer")])
@@ -157,7 +168,8 @@ class InferPath:
         if isinstance(body, tuple):
             return body
         try:
-            item = parse_infer_request(body, ep.signature)
+            item = parse_infer_request(body if header_length is None else read_request(body, header_length),
+                                       ep.signature)
             req = batcher.enqueue(item, priority=item.priority, timeout_ms=item.timeout_ms,
                                   rows=item.rows, length=item.length)
         except InputError as exc:
@@ -187,4 +199,5 @@ class InferPath:
             timer.cancel()
             if watch:
                 watch[0].cancel()
-        return 200, encode_infer_response(ep.signature, outputs, item.id), []
+        data, json_length = encode_response(ep.signature, outputs, item)
+        return 200, data, [] if json_length is None else [(_HEADER_LENGTH, str(json_length).encode())]

@@ -109,6 +109,8 @@ class InferItem:
     id: str | None = None
     priority: int = 0
     timeout_ms: float | None = None
+    outputs: tuple[str, ...] | None = None  # outputs the client asked for, in its order (None: all)
+    binary_outputs: frozenset[str] = frozenset()  # outputs to send as raw bytes (binary extension)
 
 
 def _bad(msg: str) -> InputError:
@@ -141,7 +143,7 @@ def _to_tensor(spec: TensorSpec, obj: dict[str, Any], allow_nan: bool) -> Tensor
         raise _bad(f"input {name!r}: dimension 1 (length) is {shape[1]}, this model takes at most "
                    f"{spec.max_length}; truncate or split the sequence")
     data = obj.get("data")
-    if not isinstance(data, list):
+    if not isinstance(data, (list, np.ndarray)):  # an ndarray: raw bytes read by serve.binary
         raise _bad(f"input {name!r}: 'data' must be a (flat or nested) JSON list, received "
                    f"{type(data).__name__}")
     n = math.prod(shape)
@@ -258,8 +260,31 @@ def parse_infer_request(body: bytes | str | dict[str, Any], sig: ModelSignature)
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
         raise _bad(f"parameters.timeout: received {timeout!r}, expected a positive number of milliseconds")
     rid = req.get("id")
+    wanted, binary = _requested_outputs(req, params, sig)
     return InferItem(tensors, rows.pop(), lengths.pop() if lengths else None,
-                     None if rid is None else str(rid), priority, None if timeout is None else float(timeout))
+                     None if rid is None else str(rid), priority, None if timeout is None else float(timeout),
+                     wanted, binary)
+
+
+def _requested_outputs(req: dict[str, Any], params: dict[str, Any],
+                       sig: ModelSignature) -> tuple[tuple[str, ...] | None, frozenset[str]]:
+    """(outputs asked for, those to send binary): request ``outputs`` with per-output
+    ``parameters.binary_data``, or ``parameters.binary_data_output`` for all."""
+    names = [s.name for s in sig.outputs]
+    every = params.get("binary_data_output", False)
+    if not isinstance(every, bool):
+        raise _bad(f"parameters.binary_data_output: received {every!r}, expected true or false")
+    asked = req.get("outputs")
+    if asked is None:
+        return None, frozenset(names if every else ())
+    if not isinstance(asked, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in asked):
+        raise _bad(f"'outputs' must be a list of objects with a 'name', received {str(asked)[:80]!r}")
+    wanted = tuple(o["name"] for o in asked)
+    unknown = sorted(set(wanted) - set(names))
+    if unknown:
+        raise _bad(f"outputs requested {list(wanted)}, this model has {names}; unknown {unknown}")
+    binary = {o["name"] for o in asked if (o.get("parameters") or {}).get("binary_data", every) is True}
+    return wanted, frozenset(binary)
 
 
 def _loads(body: bytes | str) -> Any:

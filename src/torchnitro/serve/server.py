@@ -269,7 +269,7 @@ class InferenceServer:
 
     async def server_meta(self, request: Request) -> Response:
         return self._auth(request) or _json({"name": "torchnitro", "version": torchnitro.__version__,
-                                             "extensions": []})
+                                             "extensions": ["binary_tensor_data"]})
 
     async def live(self, request: Request) -> Response:
         return _json({"live": True})

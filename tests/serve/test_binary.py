@@ -1,0 +1,144 @@
+"""The binary tensor data extension: raw bytes built by hand, then tritonclient.http's defaults."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from torchnitro.errors import InputError
+from torchnitro.serve.binary import encode_response, read_request
+from torchnitro.serve.protocol import ModelSignature, TensorSpec, parse_infer_request
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+
+from torchnitro.serve.server import InferenceServer, ModelEndpoint, ServeConfig, make_pool  # noqa: E402
+
+SIG = ModelSignature("m", [TensorSpec("x", "FP32", (-1, 4)), TensorSpec("ids", "INT64", (-1, -1), value_range=(0, 9))],
+                     [TensorSpec("y", "FP32", (-1, 4)), TensorSpec("n", "INT64", (-1,))])
+
+
+def binary_body(header: dict, *blobs: bytes) -> tuple[bytes, str]:
+    head = json.dumps(header).encode()
+    return head + b"".join(blobs), str(len(head))
+
+
+def x_ids(x: np.ndarray, ids: np.ndarray, **extra) -> tuple[bytes, str]:
+    xb, ib = x.astype("<f4").tobytes(), ids.astype("<i8").tobytes()
+    return binary_body({"inputs": [
+        {"name": "x", "shape": list(x.shape), "datatype": "FP32", "parameters": {"binary_data_size": len(xb)}},
+        {"name": "ids", "shape": list(ids.shape), "datatype": "INT64", "parameters": {"binary_data_size": len(ib)}},
+    ], **extra}, xb, ib)
+
+
+def test_binary_inputs_are_read_and_validated_like_json():
+    x = np.arange(8, dtype=np.float32).reshape(2, 4) / 3
+    ids = np.array([[1, 2, 3], [4, 5, 9]])
+    body, n = x_ids(x, ids, id="r")
+    item = parse_infer_request(read_request(body, n), SIG)
+    assert torch.equal(item.tensors[0], torch.from_numpy(x)) and item.tensors[1].tolist() == ids.tolist()
+    assert item.rows == 2 and item.length == 3 and item.id == "r"
+    for bad_x, bad_ids, match in [
+        (np.full((1, 4), np.nan), np.array([[1]]), "NaN"),
+        (np.ones((1, 4)), np.array([[10]]), r"received values in \[10, 10\], this model takes \[0, 9\]"),
+        (np.ones((1, 3)), np.array([[1]]), r"dimension 1 is 3, expected 4"),
+    ]:
+        body, n = x_ids(bad_x, bad_ids)
+        with pytest.raises(InputError, match=match):
+            parse_infer_request(read_request(body, n), SIG)
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda body, n: (body + b"\0", n), r"1 bytes after the last binary input"),
+    (lambda body, n: (body[:-1], n), r"binary_data_size 24 does not fit the 23 bytes left"),
+    (lambda body, n: (body, str(len(body) + 1)), r"Inference-Header-Content-Length: received '\d+' for a"),
+    (lambda body, n: (body, str(int(n) - 1)), r"are not valid JSON"),
+])
+def test_malformed_binary_bodies_are_input_errors(mutate, match):
+    body, n = x_ids(np.ones((1, 4)), np.array([[1, 2, 3]]))
+    body, n = mutate(body, n)
+    with pytest.raises(InputError, match=match):
+        read_request(body, n)
+
+
+def test_byte_count_that_is_not_whole_elements_is_refused():
+    body, n = binary_body({"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32",
+                                       "parameters": {"binary_data_size": 15}}]}, b"\0" * 15)
+    with pytest.raises(InputError, match="15 bytes of FP32 data, expected a multiple of 4"):
+        read_request(body, n)
+
+
+def test_outputs_binary_per_output_all_or_none():
+    y, cnt = torch.arange(8.0).view(2, 4), torch.tensor([3, 7])
+    body, n = x_ids(np.ones((2, 4)), np.ones((2, 3)),
+                    outputs=[{"name": "n", "parameters": {"binary_data": True}}, {"name": "y"}])
+    item = parse_infer_request(read_request(body, n), SIG)
+    assert item.outputs == ("n", "y") and item.binary_outputs == {"n"}
+    data, hlen = encode_response(SIG, [y, cnt], item)
+    head = json.loads(data[:hlen])
+    assert [o["name"] for o in head["outputs"]] == ["n", "y"]
+    assert head["outputs"][0]["parameters"] == {"binary_data_size": 16} and "data" not in head["outputs"][0]
+    assert head["outputs"][1]["data"] == y.reshape(-1).tolist()
+    assert np.frombuffer(data[hlen:], "<i8").tolist() == [3, 7]
+    every = parse_infer_request(read_request(*x_ids(np.ones((2, 4)), np.ones((2, 3)),
+                                                    parameters={"binary_data_output": True})), SIG)
+    data, hlen = encode_response(SIG, [y, cnt], every)
+    assert np.frombuffer(data[hlen:hlen + 32], "<f4").tolist() == y.reshape(-1).tolist()
+    plain = parse_infer_request(read_request(*x_ids(np.ones((2, 4)), np.ones((2, 3)))), SIG)
+    data, hlen = encode_response(SIG, [y, cnt], plain)
+    assert hlen is None and json.loads(data)["outputs"][1]["data"] == [3, 7]
+    with pytest.raises(InputError, match=r"unknown \['z'\]"):
+        parse_infer_request(read_request(*x_ids(np.ones((2, 4)), np.ones((2, 3)), outputs=[{"name": "z"}])), SIG)
+
+
+@contextlib.contextmanager
+def affine_server():
+    cfg = ServeConfig(port=0, workers=0)
+    srv = InferenceServer([ModelEndpoint("affine", make_pool("torchnitro.serve.testing:affine", "affine", cfg))],
+                          cfg).start_in_thread()
+    try:
+        yield f"127.0.0.1:{srv.port}"
+    finally:
+        srv.stop()
+
+
+def test_http_binary_request_and_response_by_hand():
+    x = np.random.default_rng(0).standard_normal((3, 4)).astype(np.float32)
+    xb = x.tobytes()
+    body, n = binary_body({"id": "b1", "inputs": [{"name": "x", "shape": [3, 4], "datatype": "FP32",
+                                                   "parameters": {"binary_data_size": len(xb)}}],
+                           "parameters": {"binary_data_output": True}}, xb)
+    with affine_server() as addr:
+        r = httpx.post(f"http://{addr}/v2/models/affine/infer", content=body, timeout=10,
+                       headers={"Inference-Header-Content-Length": n, "Content-Type": "application/octet-stream"})
+        assert r.status_code == 200, r.text
+        hlen = int(r.headers["inference-header-content-length"])
+        head = json.loads(r.content[:hlen])
+        assert head["id"] == "b1" and head["outputs"][0]["shape"] == [3, 4]
+        y = np.frombuffer(r.content[hlen:], "<f4").reshape(3, 4)
+        np.testing.assert_array_equal(y, x * 2 + 1)
+        bad = httpx.post(f"http://{addr}/v2/models/affine/infer", content=body[:-4], timeout=10,
+                         headers={"Inference-Header-Content-Length": n})
+        assert bad.status_code == 400 and "does not fit" in bad.json()["error"]
+        assert "binary_tensor_data" in httpx.get(f"http://{addr}/v2", timeout=10).json()["extensions"]
+
+
+@pytest.mark.parametrize("binary", [True, False])
+def test_tritonclient_http_defaults(binary):
+    http = pytest.importorskip("tritonclient.http")
+    x = np.random.default_rng(1).standard_normal((2, 4)).astype(np.float32)
+    with affine_server() as addr:
+        client = http.InferenceServerClient(addr)
+        assert client.is_server_ready() and client.is_model_ready("affine")
+        inp = http.InferInput("x", [2, 4], "FP32")
+        inp.set_data_from_numpy(x, binary_data=binary)
+        out = http.InferRequestedOutput("y", binary_data=binary)
+        res = client.infer("affine", [inp], outputs=[out])
+        np.testing.assert_allclose(res.as_numpy("y"), x * 2 + 1, rtol=1e-6)
+        res = client.infer("affine", [inp])  # no outputs named: tritonclient asks for all, binary
+        np.testing.assert_allclose(res.as_numpy("y"), x * 2 + 1, rtol=1e-6)
+        client.close()
