@@ -9,6 +9,7 @@ For each model (all-MiniLM-L6-v2 with real weights, 32-token requests; the built
   3. torchnitro server, dynamic batching (max_batch_size=32, max_wait_ms=5);
   4. torchnitro server, adaptive batching (latency target);
   5. LitServe with its own batching (max_batch_size=32, batch_timeout=5 ms, fast_queue) on the same model;
+  3b. the same dynamic server with requests and answers in the v2 binary tensor extension;
   6. "http+json floor": a bare uvicorn app that reads the same request into numpy and writes a
      same-size JSON answer with no model at all, the most any JSON-over-HTTP server in Python can
      do on this machine with this client.
@@ -218,10 +219,12 @@ def metric_means(url: str, model: str) -> dict[str, float]:
     return out
 
 
-def pauser(procs: dict[str, tuple[subprocess.Popen, str, str]]) -> Any:
+def pauser(procs: dict[str, tuple[subprocess.Popen, str, str]], same: dict[str, str] | None = None) -> Any:
     """focus() for interleaved(): SIGSTOP every server's process group but the loaded one (an idle
-    LitServe polls and takes ~16% of a core here), SIGCONT them all for None."""
+    LitServe polls and takes ~16% of a core here), SIGCONT them all for None. ``same`` maps a target
+    label to the server it loads when that is another target's server."""
     def focus(name: str | None) -> None:
+        name = (same or {}).get(name, name) if name is not None else None
         for label, (proc, _, _) in procs.items():
             try:
                 os.killpg(proc.pid, signal.SIGCONT if name is None or label == name else signal.SIGSTOP)
@@ -296,7 +299,10 @@ def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: d
                 targets[label] = LoadTarget(url, "/infer", v2.body, metrics_path=None)
             else:
                 targets[label] = asyncio.run(v2_target(url, model, seq=SEQ[model] or 1))
-        focus = pauser(procs)
+        # the dynamic server again, spoken to in the binary tensor extension (both ways)
+        targets["dynamic binary"] = asyncio.run(v2_target(procs["dynamic"][1], model, seq=SEQ[model] or 1,
+                                                          binary=True))
+        focus = pauser(procs, {"dynamic binary": "dynamic"})
         run_interleaved(targets, c, 1, args.warmup, focus)  # warm-up (and the adaptive policy's first curve)
         before = {k: metric_means(procs[k][1], model) for k in ("no batching", "adaptive")}
         low = run_interleaved(targets, 1, args.rounds, args.burst, focus)
@@ -309,7 +315,8 @@ def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: d
         for proc, _, _ in procs.values():
             stop(proc)
     mean_b = res["dynamic"][c].mean_batch or 1.0
-    sizes = sorted({1, max(1, round(mean_b)), 32})
+    mean_bin = res["dynamic binary"][c].mean_batch or 1.0
+    sizes = sorted({1, max(1, round(mean_b)), max(1, round(mean_bin)), 32})
     off = offline(model, sizes, args.threads, args.quick)
     unb = res["no batching"][c].throughput
     for label, levels in res.items():
@@ -326,6 +333,7 @@ def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: d
         "dynamic_vs_unbatched_c32": dyn.throughput / unb,
         "adaptive_vs_unbatched_c32": ada.throughput / unb,
         "dynamic_vs_offline_same_batch": dyn.throughput / ceiling,
+        "dynamic_binary_vs_offline_same_batch": res["dynamic binary"][c].throughput / off[max(1, round(mean_bin))].throughput,
         "best_vs_offline_same_batch": max(dyn.throughput, ada.throughput) / ceiling,
         "floor_vs_offline_same_batch": res["http+json floor"][c].throughput / ceiling,
         "offline_b32_vs_b1": off[32].throughput / off[1].throughput,

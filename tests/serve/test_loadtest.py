@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import numpy as np
 import pytest
 
 pytest.importorskip("uvicorn")
@@ -36,15 +37,25 @@ def test_closed_and_open_loop_against_a_real_server(tmp_results):
                 pytest.approx([2 * v + 1 for v in bodies[i % 8]], rel=1e-6)
             closed = await closed_loop(target, concurrency=4, duration_s=5.0, max_requests=120)
             opened = await open_loop(target, rate=200, duration_s=0.25)
-            return closed, opened
+            binary = await v2_target(base, "affine", variants=8, binary=True)
+            n = int(binary.headers["Inference-Header-Content-Length"])
 
-        closed, opened = asyncio.run(asyncio.wait_for(main(), 60))
+            def same_answer(i, data):  # binary in, binary out: one row of 4 FP32 after the JSON header
+                return np.frombuffer(data[-16:], "<f4").tolist() == pytest.approx(
+                    [2 * v + 1 for v in np.frombuffer(binary.body(i)[n:], "<f4").tolist()], rel=1e-6)
+
+            binary.check = same_answer
+            raw = await closed_loop(binary, concurrency=4, duration_s=5.0, max_requests=40)
+            return closed, opened, raw
+
+        closed, opened, raw = asyncio.run(asyncio.wait_for(main(), 60))
     finally:
         srv.stop()
     assert closed.sent == 120 and closed.ok == 120 and closed.errors == {}
     assert closed.throughput > 0 and closed.p50_ms <= closed.p90_ms <= closed.p99_ms
     assert closed.mean_batch is not None and 1.0 <= closed.mean_batch <= 4.0
     assert opened.sent == 50 and opened.ok == 50
+    assert raw.sent == 40 and raw.ok == 40 and raw.errors == {}  # every binary answer was checked
     paths = save_results([closed, opened], "lt_test")
     assert {p.suffix for p in paths} == {".json", ".md", ".png"} and all(p.exists() for p in paths)
     data = json.loads((tmp_results / "lt_test.json").read_text())

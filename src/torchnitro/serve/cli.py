@@ -110,16 +110,17 @@ def register(app: typer.Typer) -> None:
         rows: int = typer.Option(1, help="Rows per request."),
         token: Optional[str] = typer.Option(None, envvar="TORCHNITRO_TOKEN", help="Bearer token."),
         out: str = typer.Option("loadtest", help="Name of results/<out>.{json,md,png}."),
+        binary: bool = typer.Option(False, "--binary", help="Send and receive tensors in the v2 binary extension."),
     ) -> None:
         """Closed-loop concurrency sweep and open-loop rate sweep against a running server."""
         from rich.console import Console
 
         from torchnitro.serve.loadtest import save_results, sweep, v2_target
 
-        target = asyncio.run(v2_target(url, model, seq=seq, rows=rows, token=token))
+        target = asyncio.run(v2_target(url, model, seq=seq, rows=rows, token=token, binary=binary))
         rates = [float(r) for r in rate.split(",")] if rate else []
         results = sweep(target, _ints(concurrency, "--concurrency"), rates, duration)
-        paths = save_results(results, out, {"url": url, "model": model, "seq": seq, "rows": rows})
+        paths = save_results(results, out, {"url": url, "model": model, "seq": seq, "rows": rows, "binary": binary})
         from torchnitro.bench.report import ResultTable
 
         con = Console()

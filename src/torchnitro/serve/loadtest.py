@@ -25,7 +25,7 @@ from torchnitro.errors import InputError
 from torchnitro.serve.metrics import parse_batch_size
 
 __all__ = ["LoadTarget", "LoadResult", "HttpClient", "closed_loop", "open_loop", "interleaved", "v2_target",
-           "sweep", "save_results"]
+           "binary_request", "sweep", "save_results"]
 
 
 class HttpClient:
@@ -275,9 +275,27 @@ def _fake_tensor(spec: dict[str, Any], rows: int, seq: int, i: int) -> dict[str,
     return {"name": spec["name"], "shape": shape, "datatype": dt, "data": data}
 
 
+def binary_request(tensors: list[dict[str, Any]]) -> tuple[bytes, int]:
+    """A v2 request (``_fake_tensor`` dicts) in the binary tensor extension, asking binary outputs
+    back: (body, length of its JSON header for ``Inference-Header-Content-Length``)."""
+    import numpy as np
+
+    from torchnitro.serve.protocol import _NP
+
+    blobs, inputs = [], []
+    for t in tensors:
+        blob = np.asarray(t["data"], dtype=np.dtype(_NP[t["datatype"]]).newbyteorder("<")).tobytes()
+        blobs.append(blob)
+        inputs.append({"name": t["name"], "shape": t["shape"], "datatype": t["datatype"],
+                       "parameters": {"binary_data_size": len(blob)}})
+    head = json.dumps({"inputs": inputs, "parameters": {"binary_data_output": True}}).encode()
+    return head + b"".join(blobs), len(head)
+
+
 async def v2_target(url: str, model: str, *, seq: int = 32, rows: int = 1, token: str | None = None,
-                    variants: int = 64) -> LoadTarget:
-    """A KServe v2 target whose requests are synthesised from the model's metadata."""
+                    variants: int = 64, binary: bool = False) -> LoadTarget:
+    """A KServe v2 target whose requests are synthesised from the model's metadata (JSON, or with
+    ``binary`` the binary tensor extension both ways)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
         status, data = await HttpClient(url, 10.0).request("GET", f"/v2/models/{model}", headers=headers)
@@ -288,8 +306,13 @@ async def v2_target(url: str, model: str, *, seq: int = 32, rows: int = 1, token
         raise InputError(f"GET {url}/v2/models/{model} answered {status}: {data[:200]!r}; "
                          "check the model name and that the server is ready")
     meta = json.loads(data)
-    bodies = [json.dumps({"inputs": [_fake_tensor(s, rows, seq, i) for s in meta["inputs"]]}).encode()
-              for i in range(variants)]
+    tensors = [[_fake_tensor(s, rows, seq, i) for s in meta["inputs"]] for i in range(variants)]
+    if binary:  # every variant has the same JSON header (names, shapes, sizes): one header value
+        parts = [binary_request(t) for t in tensors]
+        bodies = [b for b, _ in parts]
+        headers = {**headers, "Inference-Header-Content-Length": str(parts[0][1])}
+    else:
+        bodies = [json.dumps({"inputs": t}).encode() for t in tensors]
     return LoadTarget(url, f"/v2/models/{model}/infer", lambda i: bodies[i % variants], headers, "/metrics", model)
 
 
