@@ -37,7 +37,8 @@ def test_parse_valid_request_with_parameters():
 def test_nested_data_is_accepted():
     req = {"inputs": [{"name": "x", "shape": [2, 4], "datatype": "FP32", "data": [[1, 2, 3, 4], [5, 6, 7, 8]]}]}
     item = parse_infer_request(req, FSIG)
-    assert item.tensors[0].shape == (2, 4)
+    assert item.tensors[0].dtype == torch.float32
+    assert item.tensors[0].tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]  # rows kept in order, not just the shape
 
 
 @pytest.mark.parametrize("mutate,match", [
