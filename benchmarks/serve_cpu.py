@@ -333,7 +333,8 @@ def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: d
         "dynamic_vs_unbatched_c32": dyn.throughput / unb,
         "adaptive_vs_unbatched_c32": ada.throughput / unb,
         "dynamic_vs_offline_same_batch": dyn.throughput / ceiling,
-        "dynamic_binary_vs_offline_same_batch": res["dynamic binary"][c].throughput / off[max(1, round(mean_bin))].throughput,
+        "dynamic_binary_vs_offline_same_batch":
+            res["dynamic binary"][c].throughput / off[max(1, round(mean_bin))].throughput,
         "best_vs_offline_same_batch": max(dyn.throughput, ada.throughput) / ceiling,
         "floor_vs_offline_same_batch": res["http+json floor"][c].throughput / ceiling,
         "offline_b32_vs_b1": off[32].throughput / off[1].throughput,

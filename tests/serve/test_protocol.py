@@ -116,7 +116,8 @@ def test_model_limits_value_range_and_length():
 
 
 def test_deeply_nested_json_is_a_clear_input_error():
-    deep = '{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": ' + "[" * 10_000 + "]" * 10_000 + "}]}"
+    deep = ('{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": '
+            + "[" * 10_000 + "]" * 10_000 + "}]}")
     with pytest.raises(InputError, match="nests JSON too deeply"):
         parse_infer_request(deep, FSIG)
     mid = {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": json.loads("[" * 500 + "]" * 500)}]}

@@ -217,7 +217,8 @@ class InferenceServer:
         c = self.config
         cfg = uvicorn.Config(self.app, host=c.host, port=c.port, log_level=c.log_level, lifespan="on",
                              access_log=False, proxy_headers=False, server_header=False,
-                             timeout_graceful_shutdown=c.drain_timeout_s, http=header_timeout_protocol(c.header_timeout_s),
+                             timeout_graceful_shutdown=c.drain_timeout_s,
+                             http=header_timeout_protocol(c.header_timeout_s),
                              timeout_keep_alive=c.keep_alive_s, h11_max_incomplete_event_size=c.max_header_bytes,
                              limit_concurrency=c.max_connections or default_max_connections())
         self._uvicorn = _Uvicorn(cfg, self)
