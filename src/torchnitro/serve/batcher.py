@@ -8,8 +8,9 @@ Per request: a priority (0 is the most urgent) that ages, so a waiting low-prior
 one level every ``aging_ms`` and is never starved; a deadline (expired requests are answered with
 ``DeadlineExceededError`` and never computed); cancellation (a cancelled ``submit`` leaves the
 queue and is skipped; one that a filling batch already holds is dropped from it); an optional
-length, which puts it in a bucket so one batch only mixes similar lengths (the function pads to the batch's longest and unpads, see ``protocol``); with
-``exact_lengths`` (models that padding would change) only equal lengths share a batch.
+length, which puts it in a bucket so one batch only mixes similar lengths (the function pads to
+the batch's longest and unpads, see ``protocol``); with ``exact_lengths`` (models that padding
+would change) only equal lengths share a batch.
 
 The queue is bounded: a full queue raises ``QueueFullError`` at once instead of waiting.
 
