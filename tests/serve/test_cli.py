@@ -52,9 +52,9 @@ def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_sigterm_to_the_process_group_drains_accepted_requests_then_exits(tmp_path, workers):
-    """Ctrl-C / docker stop / systemd / Kubernetes signal the whole group, workers included."""
+@pytest.mark.parametrize("workers,sig", [(0, signal.SIGINT), (2, signal.SIGTERM)])
+def test_signal_to_the_process_group_drains_accepted_requests_then_exits(tmp_path, workers, sig):
+    """Ctrl-C (SIGINT) / docker stop / systemd / Kubernetes (SIGTERM) signal the whole group."""
     gate, port = tmp_path / "gate", free_port()
     env = {**os.environ, "TORCHNITRO_TEST_GATE": str(gate)}
     proc = subprocess.Popen(
@@ -101,7 +101,7 @@ def test_sigterm_to_the_process_group_drains_accepted_requests_then_exits(tmp_pa
             accepted = [asyncio.create_task(one(i)) for i in range(8)]  # held by the gate: in flight
             await until("/metrics", lambda s, t: _metric(t.decode(), "torchnitro_requests_pending") == 8)
             workers_before = _workers(proc.pid)
-            os.killpg(proc.pid, signal.SIGTERM)  # the whole group: server and its workers
+            os.killpg(proc.pid, sig)  # the whole group: server and its workers
             await until("/v2/health/ready", lambda s, t: s == 503)
             # the same workers hold the in-flight batches (a killed one would be restarted and its
             # batch retried: answered, but only after a reload)
