@@ -296,3 +296,17 @@ def test_sentence_transformer_as_it_is_with_its_feature_dict(tmp_path, fast_cfg)
         ref = model(dict(held))["sentence_embedding"]
     out = om(dict(held))["sentence_embedding"]
     assert float(torch.nn.functional.cosine_similarity(out, ref).min()) > 0.98
+
+
+@pytest.mark.parametrize("make", [_roberta, _distilbert], ids=["roberta", "distilbert"])
+def test_sentence_encoder_around_roberta_and_distilbert_gets_the_fused_variant(make):
+    from torchnitro.autotune.recipes.bert_unpad import UnpaddedBert
+    from torchnitro.hf import SentenceEncoder
+
+    model = SentenceEncoder(make()).eval()
+    assert bert_inapplicable_reason(model) is None
+    fast = unpad_model(copy.deepcopy(model))
+    assert isinstance(fast, UnpaddedBert)
+    ids, mask = _ragged(5, 19, seed=8, pad_id=int(model.encoder.config.pad_token_id or 0))
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(ids, mask), model(ids, mask), rtol=1e-4, atol=1e-5)
