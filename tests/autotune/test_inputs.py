@@ -86,5 +86,7 @@ def test_random_like_keeps_attention_masks_right_padded_and_fills_feature_dicts(
     (feats,) = random_like(({"input_ids": ids, "attention_mask": mask, "modality": "text"},), seed=3)
     assert feats["modality"] == "text" and torch.equal(feats["attention_mask"], new_mask)
     assert not torch.equal(feats["input_ids"], ids)
+    real = set(ids[mask != 0].tolist())  # held-out token ids: the example's own tokens, padded with its pad id
+    assert set(new_ids[new_mask != 0].tolist()) <= real and bool((new_ids[new_mask == 0] == 0).all())
     zeros = torch.zeros(4, 8, dtype=torch.long)  # token_type_ids of single sentences: not a mask
     assert torch.equal(random_like((zeros,), seed=3)[0], zeros)

@@ -209,16 +209,47 @@ def rebuild_model(spec: str, extra: dict[str, Any] | None = None) -> nn.Module:
 
 
 def random_like(inputs: tuple[Any, ...], seed: int) -> tuple[Any, ...]:
-    """Fresh inputs of the same shapes/dtypes: floats with the example's mean/std, integers within
-    the example's range; tensors inside a feature dict too. Used for held-out inputs when no input
-    generator is known."""
+    """Fresh inputs of the same shapes/dtypes, for held-out inputs when no input generator is known:
+    floats with the example's mean/std; a right-padded attention mask with new lengths; integer
+    tensors laid out like that mask (token ids) drawn from the example's own real tokens, padded
+    with its pad value (uniform ids over the vocabulary range are not text: int8 calibrated on the
+    example failed them at cosine 0.58-0.95 on MiniLM); other integers uniform within the
+    example's range. Tensors inside a feature dict are handled the same way."""
     g = torch.Generator().manual_seed(seed)
-    return tuple(_random_one(t, g) for t in inputs)
+    return tuple(_random_group(list(inputs), g))
+
+
+def _random_group(items: list[Any], g: torch.Generator) -> list[Any]:
+    """``items`` (one input tuple, or one feature dict's values) made afresh; see ``random_like``."""
+    old = next((t for t in items if isinstance(t, Tensor) and _is_prefix_mask(t)), None)
+    new = None
+    if old is not None:  # new sentence lengths, still right-padded
+        lens = torch.randint(1, old.shape[1] + 1, (old.shape[0],), generator=g)  # (B,)
+        new = (torch.arange(old.shape[1])[None] < lens[:, None]).to(old.dtype)  # (B, T)
+    out = []
+    for t in items:
+        if old is not None and t is old:
+            out.append(new)
+        elif (new is not None and isinstance(t, Tensor) and not t.dtype.is_floating_point and t.dtype != torch.bool
+              and t.shape == old.shape and t.numel()):
+            out.append(_tokens_like(t, old, new, g))
+        else:
+            out.append(_random_one(t, g))
+    return out
+
+
+def _tokens_like(ids: Tensor, old: Tensor, new: Tensor, g: torch.Generator) -> Tensor:
+    """``(B, T)`` ids at ``new``'s real positions drawn from ``ids``' real tokens under ``old``."""
+    real = ids[old != 0]  # (N,) the example's real tokens
+    pads = ids[old == 0]
+    pad = int(pads.mode().values) if pads.numel() else 0
+    pick = real[torch.randint(0, real.numel(), ids.shape, generator=g)]  # (B, T)
+    return torch.where(new != 0, pick, torch.full_like(pick, pad)).to(ids.dtype)
 
 
 def _random_one(t: Any, g: torch.Generator) -> Any:
     if isinstance(t, Mapping):  # a feature dict (sentence-transformers): its tensors, keys kept
-        return {k: _random_one(v, g) for k, v in t.items()}
+        return dict(zip(t.keys(), _random_group(list(t.values()), g)))
     if not isinstance(t, Tensor):
         return t
     if t.dtype == torch.bool or t.numel() == 0:
@@ -227,9 +258,6 @@ def _random_one(t: Any, g: torch.Generator) -> Any:
         x = t.float()
         std = float(x.std()) if x.numel() > 1 else 1.0
         return (torch.randn(t.shape, generator=g) * (std or 1.0) + float(x.mean())).to(t.dtype)
-    if _is_prefix_mask(t):  # an attention mask: new sentence lengths, still right-padded
-        lens = torch.randint(1, t.shape[1] + 1, (t.shape[0],), generator=g)  # (B,)
-        return (torch.arange(t.shape[1])[None] < lens[:, None]).to(t.dtype)  # (B, T)
     lo, hi = int(t.min()), int(t.max())
     return torch.randint(lo, hi + 1, t.shape, generator=g).to(t.dtype)
 
