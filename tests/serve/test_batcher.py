@@ -392,3 +392,24 @@ def test_request_gone_inside_batch_window_does_not_wedge(how):
         assert loop.time() - t0 < 0.1  # idle: nothing to drain
 
     run_virtual(main)
+
+
+def test_lost_worker_failure_is_retried_one_request_at_a_time():
+    calls = []
+
+    class Lost(RuntimeError):
+        retry_alone = True  # what ProcessPool marks a batch lost with its worker
+
+    async def main():
+        async def fn(items):
+            calls.append(list(items))
+            if 13 in items:
+                raise Lost("worker died")
+            return items
+
+        async with DynamicBatcher(fn, BatchingConfig(max_batch_size=4, max_wait_ms=20)) as b:
+            return await asyncio.gather(*(b.submit(x) for x in (1, 13, 2, 3)), return_exceptions=True)
+
+    res = run_virtual(main)
+    assert res[0] == 1 and isinstance(res[1], Lost) and res[2:] == [2, 3]
+    assert calls == [[1, 13, 2, 3], [1], [13], [2], [3]]  # the culprit runs twice in all, not log2(n) + 1 times

@@ -15,7 +15,9 @@ would change) only equal lengths share a batch.
 The queue is bounded: a full queue raises ``QueueFullError`` at once instead of waiting.
 
 A batch whose function raises is split in halves and each half retried (recursively), so one bad
-request fails alone and the good ones batched with it still get their answers.
+request fails alone and the good ones batched with it still get their answers. An exception with a
+true ``retry_alone`` attribute (a lost worker process: repeating it costs a restart) is retried one
+request at a time instead.
 
 Accounting: the ``RequestQueue`` alone decides whether a request is counted as queued (a batch
 that collects it takes it out; a deadline or cancel after that leaves the queue's counts alone);
@@ -417,7 +419,10 @@ class DynamicBatcher:
         except BaseException as exc:  # noqa: BLE001 - one bad request fails only itself
             if len(batch) > 1 and isinstance(exc, Exception) and not isinstance(exc, _NOT_RETRIED):
                 mid = len(batch) // 2
-                for half in (batch[:mid], batch[mid:]):
+                # a failure that costs a lot to repeat (a worker process lost) is retried one request
+                # at a time: only the culprit can cause it again, not every batch on its way down
+                parts = [[r] for r in batch] if getattr(exc, "retry_alone", False) else [batch[:mid], batch[mid:]]
+                for half in parts:
                     live = [r for r in half if r.live]
                     if live:
                         await self._run(live)

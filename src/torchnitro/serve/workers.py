@@ -146,6 +146,14 @@ def _worker_main(spec: Any, name: str, conn: Any, arena: Tensor, threads: int, t
             conn.send(("err", bid, f"{type(exc).__name__}: {exc}"))
 
 
+def _lost(msg: str) -> WorkerError:
+    """A batch lost with its worker: the batcher retries its requests one at a time (``retry_alone``),
+    so a request that kills workers costs one more restart, not one per halving step."""
+    err = WorkerError(msg)
+    err.retry_alone = True  # type: ignore[attr-defined]
+    return err
+
+
 class _Proc:
     def __init__(self, idx: int, process: Any, conn: Any, arena: Tensor):
         self.idx, self.process, self.conn, self.arena = idx, process, conn, arena
@@ -330,14 +338,14 @@ class ProcessPool:
             except asyncio.TimeoutError:
                 healthy = False
                 proc.process.kill()  # SIGKILL also ends a stopped (SIGSTOP) process
-                raise WorkerError(
+                raise _lost(
                     f"worker {proc.idx} (pid {proc.process.pid}) held this batch of {len(items)} request(s) "
                     f"for more than {self.batch_timeout_s:g} s (stopped or hung); it was killed and is being "
                     "replaced, retry the request (ServeConfig.worker_timeout_s sets the limit)") from None
             except (EOFError, OSError):
                 healthy = False
                 await asyncio.get_running_loop().run_in_executor(None, proc.process.join, 2)
-                raise WorkerError(
+                raise _lost(
                     f"worker {proc.idx} (pid {proc.process.pid}) died with exit code {proc.process.exitcode} "
                     f"while running this batch of {len(items)} request(s); it is being restarted, retry "
                     "the request") from None
