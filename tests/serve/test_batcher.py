@@ -168,22 +168,27 @@ def test_cancelled_request_leaves_queue_and_is_not_computed():
     run_virtual(main)
 
 
-def test_failing_batch_is_split_until_only_the_culprit_fails():
-    calls = []
+def run_batch(values: tuple, exc: Exception, calls: list) -> list:
+    """Submit ``values`` as one batch to a function that records each call and raises ``exc`` on
+    any batch holding 13; returns each request's result or exception."""
 
     async def main():
         async def fn(items):
             calls.append(list(items))
             if 13 in items:
-                raise RuntimeError("bad luck")
+                raise exc
             return items
 
-        async with DynamicBatcher(fn, BatchingConfig(max_batch_size=8, max_wait_ms=20)) as b:
-            res = await asyncio.gather(*(b.submit(x) for x in (1, 2, 3, 13, 5, 6, 7, 8)),
-                                       return_exceptions=True)
-        return res
+        cfg = BatchingConfig(max_batch_size=len(values), max_wait_ms=20)
+        async with DynamicBatcher(fn, cfg) as b:
+            return await asyncio.gather(*(b.submit(x) for x in values), return_exceptions=True)
 
-    res = run_virtual(main)
+    return run_virtual(main)
+
+
+def test_failing_batch_is_split_until_only_the_culprit_fails():
+    calls = []
+    res = run_batch((1, 2, 3, 13, 5, 6, 7, 8), RuntimeError("bad luck"), calls)
     assert isinstance(res[3], RuntimeError) and "bad luck" in str(res[3])
     assert res[:3] + res[4:] == [1, 2, 3, 5, 6, 7, 8]  # batched with the bad one, answered anyway
     # whole batch, its halves, then quarters of the failing half, then the pair holding 13
@@ -400,16 +405,6 @@ def test_lost_worker_failure_is_retried_one_request_at_a_time():
     class Lost(RuntimeError):
         retry_alone = True  # what ProcessPool marks a batch lost with its worker
 
-    async def main():
-        async def fn(items):
-            calls.append(list(items))
-            if 13 in items:
-                raise Lost("worker died")
-            return items
-
-        async with DynamicBatcher(fn, BatchingConfig(max_batch_size=4, max_wait_ms=20)) as b:
-            return await asyncio.gather(*(b.submit(x) for x in (1, 13, 2, 3)), return_exceptions=True)
-
-    res = run_virtual(main)
+    res = run_batch((1, 13, 2, 3), Lost("worker died"), calls)
     assert res[0] == 1 and isinstance(res[1], Lost) and res[2:] == [2, 3]
     assert calls == [[1, 13, 2, 3], [1], [13], [2], [3]]  # the culprit runs twice in all, not log2(n) + 1 times
