@@ -10,7 +10,7 @@ import torch
 from torchnitro.errors import ArtifactError
 from torchnitro.hrr import ops as h
 from torchnitro.hrr.memory import ItemMemory
-from torchnitro.hrr.store import sha256_file
+from torchnitro.checksum import sha256_file
 
 
 @pytest.fixture

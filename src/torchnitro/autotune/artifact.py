@@ -41,23 +41,16 @@ from typing import Any
 
 from torch import nn
 
+from torchnitro.checksum import sha256_file
 from torchnitro.errors import ArtifactError
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "sha256_file", "write_artifact", "read_manifest", "load_artifact",
+__all__ = ["FORMAT", "FORMAT_VERSION", "write_artifact", "read_manifest", "load_artifact",
            "check_model_spec"]
 
 FORMAT = "torchnitro-artifact"
 FORMAT_VERSION = 1
 _OPT_IN = ("If you trust whoever made this artifact, load it with trust_code=True (CLI: --trust-code), "
            "as with Hugging Face's trust_remote_code.")
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _manifest_hash(manifest: dict[str, Any]) -> str:

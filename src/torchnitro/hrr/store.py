@@ -17,7 +17,6 @@ raw little-endian arrays at known offsets), so a codebook larger than RAM can be
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -27,22 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from torchnitro.checksum import sha256_file
 from torchnitro.errors import ArtifactError, InputError
 
-__all__ = ["save_store", "load_store", "sha256_file", "STORE_VERSION"]
+__all__ = ["save_store", "load_store", "STORE_VERSION"]
 
 STORE_VERSION = 1
 _TENSORS, _SIDE, _MANIFEST = "tensors.safetensors", "labels.json", "manifest.json"
 _NP_DTYPES = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I64": np.int64, "I32": np.int32}
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    """Hex SHA-256 of a file, streamed in 4 MiB chunks (works for files larger than RAM)."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def save_store(
