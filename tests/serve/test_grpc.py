@@ -244,3 +244,17 @@ def test_cli_grpc_port_with_a_worker_process_then_sigterm(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_readiness_follows_the_pool_as_over_http():
+    """While every worker of a model is being replaced, gRPC readiness is false, as HTTP's is 503."""
+    with serving() as (srv, c, base):
+        pool = srv.models["mlp"].pool
+        assert c.ServerReady().ready and c.ModelReady(name="mlp").ready
+        pool.ready = False  # what a ProcessPool reports while every worker is being replaced
+        try:
+            assert httpx.get(base + "/v2/health/ready", timeout=10).status_code == 503
+            assert not c.ServerReady().ready and not c.ModelReady(name="mlp").ready
+        finally:
+            pool.ready = True
+        assert c.ServerReady().ready and c.ModelReady(name="mlp").ready

@@ -214,11 +214,11 @@ class GRPCFrontend:
 
     async def server_ready(self, request: Any, context: Any) -> Any:
         srv = self.server
-        return pb.ServerReadyResponse(ready=not srv.draining and all(e.ready for e in srv.models.values()))
+        return pb.ServerReadyResponse(ready=not srv.draining and all(e.serving for e in srv.models.values()))
 
     async def model_ready(self, request: Any, context: Any) -> Any:
         ep = self._endpoint(request.name)
-        return pb.ModelReadyResponse(ready=ep.ready and not self.server.draining)
+        return pb.ModelReadyResponse(ready=ep.serving and not self.server.draining)
 
     async def server_metadata(self, request: Any, context: Any) -> Any:
         return pb.ServerMetadataResponse(name="torchnitro", version=torchnitro.__version__, extensions=[])
