@@ -29,7 +29,7 @@ import torch
 
 from torchnitro.autotune.api import optimize
 from torchnitro.autotune.config import OptimizeConfig
-from torchnitro.autotune.inputs import resolve_model
+from torchnitro.autotune.inputs import model_and_inputs
 from torchnitro.autotune.recipes.int8_mixed import row_cosine
 from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir, save_plot
 from torchnitro.hardware import hardware_info
@@ -49,7 +49,7 @@ COLUMNS = ("workload", "recipe", "class", "status", "median ms", "p99 ms", "spee
 
 def run(name: str, cache_root: Path) -> tuple[list[dict], dict, object, tuple]:
     spec, batch, seq, budget, emb_gate = WORKLOADS[name]
-    model, inputs, info = resolve_model(spec, batch=batch, seq=seq)
+    model, inputs, info = model_and_inputs(spec, batch=batch, seq=seq)
     cfg = OptimizeConfig(budget_s=budget, candidate_timeout_s=min(120.0, budget), cache_dir=str(cache_root / name),
                          metric_fn=row_cosine if emb_gate else None, metric_threshold=0.99 if emb_gate else None)
     # default finalists (3): the search screens every candidate within 2x of the best estimate first

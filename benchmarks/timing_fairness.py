@@ -37,7 +37,7 @@ import torch
 
 from torchnitro.autotune.api import optimize
 from torchnitro.autotune.config import OptimizeConfig
-from torchnitro.autotune.inputs import resolve_model
+from torchnitro.autotune.inputs import model_and_inputs
 from torchnitro.autotune.recipe import BuildContext, get_recipe
 from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir
 from torchnitro.bench.environment import describe_environment
@@ -63,7 +63,7 @@ MALLOC_SETTINGS = {  # name -> environment of a fresh process (glibc reads these
 
 def build_variant(spec: str, batch: int, seq: int, recipe: str, workdir: str, threads: int) -> Callable[..., Any]:
     """Child side (``ChildTimer`` loader): the built-in model, built into ``recipe``'s variant in this process."""
-    model, inputs, info = resolve_model(spec, batch=batch or None, seq=seq or None)
+    model, inputs, info = model_and_inputs(spec, batch=batch or None, seq=seq or None)
     if recipe == "eager":
         return model
     ctx = BuildContext(model, inputs, hardware_info(), torch.device("cpu"), Path(workdir), dict(info.dynamic_dims),
@@ -111,7 +111,7 @@ def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any,
 def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], quick: bool,
         tables: dict[str, ResultTable], notes: list[str]) -> None:
     variants, speedups, allocator = tables["variants"], tables["speedups"], tables.get("allocator")
-    model, inputs, info = resolve_model(spec, batch=batch or None, seq=seq or None)
+    model, inputs, info = model_and_inputs(spec, batch=batch or None, seq=seq or None)
     final_s = 0.3 if quick else 2.0
     with tempfile.TemporaryDirectory(prefix="timing-fairness-") as tmp:
         cfg = OptimizeConfig(recipes=list(families.values()), finalists=len(families), min_speedup=1.0,

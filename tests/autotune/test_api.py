@@ -43,9 +43,9 @@ def test_training_mode_model_is_optimized_in_eval(fast_cfg):
 
 def test_two_input_hf_model_signature(fast_cfg, tmp_path):
     pytest.importorskip("transformers")
-    from torchnitro.autotune.inputs import resolve_model
+    from torchnitro.autotune.inputs import model_and_inputs
 
-    model, inputs, info = resolve_model("hf-bert-tiny", batch=2, seq=16)
+    model, inputs, info = model_and_inputs("hf-bert-tiny", batch=2, seq=16)
     opt = torchnitro.optimize(model, inputs, fast_cfg(recipes=["onnxruntime"], min_speedup=0.0), info=info)
     assert opt.recipe == "onnxruntime", opt.report
     names = [i["name"] for i in opt.signature["inputs"]]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torchnitro
-from torchnitro.autotune.inputs import ModelInfo, resolve_model
+from torchnitro.autotune.inputs import ModelInfo, model_and_inputs
 from torchnitro.errors import ArtifactError
 
 
@@ -19,7 +19,7 @@ def saved(tmp_path_factory):
     from fake_recipes import fast_config
 
     tmp = tmp_path_factory.mktemp("art")
-    model, inputs, info = resolve_model("mlp", batch=4)
+    model, inputs, info = model_and_inputs("mlp", batch=4)
     out = {}
     for name in ("onnxruntime", "dynamic-int8"):
         cfg = fast_config(tmp, recipes=[name], min_speedup=0.0, cache=False)  # min_speedup 0: take it even if slower

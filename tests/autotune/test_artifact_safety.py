@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import torchnitro
-from torchnitro.autotune.inputs import resolve_model
+from torchnitro.autotune.inputs import model_and_inputs
 from torchnitro.errors import ArtifactError
 
 
@@ -22,7 +22,7 @@ def saved(tmp_path_factory):
     from fake_recipes import fast_config
 
     tmp = tmp_path_factory.mktemp("safe")
-    model, inputs, info = resolve_model("mlp", batch=4)
+    model, inputs, info = model_and_inputs("mlp", batch=4)
     out = {}
     for name in ("dynamic-int8", "torchscript"):
         cfg = fast_config(tmp, recipes=[name], min_speedup=0.0, cache=False)

@@ -7,11 +7,11 @@ import torch
 
 import torchnitro
 from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
-from torchnitro.autotune.inputs import resolve_model
+from torchnitro.autotune.inputs import model_and_inputs
 
 
 def test_rerun_uses_search_cache_and_candidate_cache(fast_cfg):
-    model, inputs, info = resolve_model("mlp", batch=4)
+    model, inputs, info = model_and_inputs("mlp", batch=4)
     cfg = fast_cfg(recipes=["torchscript", "onnxruntime"])
     first = torchnitro.optimize(model, inputs, cfg, info=info)
     assert not first.report.cached
@@ -29,7 +29,7 @@ def test_rerun_uses_search_cache_and_candidate_cache(fast_cfg):
 def test_a_recipe_version_bump_misses_its_cached_results(fast_cfg, monkeypatch):
     from torchnitro.autotune.recipe import get_recipe
 
-    model, inputs, info = resolve_model("mlp", batch=4)
+    model, inputs, info = model_and_inputs("mlp", batch=4)
     cfg = fast_cfg(recipes=["torchscript", "onnxruntime"])
     torchnitro.optimize(model, inputs, cfg, info=info)
     monkeypatch.setattr(type(get_recipe("torchscript")), "version", "999")  # its builder changed
@@ -39,7 +39,7 @@ def test_a_recipe_version_bump_misses_its_cached_results(fast_cfg, monkeypatch):
 
 
 def test_changed_weights_change_the_key():
-    model, _, _ = resolve_model("mlp")
+    model, _, _ = model_and_inputs("mlp")
     h1 = model_hash(model)
     with torch.no_grad():
         model.layers[0].weight[0, 0] += 1e-3
@@ -69,7 +69,7 @@ def test_cached_non_standalone_winner_saves_fp32_weights(fast_cfg, tmp_path):
 
     if get_recipe("bf16").unavailable_reason(hardware_info()):
         pytest.skip("bf16 is not available on this CPU")
-    model, inputs, info = resolve_model("mlp", batch=4)
+    model, inputs, info = model_and_inputs("mlp", batch=4)
     cfg = fast_cfg(recipes=["bf16"], min_speedup=0.0)
     first = torchnitro.optimize(model, inputs, cfg, info=info)
     again = torchnitro.optimize(model, inputs, cfg, info=info)

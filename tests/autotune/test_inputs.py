@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchnitro.autotune.inputs import parse_input_spec, random_like, rebuild_model, resolve_model, signature_of
+from torchnitro.autotune.inputs import parse_input_spec, random_like, rebuild_model, model_and_inputs, signature_of
 from torchnitro.errors import InputError
 
 
@@ -30,13 +30,13 @@ def test_bad_input_specs(bad, match):
 
 
 def test_builtin_and_sizes():
-    model, inputs, info = resolve_model("encoder", batch=2, seq=16)
+    model, inputs, info = model_and_inputs("encoder", batch=2, seq=16)
     assert inputs[0].shape == (2, 16) and info.spec == "encoder" and info.dynamic_dims == {0: [0, 1]}
     assert not model.training
     with pytest.raises(InputError, match="unknown built-in"):
-        resolve_model("no-such-model")
+        model_and_inputs("no-such-model")
     with pytest.raises(InputError, match="--input"):
-        resolve_model("mlp", ["4x512"])
+        model_and_inputs("mlp", ["4x512"])
 
 
 def test_factory_file_and_module(tmp_path, monkeypatch):
@@ -45,24 +45,24 @@ def test_factory_file_and_module(tmp_path, monkeypatch):
                  "def build():\n    return torch.nn.Linear(8, 2)\n"
                  "def with_inputs():\n    return torch.nn.Linear(8, 2), (torch.randn(3, 8),)\n"
                  "def not_a_model():\n    return 3\n")
-    model, inputs, info = resolve_model(f"{f}:build", ["5x8"])
+    model, inputs, info = model_and_inputs(f"{f}:build", ["5x8"])
     assert inputs[0].shape == (5, 8) and model(inputs[0]).shape == (5, 2)
     monkeypatch.syspath_prepend(str(tmp_path))
-    _, inputs, info = resolve_model("mymodels:with_inputs")
+    _, inputs, info = model_and_inputs("mymodels:with_inputs")
     assert inputs[0].shape == (3, 8) and info.spec == "mymodels:with_inputs"
     assert isinstance(rebuild_model("mymodels:build"), torch.nn.Linear)
     with pytest.raises(InputError, match="no example inputs"):
-        resolve_model("mymodels:build")
+        model_and_inputs("mymodels:build")
     with pytest.raises(InputError, match="returned int"):
-        resolve_model("mymodels:not_a_model")
+        model_and_inputs("mymodels:not_a_model")
     with pytest.raises(InputError, match="no callable"):
-        resolve_model("mymodels:missing")
+        model_and_inputs("mymodels:missing")
     with pytest.raises(InputError, match="cannot import"):
-        resolve_model("no_such_module_xyz:build")
+        model_and_inputs("no_such_module_xyz:build")
     with pytest.raises(InputError, match="does not exist"):
-        resolve_model(f"{tmp_path}/nope.py:build")
+        model_and_inputs(f"{tmp_path}/nope.py:build")
     with pytest.raises(InputError, match="does not exist"):
-        resolve_model(f"hf:{tmp_path}/no-folder")
+        model_and_inputs(f"hf:{tmp_path}/no-folder")
 
 
 def test_random_like_keeps_ranges_and_signature():

@@ -196,7 +196,7 @@ def test_explicit_unavailable_recipe_raises_auto_selected_is_skipped(fast_cfg):
 
 
 def test_model_from_factory_file_runs_isolated(fast_cfg, tmp_path):
-    from torchnitro.autotune.inputs import resolve_model
+    from torchnitro.autotune.inputs import model_and_inputs
 
     f = tmp_path / "netfile.py"
     f.write_text("import torch\n"
@@ -208,7 +208,7 @@ def test_model_from_factory_file_runs_isolated(fast_cfg, tmp_path):
                  "        return self.lin(x).tanh()\n"
                  "def build():\n"
                  "    return FileNet()\n")
-    model, inputs, info = resolve_model(f"{f}:build", ["4x8"])
+    model, inputs, info = model_and_inputs(f"{f}:build", ["4x8"])
     opt = torchnitro.optimize(model, inputs, fast_cfg(recipes=["onnxruntime"], min_speedup=0.0), info=info)
     c = opt.report.get("onnxruntime")
     assert c.isolated and c.status == Status.CHOSEN, c.reason

@@ -12,8 +12,8 @@ from torch import nn
 
 from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
 from torchnitro.autotune.config import OptimizeConfig
-from torchnitro.autotune.inputs import (ModelInfo, forward_params, input_signature, inputs_from_mapping, resolve_model,
-                                        signature_of)
+from torchnitro.autotune.inputs import (ModelInfo, forward_params, input_signature, inputs_from_mapping,
+                                        model_and_inputs, signature_of)
 from torchnitro.autotune.recipe import get_recipe
 from torchnitro.autotune.report import Report
 from torchnitro.errors import InputError
@@ -119,7 +119,7 @@ def optimize(model: nn.Module | str, example_inputs: Any = None, config: Optimiz
     if not isinstance(cfg, OptimizeConfig):
         raise InputError(f"config: received {type(cfg).__name__}; expected torchnitro.OptimizeConfig")
     if isinstance(model, str):
-        model, resolved, info = resolve_model(model)
+        model, resolved, info = model_and_inputs(model)
         example_inputs = example_inputs if example_inputs is not None else resolved
     if not isinstance(model, nn.Module):
         raise InputError(f"model: received {type(model).__name__}; expected a torch.nn.Module or a model spec string")

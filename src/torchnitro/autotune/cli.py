@@ -63,7 +63,7 @@ def optimize_command(
     from rich.console import Console
 
     from torchnitro.autotune.api import optimize
-    from torchnitro.autotune.inputs import resolve_model
+    from torchnitro.autotune.inputs import model_and_inputs
 
     if batch is not None and batch < 1 or seq is not None and seq < 1:
         raise InputError(f"--batch {batch} --seq {seq}: expected positive integers")
@@ -73,7 +73,7 @@ def optimize_command(
     from torchnitro.autotune.workload import select_recipes
 
     select_recipes(cfg)  # unknown recipe names fail before any work
-    m, inputs, info = resolve_model(model, input, text=list(text) or None, batch=batch, seq=seq)
+    m, inputs, info = model_and_inputs(model, input, text=list(text) or None, batch=batch, seq=seq)
     opt = optimize(m, inputs, cfg, info=info)
     path = opt.save(out)
     con = Console(width=None if sys.stdout.isatty() else 200)
@@ -98,14 +98,14 @@ def analyze_command(
 
     from rich.console import Console
 
-    from torchnitro.autotune.inputs import resolve_model
+    from torchnitro.autotune.inputs import model_and_inputs
 
     if importlib.util.find_spec("torchnitro.autotune.analyze") is None:
         raise InputError("torchnitro analyze is not available in this installation (torchnitro.autotune.analyze is "
                          "missing); expected it in the package, reinstall torchnitro")
     from torchnitro.autotune.analyze import analyze
 
-    m, inputs, _ = resolve_model(model, input, text=list(text) or None, batch=batch, seq=seq)
+    m, inputs, _ = model_and_inputs(model, input, text=list(text) or None, batch=batch, seq=seq)
     result = analyze(m, inputs)
     con = Console()
     if as_json:

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from torchnitro.errors import InputError
 
-__all__ = ["ModelInfo", "InputSpec", "parse_input_spec", "resolve_model", "rebuild_model", "random_like",
+__all__ = ["ModelInfo", "InputSpec", "parse_input_spec", "model_and_inputs", "rebuild_model", "random_like",
            "signature_of", "input_signature", "forward_params", "inputs_from_mapping"]
 
 _DTYPES = {
@@ -131,7 +131,7 @@ def _sized(specs: Sequence[InputSpec]) -> Callable[[int, int, int], tuple[Tensor
     return make
 
 
-def resolve_model(
+def model_and_inputs(
     spec: str | None = None,
     input_specs: Sequence[str] = (),
     *,
@@ -198,7 +198,7 @@ def rebuild_model(spec: str, extra: dict[str, Any] | None = None) -> nn.Module:
     """The eager model for a recorded spec (used by ``load`` for non-standalone artifacts)."""
     extra = extra or {}
     if spec.startswith("hf:"):
-        model, _, _ = resolve_model(spec, text=extra.get("text"), batch=1, seq=8)
+        model, _, _ = model_and_inputs(spec, text=extra.get("text"), batch=1, seq=8)
         return model
     if ":" not in spec:
         from torchnitro.nn.zoo import get_builtin
