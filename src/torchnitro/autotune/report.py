@@ -30,6 +30,7 @@ class CandidateResult:
     cv: float | None = None  # coefficient of variation of the samples
     throughput: float | None = None  # items (batch rows) per second at p50
     speedup: float | None = None  # eager p50 / this p50 (>1 is faster), from the interleaved comparison when a finalist
+    noise: float | None = None  # how far the speedup's 95% interval reaches below it (bench.ratio), interleaved only
     peak_mem_mb: float | None = None  # GPU: peak allocated; CPU: peak resident-set growth (5 ms sampling)
     max_abs: float | None = None
     max_rel: float | None = None
@@ -91,7 +92,8 @@ class Report:
             out.append([
                 c.recipe, c.numeric_class, c.status, _fmt(c.p50_ms), _fmt(c.p99_ms), _fmt(c.throughput, 1),
                 ("" if c.interleaved or c.speedup is None else "~") + _fmt(c.speedup)
-                + ("x" if c.speedup is not None else ""), _fmt(c.peak_mem_mb, 1),
+                + ("x" if c.speedup is not None else "") + (f" ±{c.noise:.2f}" if c.noise is not None else ""),
+                _fmt(c.peak_mem_mb, 1),
                 _fmt(c.norm_rel), _fmt(c.min_cosine, 5), _fmt(c.build_s, 1) + (" (cache)" if c.cached else ""),
                 c.reason or c.notes,
             ])

@@ -13,7 +13,7 @@
    early sample each, taken minutes apart, can be hit by load) are screened in a short interleaved
    run with eager when they outnumber ``finalists``; the best ``finalists`` by that ratio are re-timed
    interleaved with eager (``bench.compare``); the winner must beat eager by ``min_speedup`` and by
-   eager's own noise, otherwise eager is chosen. Candidates with their own runtime (``isolate=True``,
+   more than the noise of its ratio (``bench.ratio``: paired bootstrap over the rounds), otherwise eager. Candidates with their own runtime (``isolate=True``,
    standalone artifact) are timed alone in their own process in both runs (``autotune.fair``), and
    eager inside the comparison is checked against eager alone (redone once when it drifted).
 """
@@ -40,16 +40,17 @@ from torchnitro.autotune.recipe import BuildContext, Recipe
 from torchnitro.autotune.recipes._util import restructure
 from torchnitro.autotune.report import CandidateResult, Report, Status
 from torchnitro.autotune.verify import gate_options, judge
-from torchnitro.autotune.workload import (SearchOutcome, SearchProgress, Workload, objective_stat, objective_text,
+from torchnitro.autotune.workload import (SearchOutcome, SearchProgress, Workload, objective_text,
                                           prepare_workload, select_recipes)
 from torchnitro.autotune import fair
 from torchnitro.bench.environment import describe_environment
 from torchnitro.bench.isolated import ChildTimer, save_inputs, shared_process
+from torchnitro.bench.ratio import paired_ratio
 from torchnitro.bench.timing import Timing, TimingConfig, compare
 from torchnitro.errors import InputError, RecipeError
 from torchnitro.hardware import hardware_info
 
-__all__ = ["search", "resolve_device", "finalist_pool", "NOISE_BAND"]
+__all__ = ["search", "resolve_device", "finalist_pool", "pick_winner", "NOISE_BAND"]
 
 
 
@@ -364,15 +365,15 @@ def _screen(s: _Search, report: Report, eager_fn: Callable[[], Any], fns: dict[s
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=cfg.final_min_time_s / 2,
                       max_time_s=max(3.0, cfg.final_min_time_s * 2), device=s.device.type)
     res = _compare_finalists(s, report, {"eager": eager_fn, **fns}, tc)
-    ratio = {n: res["eager"].median / t.median for n, t in res.items() if n != "eager"}
-    keep = sorted(ratio, key=ratio.get, reverse=True)[:k]
-    for name, r in ratio.items():
+    est = {n: paired_ratio(res["eager"], t) for n, t in res.items() if n != "eager"}
+    keep = sorted(est, key=lambda n: est[n].ratio, reverse=True)[:k]
+    for name, e in est.items():
         c = report.get(name)
-        _note(c, f"screen {r:.2f}x vs eager (short interleaved run)")
+        _note(c, f"screen {e.text()} vs eager (short interleaved run)")
         if name not in keep:  # not re-timed again: the screen's interleaved numbers are its best estimate
             t = res[name]
-            c.p50_ms, c.p99_ms, c.cv, c.throughput, c.speedup, c.interleaved = (
-                t.median * 1e3, t.p99 * 1e3, t.cv, t.throughput, r, True)
+            c.p50_ms, c.p99_ms, c.cv, c.throughput, c.speedup, c.noise, c.interleaved = (
+                t.median * 1e3, t.p99 * 1e3, t.cv, t.throughput, e.ratio, e.noise, True)
     report.notes.append(f"{len(fns)} candidates within {NOISE_BAND:g}x of the best search estimate were screened in "
                         f"a short interleaved run with eager; the best {len(keep)} went on to the final comparison")
     return {n: fns[n] for n in keep}
@@ -433,21 +434,40 @@ def _finalists(s: _Search, report: Report) -> Recipe:
     finally:
         for timer in timers.values():
             timer.close()
-    base = objective_stat(res["eager"], cfg)
-    # below 1 the user accepts a slower verified candidate on purpose (forcing a recipe); else beat the noise too
-    required = cfg.min_speedup if cfg.min_speedup < 1 else max(cfg.min_speedup, 1.0 + min(res["eager"].cv, 0.10))
-    best, best_speed = eager, 0.0  # eager unless some candidate clears the bar
-    for name, t in res.items():
-        c = report.get(name)
-        c.p50_ms, c.p99_ms, c.cv, c.throughput = t.median * 1e3, t.p99 * 1e3, t.cv, t.throughput
-        c.speedup = base / objective_stat(t, cfg)
-        c.interleaved = True
-        if name != "eager" and c.speedup >= required and c.speedup > best_speed:
-            best, best_speed = get_recipe(name), c.speedup
+    best = pick_winner(res, report, cfg)
     alone = sorted(n for n in res if report.get(n).alone)
     report.notes.append("finalists re-timed interleaved with eager" + (
         f" ({', '.join(alone)} each alone in its own process, rounds alternating with eager here)" if alone else "")
-        + f"; a winner needs >= {required:.2f}x")
+        + "; " + _bar_text(cfg))
+    return eager if best is None else get_recipe(best)
+
+
+def _bar_text(cfg: OptimizeConfig) -> str:
+    if cfg.min_speedup < 1:
+        return f"a winner needs >= {cfg.min_speedup:.2f}x (below 1: a slower verified candidate is accepted)"
+    return (f"a winner needs >= {cfg.min_speedup:.2f}x and a speedup whose noise (±: 95% paired bootstrap over the "
+            "comparison's rounds) stays above 1")
+
+
+def pick_winner(res: dict[str, Timing], report: Report, cfg: OptimizeConfig) -> str | None:
+    """Fill each finalist's interleaved numbers, speedup and noise (``bench.ratio``); return the fastest
+    that reaches ``min_speedup`` and is faster than eager by more than its noise, or None (eager).
+
+    ``min_speedup < 1`` is a user accepting a slower verified candidate on purpose: no noise bar then."""
+    q = 99.0 if cfg.objective == "latency" and cfg.percentile == "p99" else 50.0  # objective_stat's statistic
+    best, best_speed = None, 0.0
+    for name, t in res.items():
+        c = report.get(name)
+        c.p50_ms, c.p99_ms, c.cv, c.throughput = t.median * 1e3, t.p99 * 1e3, t.cv, t.throughput
+        c.interleaved = True
+        if name == "eager":
+            c.speedup = 1.0
+            continue
+        est = paired_ratio(res["eager"], t, q)
+        c.speedup, c.noise = est.ratio, est.noise
+        clears = c.speedup >= cfg.min_speedup and (cfg.min_speedup < 1 or est.beats_noise)
+        if clears and c.speedup > best_speed:
+            best, best_speed = name, c.speedup
     return best
 
 
