@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -109,3 +110,10 @@ def test_load_hf_errors(tmp_path):
         load_hf(tmp_path)
     with pytest.raises(InputError, match="expected a non-empty list"):
         tokenize("just a string", "minilm", 8)
+
+
+def test_loading_a_model_sets_offline_mode(monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    get_builtin("hf-bert-tiny").build()
+    assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["TRANSFORMERS_OFFLINE"] == "1"

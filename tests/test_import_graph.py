@@ -25,7 +25,6 @@ KNOWN_MODULE_CYCLES: set[frozenset[str]] = set()
 
 # issue 17: cycles that close only through an import inside a function; remove an entry when fixed
 KNOWN_FUNCTION_CYCLES: set[frozenset[str]] = {
-    frozenset({"torchnitro.hf", "torchnitro.nn.zoo"}),  # zoo finds HF built-ins by importing hf (item 3)
     # program imports evaluate's time limit; evaluate's child loads programs through program.load_program
     frozenset({"torchnitro.autotune.evaluate", "torchnitro.autotune.program"}),
 }

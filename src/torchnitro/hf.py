@@ -7,11 +7,12 @@
   the wrapper returns plain tensors so every recipe (TorchScript, ONNX, ...) can consume it.
 - ``tokenize(texts, path, seq)``: the folder's own tokenizer, padded/truncated to ``seq``.
 - ``bert_config / gpt2_config / llama_config`` + ``random_hf_model``: HF architectures from a
-  config with random weights (tests, no downloads). Built-ins ``hf-bert-tiny``, ``hf-gpt2-tiny``,
-  ``hf-llama-tiny`` register them.
+  config with random weights (tests, no downloads). The built-ins ``hf-bert-tiny``, ``hf-gpt2-tiny``,
+  ``hf-llama-tiny`` and ``minilm`` are their factories here, named in ``nn.zoo.EXTRAS``.
 
-Nothing here touches the network: ``HF_HUB_OFFLINE=1`` is set before transformers is imported and
-every ``from_pretrained`` passes ``local_files_only=True``.
+Nothing here touches the network: every ``from_pretrained`` passes ``local_files_only=True``, and
+each function that loads a model or tokenizer sets ``HF_HUB_OFFLINE=1`` first (unless the caller set
+it), so the hub client transformers imports starts offline. Importing this module changes nothing.
 """
 
 from __future__ import annotations
@@ -20,21 +21,26 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from torchnitro.errors import InputError
-from torchnitro.nn.zoo import Builtin, register_builtin
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from torchnitro.nn.zoo import Builtin
 
 __all__ = [
     "SentenceEncoder", "HFTensorWrapper", "minilm_path", "load_minilm", "minilm_inputs", "tokenize",
     "load_hf", "sample_sentences", "bert_config", "gpt2_config", "llama_config", "random_hf_model",
+    "minilm_builtin", "bert_tiny_builtin", "gpt2_tiny_builtin", "llama_tiny_builtin",
 ]
+
+
+def _offline() -> None:
+    """Hub access off for this process unless the caller chose otherwise; called before transformers
+    (or tokenizers) is imported by a load, since huggingface_hub reads these once, at its import."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 # Plain English sentences of varied length: the text workload for MiniLM inputs. Held-out sentences
 # for verification come from the same generator with a different seed.
@@ -95,6 +101,7 @@ class _Tok:
     """Minimal tokenizer: the fast ``tokenizers`` file when present, else transformers' AutoTokenizer."""
 
     def __init__(self, folder: Path):
+        _offline()
         self.folder = folder
         tj = folder / "tokenizer.json"
         if tj.is_file():
@@ -183,6 +190,7 @@ class HFTensorWrapper(nn.Module):
 
 
 def _auto_model(folder: Path) -> nn.Module:
+    _offline()
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -207,8 +215,8 @@ def minilm_inputs(batch: int, seq: int, seed: int = 0) -> tuple[Tensor, Tensor]:
     return tokenize(sample_sentences(batch, seed), "minilm", seq)
 
 
-@register_builtin("minilm")
-def _minilm_builtin() -> Builtin:
+def minilm_builtin() -> Builtin:
+    """The ``minilm`` built-in (``nn.zoo.EXTRAS``)."""
     return Builtin("minilm", load_minilm, minilm_inputs,
                    "all-MiniLM-L6-v2 (real weights): tokens + mask -> L2-normalised mean-pooled embeddings (B, 384)",
                    default_batch=32, default_seq=128, dynamic_dims={0: [0, 1], 1: [0, 1]})
@@ -254,6 +262,7 @@ def load_hf(path: str | Path, text: Sequence[str] | str | None = None, *, batch:
 # ---- random-init HF architectures (tests, no downloads) ------------------------------------------
 
 def bert_config(**overrides: Any):
+    _offline()
     from transformers import BertConfig
 
     kw = dict(vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -263,6 +272,7 @@ def bert_config(**overrides: Any):
 
 
 def gpt2_config(**overrides: Any):
+    _offline()
     from transformers import GPT2Config
 
     kw = dict(vocab_size=1024, n_embd=64, n_layer=2, n_head=4, n_positions=256)
@@ -271,6 +281,7 @@ def gpt2_config(**overrides: Any):
 
 
 def llama_config(**overrides: Any):
+    _offline()
     from transformers import LlamaConfig
 
     kw = dict(vocab_size=1024, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -282,6 +293,7 @@ def llama_config(**overrides: Any):
 def random_hf_model(config: Any, *, seed: int = 0, sentence_embedding: bool | None = None) -> nn.Module:
     """An HF architecture from ``config`` with seeded random weights, wrapped to return tensors.
     Encoders (BERT-like) become ``SentenceEncoder`` by default; decoders ``HFTensorWrapper`` (logits)."""
+    _offline()
     from transformers import AutoModel, AutoModelForCausalLM
 
     is_decoder = config.model_type in ("gpt2", "llama", "mistral", "qwen2", "gemma")
@@ -305,13 +317,22 @@ def _random_token_inputs(vocab: int):
     return make
 
 
-def _tiny(name: str, cfg_fn: Any, desc: str) -> None:
-    @register_builtin(name)
-    def _b() -> Builtin:
-        return Builtin(name, lambda: random_hf_model(cfg_fn()), _random_token_inputs(1024), desc,
-                       default_batch=4, default_seq=64, dynamic_dims={0: [0, 1], 1: [0, 1]})
+def _tiny(name: str, config: Callable[[], Any], desc: str) -> Builtin:
+    return Builtin(name, lambda: random_hf_model(config()), _random_token_inputs(1024), desc,
+                   default_batch=4, default_seq=64, dynamic_dims={0: [0, 1], 1: [0, 1]})
 
 
-_tiny("hf-bert-tiny", bert_config, "HF BertModel, random init, 2 layers, dim 64 (mean-pooled embeddings)")
-_tiny("hf-gpt2-tiny", gpt2_config, "HF GPT2LMHeadModel, random init, 2 layers, dim 64 (logits)")
-_tiny("hf-llama-tiny", llama_config, "HF LlamaForCausalLM, random init, 2 layers, dim 64, GQA (logits)")
+def bert_tiny_builtin() -> Builtin:
+    """The ``hf-bert-tiny`` built-in (``nn.zoo.EXTRAS``)."""
+    return _tiny("hf-bert-tiny", bert_config, "HF BertModel, random init, 2 layers, dim 64 (mean-pooled embeddings)")
+
+
+def gpt2_tiny_builtin() -> Builtin:
+    """The ``hf-gpt2-tiny`` built-in (``nn.zoo.EXTRAS``)."""
+    return _tiny("hf-gpt2-tiny", gpt2_config, "HF GPT2LMHeadModel, random init, 2 layers, dim 64 (logits)")
+
+
+def llama_tiny_builtin() -> Builtin:
+    """The ``hf-llama-tiny`` built-in (``nn.zoo.EXTRAS``)."""
+    return _tiny("hf-llama-tiny", llama_config,
+                 "HF LlamaForCausalLM, random init, 2 layers, dim 64, GQA (logits)")

@@ -2,7 +2,9 @@
 
 ``get_builtin("encoder")`` returns a ``Builtin``; ``builtin.build()`` makes the model (eval mode,
 seeded weights) and ``builtin.inputs(batch, seq, seed)`` makes example inputs. Other modules add
-entries with ``@register_builtin`` (the ``hf`` extra adds ``minilm``).
+entries with ``@register_builtin``. Built-ins that need an optional extra are named in ``EXTRAS``
+("module:factory", imported on first use): this module never imports an extra, and an extra that
+fails to import shows its own ImportError instead of an unknown name.
 """
 
 from __future__ import annotations
@@ -10,14 +12,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import importlib
+
 import torch
 from torch import Tensor, nn
 
 from torchnitro.errors import InputError
 
-__all__ = ["Builtin", "register_builtin", "get_builtin", "list_builtins", "DEFAULT_BUILTIN"]
+__all__ = ["Builtin", "register_builtin", "get_builtin", "list_builtins", "DEFAULT_BUILTIN", "EXTRAS"]
 
 DEFAULT_BUILTIN = "encoder"
+
+# built-ins of optional extras: name -> "module:factory" returning a Builtin (the hf extra)
+EXTRAS: dict[str, str] = {
+    "minilm": "torchnitro.hf:minilm_builtin",
+    "hf-bert-tiny": "torchnitro.hf:bert_tiny_builtin",
+    "hf-gpt2-tiny": "torchnitro.hf:gpt2_tiny_builtin",
+    "hf-llama-tiny": "torchnitro.hf:llama_tiny_builtin",
+}
 
 
 @dataclass
@@ -38,7 +50,7 @@ def register_builtin(name: str) -> Callable[[Callable[[], Builtin]], Callable[[]
     """Register a zero-argument function returning a ``Builtin`` under ``name``."""
 
     def deco(fn: Callable[[], Builtin]) -> Callable[[], Builtin]:
-        if name in _REGISTRY:
+        if name in _REGISTRY or name in EXTRAS:
             raise ValueError(f"built-in model {name!r} is already registered")
         _REGISTRY[name] = fn
         return fn
@@ -46,24 +58,18 @@ def register_builtin(name: str) -> Callable[[Callable[[], Builtin]], Callable[[]
     return deco
 
 
-def _load_optional_builtins() -> None:
-    try:  # the hf extra registers minilm and hf architectures
-        import torchnitro.hf  # noqa: F401
-    except ImportError:
-        pass
-
-
 def list_builtins() -> list[str]:
-    _load_optional_builtins()
-    return sorted(_REGISTRY)
+    """Every built-in name, those of optional extras included (whether or not the extra is installed)."""
+    return sorted({*_REGISTRY, *EXTRAS})
 
 
 def get_builtin(name: str) -> Builtin:
-    if name not in _REGISTRY:  # only names we do not know yet pay for importing the optional extras
-        _load_optional_builtins()
+    if name in EXTRAS:
+        mod_name, _, factory = EXTRAS[name].partition(":")
+        return getattr(importlib.import_module(mod_name), factory)()  # a missing extra raises its ImportError
     if name not in _REGISTRY:
         raise InputError(
-            f"unknown built-in model {name!r}; known: {sorted(_REGISTRY)}. "
+            f"unknown built-in model {name!r}; known: {list_builtins()}. "
             "Pass one of those, or a 'module:function' factory, or 'hf:/path/to/folder'."
         )
     return _REGISTRY[name]()
