@@ -72,12 +72,13 @@ def body(kind: str, i: int, rng: random.Random) -> tuple[bytes, list[float], flo
     elif kind == "poison":
         row[0] = POISON
     elif kind == "deadline":
-        params["timeout"] = rng.uniform(1, 50)
+        params["timeout"] = rng.uniform(1, 50) * 1e3  # microseconds, as in Triton
     req = {"id": str(i), "inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": row}]}
     if params:
         req["parameters"] = params
     data = json.dumps(req).encode()
-    return (data[:-7] if kind == "bad_json" else data), row, params.get("timeout")
+    timeout = params.get("timeout")
+    return (data[:-7] if kind == "bad_json" else data), row, None if timeout is None else timeout / 1e3
 
 
 class Soak:

@@ -28,9 +28,9 @@ def body(rows: int, seq: int, **extra):
 
 
 def test_parse_valid_request_with_parameters():
-    item = parse_infer_request(json.dumps(body(2, 3, id="r1", parameters={"priority": 1, "timeout": 50})), SIG)
+    item = parse_infer_request(json.dumps(body(2, 3, id="r1", parameters={"priority": 1, "timeout": 50_000})), SIG)
     assert item.rows == 2 and item.length == 3 and item.id == "r1"
-    assert item.priority == 1 and item.timeout_ms == 50.0
+    assert item.priority == 1 and item.timeout_ms == 50.0  # timeout in microseconds, as in Triton
     assert item.tensors[0].tolist() == [[1, 2, 3], [4, 5, 6]]
 
 

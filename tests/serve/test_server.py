@@ -196,11 +196,12 @@ def test_deadline_priority_and_cancellation(monkeypatch, tmp_path):
                     finished.clear()
                     return t
 
-                # priority: 12 low-priority requests wait, then one urgent request overtakes them
+                # priority (Triton's levels, 1 = most urgent of 3): 12 low-priority requests wait,
+                # then one urgent request overtakes them
                 blocker = await blocked()
-                low = [asyncio.create_task(post(i, priority=2)) for i in range(12)]
+                low = [asyncio.create_task(post(i, priority=3)) for i in range(12)]
                 await until(lambda: b.depth == 12, "12 requests queued")
-                urgent = asyncio.create_task(post(100, priority=0))
+                urgent = asyncio.create_task(post(100, priority=1))
                 await until(lambda: b.depth == 13, "the urgent request queued")
                 gate.touch()
                 assert all(r.status_code == 200 for r in await asyncio.gather(blocker, urgent, *low))
@@ -210,7 +211,7 @@ def test_deadline_priority_and_cancellation(monkeypatch, tmp_path):
                 before = metric(base, "torchnitro_batch_size_count")
                 blocker = await blocked()
                 queued = [asyncio.create_task(post(i)) for i in range(3)]
-                late = await post(7, timeout=30)
+                late = await post(7, timeout=30_000)  # microseconds, as in Triton
                 assert late.status_code == 504 and "deadline" in late.json()["error"]
                 gate.touch()
                 assert all(r.status_code == 200 for r in await asyncio.gather(blocker, *queued))

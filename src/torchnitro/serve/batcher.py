@@ -47,6 +47,7 @@ class BatchingConfig:
     preferred_batch_sizes: tuple[int, ...] = ()  # sizes the model runs best at; close early on these
     max_queue_size: int = 1024  # bound on waiting requests; beyond it -> 429, never a hang
     priority_levels: int = 1  # number of priorities, 0 = most urgent
+    default_priority: int = 0  # level of requests that name none (over HTTP/gRPC: Triton's priority 0)
     aging_ms: float = 100.0  # a waiting request is promoted one level per aging_ms (no starvation)
     default_timeout_ms: float | None = None  # deadline for requests that do not give one
     bucket_boundaries: tuple[int, ...] = ()  # length buckets, e.g. (32, 64, 128): batch like lengths
@@ -66,6 +67,8 @@ class BatchingConfig:
             raise bad("max_queue_size", self.max_queue_size, "an integer >= 1")
         if self.priority_levels < 1:
             raise bad("priority_levels", self.priority_levels, "an integer >= 1")
+        if not 0 <= self.default_priority < self.priority_levels:
+            raise bad("default_priority", self.default_priority, f"a level in [0, {self.priority_levels - 1}]")
         if self.aging_ms <= 0:
             raise bad("aging_ms", self.aging_ms, "a number > 0 (milliseconds)")
         if self.concurrency < 1:

@@ -170,8 +170,7 @@ class InferPath:
         try:
             item = parse_infer_request(body if header_length is None else read_request(body, header_length),
                                        ep.signature)
-            req = batcher.enqueue(item, priority=item.priority, timeout_ms=item.timeout_ms,
-                                  rows=item.rows, length=item.length)
+            req = ep.enqueue(item)
         except InputError as exc:
             return _err(str(exc), 400)
         except ServeError as exc:

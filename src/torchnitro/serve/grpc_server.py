@@ -260,12 +260,8 @@ class GRPCFrontend:
                 raise InputError(f"requested outputs {unknown} are unknown; model {ep.name!r} returns "
                                  f"{[s.name for s in sig.outputs]}")
             item = parse_infer_request(request_to_body(request), sig)
-            timeout_ms = item.timeout_ms
-            left = context.time_remaining()  # the client's gRPC deadline, if it set one
-            if left is not None and left > 0:
-                timeout_ms = left * 1e3 if timeout_ms is None else min(timeout_ms, left * 1e3)
-            req = batcher.enqueue(item, priority=item.priority, timeout_ms=timeout_ms, rows=item.rows,
-                                  length=item.length)
+            left = context.time_remaining()  # the client's gRPC deadline (client_timeout), if it set one
+            req = ep.enqueue(item, left * 1e3 if left is not None and left > 0 else None)
         except InputError as exc:
             raise _Abort(400, str(exc)) from None
         except ServeError as exc:

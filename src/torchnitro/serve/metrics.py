@@ -8,13 +8,58 @@ queued, batching or computing) gauges, and ``worker_restarts_total``.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-__all__ = ["ServeMetrics", "CONTENT_TYPE_LATEST", "parse_batch_size"]
+__all__ = ["ServeMetrics", "ModelStats", "Duration", "CONTENT_TYPE_LATEST", "parse_batch_size"]
 
 _LAT = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 _SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class Duration:
+    """A count and a total time in nanoseconds (Triton's ``StatisticDuration``)."""
+
+    __slots__ = ("count", "ns")
+
+    def __init__(self) -> None:
+        self.count, self.ns = 0, 0
+
+    def add(self, seconds: float, count: int = 1) -> None:
+        self.count += count
+        self.ns += int(seconds * 1e9)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"count": self.count, "ns": self.ns}
+
+
+class ModelStats:
+    """One model's counters in Triton's statistics layout (``GET /v2/models/{name}/stats``).
+
+    Updated by the batcher's observer on the event loop thread and read there, so no lock: requests
+    answered by the batcher (success, or failure of any kind) with their time inside it, queue time
+    of those that reached a batch, and per executed batch its rows and compute time.
+    """
+
+    def __init__(self) -> None:
+        self.success, self.fail, self.queue, self.compute = Duration(), Duration(), Duration(), Duration()
+        self.inference_count = 0  # rows computed (Triton counts a batch of n as n inferences)
+        self.execution_count = 0  # batches computed
+        self.last_inference_ms = 0  # wall-clock ms since the epoch of the last batch
+        self.batches: dict[int, Duration] = {}  # rows per batch -> its compute time
+
+    def to_dict(self, name: str, version: str) -> dict[str, Any]:
+        zero = Duration().to_dict()
+        return {"name": name, "version": version, "last_inference": self.last_inference_ms,
+                "inference_count": self.inference_count, "execution_count": self.execution_count,
+                "inference_stats": {"success": self.success.to_dict(), "fail": self.fail.to_dict(),
+                                    "queue": self.queue.to_dict(), "compute_input": zero,
+                                    "compute_infer": self.compute.to_dict(), "compute_output": zero},
+                "batch_stats": [{"batch_size": k, "compute_input": zero, "compute_infer": d.to_dict(),
+                                 "compute_output": zero} for k, d in sorted(self.batches.items())]}
 
 
 class _Observer:
@@ -26,14 +71,27 @@ class _Observer:
         self.queue, self.batch = m.queue.labels(model), m.batch.labels(model)
         self.compute, self.depth = m.compute.labels(model), m.depth.labels(model)
         self.pending = m.pending.labels(model)
+        self.stats = m.stats.setdefault(model, ModelStats())
 
     def on_request_done(self, status: str, queue_s: float | None, total_s: float) -> None:
+        st = self.stats
+        (st.success if status == "ok" else st.fail).add(total_s)
         if queue_s is not None:
             self.queue.observe(queue_s)
+            st.queue.add(queue_s)
 
     def on_batch(self, rows: int, compute_s: float) -> None:
         self.batch.observe(rows)
         self.compute.observe(compute_s)
+        st = self.stats
+        st.inference_count += rows
+        st.execution_count += 1
+        st.last_inference_ms = int(time.time() * 1e3)
+        st.compute.add(compute_s)
+        d = st.batches.get(rows)
+        if d is None:
+            d = st.batches[rows] = Duration()
+        d.add(compute_s)
 
     def on_queue_depth(self, depth: int) -> None:
         self.depth.set(depth)
@@ -61,6 +119,7 @@ class ServeMetrics:
                              registry=r)
         self.restarts = Counter("torchnitro_worker_restarts_total", "Worker processes restarted after a crash",
                                 ["model"], registry=r)
+        self.stats: dict[str, ModelStats] = {}  # model -> Triton-style statistics
 
     def observer(self, model: str) -> _Observer:
         return _Observer(self, model)

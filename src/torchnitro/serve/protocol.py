@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - the serve extra installs it
     orjson = None
 
 __all__ = ["DATATYPES", "TensorSpec", "ModelSignature", "InferItem", "parse_infer_request",
-           "encode_infer_response", "assemble", "split_outputs", "datatype_of"]
+           "encode_infer_response", "assemble", "split_outputs", "datatype_of", "priority_level"]
 
 # v2 datatype name -> torch dtype
 DATATYPES: dict[str, torch.dtype] = {
@@ -107,8 +107,8 @@ class InferItem:
     rows: int  # dimension 0 shared by every input
     length: int | None  # the request's dimension 1 when inputs are ragged
     id: str | None = None
-    priority: int = 0
-    timeout_ms: float | None = None
+    priority: int = 0  # as sent, Triton's meaning: 0 = the model's default level, 1 = most urgent
+    timeout_ms: float | None = None  # from parameters.timeout, which is in microseconds as in Triton
     outputs: tuple[str, ...] | None = None  # outputs the client asked for, in its order (None: all)
     binary_outputs: frozenset[str] = frozenset()  # outputs to send as raw bytes (binary extension)
 
@@ -255,15 +255,26 @@ def parse_infer_request(body: bytes | str | dict[str, Any], sig: ModelSignature)
         raise _bad(f"'parameters' must be an object, received {type(params).__name__}")
     priority = params.get("priority", 0)
     timeout = params.get("timeout")
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        raise _bad(f"parameters.priority: received {priority!r}, expected an integer (0 = most urgent)")
+    if not isinstance(priority, int) or isinstance(priority, bool) or priority < 0:
+        raise _bad(f"parameters.priority: received {priority!r}, expected an integer >= 0 (Triton's levels: "
+                   "1 = most urgent, 0 = the model's default)")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
-        raise _bad(f"parameters.timeout: received {timeout!r}, expected a positive number of milliseconds")
+        raise _bad(f"parameters.timeout: received {timeout!r}, expected a positive number of microseconds "
+                   "(Triton's unit: 5000 = 5 ms)")
     rid = req.get("id")
     wanted, binary = _requested_outputs(req, params, sig)
     return InferItem(tensors, rows.pop(), lengths.pop() if lengths else None,
-                     None if rid is None else str(rid), priority, None if timeout is None else float(timeout),
+                     None if rid is None else str(rid), priority, None if timeout is None else timeout / 1e3,
                      wanted, binary)
+
+
+def priority_level(priority: int, levels: int, default: int) -> int:
+    """Triton's request priority -> the batcher's level (0 = most urgent of ``levels``).
+
+    As Triton does: 0, or a value beyond the model's levels, means the default level; 1 is the most
+    urgent, ``levels`` the least.
+    """
+    return default if priority == 0 or priority > levels else priority - 1
 
 
 def _requested_outputs(req: dict[str, Any], params: dict[str, Any],

@@ -1,7 +1,8 @@
 """HTTP server: KServe v2 / Open Inference Protocol (JSON) over starlette + uvicorn.
 
 Routes: ``GET /v2``, ``/v2/health/live``, ``/v2/health/ready``, ``/v2/models/{name}``,
-``/v2/models/{name}/ready``, ``POST /v2/models/{name}/infer``, ``GET /metrics``.
+``/v2/models/{name}/ready``, ``POST /v2/models/{name}/infer``, ``GET /metrics``; and Triton's
+``/v2/models/{name}/config``, ``/v2/models/stats``, ``/v2/models/{name}/stats`` (``serve.triton``).
 Errors are ``{"error": "..."}`` with 400 (bad input), 401 (token), 404 (unknown model), 413 (body too
 large), 429 (queue full, with ``Retry-After``), 500 (worker/model failure), 503 (draining, not ready)
 and 504 (deadline). A client that disconnects while waiting has its request cancelled.
@@ -31,11 +32,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import torchnitro
-from torchnitro.errors import ConfigError, ServeError
-from torchnitro.serve.batcher import BatchingConfig, DynamicBatcher
+from torchnitro.errors import ConfigError, DrainingError, ServeError
+from torchnitro.serve.batcher import BatchingConfig, DynamicBatcher, Request
 from torchnitro.serve.connections import default_max_connections, header_timeout_protocol
 from torchnitro.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from torchnitro.serve.fastpath import InferPath
+from torchnitro.serve.protocol import InferItem, priority_level
+from torchnitro.serve.triton import model_config, model_stats
 
 __all__ = ["ServeConfig", "ModelEndpoint", "InferenceServer", "make_pool"]
 
@@ -131,6 +134,17 @@ class ModelEndpoint:
     def signature(self) -> Any:
         return self.pool.signature
 
+    def enqueue(self, item: InferItem, timeout_ms: float | None = None) -> Request:
+        """Queue a parsed request in this model's batcher, its Triton priority mapped to a level;
+        ``timeout_ms`` (a transport's own deadline) overrides the item's when it is sooner."""
+        if self.batcher is None:
+            raise DrainingError(f"model {self.name!r} is not started; retry once it is ready")
+        if timeout_ms is None or (item.timeout_ms is not None and item.timeout_ms < timeout_ms):
+            timeout_ms = item.timeout_ms
+        cfg = self.batcher.config
+        level = priority_level(item.priority, cfg.priority_levels, cfg.default_priority)
+        return self.batcher.enqueue(item, priority=level, timeout_ms=timeout_ms, rows=item.rows, length=item.length)
+
     @property
     def serving(self) -> bool:
         """Loaded, and at least one replica is up (not all being replaced after a crash or hang)."""
@@ -171,8 +185,10 @@ class InferenceServer:
         self.grpc: Any = None  # the GRPCFrontend when config.grpc_port is set
         self.starlette = Starlette(routes=[
             Route("/v2", self.server_meta), Route("/v2/health/live", self.live),
-            Route("/v2/health/ready", self.ready), Route("/v2/models/{name}", self.model_meta),
+            Route("/v2/health/ready", self.ready), Route("/v2/models/stats", self.stats),
+            Route("/v2/models/{name}", self.model_meta),
             Route("/v2/models/{name}/ready", self.model_ready),
+            Route("/v2/models/{name}/config", self.model_config), Route("/v2/models/{name}/stats", self.stats),
             Route("/v2/models/{name}/infer", self.infer, methods=["POST"]), Route("/metrics", self.prom),
         ], lifespan=self._lifespan, exception_handlers={HTTPException: self._http_error})
         self.app = InferPath(self, self.starlette)  # POST .../infer skips Starlette: the hot path
@@ -285,13 +301,16 @@ class InferenceServer:
             return _error(f"unknown model {name!r}; this server serves {sorted(self.models)}", 404)
         return self.models[name]
 
-    async def model_meta(self, request: Request) -> Response:
+    def _loaded(self, request: Request) -> ModelEndpoint | Response:
+        """The request's model once authorised and loaded, else the error answer."""
         ep = self._auth(request) or self._endpoint(request)
-        if isinstance(ep, Response):
-            return ep
-        if not ep.ready:
+        if isinstance(ep, ModelEndpoint) and not ep.ready:
             return _error(f"model {ep.name!r} is still loading", 503)
-        return _json(ep.signature.metadata())
+        return ep
+
+    async def model_meta(self, request: Request) -> Response:
+        ep = self._loaded(request)
+        return ep if isinstance(ep, Response) else _json(ep.signature.metadata())
 
     async def model_ready(self, request: Request) -> Response:
         ep = self._auth(request) or self._endpoint(request)
@@ -299,6 +318,24 @@ class InferenceServer:
             return ep
         ok = ep.serving and not self.draining
         return _json({"name": ep.name, "ready": ok}, 200 if ok else 503)
+
+    async def model_config(self, request: Request) -> Response:
+        """Triton's ``GET /v2/models/{name}/config`` (``serve.triton``)."""
+        ep = self._loaded(request)
+        return ep if isinstance(ep, Response) else _json(model_config(ep))
+
+    async def stats(self, request: Request) -> Response:
+        """Triton's ``GET /v2/models/stats`` (every model) and ``/v2/models/{name}/stats``."""
+        denied = self._auth(request)
+        if denied is not None:
+            return denied
+        eps: list[ModelEndpoint] = list(self.models.values())
+        if "name" in request.path_params:
+            ep = self._endpoint(request)
+            if isinstance(ep, Response):
+                return ep
+            eps = [ep]
+        return _json(model_stats(self.metrics, [e for e in eps if e.ready]))
 
     async def prom(self, request: Request) -> Response:
         return self._auth(request) or Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
