@@ -1,0 +1,47 @@
+"""The TPU path on JAX/XLA (optional extra ``torchnitro[xla]``): meshes, sharding rules, a sharded
+train step for a reference LM, layout padding, remat policies and compile-time memory planning.
+
+Names resolve on first use (PEP 562): ``import torchnitro.xla`` does not import jax; using any
+name below does. See docs/xla.md for what exists and what does not yet.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# public name -> module that defines it
+_EXPORTS: dict[str, str] = {
+    "MeshConfig": "torchnitro.xla.mesh",
+    "make_mesh": "torchnitro.xla.mesh",
+    "parse_target": "torchnitro.xla.mesh",
+    "target_devices": "torchnitro.xla.mesh",
+    "Rules": "torchnitro.xla.rules",
+    "logical_to_spec": "torchnitro.xla.rules",
+    "shard_tree": "torchnitro.xla.rules",
+    "LMConfig": "torchnitro.xla.model",
+    "init_params": "torchnitro.xla.model",
+    "logical_axes": "torchnitro.xla.model",
+    "TrainStep": "torchnitro.xla.train",
+    "sharded_train_step": "torchnitro.xla.train",
+    "REMAT_POLICIES": "torchnitro.xla.remat",
+}
+_SUBMODULES = ("mesh", "rules", "model", "remat", "train")
+
+__all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        mod = importlib.import_module(f"torchnitro.xla.{name}")
+        globals()[name] = mod
+        return mod
+    raise AttributeError(f"module 'torchnitro.xla' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

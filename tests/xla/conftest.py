@@ -1,0 +1,29 @@
+"""JAX tests run on 8 host CPU devices; the flag must be in the environment before jax is imported.
+
+jax is imported only by tests under tests/xla/ (never by torchnitro itself), so setting the flags
+here, when pytest collects this directory, is early enough. Each test module starts with
+``pytest.importorskip("jax", ...)`` so that without the [xla] extra the directory skips with a reason.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+_FLAG = "--xla_force_host_platform_device_count=8"
+if _FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_FLAG}".strip()
+# with libtpu installed jax would otherwise probe for a TPU on every start; AOT topologies still work
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+
+@pytest.fixture(autouse=True)
+def _eight_host_devices():
+    import jax
+
+    if jax.device_count() < 8:  # jax was imported before this conftest ran: the flag came too late
+        pytest.skip(f"need 8 host devices, jax sees {jax.device_count()}: XLA_FLAGS must be set before jax is "
+                    "imported")
+    yield
