@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Sequence
 
 import torch
 from torch import nn
@@ -36,6 +36,9 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from torchnitro.errors import InputError
 from torchnitro.memory.planner import Budget, checkpoint_indices, plan
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload
 
 __all__ = ["checkpoint_", "find_blocks", "selective_policy", "SAVE_OPS", "RECOMPUTE_MODULES",
            "checkpointed_blocks", "recompute_scope_modules"]
@@ -49,7 +52,7 @@ _HOOKS = "_torchnitro_sac_hooks"
 RECOMPUTE_MODULES = ("wo", "w2", "o_proj", "down_proj", "out_proj", "c_proj", "fc2", "output.dense")
 
 
-def _ops(*names: str) -> set[Any]:
+def _ops(*names: str) -> set[OpOverload]:
     out = set()
     for n in names:
         pkt, _, overload = n.partition(".")
@@ -75,8 +78,8 @@ class _Scope:
     depth: int = 0
 
 
-def selective_policy(ctx: Any, op: Any, *args: Any, save_ops: Any = None, scope: _Scope | None = None,
-                     **kwargs: Any) -> CheckpointPolicy:
+def selective_policy(ctx: Any, op: OpOverload, *args: Any, save_ops: Collection[OpOverload] | None = None,
+                     scope: _Scope | None = None, **kwargs: Any) -> CheckpointPolicy:
     """Save outputs of ``save_ops`` (default: matmul/attention ops) unless they run inside a module
     listed for recompute (``scope.depth > 0``); recompute everything else.
 
@@ -167,7 +170,7 @@ def _budget_count(model: nn.Module, n: int, fraction: float) -> int:
     return min(n, max(0, math.ceil(n * (1 - fraction) - 1e-9)))
 
 
-def _parse(policy: Any) -> tuple[str, int]:
+def _parse(policy: str | Budget) -> tuple[str, int]:
     if isinstance(policy, Budget):
         return "budget", 0
     if policy in ("none", "blocks", "selective"):
@@ -180,8 +183,8 @@ def _parse(policy: Any) -> tuple[str, int]:
                      "'selective', 'none' or memory.Budget(fraction)")
 
 
-def checkpoint_(model: nn.Module, policy: Any = "blocks", *, blocks: Sequence[nn.Module] | None = None,
-                save_ops: Any = None, recompute: Sequence[str] | None = None) -> nn.Module:
+def checkpoint_(model: nn.Module, policy: str | Budget = "blocks", *, blocks: Sequence[nn.Module] | None = None,
+                save_ops: Collection[OpOverload] | None = None, recompute: Sequence[str] | None = None) -> nn.Module:
     """Apply activation checkpointing to ``model``'s blocks in place; returns ``model``.
 
     Calling it again replaces the previous policy. Outputs and gradients are the same as without
