@@ -38,8 +38,9 @@ _EXPORTS: dict[str, str] = {
     # hardware
     "hardware_info": "torchnitro.hardware",
 }
+# "profile" is both the subpackage and its function: the package module is callable (profile/__init__.py)
 _SUBMODULES = ("bench", "errors", "config", "hardware", "nn", "kernels", "autotune", "serve", "hrr",
-               "memory", "precision")
+               "memory", "precision", "profile")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
