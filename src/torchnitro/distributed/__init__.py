@@ -1,0 +1,22 @@
+"""Distributed training: a thin layer over torch.distributed, composed from one ``ParallelConfig``.
+
+::
+
+    from torchnitro import distributed as dist
+    cfg = dist.ParallelConfig(dp_shard=2, tp=2)
+    mesh = dist.init(cfg)                            # process group + DeviceMesh ("cpu:gloo,cuda:nccl")
+    model = dist.parallelize(model, cfg, mesh)       # TP plan, checkpointing, FSDP2/HSDP or DDP
+    batches = dist.loader(dataset, mesh, batch_size=8, drop_last=True)
+
+What exists and what does not yet: docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+from torchnitro.distributed.config import ParallelConfig
+from torchnitro.distributed.data import ShardedSampler, dp_sum, exact_mean, loader
+from torchnitro.distributed.mesh import dp_coords, init, shutdown
+from torchnitro.distributed.parallelize import parallelize, tp_plan
+
+__all__ = ["ParallelConfig", "init", "shutdown", "dp_coords", "parallelize", "tp_plan", "loader", "ShardedSampler",
+           "dp_sum", "exact_mean"]

@@ -1,0 +1,46 @@
+"""Rank program: for each (name, ParallelConfig kwargs) given as JSON, train two steps of the tiny LM on
+this rank's slice of the batch, evaluate a 13-sample dataset through the sharded loader, and (rank 0)
+save the global losses, full gradients and evaluation to OUT/name.pt."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root, for tests.distributed.common
+
+import torch  # noqa: E402
+
+from tests.distributed.common import tiny_lm, tokens, two_steps  # noqa: E402
+from torchnitro import distributed as D  # noqa: E402
+from torchnitro.distributed.parity import full_tensors  # noqa: E402
+
+
+def _evaluate(mesh) -> tuple[float, int]:
+    """Mean of i**2 over 13 samples (not a multiple of any world size here), read through the sharded loader."""
+    data = torch.utils.data.TensorDataset(torch.arange(13, dtype=torch.float64))
+    total, count = 0.0, 0
+    for (batch,) in D.loader(data, mesh, batch_size=2):
+        total, count = total + batch.pow(2).sum().item(), count + batch.numel()
+    return D.exact_mean(total, count, mesh)
+
+
+def main(out: Path, scenarios: list) -> None:
+    for name, kwargs in scenarios:
+        cfg = D.ParallelConfig(timeout_s=60, **kwargs)
+        mesh = D.init(cfg)
+        model = D.parallelize(tiny_lm(), cfg, mesh)
+        x = tokens()
+        idx, size = D.dp_coords(mesh)
+        b = x.shape[0] // size
+        losses, grads = two_steps(model, x[idx * b:(idx + 1) * b], reduce=lambda t: D.dp_sum(t, mesh) / size,
+                                  grads=lambda m: full_tensors(m, grads=True))
+        evaluation = _evaluate(mesh)
+        if torch.distributed.get_rank() == 0:
+            torch.save({"losses": losses, "grads": grads, "eval": evaluation}, out / f"{name}.pt")
+    D.shutdown()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), json.loads(sys.argv[2]))
