@@ -31,7 +31,7 @@ app = typer.Typer(
 _state = {"debug": False}
 
 _SUBSYSTEM_CLIS = ("torchnitro.autotune.cli", "torchnitro.serve.cli", "torchnitro.memory.cli",
-                   "torchnitro.kernels.cli", "torchnitro.hrr.cli")
+                   "torchnitro.kernels.cli", "torchnitro.hrr.cli", "torchnitro.profile.cli")
 
 
 @app.callback()

@@ -66,7 +66,7 @@ def plot_top_ops(p: "Profile", path: Path, n: int = 12) -> Path:
     plt = _plt()
     ops = p.top_ops[:n]
     fig, ax = plt.subplots(figsize=(7, 0.4 * max(len(ops), 1) + 1.2))
-    labels = [f"{o.name.removeprefix('aten::')[:40]} {o.shapes[:30]}" for o in ops][::-1]
+    labels = [f"{o.name.rsplit(': ', 1)[-1].removeprefix('aten::')[:40]} {o.shapes[:30]}" for o in ops][::-1]
     ax.barh(labels or ["(none)"], [o.share * 100 for o in ops][::-1] or [0],
             color=[_COLORS.get(o.category, "#888") for o in ops][::-1] or None)
     ax.set_xlabel("% of step time (self)")
