@@ -74,6 +74,9 @@ def register(app: typer.Typer) -> None:
         trust_code: Optional[bool] = typer.Option(None, "--trust-code", help="Let an artifact dir run code it names "
                                                   "or holds (.py factory, TorchScript); only for trusted sources."),
         grpc_port: Optional[int] = typer.Option(None, help="Also serve KServe v2 gRPC on this port (0 = any free)."),
+        ray: bool = typer.Option(False, "--ray", help="Serve as a Ray Serve deployment (RAY_ADDRESS or a local "
+                                 "cluster); Ray's proxy listens on --host/--port."),
+        replicas: int = typer.Option(1, help="With --ray: replicas of the deployment (each: model + batcher)."),
     ) -> None:
         """Serve a model over HTTP (KServe v2 JSON) with dynamic batching."""
         from pathlib import Path
@@ -91,6 +94,13 @@ def register(app: typer.Typer) -> None:
             latency_target_ms=latency_target_ms, auth_token=token, max_body_bytes=max_body_bytes,
             trust_code=trust_code, grpc_port=grpc_port)
         mname = name or (Path(model).name if Path(model).is_dir() else model.rpartition(":")[2])
+        if ray:
+            from torchnitro.serve.ray_app import run_ray
+
+            Console(stderr=True).print(f"serving [bold]{mname}[/bold] on Ray Serve, {replicas} replica(s), "
+                                       f"proxy on http://{scfg.host}:{scfg.port}")
+            run_ray(model, name=mname, replicas=replicas, batching=batching, serve_config=scfg)
+            return
         endpoint = ModelEndpoint(mname, make_pool(model, mname, scfg), batching)
         Console(stderr=True).print(
             f"serving [bold]{mname}[/bold] on http://{scfg.host}:{scfg.port} "
