@@ -24,9 +24,10 @@ _EXPORTS: dict[str, str] = {
     "logical_axes": "torchnitro.xla.model",
     "TrainStep": "torchnitro.xla.train",
     "sharded_train_step": "torchnitro.xla.train",
+    "lm_train_step": "torchnitro.xla.lm",
     "REMAT_POLICIES": "torchnitro.xla.remat",
 }
-_SUBMODULES = ("mesh", "rules", "model", "remat", "train")
+_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

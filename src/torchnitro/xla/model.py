@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,15 @@ import numpy as np
 from torchnitro.errors import ConfigError, ShapeError
 from torchnitro.xla.remat import layer_policies, remat_block
 
-__all__ = ["LMConfig", "init_params", "logical_axes", "forward", "loss_fn", "from_torch_state_dict"]
+__all__ = ["LMConfig", "Constrain", "init_params", "logical_axes", "forward", "loss_fn", "from_torch_state_dict"]
+
+
+# (activation, logical axes) -> the activation with a sharding constraint; identity when unsharded
+Constrain = Callable[[jax.Array, tuple], jax.Array]
+
+
+def _no_constraint(x: jax.Array, axes: tuple) -> jax.Array:
+    return x
 
 
 def _round_up(n: int, m: int) -> int:
@@ -176,9 +184,13 @@ def _block(c: LMConfig, p: Mapping[str, jax.Array], x: jax.Array, cos: jax.Array
     return x + (jax.nn.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
 
 
-def forward(params: Mapping[str, Any], tokens: jax.Array, cfg: LMConfig,
-            remat: str | Sequence[str] = "none") -> jax.Array:
-    """tokens (B, T) int -> logits (B, T, padded_vocab); padded vocab entries are a large negative."""
+def forward(params: Mapping[str, Any], tokens: jax.Array, cfg: LMConfig, remat: str | Sequence[str] = "none",
+            constrain: Constrain = _no_constraint) -> jax.Array:
+    """tokens (B, T) int -> logits (B, T, padded_vocab); padded vocab entries are a large negative.
+
+    ``constrain`` pins the residual stream and the logits to their logical axes (MaxText's activation
+    rules), so the partitioner keeps the batch split instead of guessing from the weights.
+    """
     if tokens.ndim != 2:
         raise ShapeError(f"tokens: received shape {tuple(tokens.shape)}, expected (batch, seq)")
     T = tokens.shape[1]
@@ -187,21 +199,22 @@ def forward(params: Mapping[str, Any], tokens: jax.Array, cfg: LMConfig,
     inv = 1.0 / cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim)
     ang = jnp.outer(jnp.arange(T, dtype=jnp.float32), inv)  # (T, Dh/2)
     cos, sin = jnp.cos(ang), jnp.sin(ang)
-    x = params["embed"][tokens]  # (B, T, D)
+    resid = ("activation_batch", "activation_length", "activation_embed")
+    x = constrain(params["embed"][tokens], resid)  # (B, T, D)
     for lp, pol in zip(params["layers"], layer_policies(remat, cfg.n_layers)):
-        x = remat_block(lambda p_, x_: _block(cfg, p_, x_, cos, sin), pol)(lp, x)
+        x = constrain(remat_block(lambda p_, x_: _block(cfg, p_, x_, cos, sin), pol)(lp, x), resid)
     x = _rms_norm(x, params["norm"], cfg.dim, cfg.norm_eps)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    logits = x @ head  # (B, T, Vp)
+    logits = constrain(x @ head, ("activation_batch", "activation_length", "activation_vocab"))  # (B, T, Vp)
     if cfg.padded_vocab != cfg.vocab_size:  # padded tokens never win the softmax
         logits = jnp.where(jnp.arange(cfg.padded_vocab) < cfg.vocab_size, logits, jnp.finfo(logits.dtype).min)
     return logits
 
 
 def loss_fn(params: Mapping[str, Any], batch: Mapping[str, jax.Array], cfg: LMConfig,
-            remat: str | Sequence[str] = "none") -> jax.Array:
+            remat: str | Sequence[str] = "none", constrain: Constrain = _no_constraint) -> jax.Array:
     """Mean next-token cross-entropy; batch = {"tokens": (B, T), "targets": (B, T)} int32."""
-    logits = forward(params, batch["tokens"], cfg, remat)
+    logits = forward(params, batch["tokens"], cfg, remat, constrain)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1))
 

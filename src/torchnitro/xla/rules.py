@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -20,7 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torchnitro.errors import ConfigError, ShapeError
 
 __all__ = ["Rules", "RULE_SETS", "data_parallel", "fsdp", "tensor_parallel", "fsdp_tp", "get_rules", "is_axes",
-           "logical_to_spec", "tree_shardings", "shard_tree"]
+           "logical_to_spec", "tree_shardings", "shard_tree",
+           "activation_constraint"]
 
 Axes = tuple  # a tuple of logical names (str) or None, one per array dimension
 
@@ -103,3 +104,14 @@ def tree_shardings(logical: Any, shapes: Any, rules: str | Rules, mesh: Mesh) ->
 def shard_tree(tree: Any, logical: Any, rules: str | Rules, mesh: Mesh) -> Any:
     """``device_put`` every leaf of ``tree`` with the sharding its logical axes resolve to."""
     return jax.device_put(tree, tree_shardings(logical, tree, rules, mesh))
+
+
+def activation_constraint(rules: str | Rules, mesh: Mesh) -> Callable[[jax.Array, tuple], jax.Array]:
+    """``constrain(x, logical_axes)`` for the model: ``with_sharding_constraint`` to the resolved spec."""
+    r = get_rules(rules)
+
+    def constrain(x: jax.Array, axes: tuple) -> jax.Array:
+        spec = logical_to_spec(axes, r, mesh, x.shape, what=f"activation {axes}")
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return constrain

@@ -48,8 +48,8 @@ class TrainStep:
         return self.fn(params, opt_state, batch)
 
     def init(self, params: Any) -> tuple[Any, Any]:
-        """Place ``params`` on the mesh and build the optimizer state there, already sharded."""
-        params = jax.device_put(params, self.param_shardings)
+        """Place a copy of ``params`` on the mesh (the step donates it) and build the optimizer state there."""
+        params = jax.device_put(params, self.param_shardings, may_alias=False)
         opt_state = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)(params)
         return params, opt_state
 

@@ -1,0 +1,42 @@
+"""The reference LM wired to the sharded step: one call from sizes, mesh and rules to a TrainStep."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from torchnitro.xla.model import LMConfig, init_params, logical_axes, loss_fn
+from torchnitro.xla.rules import Rules, activation_constraint
+from torchnitro.xla.train import TrainStep, sharded_train_step
+
+__all__ = ["lm_train_step", "random_batch", "batch_spec", "param_spec"]
+
+
+def param_spec(cfg: LMConfig) -> Any:
+    """ShapeDtypeStructs of the parameters (no memory is allocated)."""
+    return jax.eval_shape(partial(init_params, cfg), jax.random.key(0))
+
+
+def batch_spec(batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
+    s = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    return {"tokens": s, "targets": s}
+
+
+def random_batch(cfg: LMConfig, batch_size: int, seq_len: int, key: jax.Array) -> dict[str, jax.Array]:
+    """Random token ids below the true vocab size; targets are the tokens shifted left by one."""
+    ids = jax.random.randint(key, (batch_size, seq_len + 1), 0, cfg.vocab_size, jnp.int32)
+    return {"tokens": ids[:, :-1], "targets": ids[:, 1:]}
+
+
+def lm_train_step(cfg: LMConfig, optimizer: optax.GradientTransformation, mesh: Mesh, rules: str | Rules,
+                  batch_size: int, seq_len: int, remat: str | Sequence[str] = "none",
+                  donate: bool = True) -> TrainStep:
+    """A sharded train step for the reference LM at the given batch shape."""
+    loss = partial(loss_fn, cfg=cfg, remat=remat, constrain=activation_constraint(rules, mesh))
+    return sharded_train_step(loss, optimizer, mesh, rules, logical_axes(cfg),
+                              param_spec(cfg), batch_spec(batch_size, seq_len), donate=donate)
