@@ -31,7 +31,8 @@ app = typer.Typer(
 _state = {"debug": False}
 
 _SUBSYSTEM_CLIS = ("torchnitro.autotune.cli", "torchnitro.serve.cli", "torchnitro.memory.cli",
-                   "torchnitro.kernels.cli", "torchnitro.hrr.cli", "torchnitro.profile.cli")
+                   "torchnitro.kernels.cli", "torchnitro.hrr.cli", "torchnitro.profile.cli",
+                   "torchnitro.bench.cli")
 
 
 @app.callback()
@@ -105,8 +106,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     _state["debug"] = "--debug" in args
     try:
-        app(args=args, prog_name="torchnitro", standalone_mode=False)
-        return 0
+        rc = app(args=args, prog_name="torchnitro", standalone_mode=False)
+        return rc if isinstance(rc, int) else 0  # typer.Exit(code) comes back as its code (bench compare: 1)
     except NitroError as exc:
         if _state["debug"]:
             raise
