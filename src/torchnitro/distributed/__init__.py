@@ -7,16 +7,20 @@
     mesh = dist.init(cfg)                            # process group + DeviceMesh ("cpu:gloo,cuda:nccl")
     model = dist.parallelize(model, cfg, mesh)       # TP plan, checkpointing, FSDP2/HSDP or DDP
     batches = dist.loader(dataset, mesh, batch_size=8, drop_last=True)
+    state = {"train": dist.ModelState(model, optimizer)}
+    step = dist.load(state, "./ckpt")                # latest finished checkpoint, resharded; None: fresh start
+    dist.save(state, "./ckpt", step=100)             # atomic; async_=True returns a PendingSave
 
 What exists and what does not yet: docs/distributed.md.
 """
 
 from __future__ import annotations
 
+from torchnitro.distributed.checkpoint import ModelState, PendingSave, latest_step, load, save
 from torchnitro.distributed.config import ParallelConfig
 from torchnitro.distributed.data import ShardedSampler, dp_sum, exact_mean, loader
 from torchnitro.distributed.mesh import dp_coords, init, shutdown
 from torchnitro.distributed.parallelize import parallelize, tp_plan
 
 __all__ = ["ParallelConfig", "init", "shutdown", "dp_coords", "parallelize", "tp_plan", "loader", "ShardedSampler",
-           "dp_sum", "exact_mean"]
+           "dp_sum", "exact_mean", "save", "load", "latest_step", "ModelState", "PendingSave"]
