@@ -136,3 +136,9 @@ def test_nvml_on_this_machine():
     s.start()
     out = s.stop(1)
     assert "summary" in out
+
+
+def test_stop_before_start_reports_instead_of_raising(tmp_path):
+    _zone(tmp_path, "intel-rapl:0", "package-0", 5)
+    assert RaplEnergy(tmp_path).stop(1) == {"unavailable": "stopped before it was started"}
+    assert NvmlSampler(nvml=_FakeNvml()).stop(1) == {"unavailable": "stopped before it was started"}

@@ -148,3 +148,23 @@ def test_torchnitro_profile_is_callable_whatever_was_imported_first():
     p = torchnitro.profile(lambda: None, config=ProfileConfig(warmup=1, steps=1, count_flops=False,
                                                                track_memory=False, monitor=False))
     assert p.flops is None and "cpu_overhead" in p.categories
+
+
+def test_temp_trace_is_removed_on_error_and_with_the_profile(tmp_path, monkeypatch):
+    import gc
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def broken() -> None:
+        raise ValueError("boom")
+
+    with pytest.raises(InputError):
+        profile(broken, config=FAST)
+    assert list(tmp_path.glob("torchnitro-trace-*")) == []
+    p = profile(lambda: torch.ones(4) * 2, config=FAST)
+    trace = p.trace_path
+    assert trace is not None and trace.startswith(str(tmp_path))
+    del p
+    gc.collect()
+    assert list(tmp_path.glob("torchnitro-trace-*")) == []

@@ -69,8 +69,8 @@ class RaplEnergy:
             self._start, self._t0 = self._read(), self.clock()
 
     def stop(self, steps: int) -> dict[str, Any]:
-        if self.unavailable is not None:
-            return {"unavailable": self.unavailable}
+        if self.unavailable is not None or not self._start:
+            return {"unavailable": self.unavailable or "stopped before it was started"}
         end, secs = self._read(), self.clock() - self._t0
         joules = {}
         for k, (_, rng) in self.domains.items():
@@ -147,8 +147,9 @@ class NvmlSampler:
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
-        if self.unavailable is not None:
-            return {"unavailable": self.unavailable}
+        if self.unavailable is not None or self._thread is None:
+            return {"unavailable": self.unavailable or "stopped before it was started"}
+        self._thread = None
         secs, e1 = self.clock() - self._t0, self._energy_mj()
         out: dict[str, Any] = {"seconds": secs, "samples": len(self.samples)}
         if e1 is not None and self._e0 is not None:

@@ -23,6 +23,7 @@ import contextlib
 import os
 import statistics
 import tempfile
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
@@ -296,15 +297,26 @@ def _call(step: Callable[[], Any], when: str) -> Any:
 
 
 def _run(step: Callable[[], Any], model: nn.Module | None, cfg: ProfileConfig, cuda: bool) -> Profile:
-    from torch.profiler import ProfilerActivity, schedule
-
-    from torchnitro.bench.timing import synchronize
-    from torchnitro.profile.monitor import monitors
+    from torch.profiler import ProfilerActivity
 
     device = "cuda" if cuda else "cpu"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     fd, trace = tempfile.mkstemp(prefix="torchnitro-trace-", suffix=".json")
     os.close(fd)
+    try:
+        return _record(step, model, cfg, device, acts, trace)
+    except BaseException:
+        _remove(trace)
+        raise
+
+
+def _record(step: Callable[[], Any], model: nn.Module | None, cfg: ProfileConfig, device: str, acts: list[Any],
+            trace: str) -> Profile:
+    from torch.profiler import schedule
+
+    from torchnitro.bench.timing import synchronize
+    from torchnitro.profile.monitor import monitors
+
     got: dict[str, Any] = {}
 
     def ready(p: Any) -> None:
@@ -313,17 +325,20 @@ def _run(step: Callable[[], Any], model: nn.Module | None, cfg: ProfileConfig, c
 
     total = cfg.wait + cfg.warmup + cfg.steps
     sampler = monitors(device) if cfg.monitor else None
-    with torch.profiler.profile(activities=acts, record_shapes=cfg.record_shapes, profile_memory=cfg.profile_memory,
-                                schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.steps, repeat=1),
-                                on_trace_ready=ready) as prof:
-        for i in range(total):
-            if sampler is not None and i == cfg.wait + cfg.warmup:
+    try:
+        with torch.profiler.profile(activities=acts, record_shapes=cfg.record_shapes,
+                                    profile_memory=cfg.profile_memory, on_trace_ready=ready,
+                                    schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.steps, repeat=1)
+                                    ) as prof:
+            for i in range(total):
+                if sampler is not None and i == cfg.wait + cfg.warmup:
+                    synchronize(device)
+                    sampler.start()
+                _call(step, f"profiled step {i}")
                 synchronize(device)
-                sampler.start()
-            _call(step, f"profiled step {i}")
-            synchronize(device)
-            prof.step()
-    monitor = sampler.stop(cfg.steps) if sampler is not None else {}
+                prof.step()
+    finally:  # a step that raises must not leave a sampler thread running
+        monitor = sampler.stop(cfg.steps) if sampler is not None else {}
     if "events" not in got:
         raise InputError(f"torch.profiler recorded no active window over {total} steps; expected one")
     acc: dict[str, Any] = {}
@@ -358,4 +373,10 @@ def _build(events: Any, cfg: ProfileConfig, device: str, trace: str, acc: dict[s
                 peak_flops=peak, peak_source=source, memory=acc.get("memory", {}), monitor=monitor,
                 environment=_environment(device), trace_path=trace)
     p.findings = findings(p)
+    weakref.finalize(p, _remove, trace)  # the temp trace goes with the Profile; save() keeps a copy
     return p
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
