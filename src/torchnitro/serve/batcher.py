@@ -165,6 +165,11 @@ class DynamicBatcher:
         return self._queue.live
 
     @property
+    def pending(self) -> int:
+        """Requests accepted and not yet answered (queued, in a filling batch, or computing)."""
+        return len(self._pending)
+
+    @property
     def inflight(self) -> int:
         return len(self._inflight)
 

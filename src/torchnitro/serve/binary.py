@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from torchnitro.errors import InputError
-from torchnitro.serve.protocol import _NP, InferItem, ModelSignature, _loads, encode_infer_response
+from torchnitro.serve.protocol import (InferItem, ModelSignature, _loads, array_from_bytes, encode_infer_response,
+                                      orjson)
 
 __all__ = ["read_request", "encode_response"]
 
@@ -37,23 +38,6 @@ def _header_length(declared: bytes | str, body_len: int) -> int:
         raise InputError(f"Inference-Header-Content-Length: received {text!r} for a {body_len}-byte body, "
                          "expected the byte length of the JSON header at the start of the body")
     return int(text)
-
-
-def _array(name: str, datatype: Any, raw: memoryview) -> np.ndarray:
-    """Raw little-endian bytes -> a writable array of the input's datatype (BF16 -> float32)."""
-    if datatype == "BF16":  # numpy has no bfloat16: widen exactly through torch
-        if len(raw) % 2:
-            raise InputError(f"input {name!r}: {len(raw)} bytes of BF16 data, expected a multiple of 2")
-        return torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).float().numpy()
-    if datatype not in _NP:
-        raise InputError(f"input {name!r}: datatype {datatype!r} cannot be sent as binary data here; "
-                         f"expected one of {sorted([*_NP, 'BF16'])}")
-    dtype = np.dtype(_NP[datatype]).newbyteorder("<")
-    if len(raw) % dtype.itemsize:
-        raise InputError(f"input {name!r}: {len(raw)} bytes of {datatype} data, expected a multiple of "
-                         f"{dtype.itemsize}")
-    arr = np.frombuffer(raw, dtype=dtype)
-    return arr.astype(arr.dtype.newbyteorder("="))  # a native, writable copy
 
 
 def read_request(body: bytes, declared: bytes | str) -> dict[str, Any]:
@@ -77,7 +61,7 @@ def read_request(body: bytes, declared: bytes | str) -> dict[str, Any]:
                              "bytes left in the body; expected the byte size of this input's data")
         if "data" in obj:
             raise InputError(f"input {name!r}: has both 'data' and binary_data_size; send one of them")
-        obj["data"] = _array(name, obj.get("datatype"), view[off:off + size])
+        obj["data"] = array_from_bytes(name, obj.get("datatype"), view[off:off + size])
         off += size
     if off != len(body):
         raise InputError(f"the body has {len(body) - off} bytes after the last binary input; expected "
@@ -113,7 +97,7 @@ def encode_response(sig: ModelSignature, outputs: Sequence[Tensor], item: InferI
     head: dict[str, Any] = {"model_name": sig.name, "model_version": sig.versions[0], "outputs": outs}
     if item.id is not None:
         head["id"] = item.id
-    header = json.dumps(head).encode()
+    header = orjson.dumps(head) if orjson is not None else json.dumps(head).encode()
     if not blobs:
         return header, None
     return header + b"".join(blobs), len(header)

@@ -30,7 +30,7 @@ from torch import Tensor
 
 import torchnitro
 from torchnitro.errors import InputError, NitroError, ServeError
-from torchnitro.serve.protocol import DATATYPES, ModelSignature, parse_infer_request
+from torchnitro.serve.protocol import DATATYPES, ModelSignature, array_from_bytes, parse_infer_request
 from torchnitro.serve.proto import grpc_predict_v2_pb2 as pb
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,22 +57,19 @@ class _Abort(Exception):
         self.http_status = http_status
 
 
-def _raw_list(name: str, datatype: str, shape: list[int], raw: bytes) -> list[Any]:
-    """Little-endian bytes of one input -> a flat list for the shared validation."""
+def _raw_array(name: str, datatype: str, shape: list[int], raw: bytes) -> np.ndarray:
+    """Little-endian bytes of one input -> its flat array for the shared validation (no Python list)."""
     if datatype not in DATATYPES:
         raise InputError(f"input {name!r}: datatype {datatype!r} cannot be sent raw here; expected one of "
                          f"{sorted(DATATYPES)}")
     if any(d < 0 for d in shape):
         raise InputError(f"input {name!r}: shape {shape} has a negative dimension; expected sizes >= 0")
-    dtype = DATATYPES[datatype]
-    item = torch.empty(0, dtype=dtype).element_size()
+    item = DATATYPES[datatype].itemsize
     want = math.prod(shape) * item
     if len(raw) != want:
         raise InputError(f"input {name!r}: raw_input_contents holds {len(raw)} bytes, shape {shape} of {datatype} "
                          f"needs {want} ({item} per element, little-endian)")
-    if dtype == torch.bfloat16:  # numpy has no bfloat16: read through torch
-        return torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).tolist() if raw else []
-    return np.frombuffer(raw, dtype=torch.empty(0, dtype=dtype).numpy().dtype.newbyteorder("<")).tolist()
+    return array_from_bytes(name, datatype, raw)
 
 
 def _typed_list(t: Any) -> list[Any]:
@@ -106,7 +103,7 @@ def request_to_body(req: Any) -> dict[str, Any]:
             raise InputError(f"input {t.name!r}: has typed contents while the request also sends "
                              "raw_input_contents; use one or the other for every input")
         shape = list(t.shape)
-        data = _raw_list(t.name, t.datatype, shape, raw[i]) if raw else _typed_list(t)
+        data = _raw_array(t.name, t.datatype, shape, raw[i]) if raw else _typed_list(t)
         inputs.append({"name": t.name, "datatype": t.datatype, "shape": shape, "data": data})
     body: dict[str, Any] = {"inputs": inputs, "parameters": {k: _param(v) for k, v in req.parameters.items()}}
     if req.id:

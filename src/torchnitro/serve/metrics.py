@@ -72,6 +72,14 @@ class _Observer:
         self.compute, self.depth = m.compute.labels(model), m.depth.labels(model)
         self.pending = m.pending.labels(model)
         self.stats = m.stats.setdefault(model, ModelStats())
+        self._live = False  # gauges read from the batcher at scrape time (watch) instead of on each change
+
+    def watch(self, batcher: Any) -> None:
+        """Read queue depth and pending from ``batcher`` when /metrics is scraped: two gauge writes
+        (each a lock) on every enqueue and answer cost more than reading them once per scrape."""
+        self.depth.set_function(lambda: batcher.depth)
+        self.pending.set_function(lambda: batcher.pending)
+        self._live = True
 
     def on_request_done(self, status: str, queue_s: float | None, total_s: float) -> None:
         st = self.stats
@@ -94,10 +102,12 @@ class _Observer:
         d.add(compute_s)
 
     def on_queue_depth(self, depth: int) -> None:
-        self.depth.set(depth)
+        if not self._live:
+            self.depth.set(depth)
 
     def on_pending(self, pending: int) -> None:
-        self.pending.set(pending)
+        if not self._live:
+            self.pending.set(pending)
 
 
 class ServeMetrics:

@@ -33,7 +33,8 @@ except ImportError:  # pragma: no cover - the serve extra installs it
     orjson = None
 
 __all__ = ["DATATYPES", "TensorSpec", "ModelSignature", "InferItem", "parse_infer_request",
-           "encode_infer_response", "assemble", "split_outputs", "datatype_of", "priority_level"]
+           "encode_infer_response", "assemble", "split_outputs", "datatype_of", "priority_level",
+           "array_from_bytes"]
 
 # v2 datatype name -> torch dtype
 DATATYPES: dict[str, torch.dtype] = {
@@ -147,6 +148,8 @@ def _to_tensor(spec: TensorSpec, obj: dict[str, Any], allow_nan: bool) -> Tensor
         raise _bad(f"input {name!r}: 'data' must be a (flat or nested) JSON list, received "
                    f"{type(data).__name__}")
     n = math.prod(shape)
+    if isinstance(data, np.ndarray) and data.dtype == _NP.get(spec.datatype):  # raw bytes, already typed
+        return _checked(name, spec, data, shape, n, allow_nan)
     try:
         if spec.datatype in _NP:  # numpy reads a list of numbers ~3x faster than torch.tensor
             arr = np.asarray(data)  # its own type first: strings, fractions, ranges are checked
@@ -160,12 +163,7 @@ def _to_tensor(spec: TensorSpec, obj: dict[str, Any], allow_nan: bool) -> Tensor
     if spec.datatype in _NP:  # checked in numpy: each torch op per request costs more than this check
         if arr.size != n:
             raise _bad(f"input {name!r}: 'data' has {arr.size} elements, shape {shape} needs {n}")
-        arr = _cast(name, spec.datatype, arr).reshape(shape)
-        if arr.dtype.kind == "f" and not allow_nan and not np.isfinite(arr).all():
-            raise _bad(f"input {name!r}: contains NaN or infinity; this model expects finite values")
-        if spec.value_range is not None:
-            _check_range(name, spec.value_range, arr)
-        return torch.from_numpy(arr)
+        return _checked(name, spec, _cast(name, spec.datatype, arr), shape, n, allow_nan)
     if t.numel() != n:
         raise _bad(f"input {name!r}: 'data' has {t.numel()} elements, shape {shape} needs {n}")
     t = t.reshape(shape)
@@ -174,6 +172,37 @@ def _to_tensor(spec: TensorSpec, obj: dict[str, Any], allow_nan: bool) -> Tensor
     if spec.value_range is not None:
         _check_range(name, spec.value_range, t.float().numpy())
     return t
+
+
+def _checked(name: str, spec: TensorSpec, arr: np.ndarray, shape: list[int], n: int, allow_nan: bool) -> Tensor:
+    """A flat array of the input's own dtype -> its tensor, after the checks on values."""
+    if arr.size != n:
+        raise _bad(f"input {name!r}: 'data' has {arr.size} elements, shape {shape} needs {n}")
+    arr = arr.reshape(shape)
+    if arr.dtype.kind == "f" and not allow_nan and not np.isfinite(arr).all():
+        raise _bad(f"input {name!r}: contains NaN or infinity; this model expects finite values")
+    if spec.value_range is not None:
+        _check_range(name, spec.value_range, arr)
+    return torch.from_numpy(arr)
+
+
+def array_from_bytes(name: str, datatype: Any, raw: bytes | memoryview) -> np.ndarray:
+    """Raw little-endian bytes of one input (binary HTTP, gRPC raw contents) -> a writable flat array
+    of its datatype (BF16 -> float32), for ``parse_infer_request`` as that input's ``data``."""
+    if datatype == "BF16":  # numpy has no bfloat16: widen exactly through torch
+        if len(raw) % 2:
+            raise _bad(f"input {name!r}: {len(raw)} bytes of BF16 data, expected a multiple of 2")
+        return torch.frombuffer(bytearray(raw), dtype=torch.bfloat16).float().numpy() if len(raw) else \
+            np.zeros(0, np.float32)
+    if datatype not in _NP:
+        raise _bad(f"input {name!r}: datatype {datatype!r} cannot be sent as raw bytes here; "
+                   f"expected one of {sorted([*_NP, 'BF16'])}")
+    dtype = np.dtype(_NP[datatype]).newbyteorder("<")
+    if len(raw) % dtype.itemsize:
+        raise _bad(f"input {name!r}: {len(raw)} bytes of {datatype} data, expected a multiple of "
+                   f"{dtype.itemsize}")
+    arr = np.frombuffer(raw, dtype=dtype)
+    return arr.astype(arr.dtype.newbyteorder("="))  # a native, writable copy (torch needs writable)
 
 
 # element kinds (numpy dtype.kind) each v2 datatype accepts from JSON: numbers only, never strings;

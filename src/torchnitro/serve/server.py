@@ -126,8 +126,9 @@ class ModelEndpoint:
         cfg = dataclasses.replace(self.batching, concurrency=self.pool.size)
         sig = self.pool.signature
         exact = any(s.ragged for s in sig.inputs) and not sig.padding_safe
-        self.batcher = await DynamicBatcher(self.pool.run, cfg, observer=metrics.observer(self.name),
-                                            exact_lengths=exact).start()
+        observer = metrics.observer(self.name)
+        self.batcher = await DynamicBatcher(self.pool.run, cfg, observer=observer, exact_lengths=exact).start()
+        observer.watch(self.batcher)
         self.ready = True
 
     @property
