@@ -23,8 +23,8 @@ B, T, LR = 8, 16, 1.0
 @pytest.fixture(scope="module")
 def reference():
     """Loss and gradients on one device, no mesh, no sharding."""
-    params = init_params(CFG, jax.random.key(0))
-    batch = random_batch(CFG, B, T, jax.random.key(1))
+    params = init_params(CFG, seed=0)
+    batch = random_batch(CFG, B, T, seed=1)
     loss, grads = jax.jit(jax.value_and_grad(partial(loss_fn, cfg=CFG)))(params, batch)
     return params, batch, float(loss), grads
 

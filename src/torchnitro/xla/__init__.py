@@ -25,9 +25,11 @@ _EXPORTS: dict[str, str] = {
     "TrainStep": "torchnitro.xla.train",
     "sharded_train_step": "torchnitro.xla.train",
     "lm_train_step": "torchnitro.xla.lm",
+    "pad_report": "torchnitro.xla.layout",
+    "PaddingReport": "torchnitro.xla.layout",
     "REMAT_POLICIES": "torchnitro.xla.remat",
 }
-_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm")
+_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

@@ -3,23 +3,19 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from torchnitro.xla.model import LMConfig, init_params, logical_axes, loss_fn
+from torchnitro.xla.model import LMConfig, logical_axes, loss_fn, param_spec
 from torchnitro.xla.rules import Rules, activation_constraint
 from torchnitro.xla.train import TrainStep, sharded_train_step
 
-__all__ = ["lm_train_step", "random_batch", "batch_spec", "param_spec"]
-
-
-def param_spec(cfg: LMConfig) -> Any:
-    """ShapeDtypeStructs of the parameters (no memory is allocated)."""
-    return jax.eval_shape(partial(init_params, cfg), jax.random.key(0))
+__all__ = ["lm_train_step", "random_batch", "batch_spec"]
 
 
 def batch_spec(batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]:
@@ -27,10 +23,10 @@ def batch_spec(batch_size: int, seq_len: int) -> dict[str, jax.ShapeDtypeStruct]
     return {"tokens": s, "targets": s}
 
 
-def random_batch(cfg: LMConfig, batch_size: int, seq_len: int, key: jax.Array) -> dict[str, jax.Array]:
+def random_batch(cfg: LMConfig, batch_size: int, seq_len: int, seed: int = 0) -> dict[str, jax.Array]:
     """Random token ids below the true vocab size; targets are the tokens shifted left by one."""
-    ids = jax.random.randint(key, (batch_size, seq_len + 1), 0, cfg.vocab_size, jnp.int32)
-    return {"tokens": ids[:, :-1], "targets": ids[:, 1:]}
+    ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
+    return {"tokens": jnp.asarray(ids[:, :-1]), "targets": jnp.asarray(ids[:, 1:])}
 
 
 def lm_train_step(cfg: LMConfig, optimizer: optax.GradientTransformation, mesh: Mesh, rules: str | Rules,

@@ -27,7 +27,8 @@ import numpy as np
 from torchnitro.errors import ConfigError, ShapeError
 from torchnitro.xla.remat import layer_policies, remat_block
 
-__all__ = ["LMConfig", "Constrain", "init_params", "logical_axes", "forward", "loss_fn", "from_torch_state_dict"]
+__all__ = ["LMConfig", "Constrain", "init_params", "logical_axes", "param_spec", "true_index", "forward", "loss_fn",
+           "from_torch_state_dict"]
 
 
 # (activation, logical axes) -> the activation with a sharding constraint; identity when unsharded
@@ -132,27 +133,45 @@ def logical_axes(cfg: LMConfig) -> dict[str, Any]:
     return tree
 
 
+def true_index(cfg: LMConfig, axes: tuple[str, ...]) -> tuple[slice, ...]:
+    """The unpadded block of an array with these logical axes: ``padded[true_index(...)]``."""
+    true = {"vocab": cfg.vocab_size, "embed": cfg.dim, "norm": cfg.dim, "mlp": cfg.hidden_dim,
+            "heads": cfg.n_heads, "kv_heads": cfg.kv_heads, "head_dim": cfg.head_dim}
+    return tuple(slice(0, true[a]) for a in axes)
+
+
 def _true_mask(c: LMConfig, name: str, shape: tuple[int, ...]) -> np.ndarray:
     """1 on the unpadded block of a parameter, 0 on its layout padding."""
-    true = {"vocab": c.vocab_size, "embed": c.dim, "norm": c.dim, "mlp": c.hidden_dim, "heads": c.n_heads,
-            "kv_heads": c.kv_heads, "head_dim": c.head_dim}
-    axes = {**_top_shapes(c), **_layer_shapes(c)}[name][1]
     m = np.zeros(shape, np.float32)
-    m[tuple(slice(0, true[a]) for a in axes)] = 1.0
+    m[true_index(c, {**_top_shapes(c), **_layer_shapes(c)}[name][1])] = 1.0
     return m
 
 
-def init_params(cfg: LMConfig, key: jax.Array) -> dict[str, Any]:
-    """Weights ~ N(0, 0.02) (norms = 1) like the torch reference; layout padding is exactly zero."""
-    def make(name: str, shape: tuple[int, ...], k: jax.Array) -> jax.Array:
-        w = jnp.ones(shape, jnp.float32) if "norm" in name else 0.02 * jax.random.normal(k, shape, jnp.float32)
-        return w * _true_mask(cfg, name, shape)
+def _build(cfg: LMConfig, leaf: Callable[[str, tuple[int, ...]], Any]) -> dict[str, Any]:
+    """The parameter tree with ``leaf(name, padded_shape)`` at each position."""
+    tree: dict[str, Any] = {k: leaf(k, s) for k, (s, _) in _top_shapes(cfg).items()}
+    tree["layers"] = [{k: leaf(k, s) for k, (s, _) in _layer_shapes(cfg).items()} for _ in range(cfg.n_layers)]
+    return tree
 
-    keys = iter(jax.random.split(key, 2 + 9 * cfg.n_layers))
-    params: dict[str, Any] = {k: make(k, s, next(keys)) for k, (s, _) in _top_shapes(cfg).items()}
-    params["layers"] = [{k: make(k, s, next(keys)) for k, (s, _) in _layer_shapes(cfg).items()}
-                        for _ in range(cfg.n_layers)]
-    return params
+
+def init_params(cfg: LMConfig, seed: int = 0) -> dict[str, Any]:
+    """Weights ~ N(0, 0.02) (norms = 1) like the torch reference; layout padding is exactly zero.
+
+    Drawn with numpy on the host: no compile (jax.random's threefry takes seconds to compile on a
+    busy CPU), deterministic per seed; place them with ``TrainStep.init`` or ``shard_tree``.
+    """
+    rng = np.random.default_rng(seed)
+
+    def make(name: str, shape: tuple[int, ...]) -> jax.Array:
+        w = np.ones(shape, np.float32) if "norm" in name else rng.normal(0.0, 0.02, shape).astype(np.float32)
+        return jnp.asarray(w * _true_mask(cfg, name, shape))
+
+    return _build(cfg, make)
+
+
+def param_spec(cfg: LMConfig) -> Any:
+    """ShapeDtypeStructs of the parameters (no memory is allocated)."""
+    return _build(cfg, lambda _, shape: jax.ShapeDtypeStruct(shape, jnp.float32))
 
 
 def _rms_norm(x: jax.Array, w: jax.Array, true_dim: int, eps: float) -> jax.Array:
