@@ -8,21 +8,16 @@ and the test fails with each rank's output.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from torchnitro.distributed.launch import free_port
+
 __all__ = ["free_port", "run_ranks", "WORKERS"]
 
 WORKERS = Path(__file__).parent / "workers"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(script: str, world: int, *args: str, timeout: float = 90.0) -> list[str]:

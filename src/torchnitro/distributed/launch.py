@@ -1,0 +1,85 @@
+"""``torchnitro launch``: torchrun (``torch.distributed.run``) with our defaults.
+
+- c10d rendezvous; on one node (no ``rdzv_endpoint`` given) it binds 127.0.0.1 on a fresh free port
+  for every launch, so two jobs on one machine, or a job relaunched right after a crash, never meet a
+  port still held by an old store.
+- a short rendezvous timeout (``rdzv_timeout_s``): a node that never comes is an error in a minute.
+  The process-group timeout is the script's: ``ParallelConfig.timeout_s`` in ``init``.
+- ``--max-restarts K``: torchrun restarts every rank of the job up to K times when one fails.
+- ``python script.py ...`` and ``python -m module ...`` run under the launcher's own interpreter;
+  any other command runs as is (torchrun's ``--no-python``).
+
+Multi-node: run the same command on every node with ``--nnodes N --rdzv-endpoint HOST:PORT`` (the
+host of one node, a port open between them) and the same ``--rdzv-id``; under Slurm, one task per
+node with ``HOST`` the first node of ``$SLURM_JOB_NODELIST``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+
+from torchnitro.errors import InputError
+
+__all__ = ["LaunchConfig", "torchrun_args", "launch", "free_port"]
+
+_PYTHONS = ("python", "python3", os.path.basename(sys.executable))
+
+
+@dataclass
+class LaunchConfig:
+    nproc: int = 1  # worker processes on this node
+    nnodes: str = "1"  # number of nodes, or MIN:MAX for an elastic job
+    max_restarts: int = 0  # restarts of the whole job after a worker fails
+    rdzv_endpoint: str | None = None  # HOST:PORT of the rendezvous; None: 127.0.0.1 on a fresh free port
+    rdzv_id: str | None = None  # job id shared by all nodes; None: a fresh one per launch (one node only)
+    rdzv_timeout_s: int = 60  # how long the rendezvous waits for every node
+    log_dir: str | None = None  # torchrun's per-rank log directory; None: output goes to this terminal
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise InputError(f"launch: received nproc={self.nproc}, expected the number of processes (>= 1).")
+        if self.max_restarts < 0:
+            raise InputError(f"launch: received max_restarts={self.max_restarts}, expected >= 0.")
+        if self.nnodes != "1" and self.rdzv_endpoint is None:
+            raise InputError(f"launch: nnodes={self.nnodes} needs --rdzv-endpoint HOST:PORT, the address every node "
+                             "meets at (one node's host name and an open port); a local free port works on one "
+                             "node only.")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_args(cfg: LaunchConfig, command: list[str]) -> list[str]:
+    """The ``torch.distributed.run`` argument list for ``command`` (``python script.py ...`` or any program)."""
+    if not command:
+        raise InputError("launch: received no command, expected one after `--`, e.g. "
+                         "`torchnitro launch --nproc 2 -- python train.py`.")
+    endpoint = cfg.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+    args = ["--nproc-per-node", str(cfg.nproc), "--nnodes", cfg.nnodes, "--max-restarts", str(cfg.max_restarts),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", cfg.rdzv_id or uuid.uuid4().hex,
+            "--rdzv-conf", f"join_timeout={cfg.rdzv_timeout_s},read_timeout={cfg.rdzv_timeout_s}",
+            "--monitor-interval", "0.5"]
+    if cfg.log_dir:
+        args += ["--log-dir", cfg.log_dir]
+    head, rest = command[0], command[1:]
+    if os.path.basename(head) in _PYTHONS or head == sys.executable:
+        if rest[:1] == ["-m"] and len(rest) > 1:
+            return args + ["--module", *rest[1:]]
+        if not rest:
+            raise InputError(f"launch: received {' '.join(command)!r}, expected a script after python.")
+        return args + rest
+    return args + ["--no-python", *command]
+
+
+def launch(cfg: LaunchConfig, command: list[str]) -> int:
+    """Run ``command`` on ``cfg.nproc`` ranks under torchrun; returns torchrun's exit code."""
+    argv = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg, command)]
+    return subprocess.call(argv)
