@@ -34,3 +34,18 @@ def test_profile_bad_input_exits_2(tmp_path, capsys):
     assert main(["profile", "--model", str(tmp_path), "--train", *_FAST]) == 2
     assert "inference-only" in capsys.readouterr().err
     assert main(["profile", "--model", "no-such-model", *_FAST]) == 2
+
+
+def test_profile_an_optimize_artifact(tmp_path, capsys):
+    import torchnitro
+    from torchnitro.autotune.config import OptimizeConfig
+    from torchnitro.autotune.inputs import model_and_inputs
+
+    model, inputs, info = model_and_inputs("mlp", batch=2)
+    cfg = OptimizeConfig(recipes=["dynamic-int8"], min_speedup=0.0, cache=False, timing_min_iters=2,
+                         timing_min_time_s=0.01, final_min_iters=3, final_min_time_s=0.02, progress=False,
+                         candidate_timeout_s=60.0, held_out=2, threads=1)
+    art = torchnitro.optimize(model, inputs, cfg, info=info).save(tmp_path / "art")
+    assert main(["profile", "--model", str(art), "--batch", "3", *_FAST]) == 0
+    out = capsys.readouterr().out
+    assert "dynamic-int8" in out and "[3, 512]" in out  # the artifact ran on a batch of 3 from its signature
