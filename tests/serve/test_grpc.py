@@ -258,3 +258,13 @@ def test_readiness_follows_the_pool_as_over_http():
         finally:
             pool.ready = True
         assert c.ServerReady().ready and c.ModelReady(name="mlp").ready
+
+
+def test_raw_inputs_reach_validation_as_arrays_not_lists():
+    """gRPC raw contents become one typed numpy array per input (no Python list per element)."""
+    from torchnitro.serve.grpc_server import request_to_body
+
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    data = request_to_body(_raw_request(x))["inputs"][0]["data"]
+    assert isinstance(data, np.ndarray) and data.dtype == np.float32 and data.flags.writeable
+    np.testing.assert_array_equal(data, x.reshape(-1))
