@@ -12,7 +12,8 @@ How a profile is taken:
    no kernel running is ``device_idle`` (kernels overlapping on several streams are scaled to the
    busy time, so categories still add up to the step).
 3. One extra step (not in the trace) runs under ``FlopCounterMode`` and ``torchnitro.memory.track``:
-   FLOPs per step and by category, and the live-memory peak by category.
+   FLOPs per step and by category, and the live-memory peak by category. SDPA on CPU and causal
+   attention get their formulas from ``profile.flops`` (torch counts 0 and the full square).
 4. MFU divides the achieved FLOP/s by the GEMM peak that ``analyze.machine_roofline`` measures on
    this device (or ``ProfileConfig.peak_flops``); with neither, MFU is reported as unavailable.
 """
@@ -210,10 +211,11 @@ def _accounting(model: nn.Module | None, flops: bool, memory: bool) -> Iterator[
     from torch.utils.flop_counter import FlopCounterMode
 
     from torchnitro.memory.tracker import track
+    from torchnitro.profile.flops import attention_mapping
 
     out: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
-        fc = stack.enter_context(FlopCounterMode(display=False)) if flops else None
+        fc = stack.enter_context(FlopCounterMode(display=False, custom_mapping=attention_mapping())) if flops else None
         tr = stack.enter_context(track(model)) if memory else None
         yield out
     if fc is not None:
