@@ -168,3 +168,15 @@ def test_temp_trace_is_removed_on_error_and_with_the_profile(tmp_path, monkeypat
     del p
     gc.collect()
     assert list(tmp_path.glob("torchnitro-trace-*")) == []
+
+
+def test_model_dtype_picks_the_peak_and_train_needs_a_model():
+    m = nn.Linear(16, 16).to(torch.bfloat16)
+    p = profile(m, torch.randn(4, 16, dtype=torch.bfloat16), ProfileConfig(warmup=1, steps=1, monitor=False,
+                                                                            measure_peak=False))
+    assert p.flops == 2 * 4 * 16 * 16
+    from torchnitro.profile.profiler import _peak
+
+    assert "no measured float16 GEMM peak on cpu" in _peak(ProfileConfig(dtype="float16"), "cpu")[1]
+    with pytest.raises(InputError, match="train=True"):
+        profile(lambda: None, train=True, config=FAST)

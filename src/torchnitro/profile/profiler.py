@@ -21,6 +21,7 @@ How a profile is taken:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -258,34 +259,30 @@ def profile(target: Callable[[], Any] | nn.Module, example_inputs: Any = None, c
     backward + an SGD update. ``warmup``/``steps`` override the config's.
     """
     cfg = config or ProfileConfig()
-    if warmup is not None or steps is not None:
-        cfg = ProfileConfig(**{**cfg.__dict__, **({"warmup": warmup} if warmup is not None else {}),
-                               **({"steps": steps} if steps is not None else {})})
+    overrides = {k: v for k, v in (("warmup", warmup), ("steps", steps)) if v is not None}
     model = target if isinstance(target, nn.Module) else None
     if model is not None:
         if example_inputs is None:
             raise InputError("profile(model): received no example_inputs; expected profile(model, example_inputs)")
         inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
         step = make_step(model, inputs, train=train)
-        dtypes = [p.dtype for p in model.parameters()]
-        if dtypes and cfg.peak_flops is None:
-            cfg = ProfileConfig(**{**cfg.__dict__, "dtype": str(max(set(dtypes), key=dtypes.count)).split(".")[-1]})
+        numel: dict[str, int] = defaultdict(int)
+        for prm in model.parameters():
+            numel[str(prm.dtype).removeprefix("torch.")] += prm.numel()
+        if numel and cfg.peak_flops is None:  # MFU against the peak of the dtype most weights have
+            overrides["dtype"] = max(numel, key=numel.__getitem__)
     elif callable(target):
-        if example_inputs is not None:
-            raise InputError("profile(step_fn, example_inputs): a step function takes no inputs; close over them, "
-                             "or pass an nn.Module with its example inputs")
+        if example_inputs is not None or train:
+            raise InputError("profile(step_fn, example_inputs / train=True): a step function takes no inputs and "
+                             "is run as it is; close over the inputs and write the backward into it, or pass an "
+                             "nn.Module with its example inputs")
         step = target
     else:
         raise InputError(f"profile: received {type(target).__name__}; expected a step function (no arguments) "
                          "or an nn.Module with example inputs")
-    cuda = torch.cuda.is_available() and _uses_cuda(model, example_inputs)
-    return _run(step, model, cfg, cuda)
-
-
-def _uses_cuda(model: nn.Module | None, inputs: Any) -> bool:
-    if model is not None:
-        return any(p.is_cuda for p in model.parameters())
-    return True  # a step function may use the GPU: record it whenever one is there
+    # a step function may use the GPU, so it is recorded whenever there is one
+    cuda = torch.cuda.is_available() and (model is None or any(p.is_cuda for p in model.parameters()))
+    return _run(step, model, dataclasses.replace(cfg, **overrides), cuda)
 
 
 def _call(step: Callable[[], Any], when: str) -> Any:
