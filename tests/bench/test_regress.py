@@ -100,3 +100,16 @@ def test_detect_steps_bad_input():
     with pytest.raises(InputError, match="positive"):
         detect_steps([1.0, 0.0, 1.0])
     assert detect_steps([1.0, 1.1, 1.2]) == []  # too short to split
+
+
+def test_compare_interleaved_uses_the_timings_samples():
+    from torchnitro.bench.regress import compare_interleaved
+    from torchnitro.bench.timing import Timing
+
+    r = np.random.default_rng(21)
+    timings = {"eager": Timing(list(r.normal(1e-3, 2e-5, 20))), "fused": Timing(list(r.normal(0.8e-3, 2e-5, 20))),
+               "same": Timing(list(r.normal(1e-3, 2e-5, 20)))}
+    verdicts = {v.case: v.verdict for v in compare_interleaved(timings, "eager")}
+    assert verdicts == {"fused": "faster", "same": "same"}
+    with pytest.raises(InputError, match="baseline 'nope'"):
+        compare_interleaved(timings, "nope")

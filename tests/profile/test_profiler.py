@@ -180,3 +180,23 @@ def test_model_dtype_picks_the_peak_and_train_needs_a_model():
     assert "no measured float16 GEMM peak on cpu" in _peak(ProfileConfig(dtype="float16"), "cpu")[1]
     with pytest.raises(InputError, match="train=True"):
         profile(lambda: None, train=True, config=FAST)
+
+
+def _synthetic(categories: dict[str, float], clock: str = "device", **kw) -> Profile:
+    total = sum(categories.values())
+    return Profile(device="test", clock=clock, warmup=1, steps=1, step_time_s=total, step_times_s=[total],
+                   categories=categories, **kw)
+
+
+def test_findings_point_to_a_recipe():
+    from torchnitro.profile.result import findings
+
+    idle = findings(_synthetic({"matmul": 0.004, "device_idle": 0.006}))
+    assert len(idle) == 1 and "device idle 60%" in idle[0] and "cuda-graphs" in idle[0]
+    norm = findings(_synthetic({"matmul": 0.008, "norm": 0.002}, clock="cpu"))
+    assert len(norm) == 1 and "normalisation takes 20%" in norm[0] and "fused-kernels" in norm[0]
+    slow_gemm = _synthetic({"matmul": 0.9, "cpu_overhead": 0.1}, clock="cpu", flops=10**9, peak_flops=1e11)
+    assert any("MFU is 1%" in f for f in findings(slow_gemm))
+    assert findings(_synthetic({"matmul": 0.9, "cpu_overhead": 0.1}, clock="cpu")) == []
+    assert "(10% of peak)" in _synthetic({"matmul": 1.0}, flops=10**9, flops_by_category={"matmul": 10**9},
+                                         peak_flops=1e10).summary()

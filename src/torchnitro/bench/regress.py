@@ -1,6 +1,7 @@
 """Regression statistics: is B slower than A (``compare_samples``), and where did a series step (``detect_steps``).
 
-**Two runs.** For each case the raw samples of both runs are compared with a two-sided
+**Two runs** (two result files, or two variants timed interleaved in one process by
+``bench.compare``: ``compare_interleaved``). For each case the raw samples of both runs are compared with a two-sided
 Mann-Whitney U test (normal approximation, tie and continuity corrected) and a bootstrap confidence
 interval of the ratio of medians (new / base, seeded). A case is ``slower`` or ``faster`` only when
 *both* hold: the test rejects at ``alpha`` with the interval excluding 1, and the median moved by at
@@ -21,14 +22,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from torchnitro.errors import InputError
 
 __all__ = ["CompareConfig", "CaseVerdict", "Step", "mann_whitney_u", "ratio_ci", "compare_samples",
-           "compare_results", "detect_steps"]
+           "compare_results", "compare_interleaved", "detect_steps"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,15 @@ def compare_results(base: Any, new: Any, config: CompareConfig | None = None) ->
         raise InputError(f"{base.path} and {new.path} share no case names (base has {sorted(base.cases)[:5]}, new "
                          f"has {sorted(new.cases)[:5]}); expected the same benchmark run twice")
     return [compare_samples(base.cases[c], new.cases[c], config, case=c) for c in shared], only
+
+
+def compare_interleaved(timings: Mapping[str, Any], baseline: str,
+                        config: CompareConfig | None = None) -> list[CaseVerdict]:
+    """Verdicts for every entry of a ``bench.compare`` result against ``baseline`` (same process, interleaved)."""
+    if baseline not in timings:
+        raise InputError(f"baseline {baseline!r} is not one of {sorted(timings)}; expected a name passed to compare()")
+    base = timings[baseline].samples
+    return [compare_samples(base, t.samples, config, case=name) for name, t in timings.items() if name != baseline]
 
 
 # ---- step detection over a series of runs ------------------------------------------------------

@@ -94,7 +94,8 @@ def render_html(p: "Profile", plots: dict[str, Path]) -> str:
     e = html.escape
     rate = p.achieved_flops_by_category()
     cat_rows = [[c, f"{p.categories[c] * 1e3:.3f}", f"{p.shares[c]:.1%}",
-                 f"{rate[c] / 1e9:.2f}" if c in rate else "-", DESCRIPTIONS.get(c, "")]
+                 f"{rate[c] / 1e9:.2f}" if c in rate else "-",
+                 f"{rate[c] / p.peak_flops:.1%}" if c in rate and p.peak_flops else "-", DESCRIPTIONS.get(c, "")]
                 for c in CATEGORIES if c in p.categories]
     op_rows = [[f"{o.share:.1%}", f"{o.time_s * 1e3:.3f}", f"{o.calls:g}", o.name, o.category, o.shapes]
                for o in p.top_ops]
@@ -125,7 +126,7 @@ def render_html(p: "Profile", plots: dict[str, Path]) -> str:
 <b>{p.step_time_s * 1e3:.3f} ms</b> per step (min {min(p.step_times_s) * 1e3:.3f}, max {max(p.step_times_s) * 1e3:.3f}).
 The trace is <code>trace.json</code> beside this file (open it in ui.perfetto.dev).</p></section>
 <section id="categories"><h2>Time by category</h2>{plots_html.get("categories", "")}
-{_table(["category", "ms per step", "share", "GFLOP/s", "holds"], cat_rows, {1, 2, 3})}</section>
+{_table(["category", "ms per step", "share", "GFLOP/s", "of peak", "holds"], cat_rows, {1, 2, 3, 4})}</section>
 <section id="top-ops"><h2>Top ops (self time)</h2>{plots_html.get("top_ops", "")}
 {_table(["share", "ms per step", "calls", "op", "category", "input shapes"], op_rows, {0, 1, 2})}</section>
 <section id="flops"><h2>FLOPs and MFU</h2>{flops}</section>

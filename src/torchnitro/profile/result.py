@@ -90,6 +90,7 @@ class Profile:
         for c in CATEGORIES:
             if c in self.categories:
                 extra = f"  {rate[c] / 1e9:9.2f} GFLOP/s" if c in rate else ""
+                extra += f" ({rate[c] / self.peak_flops:.0%} of peak)" if c in rate and self.peak_flops else ""
                 lines.append(f"  {c:<14}{self.categories[c] * ms:10.3f} ms {self.shares[c]:7.1%}{extra}")
         lines += ["", f"top ops (self time, of {len(self.top_ops)} listed):"]
         for op in self.top_ops:
