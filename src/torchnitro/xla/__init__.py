@@ -27,9 +27,14 @@ _EXPORTS: dict[str, str] = {
     "lm_train_step": "torchnitro.xla.lm",
     "pad_report": "torchnitro.xla.layout",
     "PaddingReport": "torchnitro.xla.layout",
+    "plan_memory": "torchnitro.xla.memory",
+    "estimate_memory": "torchnitro.xla.memory",
+    "MemoryPlan": "torchnitro.xla.memory",
+    "find_batch_size": "torchnitro.xla.memory",
+    "REMAT_POLICIES": "torchnitro.xla.remat",
     "REMAT_POLICIES": "torchnitro.xla.remat",
 }
-_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout")
+_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout", "memory")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

@@ -1,0 +1,204 @@
+"""Memory planning without a TPU: compile the sharded step and read XLA's buffer assignment.
+
+``plan_memory`` lowers the real train step with ShapeDtypeStructs (nothing is allocated) and
+compiles it for the host devices or, through ``libtpu``, for a TPU topology on this CPU; the
+executable's ``memory_analysis()`` gives per-device argument, output, alias and temp bytes, i.e.
+XLA's own plan of the device memory. ``estimate_memory`` is the analytic counterpart (parameters,
+optimizer state, batch, gradients, activations saved by the remat policy), so the two can be
+compared; ``find_batch_size`` searches the largest batch whose compiled peak fits a budget.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import jax
+import optax
+from jax.sharding import Mesh
+
+from torchnitro.errors import BudgetError, ConfigError
+from torchnitro.xla.lm import batch_spec, lm_train_step
+from torchnitro.xla.mesh import TPU_HBM_GIB, MeshConfig, make_mesh, parse_target
+from torchnitro.xla.model import LMConfig, param_spec
+from torchnitro.xla.remat import layer_policies
+from torchnitro.xla.train import TrainStep
+
+__all__ = ["CompiledMemory", "MemoryEstimate", "MemoryPlan", "plan_memory", "estimate_memory", "find_batch_size",
+           "hbm_per_device"]
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class CompiledMemory:
+    """Per-device bytes from ``compiled.memory_analysis()``."""
+
+    argument: int  # inputs: parameter, optimizer-state and batch shards
+    output: int  # results (new parameters and state, loss)
+    alias: int  # outputs written into donated inputs (counted in both argument and output)
+    temp: int  # scratch: gradients, saved activations, collectives' buffers
+    code: int  # generated code
+
+    @property
+    def peak(self) -> int:
+        """Live bytes at the step's peak as XLA plans them: inputs + fresh outputs + scratch."""
+        return self.argument + self.output - self.alias + self.temp
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The analytic per-device model of the same step."""
+
+    params: int  # parameter shards
+    opt_state: int  # optimizer-state shards (moments follow their parameter's sharding)
+    batch: int  # token and target shards
+    grads: int  # one gradient per parameter shard (temp)
+    activations: int  # residuals kept for the backward pass, by remat policy (temp)
+
+    @property
+    def argument(self) -> int:
+        return self.params + self.opt_state + self.batch
+
+    @property
+    def peak(self) -> int:
+        return self.argument + self.grads + self.activations
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One configuration, compiled and estimated."""
+
+    target: str  # "host" or a TPU target such as "v5p:2x2x2"
+    mesh: dict[str, int]  # axis -> size
+    rules: str  # sharding rule set
+    remat: str  # remat policy (or "per-layer")
+    batch_size: int  # global batch
+    seq_len: int  # tokens per sequence
+    compiled: CompiledMemory  # what XLA planned
+    estimate: MemoryEstimate  # what the analytic model says
+    hbm: int | None  # device memory per device for a TPU target, None on host
+    flops: float | None  # per-device FLOPs of one step from the compiled cost analysis
+
+    @property
+    def fits(self) -> bool | None:
+        return None if self.hbm is None else self.compiled.peak <= self.hbm
+
+    @property
+    def estimate_error(self) -> float:
+        """Relative error of the analytic peak against the compiled peak."""
+        return self.estimate.peak / self.compiled.peak - 1.0
+
+
+def hbm_per_device(target: str, devices: Sequence[Any]) -> int:
+    """HBM bytes per JAX device of a TPU slice (a chip's HBM split over its cores when they are separate)."""
+    t = parse_target(target)
+    chips = math.prod(int(p) for p in t.topology.split("x"))
+    return int(TPU_HBM_GIB[t.generation] * GIB * chips / len(devices))
+
+
+def _local_bytes(spec: Any, sharding: Any) -> int:
+    """Bytes of one device's shard of an array with this sharding."""
+    shard = sharding.shard_shape(spec.shape)
+    return math.prod(shard) * spec.dtype.itemsize
+
+
+def _tree_bytes(specs: Any, shardings: Any) -> int:
+    return sum(_local_bytes(s, sh) for s, sh in zip(jax.tree.leaves(specs), jax.tree.leaves(shardings)))
+
+
+def _activation_bytes(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: int,
+                      remat: str | Sequence[str]) -> int:
+    """Residuals one layer keeps for the backward pass, summed over layers, per device (fp32).
+
+    Per token: "none" keeps every intermediate of the block (about 6 width-sized vectors,
+    q/k/v and their RoPE'd copies, the attention output, 4 MLP-hidden vectors) plus the two
+    (T, T) score/probability rows per head; dots_saveable keeps only matmul outputs (q, k, v, the
+    attention output and score matmuls, w1/w3 outputs, the block outputs); nothing_saveable keeps
+    the block input only. The logits and their softmax are live once, outside the layers.
+    """
+    m = step.mesh.shape
+    b = batch_size // (m.get("data", 1) * m.get("fsdp", 1))  # local sequences
+    tp = m.get("tensor", 1)
+    D, hd = cfg.padded_dim, cfg.head_dim
+    H, K, F = cfg.padded_heads // tp, max(cfg.padded_kv_heads // tp, 1), cfg.padded_hidden // tp
+    qkv = (H + 2 * K) * hd
+    per_token = {
+        "none": 6 * D + 2 * qkv + H * hd + 4 * F + 2 * H * seq_len,
+        "dots_saveable": 2 * D + qkv + H * hd + 2 * F + 2 * H * seq_len,
+        "dots_with_no_batch_dims_saveable": 2 * D + qkv + H * hd + 2 * F,
+        "nothing_saveable": D,
+        "full": D,
+    }
+    layers = sum(per_token[p] for p in layer_policies(remat, cfg.n_layers))
+    logits = 2 * cfg.padded_vocab // tp  # logits and log-softmax
+    return 4 * b * seq_len * (layers + logits)
+
+
+def estimate_memory(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: int,
+                    remat: str | Sequence[str] = "none") -> MemoryEstimate:
+    """The analytic per-device estimate for ``step`` (built by lm_train_step) at this batch shape."""
+    params = param_spec(cfg)
+    opt = jax.eval_shape(step.optimizer.init, params)
+    p = _tree_bytes(params, step.param_shardings)
+    return MemoryEstimate(params=p, opt_state=_tree_bytes(opt, step.opt_shardings),
+                          batch=_tree_bytes(batch_spec(batch_size, seq_len), step.batch_shardings), grads=p,
+                          activations=_activation_bytes(cfg, step, batch_size, seq_len, remat))
+
+
+def _mesh(mesh: str | MeshConfig, target: str) -> Mesh:
+    return make_mesh(mesh, target=None if target == "host" else target)
+
+
+def plan_memory(cfg: LMConfig, batch_size: int, seq_len: int, *, mesh: str | MeshConfig = "1x-1x1",
+                rules: str = "fsdp", remat: str | Sequence[str] = "none", target: str = "host",
+                optimizer: optax.GradientTransformation | None = None) -> MemoryPlan:
+    """Compile the LM's sharded train step for ``target`` (no execution) and report its memory per device."""
+    if seq_len > cfg.max_seq_len:
+        raise ConfigError(f"seq_len={seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
+    m = _mesh(mesh, target)
+    dp = m.shape.get("data", 1) * m.shape.get("fsdp", 1)
+    if batch_size % dp:
+        raise ConfigError(f"batch_size={batch_size} does not divide over the {dp} data-parallel devices of mesh "
+                          f"{dict(m.shape)}; use a multiple of {dp}")
+    opt = optimizer or optax.adamw(1e-3)
+    step = lm_train_step(cfg, opt, m, rules, batch_size, seq_len, remat=remat)
+    params = param_spec(cfg)
+    compiled = step.lower(params, jax.eval_shape(opt.init, params), batch_spec(batch_size, seq_len)).compile()
+    ma = compiled.memory_analysis()
+    cm = CompiledMemory(ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
+                        ma.temp_size_in_bytes, ma.generated_code_size_in_bytes)
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax returned one dict per program
+    return MemoryPlan(target=target, mesh=dict(m.shape), rules=rules,
+                      remat=remat if isinstance(remat, str) else "per-layer", batch_size=batch_size, seq_len=seq_len,
+                      compiled=cm, estimate=estimate_memory(cfg, step, batch_size, seq_len, remat),
+                      hbm=None if target == "host" else hbm_per_device(target, list(m.devices.flat)),
+                      flops=(cost or {}).get("flops"))
+
+
+def find_batch_size(peak_bytes: Callable[[int], int], budget: int, *, multiple: int = 1,
+                    max_batch: int = 1 << 16) -> int:
+    """Largest batch (a multiple of ``multiple``) with ``peak_bytes(batch) <= budget``, by doubling then bisection.
+
+    ``peak_bytes`` is usually ``lambda b: plan_memory(cfg, b, ...).compiled.peak`` (one compile per
+    probe) with ``budget = hbm_fraction * plan.hbm``; a fake function makes the search testable.
+    """
+    if budget <= 0 or multiple < 1:
+        raise ConfigError(f"find_batch_size: budget={budget} bytes, multiple={multiple}; expected both positive")
+    first = peak_bytes(multiple)
+    if first > budget:
+        raise BudgetError(f"even batch {multiple} needs {first / GIB:.2f} GiB per device, over the budget of "
+                          f"{budget / GIB:.2f} GiB; shard more (fsdp/tensor), remat, or use a bigger target")
+    lo, hi = 1, 2  # in units of `multiple`: lo fits; hi is the first candidate not yet known to fit
+    while hi * multiple <= max_batch and peak_bytes(hi * multiple) <= budget:
+        lo, hi = hi, hi * 2
+    hi = min(hi, max_batch // multiple + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if peak_bytes(mid * multiple) <= budget:
+            lo = mid
+        else:
+            hi = mid
+    return lo * multiple

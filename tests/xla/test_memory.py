@@ -1,0 +1,70 @@
+"""Memory planning by compiling the step: host devices always, a TPU topology when libtpu is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+jax = pytest.importorskip("jax", reason="jax is not installed: pip install 'torchnitro[xla]'")
+
+from torchnitro.errors import BudgetError, ConfigError  # noqa: E402
+from torchnitro.xla.memory import GIB, find_batch_size, plan_memory  # noqa: E402
+from torchnitro.xla.model import LMConfig  # noqa: E402
+
+CFG = LMConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, max_seq_len=128)
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed: AOT TPU compiles need it (torchnitro[xla])")
+
+
+@pytest.mark.parametrize("mesh,rules", [("1x8x1", "fsdp"), ("2x2x2", "fsdp_tp")])
+def test_host_compile_arguments_equal_the_analytic_shards(mesh, rules):
+    plan = plan_memory(CFG, 8, 64, mesh=mesh, rules=rules, remat="dots_saveable")
+    # parameters + AdamW moments + batch, each as its per-device shard: exact on host devices
+    assert plan.compiled.argument == plan.estimate.argument
+    # the step donates parameters and optimizer state: every output but the loss reuses an input
+    assert plan.compiled.alias == plan.estimate.params + plan.estimate.opt_state
+    assert plan.compiled.temp > 0 and plan.hbm is None and plan.fits is None
+    assert plan.flops and plan.flops > 0
+
+
+def test_plan_rejects_batches_that_do_not_split():
+    with pytest.raises(ConfigError, match="batch_size=6 does not divide over the 8 data-parallel devices"):
+        plan_memory(CFG, 6, 64, mesh="1x8x1")
+
+
+@needs_libtpu
+@pytest.mark.slow  # three AOT TPU compiles: ~10 s of CPU
+def test_tpu_compile_orders_remat_policies_and_reports_hbm():
+    temps = {r: plan_memory(CFG, 32, 128, mesh="1x8x1", rules="fsdp", remat=r, target="v5p:2x2x2")
+             for r in ("none", "dots_saveable", "nothing_saveable")}
+    t = {r: p.compiled.temp for r, p in temps.items()}
+    assert t["none"] > t["dots_saveable"] > t["nothing_saveable"], t
+    plan = temps["none"]
+    assert plan.hbm == 95 * GIB  # v5p: one device per chip (megacore), 95 GiB each
+    assert plan.fits is True
+    # TPU layouts tile the two minor dims (8, 128): small heads and norms cost more than their logical bytes
+    assert plan.compiled.argument > plan.estimate.argument
+
+
+def _fake_peak(calls):
+    def peak(b):
+        calls.append(b)
+        return 1000 + 100 * b  # bytes; budget 5000 -> batch 40
+
+    return peak
+
+
+@pytest.mark.parametrize("multiple,want", [(1, 40), (8, 40), (16, 32)])
+def test_find_batch_size_searches_the_largest_fitting_multiple(multiple, want):
+    calls: list[int] = []
+    assert find_batch_size(_fake_peak(calls), 5000, multiple=multiple) == want
+    assert all(b % multiple == 0 for b in calls)
+    assert len(calls) <= 12  # doubling then bisection, not a scan
+
+
+def test_find_batch_size_errors_when_nothing_fits():
+    with pytest.raises(BudgetError, match="even batch 8 needs"):
+        find_batch_size(_fake_peak([]), 1500, multiple=8)
+    with pytest.raises(ConfigError, match="budget=0"):
+        find_batch_size(_fake_peak([]), 0)
