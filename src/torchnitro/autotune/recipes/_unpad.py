@@ -22,8 +22,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear
-
 __all__ = ["length_buckets", "LayerParts", "PackedLayer", "Packing", "pack_tokens", "run_layers"]
 
 
@@ -125,8 +123,8 @@ class PackedLayer(nn.Module):
 
     @staticmethod
     def _plus_residual(lin: nn.Module, inp: Tensor, x: Tensor, scale: Tensor | None) -> Tensor:
-        """``lin(inp) + x * scale`` (``+ x`` without a SmoothQuant scale); in the GEMM epilogue on oneDNN."""
-        if isinstance(lin, OneDnnInt8Linear):
+        """``lin(inp) + x * scale`` (``+ x`` without a SmoothQuant scale); in the int8 Linear's epilogue."""
+        if getattr(lin, "fused_epilogue", False):  # int8 Linears that add in their epilogue
             return lin(inp, add=x if scale is None else x * scale)
         y = lin(inp)
         return x + y if scale is None else torch.addcmul(y, x, scale)
@@ -141,8 +139,8 @@ class PackedLayer(nn.Module):
         return torch.cat([self._ffn_block(xs) for xs in x.split(self.ffn_rows)])  # (N, D)
 
     def _ffn_block(self, x: Tensor) -> Tensor:
-        if isinstance(self.ffn_in, OneDnnInt8Linear):
-            h = self.ffn_in(x, gelu=True)  # GELU in the GEMM epilogue
+        if getattr(self.ffn_in, "fused_epilogue", False):
+            h = self.ffn_in(x, gelu=True)  # GELU in the int8 Linear's epilogue
         else:
             h = F.gelu(self.ffn_in(x))  # a temporary: int8 ffn_out smooths it in place
         return self._plus_residual(self.ffn_out, h, x, self.res_mid)

@@ -32,6 +32,7 @@ from torchnitro.autotune.recipes.hf_encoders import UnpaddedEncoder, encoders_re
 from torchnitro.autotune.recipes.int8_mixed import (build_mixed_int8, int8_unavailable_reason, linear_names,
                                                    load_engine, load_full_range, load_scales, quantize_linears)
 from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear
+from torchnitro.autotune.recipes.rowwise_int8 import RowwiseInt8Linear
 
 __all__ = ["UnpaddedBert", "fold_smoothing", "bert_inapplicable_reason", "unpad_model", "UnpaddedBertRecipe",
            "UnpaddedBertInt8", "UnpaddedBertBf16"]
@@ -111,7 +112,7 @@ def _int8(base: nn.Module, names: list[str], scales: dict[str, Tensor], full_ran
     folded, left = fold_smoothing(base, scales)
     q = quantize_linears(folded, names, left, full_range, engine)
     for layer in q.modules():
-        if isinstance(layer, PackedLayer) and isinstance(layer.ffn_out, (SmoothedInt8Linear, OneDnnInt8Linear)):
+        if isinstance(layer, PackedLayer) and isinstance(layer.ffn_out, (SmoothedInt8Linear, OneDnnInt8Linear, RowwiseInt8Linear)):
             layer.ffn_out.inplace = True  # its input is the GELU temporary
     return q
 

@@ -18,25 +18,27 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["OneDnnInt8Linear", "onednn_int8_reason"]
+__all__ = ["Int8LinearBase", "OneDnnInt8Linear", "onednn_int8_reason", "quiet_quantize"]
 
-# quantize_per_tensor is the one vectorised CPU quantiser torch has (the decomposed ops take 4-5 passes).
-# Its deprecation notice (issued once per process) is not actionable for users of this module.
+# torch.quantize_per_tensor / _per_channel are the vectorised CPU quantisers torch has (the decomposed ops take
+# 4-5 passes). Their deprecation notice (issued once per process) is not actionable for users of this module.
 _quiet = [True]
 
 
-def _quantize_per_tensor(x: Tensor, scale: float, zp: int) -> Tensor:
+def quiet_quantize(fn: Callable[..., Tensor], *args: Any) -> Tensor:
+    """``fn(*args)`` (``torch.quantize_per_tensor`` or ``_per_channel``), the first call without the notice."""
     if _quiet[0]:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor", category=UserWarning)
-            q = torch.quantize_per_tensor(x, scale, zp, torch.quint8)
+            q = fn(*args)
         _quiet[0] = False
         return q
-    return torch.quantize_per_tensor(x, scale, zp, torch.quint8)
+    return fn(*args)
 
 
 def onednn_int8_reason() -> str | None:
@@ -60,10 +62,13 @@ def _uint8_view(q: Tensor) -> Tensor:
     return torch.empty((0,), dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(), q.shape, q.stride())
 
 
-class OneDnnInt8Linear(nn.Module):
-    """``y = W x + b`` (optionally ``gelu(.)`` or ``+ residual``) with int8 weights (per output channel,
-    symmetric) and uint8 activations (per tensor, asymmetric, range taken from each call's input),
-    smoothed by ``scale`` per input channel (SmoothQuant: the weights carry ``W * s``)."""
+class Int8LinearBase(nn.Module):
+    """What the int8 Linears here share: int8 weights per output channel (symmetric) smoothed by
+    ``scale`` per input channel (SmoothQuant: they carry ``W * s``), fp32 bias, and the checks of a
+    ``forward(x, gelu=..., add=...)`` call."""
+
+    fused_epilogue = True  # forward takes gelu= / add= (see _unpad.PackedLayer)
+    inplace = False  # the caller passes a temporary: the smoothing multiply may overwrite it
 
     def __init__(self, lin: nn.Linear, scale: Tensor | None = None):
         super().__init__()
@@ -71,41 +76,59 @@ class OneDnnInt8Linear(nn.Module):
         k = lin.in_features
         s = torch.ones(k) if scale is None else scale.detach().float().reshape(k)
         if not bool((s > 0).all()) or not bool(torch.isfinite(s).all()):
-            raise ValueError(f"OneDnnInt8Linear: smoothing scales must be finite and > 0 (got min {float(s.min())})")
+            raise ValueError(f"{type(self).__name__}: smoothing scales must be finite and > 0 (got min {float(s.min())})")
         ws = w * s  # (out, in): the smoothed weights
-        w_scale = (ws.abs().amax(1) / 127.0).clamp(min=1e-12)  # (out,)
-        wq = torch.round(ws / w_scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.packed = torch.ops.onednn.qlinear_prepack(wq, None)  # opaque oneDNN layout: not a buffer (see __deepcopy__)
-        self.register_buffer("w_scale", w_scale, persistent=False)
-        self.register_buffer("w_zp", torch.zeros_like(w_scale, dtype=torch.int64), persistent=False)
+        self.register_buffer("w_scale", (ws.abs().amax(1) / 127.0).clamp(min=1e-12), persistent=False)  # (out,)
+        self.wq_init = torch.round(ws / self.w_scale[:, None]).clamp(-127, 127).to(torch.int8)  # (out, in)
         self.smoothed = scale is not None
         self.register_buffer("inv_smooth", 1.0 / s, persistent=False)
         self.bias = None if lin.bias is None else nn.Parameter(lin.bias.detach().float().clone(), requires_grad=False)
         self.in_features, self.out_features = k, lin.out_features
 
-    inplace = False  # the caller passes a temporary: the smoothing multiply may overwrite it
+    def _rows(self, x: Tensor, gelu: bool, add: Tensor | None) -> Tensor:
+        """``x`` checked and viewed as ``(N, in)`` contiguous rows."""
+        name = type(self).__name__
+        if gelu and add is not None:
+            raise ValueError(f"{name}: fuse either gelu or a residual add, not both")
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{name}: received input of shape {tuple(x.shape)}, expected (..., {self.in_features})")
+        if x.dtype != torch.float32:
+            raise TypeError(f"{name}: received {x.dtype} input, expected torch.float32")
+        x2 = x.reshape(-1, self.in_features)
+        return x2 if x2.is_contiguous() else x2.contiguous()
+
+    def _smooth(self, x: Tensor) -> Tensor:
+        if not self.smoothed:
+            return x
+        return x.mul_(self.inv_smooth) if self.inplace else x * self.inv_smooth
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class OneDnnInt8Linear(Int8LinearBase):
+    """``y = W x + b`` (optionally ``gelu(.)`` or ``+ residual``) with int8 weights (per output channel,
+    symmetric) and uint8 activations (per tensor, asymmetric, range taken from each call's input),
+    smoothed by ``scale`` per input channel (SmoothQuant: the weights carry ``W * s``)."""
+
+    def __init__(self, lin: nn.Linear, scale: Tensor | None = None):
+        super().__init__(lin, scale)
+        # opaque oneDNN layout: not a buffer (see __deepcopy__)
+        self.packed = torch.ops.onednn.qlinear_prepack(self.__dict__.pop("wq_init"), None)
+        self.register_buffer("w_zp", torch.zeros_like(self.w_scale, dtype=torch.int64), persistent=False)
 
     def _quantize(self, x: Tensor) -> tuple[Tensor, float, int]:
-        if self.smoothed:
-            x = x.mul_(self.inv_smooth) if self.inplace else x * self.inv_smooth
+        x = self._smooth(x)
         lo, hi = torch.aminmax(x)
         lo_f, hi_f = min(float(lo), 0.0), max(float(hi), 0.0)  # the range must contain 0 (exact zero point)
         scale = max(hi_f - lo_f, 1e-8) / 255.0
         zp = int(min(255, max(0, round(-lo_f / scale))))
-        return _uint8_view(_quantize_per_tensor(x, scale, zp)), scale, zp
+        return _uint8_view(quiet_quantize(torch.quantize_per_tensor, x, scale, zp, torch.quint8)), scale, zp
 
     def forward(self, x: Tensor, *, gelu: bool = False, add: Tensor | None = None) -> Tensor:
         """``W x + b``, then ``gelu`` (exact erf) or ``+ add`` (a (N, out) residual) in the GEMM epilogue."""
-        if gelu and add is not None:
-            raise ValueError("OneDnnInt8Linear: fuse either gelu or a residual add, not both")
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"OneDnnInt8Linear: received input of shape {tuple(x.shape)}, expected (..., "
-                             f"{self.in_features})")
-        if x.dtype != torch.float32:
-            raise TypeError(f"OneDnnInt8Linear: received {x.dtype} input, expected torch.float32")
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        qx, sx, zx = self._quantize(x2 if x2.is_contiguous() else x2.contiguous())
+        qx, sx, zx = self._quantize(self._rows(x, gelu, add))
         if add is not None:
             y = torch.ops.onednn.qlinear_pointwise.binary(
                 qx, sx, zx, self.packed, self.w_scale, self.w_zp, add.reshape(-1, self.out_features).contiguous(),
@@ -121,6 +144,3 @@ class OneDnnInt8Linear(nn.Module):
         memo[id(self)] = new
         new.__dict__.update({k: (v if k == "packed" else copy.deepcopy(v, memo)) for k, v in self.__dict__.items()})
         return new
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
