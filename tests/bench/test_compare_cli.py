@@ -85,3 +85,24 @@ def test_history_finds_the_step_and_plots(tmp_path, capsys):
     assert "ln: no step over 12 runs" in out
     assert (hist / "history.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["bench", "history", str(tmp_path / "nowhere")]) == 2
+
+
+def test_bench_run_writes_a_comparable_result_file(tmp_path, capsys):
+    out = tmp_path / "run.json"
+    assert main(["bench", "run", "--suite", "attention", "--tier", "micro", "--quick", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    r = read_results(out)
+    assert set(r.cases) == {"attention/micro/sdpa", "attention/micro/math"}
+    assert r.environment["device"] == "cpu" and "torch_threads" in r.environment
+    assert main(["bench", "run", "--tier", "micro,huge", "--out", str(out)]) == 2
+    assert "expected some of ['micro'" in capsys.readouterr().err
+    assert main(["bench", "run", "--suite", "conv", "--out", str(out)]) == 2
+
+
+def test_suite_tier_too_big_for_memory_is_skipped_with_a_reason():
+    from torchnitro.bench.suites import run_suite
+    from torchnitro.bench.timing import TimingConfig
+
+    run = run_suite("attention", ["micro", "large"], timing=TimingConfig().quick(), free_bytes=64 * 2**20)
+    assert set(run.timings) == {"attention/micro/sdpa", "attention/micro/math"}
+    assert "more than half of the 64 MiB free" in run.skipped["attention/large"]

@@ -1,4 +1,4 @@
-"""``torchnitro bench compare`` and ``bench history`` (registered on the app in ``torchnitro.cli``).
+"""``torchnitro bench run``, ``bench compare`` and ``bench history`` (registered on the app in ``torchnitro.cli``).
 
 ``compare`` exits 1 when any case is slower, so CI can gate on it; bad or incomparable files exit 2
 (``NitroError``), like every other verb.
@@ -14,7 +14,7 @@ import typer
 
 from torchnitro.errors import InputError
 
-__all__ = ["register", "bench_app", "compare_command", "history_command", "load_history"]
+__all__ = ["register", "bench_app", "run_command", "compare_command", "history_command", "load_history"]
 
 bench_app = typer.Typer(help="Compare benchmark result files and find step changes over many runs.",
                         no_args_is_help=True)
@@ -57,6 +57,46 @@ def compare_command(
     if slower:
         Console(stderr=True).print(f"regression: {len(slower)} case(s) slower: {', '.join(slower)}", highlight=False)
         raise typer.Exit(code=1)
+
+
+@bench_app.command("run")
+def run_command(
+    suite: str = typer.Option("attention", "--suite", help="which suite (attention)"),
+    tier: str = typer.Option("micro,small,realistic", "--tier", help="comma-separated tiers: micro, small, "
+                             "realistic, large, xlarge"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="result file (default: results/bench-SUITE-TIME.json)"),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
+    quick: bool = typer.Option(False, "--quick", help="few samples: a smoke test, not a measurement"),
+) -> None:
+    """Time a suite over the size matrix and write a result file with every sample and the environment."""
+    import dataclasses
+    import time
+
+    import torch
+    from rich.console import Console
+
+    from torchnitro.bench.environment import timing_environment
+    from torchnitro.bench.provenance import provenance
+    from torchnitro.bench.report import results_dir
+    from torchnitro.bench.results import MIN_SAMPLES, write_results
+    from torchnitro.bench.suites import run_suite
+    from torchnitro.bench.timing import TimingConfig
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    tiers = [t.strip() for t in tier.split(",") if t.strip()]
+    # --quick still takes enough samples for the file to be comparable
+    timing = dataclasses.replace(TimingConfig(device=dev).quick(), min_iters=MIN_SAMPLES) if quick else \
+        TimingConfig(device=dev)
+    res = run_suite(suite, tiers, device=dev, timing=timing)
+    path = out or results_dir() / f"bench-{suite}-{time.strftime('%Y%m%dT%H%M%S')}.json"
+    env = {**provenance("torchnitro bench run", device=dev), **timing_environment(), "device": dev}
+    write_results(path, res.timings, env, skipped=res.skipped)
+    con = Console(soft_wrap=True)
+    for name, t in res.timings.items():
+        con.print(f"{name}: {t}", highlight=False)
+    for name, why in res.skipped.items():
+        con.print(f"{name}: skipped: {why}", highlight=False)
+    con.print(f"results: {path}", highlight=False)
 
 
 def load_history(directory: Path) -> tuple[list[str], dict[str, list[float | None]]]:

@@ -40,8 +40,12 @@ class BenchResult:
 
 
 def write_results(path: str | Path, cases: Mapping[str, Timing | Sequence[float]],
-                  environment: Mapping[str, str] | None = None, *, script: str = "torchnitro bench") -> Path:
-    """Write a result file; ``environment`` defaults to this process's provenance and timing settings."""
+                  environment: Mapping[str, str] | None = None, *, script: str = "torchnitro bench",
+                  skipped: Mapping[str, str] | None = None) -> Path:
+    """Write a result file; ``environment`` defaults to this process's provenance and timing settings.
+
+    ``skipped`` (case or tier -> why) is kept in the file for a reader; comparisons ignore it.
+    """
     if environment is None:
         from torchnitro.bench.environment import timing_environment
         from torchnitro.bench.provenance import provenance
@@ -56,7 +60,8 @@ def write_results(path: str | Path, cases: Mapping[str, Timing | Sequence[float]
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps({"format": FORMAT, "version": VERSION, "written": time.strftime("%Y-%m-%d %H:%M:%S"),
-                             "environment": dict(environment), "cases": out}, indent=1))
+                             "environment": dict(environment), "cases": out, "skipped": dict(skipped or {})},
+                            indent=1))
     return p
 
 
