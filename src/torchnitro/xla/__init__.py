@@ -32,9 +32,15 @@ _EXPORTS: dict[str, str] = {
     "MemoryPlan": "torchnitro.xla.memory",
     "find_batch_size": "torchnitro.xla.memory",
     "REMAT_POLICIES": "torchnitro.xla.remat",
+    "save_checkpoint": "torchnitro.xla.checkpoint",
+    "restore_checkpoint": "torchnitro.xla.checkpoint",
+    "restore_train_state": "torchnitro.xla.checkpoint",
     "REMAT_POLICIES": "torchnitro.xla.remat",
+    "save_checkpoint": "torchnitro.xla.checkpoint",
+    "restore_checkpoint": "torchnitro.xla.checkpoint",
+    "restore_train_state": "torchnitro.xla.checkpoint",
 }
-_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout", "memory")
+_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout", "memory", "checkpoint")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
