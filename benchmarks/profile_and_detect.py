@@ -14,6 +14,8 @@ Detector on real runs: ``trials`` A/A comparisons (the same function timed twice
 10% or 3% of its median), each decided by ``regress.compare_samples``. Goals: A/A false alarms <= 2%,
 10% detected >= 95%.
 
+The same statistics on 200 seeded synthetic cases and series come first (exact, no timing).
+
 Run (one benchmark at a time on a shared machine)::
 
     flock /tmp/torchnitro-bench.lock python benchmarks/profile_and_detect.py              # a few minutes
@@ -96,6 +98,32 @@ def detector_rows(table: ResultTable, trials: int, quick: bool) -> None:
                   value=f"{slower}/{trials} called slower", goal=goal[0], met=goal[1], detail="")
 
 
+def synthetic_rows(table: ResultTable, trials: int) -> None:
+    """The same statistics on seeded synthetic samples and series (no timing: exact, reproducible)."""
+    import numpy as np
+
+    from torchnitro.bench.regress import detect_steps
+
+    counts = {"aa": 0, "ten": 0, "three": 0, "step": 0, "flat": 0}
+    for s in range(trials):
+        r = np.random.default_rng(10_000 + s)
+        counts["aa"] += compare_samples(r.normal(1, 0.03, 20), r.normal(1, 0.03, 20)).verdict != "same"
+        counts["ten"] += compare_samples(r.normal(1, 0.03, 20), r.normal(1.1, 0.033, 20)).verdict == "slower"
+        counts["three"] += compare_samples(r.normal(1, 0.03, 20), r.normal(1.03, 0.0309, 20)).verdict == "slower"
+        q = np.random.default_rng(s)
+        series = np.r_[q.normal(1, 0.02, 10), q.normal(1.1, 0.022, 10)]
+        counts["step"] += [z.index for z in detect_steps(series, seed=s)] == [10]
+        counts["flat"] += bool(detect_steps(q.normal(1, 0.03, 20), seed=s))
+    rows = [("synthetic A/A, 20 samples at 3% noise", "aa", "<= 2%", counts["aa"] <= 0.02 * trials),
+            ("synthetic 10% slowdown, 3% noise", "ten", ">= 95%", counts["ten"] >= 0.95 * trials),
+            ("synthetic 3% slowdown called slower", "three", "rarely (threshold 5%)", None),
+            ("synthetic 10% step at 2% noise, 20 runs: found at the exact run", "step", ">= 90%",
+             counts["step"] >= 0.9 * trials),
+            ("synthetic flat series at 3% noise, 20 runs: false steps", "flat", "<= 1%", counts["flat"] <= 0.01 * trials)]
+    for check, key, goal, met in rows:
+        table.add(check=check, value=f"{counts[key]}/{trials}", goal=goal, met=met, detail="seeded numpy samples")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes and 10 trials: a smoke test")
@@ -104,6 +132,7 @@ def main() -> None:
     trials = args.trials or (10 if args.quick else 200)
     table = ResultTable("profiler and regression detector", ["check", "value", "goal", "met", "detail"],
                         meta=provenance("benchmarks/profile_and_detect.py"))
+    synthetic_rows(table, 200)
     profiler_rows(table, args.quick)
     detector_rows(table, trials, args.quick)
     table.print()
