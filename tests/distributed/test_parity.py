@@ -55,3 +55,11 @@ def test_exact_evaluation_counts_every_sample_once(name, ranks):
     mean, count = torch.load(ranks / f"{name}.pt", weights_only=True)["eval"]
     assert count == 13
     assert mean == sum(i * i for i in range(13)) / 13
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "tp", "hsdp", "fsdp_tp"])
+def test_global_grad_norm_over_mixed_dtensor_meshes(name, ranks, reference):
+    """clip_grad_norm_ sums plain (replicated) and DTensor (TP, FSDP, both) gradients into the true norm."""
+    want = torch.sqrt(sum(g.double().pow(2).sum() for g in reference[1].values())).item()
+    got = torch.load(ranks / f"{name}.pt", weights_only=True)["grad_norm"]
+    assert got == pytest.approx(want, rel=1e-6)

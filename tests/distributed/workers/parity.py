@@ -1,6 +1,6 @@
 """Rank program: for each (name, ParallelConfig kwargs) given as JSON, train two steps of the tiny LM on
 this rank's slice of the batch, evaluate a 13-sample dataset through the sharded loader, and (rank 0)
-save the global losses, full gradients and evaluation to OUT/name.pt."""
+save the global losses, full gradients, global gradient norm and evaluation to OUT/name.pt."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from tests.distributed.common import tiny_lm, tokens, two_steps  # noqa: E402
 from torchnitro import distributed as D  # noqa: E402
 from torchnitro.distributed.parity import full_tensors  # noqa: E402
+from torchnitro.distributed.train import clip_grad_norm_  # noqa: E402
 
 
 def _evaluate(mesh) -> tuple[float, int]:
@@ -34,11 +35,17 @@ def main(out: Path, scenarios: list) -> None:
         x = tokens()
         idx, size = D.dp_coords(mesh)
         b = x.shape[0] // size
+        norms = []
+
+        def read(m):
+            norms.append(clip_grad_norm_(m.parameters(), float("inf")))  # inf: measure, do not clip
+            return full_tensors(m, grads=True)
+
         losses, grads = two_steps(model, x[idx * b:(idx + 1) * b], reduce=lambda t: D.dp_sum(t, mesh) / size,
-                                  grads=lambda m: full_tensors(m, grads=True))
+                                  grads=read)
         evaluation = _evaluate(mesh)
         if torch.distributed.get_rank() == 0:
-            torch.save({"losses": losses, "grads": grads, "eval": evaluation}, out / f"{name}.pt")
+            torch.save({"losses": losses, "grads": grads, "eval": evaluation, "grad_norm": norms[0]}, out / f"{name}.pt")
     D.shutdown()
 
 
