@@ -21,14 +21,18 @@ Run (one benchmark at a time on a shared machine)::
     flock /tmp/torchnitro-bench.lock python benchmarks/profile_and_detect.py              # a few minutes
     python benchmarks/profile_and_detect.py --quick                                       # ~1 min smoke test
 
+Each detector row also counts, on the same samples, what pyperf's ``compare_to`` (pip install pyperf,
+the ``bench`` extra) and pytest-benchmark's ``--benchmark-compare-fail=mean:5%`` rule would call slower.
+
 Writes results/profile_and_detect.{json,md} (``--quick``: profile_and_detect_quick.*).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -38,6 +42,39 @@ from torchnitro.bench import ResultTable, TimingConfig, compare, measure
 from torchnitro.bench.provenance import provenance
 from torchnitro.bench.regress import compare_samples
 from torchnitro.profile import ProfileConfig, profile
+
+
+def _peers_slower(base: Sequence[float], new: Sequence[float]) -> dict[str, bool]:
+    """Would each tool call ``new`` a regression, on the same samples?
+
+    - ours: ``regress.compare_samples`` (rank test + interval + 5% threshold);
+    - pyperf: what ``pyperf compare_to`` prints "slower" for: its two-sample t-test at 95%
+      (``pyperf._compare.is_significant_benchs``) and a larger mean, with no minimum effect;
+    - pytest-benchmark: its ``--benchmark-compare-fail=mean:5%`` rule (the mean grew by more than 5%),
+      re-implemented from its documentation (it has no significance test).
+    """
+    out = {"ours": compare_samples(base, new).verdict == "slower"}
+    try:
+        import pyperf
+        from pyperf._compare import is_significant_benchs
+    except ImportError:
+        out["pyperf"] = None  # type: ignore[assignment]
+    else:
+        b1 = pyperf.Benchmark([pyperf.Run(list(base), metadata={"name": "case"}, collect_metadata=False)])
+        b2 = pyperf.Benchmark([pyperf.Run(list(new), metadata={"name": "case"}, collect_metadata=False)])
+        significant, _ = is_significant_benchs(b1, b2)
+        out["pyperf"] = bool(significant) and statistics.fmean(new) > statistics.fmean(base)
+    out["pytest-benchmark"] = statistics.fmean(new) > 1.05 * statistics.fmean(base)
+    return out
+
+
+def _tally(counts: dict[str, int], base: Sequence[float], new: Sequence[float]) -> None:
+    for tool, slower in _peers_slower(base, new).items():
+        counts[tool] = counts.get(tool, 0) + bool(slower) if slower is not None else counts.get(tool, -1)
+
+
+def _peer_detail(counts: dict[str, int], trials: int) -> str:
+    return ", ".join(f"{k} {v}/{trials}" if v >= 0 else f"{k} not installed" for k, v in counts.items())
 
 
 def _spin(seconds: float) -> Callable[[], None]:
@@ -88,14 +125,16 @@ def detector_rows(table: ResultTable, trials: int, quick: bool) -> None:
     for label, extra in (("A/A", 0.0), ("10% slower", 0.10), ("3% slower", 0.03)):
         spin = _spin(base * extra)
         slow = (lambda: (fn(), spin())) if extra else fn
-        slower = 0
+        counts: dict[str, int] = {}
         for _ in range(trials):
             res = compare({"a": fn, "b": slow}, cfg)
-            slower += compare_samples(res["a"].samples, res["b"].samples).verdict == "slower"
+            _tally(counts, res["a"].samples, res["b"].samples)
+        slower = counts["ours"]
         goal = {"A/A": ("<= 2%", slower <= 0.02 * trials), "10% slower": (">= 95%", slower >= 0.95 * trials),
                 "3% slower": ("rarely (threshold 5%)", None)}[label]
         table.add(check=f"detector on real runs: {label} ({n}^2 mm, 20 samples each)",
-                  value=f"{slower}/{trials} called slower", goal=goal[0], met=goal[1], detail="")
+                  value=f"{slower}/{trials} called slower", goal=goal[0], met=goal[1],
+                  detail="same samples: " + _peer_detail(counts, trials))
 
 
 def synthetic_rows(table: ResultTable, trials: int) -> None:
@@ -104,24 +143,27 @@ def synthetic_rows(table: ResultTable, trials: int) -> None:
 
     from torchnitro.bench.regress import detect_steps
 
-    counts = {"aa": 0, "ten": 0, "three": 0, "step": 0, "flat": 0}
+    counts = {"step": 0, "flat": 0}
+    peers: dict[str, dict[str, int]] = {"aa": {}, "ten": {}, "three": {}}
     for s in range(trials):
         r = np.random.default_rng(10_000 + s)
-        counts["aa"] += compare_samples(r.normal(1, 0.03, 20), r.normal(1, 0.03, 20)).verdict != "same"
-        counts["ten"] += compare_samples(r.normal(1, 0.03, 20), r.normal(1.1, 0.033, 20)).verdict == "slower"
-        counts["three"] += compare_samples(r.normal(1, 0.03, 20), r.normal(1.03, 0.0309, 20)).verdict == "slower"
+        _tally(peers["aa"], r.normal(1, 0.03, 20), r.normal(1, 0.03, 20))
+        _tally(peers["ten"], r.normal(1, 0.03, 20), r.normal(1.1, 0.033, 20))
+        _tally(peers["three"], r.normal(1, 0.03, 20), r.normal(1.03, 0.0309, 20))
         q = np.random.default_rng(s)
         series = np.r_[q.normal(1, 0.02, 10), q.normal(1.1, 0.022, 10)]
         counts["step"] += [z.index for z in detect_steps(series, seed=s)] == [10]
         counts["flat"] += bool(detect_steps(q.normal(1, 0.03, 20), seed=s))
-    rows = [("synthetic A/A, 20 samples at 3% noise", "aa", "<= 2%", counts["aa"] <= 0.02 * trials),
-            ("synthetic 10% slowdown, 3% noise", "ten", ">= 95%", counts["ten"] >= 0.95 * trials),
-            ("synthetic 3% slowdown called slower", "three", "rarely (threshold 5%)", None),
-            ("synthetic 10% step at 2% noise, 20 runs: found at the exact run", "step", ">= 90%",
-             counts["step"] >= 0.9 * trials),
-            ("synthetic flat series at 3% noise, 20 runs: false steps", "flat", "<= 1%", counts["flat"] <= 0.01 * trials)]
-    for check, key, goal, met in rows:
-        table.add(check=check, value=f"{counts[key]}/{trials}", goal=goal, met=met, detail="seeded numpy samples")
+    for check, key, goal, ok in (("synthetic A/A, 20 samples at 3% noise", "aa", "<= 2%", lambda n: n <= 0.02 * trials),
+                                 ("synthetic 10% slowdown, 3% noise", "ten", ">= 95%", lambda n: n >= 0.95 * trials),
+                                 ("synthetic 3% slowdown called slower", "three", "rarely (threshold 5%)", None)):
+        n = peers[key]["ours"]
+        table.add(check=check, value=f"{n}/{trials}", goal=goal, met=ok(n) if ok else None,
+                  detail="seeded numpy samples; same samples: " + _peer_detail(peers[key], trials))
+    table.add(check="synthetic 10% step at 2% noise, 20 runs: found at the exact run", value=f"{counts['step']}/{trials}",
+              goal=">= 90%", met=counts["step"] >= 0.9 * trials, detail="seeded numpy series")
+    table.add(check="synthetic flat series at 3% noise, 20 runs: false steps", value=f"{counts['flat']}/{trials}",
+              goal="<= 1%", met=counts["flat"] <= 0.01 * trials, detail="seeded numpy series")
 
 
 def main() -> None:
