@@ -121,6 +121,19 @@ def test_nvml_sampler_with_a_fake_device():
     assert "J per step" in out["summary"]
 
 
+def test_nvml_power_integral_beside_the_counter():
+    ticks = iter(range(1000))
+    s = NvmlSampler(nvml=_FakeNvml(), interval_s=0.001, clock=lambda: 0.5 * next(ticks))  # 0.5 s per clock read
+    s.start()
+    for _ in range(10_000):
+        if len(s.samples) >= 4:
+            break
+        time.sleep(0.001)
+    out = s.stop(steps=1)
+    assert out["power_window_s"] == pytest.approx(0.5 * (out["samples"] - 1))
+    assert out["joules_from_power"] == pytest.approx(250.0 * out["power_window_s"])  # constant 250 W
+
+
 def test_nvml_without_energy_counter_or_device():
     s = NvmlSampler(nvml=_FakeNvml(energy_counter=False), interval_s=0.001)
     s.start()

@@ -6,7 +6,9 @@
   from a TDP.
 - ``NvmlSampler`` polls NVML in a background thread (SM utilisation, memory used, SM clock, power,
   throttle reasons) and takes the energy from the device's total-energy counter (Volta and newer),
-  so joules per step do not depend on the polling rate. The NVML module is injectable: tests pass
+  so joules per step do not depend on the polling rate; power integrated over the samples
+  (``joules_from_power``, over ``power_window_s``) is kept beside it as a cross-check. The NVML
+  module is injectable: tests pass
   a fake, production code uses ``pynvml`` from nvidia-ml-py (the ``gpu`` extra).
 
 Each sampler's ``stop(steps)`` returns a dict with a one-line ``summary``, or ``unavailable`` and why.
@@ -155,6 +157,10 @@ class NvmlSampler:
         if e1 is not None and self._e0 is not None:
             j = (e1 - self._e0) / 1e3
             out.update(joules=j, joules_per_step=j / max(steps, 1), energy_source="device energy counter")
+        if len(self.samples) >= 2:  # cross-check of the counter: power integrated over the samples (trapezoids)
+            pts = [(x["t"], x["power_w"]) for x in self.samples]
+            out["joules_from_power"] = sum((t1 - t0) * (p0 + p1) / 2 for (t0, p0), (t1, p1) in zip(pts, pts[1:]))
+            out["power_window_s"] = pts[-1][0] - pts[0][0]
         for key in ("sm_util", "power_w", "sm_clock_mhz", "mem_used"):
             vals = [s[key] for s in self.samples]
             if vals:
