@@ -85,9 +85,10 @@ def test_health_and_metadata(mlp):
     with pytest.raises(grpc.RpcError) as e:
         c.ModelReady(name="nope")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND and "'nope'" in e.value.details()
-    config = c.channel.unary_unary(f"/{SERVICE}/ModelConfig", request_serializer=bytes, response_deserializer=bytes)
+    index = c.channel.unary_unary(f"/{SERVICE}/RepositoryIndex", request_serializer=bytes,
+                                  response_deserializer=bytes)
     with pytest.raises(grpc.RpcError) as e:
-        config(b"", timeout=30)  # a Triton-only RPC
+        index(b"", timeout=30)  # a Triton-only RPC this server does not answer
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 

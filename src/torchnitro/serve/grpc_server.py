@@ -1,7 +1,7 @@
 """KServe v2 gRPC front-end: ``inference.GRPCInferenceService`` beside the HTTP server.
 
 It answers ServerLive, ServerReady, ModelReady, ServerMetadata, ModelMetadata and ModelInfer
-(``proto/grpc_predict_v2.proto``) with the same ``ModelEndpoint`` objects as HTTP: one batcher per
+(``proto/grpc_predict_v2.proto``), and Triton's ModelConfig and ModelStatistics (``serve.triton``) with the same ``ModelEndpoint`` objects as HTTP: one batcher per
 model, so gRPC and HTTP requests share batches, the queue bound, deadlines and drain. It runs as a
 ``grpc.aio`` server on the HTTP server's event loop, started with ``ServeConfig.grpc_port``
 (``torchnitro serve --grpc-port N``) and stopped after the drain on SIGTERM.
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
 import torch
 from torch import Tensor
 
@@ -32,6 +33,7 @@ import torchnitro
 from torchnitro.errors import InputError, NitroError, ServeError
 from torchnitro.serve.protocol import DATATYPES, ModelSignature, array_from_bytes, parse_infer_request
 from torchnitro.serve.proto import grpc_predict_v2_pb2 as pb
+from torchnitro.serve.triton import model_config, model_stats
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchnitro.serve.server import InferenceServer, ModelEndpoint
@@ -170,6 +172,8 @@ class GRPCFrontend:
             "ServerMetadata": (self.server_metadata, pb.ServerMetadataRequest, True),
             "ModelMetadata": (self.model_metadata, pb.ModelMetadataRequest, True),
             "ModelInfer": (self.model_infer, pb.ModelInferRequest, True),
+            "ModelConfig": (self.model_config, pb.ModelConfigRequest, True),
+            "ModelStatistics": (self.model_statistics, pb.ModelStatisticsRequest, True),
         }
         return grpc.method_handlers_generic_handler(SERVICE, {
             name: grpc.unary_unary_rpc_method_handler(self._guard(fn, auth), request_deserializer=req.FromString,
@@ -229,6 +233,19 @@ class GRPCFrontend:
         return pb.ModelMetadataResponse(name=m["name"], versions=m["versions"], platform=m["platform"],
                                         inputs=[tensor(**t) for t in m["inputs"]],
                                         outputs=[tensor(**t) for t in m["outputs"]])
+
+    async def model_config(self, request: Any, context: Any) -> Any:
+        """Triton's ModelConfig RPC: the same configuration as ``GET /v2/models/{name}/config``."""
+        ep = self._endpoint(request.name)
+        if not ep.ready:
+            raise _Abort(503, f"model {ep.name!r} is still loading")
+        return pb.ModelConfigResponse(config=json_format.ParseDict(model_config(ep), pb.ModelConfig()))
+
+    async def model_statistics(self, request: Any, context: Any) -> Any:
+        """Triton's ModelStatistics RPC: one model (``name``) or every model, as over HTTP."""
+        eps = [self._endpoint(request.name)] if request.name else list(self.server.models.values())
+        stats = model_stats(self.server.metrics, [e for e in eps if e.ready])
+        return json_format.ParseDict(stats, pb.ModelStatisticsResponse())
 
     async def model_infer(self, request: Any, context: Any) -> Any:
         name = request.model_name
