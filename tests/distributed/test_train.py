@@ -16,7 +16,7 @@ DATA = str(Path(__file__).resolve().parents[2] / "src" / "torchnitro" / "distrib
 
 
 def _cfg(**kw) -> TrainConfig:
-    base = dict(data=DATA, max_bytes=100_000, seq=32, batch=4, grad_accum=2, steps=6, lr=1e-2, warmup=2,
+    base = dict(data=DATA, max_bytes=100_000, seq=32, batch=4, grad_accum=2, steps=4, lr=1e-2, warmup=2,
                 dim=32, n_layers=2, n_heads=2, log_every=1, ckpt_every=2, keep=2)
     return TrainConfig(**{**base, **kw})
 
@@ -33,24 +33,24 @@ def test_resume_continues_the_same_loss_trajectory(tmp_path, one_rank):
     full = train(_cfg(ckpt=str(tmp_path / "a")), one_rank)
     first = []
 
-    def crash_at_5(record):
+    def crash_at_3(record):
         first.append(record)
-        if record["step"] == 5:  # after step 4's checkpoint, before step 6's: step 5 is lost
+        if record["step"] == 3:  # after step 2's checkpoint, before step 4's: step 3 is lost
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(ckpt=str(tmp_path / "b")), one_rank, on_log=crash_at_5)
+        train(_cfg(ckpt=str(tmp_path / "b")), one_rank, on_log=crash_at_3)
     resumed = train(_cfg(ckpt=str(tmp_path / "b")), one_rank)
-    assert [r["step"] for r in full] == [1, 2, 3, 4, 5, 6]
-    assert [r["step"] for r in resumed] == [5, 6]  # started from step 4, not from scratch
+    assert [r["step"] for r in full] == [1, 2, 3, 4]
+    assert [r["step"] for r in resumed] == [3, 4]  # started from step 2, not from scratch
     losses = [r["loss"] for r in full]
-    assert [r["loss"] for r in first] == losses[:5]
-    assert [r["loss"] for r in resumed] == losses[4:]  # bit-identical: data order, model, AdamW state, schedule
+    assert [r["loss"] for r in first] == losses[:3]
+    assert [r["loss"] for r in resumed] == losses[2:]  # bit-identical: data order, model, AdamW state, schedule
     assert losses[-1] < losses[0]  # it learns
     log = [json.loads(line) for line in (tmp_path / "b" / "log.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 5, 6]  # step 5 ran twice: before the crash and after
+    assert [r["step"] for r in log] == [1, 2, 3, 3, 4]  # step 3 ran twice: before the crash and after
     assert log[0]["mfu"] is None and log[0]["tokens_per_s"] > 0  # no peak given: MFU not made up
-    assert sorted(p.name for p in (tmp_path / "b").glob("step_*")) == ["step_00000004", "step_00000006"]
+    assert sorted(p.name for p in (tmp_path / "b").glob("step_*")) == ["step_00000002", "step_00000004"]
 
 
 def test_byte_corpus_and_schedule():
