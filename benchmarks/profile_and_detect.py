@@ -10,8 +10,8 @@ Profiler (one workload, all in one run):
   the goal is MFU within 5% of 1.0.
 
 Detector on real runs: ``trials`` A/A comparisons (the same function timed twice, interleaved with
-``bench.compare``) and ``trials`` with an injected slowdown (the same function plus a busy loop of
-10% or 3% of its median), each decided by ``regress.compare_samples``. Goals: A/A false alarms <= 2%,
+``bench.compare``) and ``trials`` with an injected slowdown (the same GEMM plus 10% or 3% more rows of
+it), each decided by ``regress.compare_samples`` and, using the rounds' pairing, ``compare_paired``. Goals: A/A false alarms <= 2%,
 10% detected >= 95%.
 
 The same statistics on 200 seeded synthetic cases and series come first (exact, no timing).
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,20 +39,23 @@ from torch import nn
 from torchnitro.autotune.analyze import machine_roofline
 from torchnitro.bench import ResultTable, TimingConfig, compare, measure
 from torchnitro.bench.provenance import provenance
-from torchnitro.bench.regress import compare_samples
+from torchnitro.bench.regress import compare_paired, compare_samples
 from torchnitro.profile import ProfileConfig, profile
 
 
-def _peers_slower(base: Sequence[float], new: Sequence[float]) -> dict[str, bool]:
+def _peers_slower(base: Sequence[float], new: Sequence[float], paired: bool = False) -> dict[str, bool]:
     """Would each tool call ``new`` a regression, on the same samples?
 
-    - ours: ``regress.compare_samples`` (rank test + interval + 5% threshold);
+    - ours: ``regress.compare_samples`` (rank test + interval + 5% threshold); with ``paired`` (samples
+      from interleaved rounds) also ``regress.compare_paired`` (signed rank on per-round ratios);
     - pyperf: what ``pyperf compare_to`` prints "slower" for: its two-sample t-test at 95%
       (``pyperf._compare.is_significant_benchs``) and a larger mean, with no minimum effect;
     - pytest-benchmark: its ``--benchmark-compare-fail=mean:5%`` rule (the mean grew by more than 5%),
       re-implemented from its documentation (it has no significance test).
     """
     out = {"ours": compare_samples(base, new).verdict == "slower"}
+    if paired:
+        out["ours paired"] = compare_paired(base, new).verdict == "slower"
     try:
         import pyperf
         from pyperf._compare import is_significant_benchs
@@ -68,21 +70,13 @@ def _peers_slower(base: Sequence[float], new: Sequence[float]) -> dict[str, bool
     return out
 
 
-def _tally(counts: dict[str, int], base: Sequence[float], new: Sequence[float]) -> None:
-    for tool, slower in _peers_slower(base, new).items():
+def _tally(counts: dict[str, int], base: Sequence[float], new: Sequence[float], paired: bool = False) -> None:
+    for tool, slower in _peers_slower(base, new, paired).items():
         counts[tool] = counts.get(tool, 0) + bool(slower) if slower is not None else counts.get(tool, -1)
 
 
 def _peer_detail(counts: dict[str, int], trials: int) -> str:
     return ", ".join(f"{k} {v}/{trials}" if v >= 0 else f"{k} not installed" for k, v in counts.items())
-
-
-def _spin(seconds: float) -> Callable[[], None]:
-    def spin() -> None:
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
-    return spin
 
 
 def profiler_rows(table: ResultTable, quick: bool) -> None:
@@ -119,16 +113,18 @@ def detector_rows(table: ResultTable, trials: int, quick: bool) -> None:
     torch.manual_seed(0)
     n = 128 if quick else 256
     a = torch.randn(n, n)
-    fn: Callable[[], Any] = lambda: torch.mm(a, a)  # noqa: E731
+    one = a[:1]
+    # every variant calls a second GEMM, so the injected slowdown adds rows, not a call's fixed overhead
+    fn: Callable[[], Any] = lambda: (torch.mm(a, a), torch.mm(one, a))  # noqa: E731
     cfg = TimingConfig(warmup=2, warmup_s=0.0, min_iters=20, max_iters=20, min_time_s=0.0, min_sample_s=2e-3)
-    base = measure(fn, cfg).median
     for label, extra in (("A/A", 0.0), ("10% slower", 0.10), ("3% slower", 0.03)):
-        spin = _spin(base * extra)
-        slow = (lambda: (fn(), spin())) if extra else fn
+        # the slowdown is extra work (a slice of the same GEMM), so it scales with the machine's load
+        part = a[: 1 + round(n * extra)]
+        slow = (lambda: (torch.mm(a, a), torch.mm(part, a))) if extra else fn
         counts: dict[str, int] = {}
         for _ in range(trials):
             res = compare({"a": fn, "b": slow}, cfg)
-            _tally(counts, res["a"].samples, res["b"].samples)
+            _tally(counts, res["a"].samples, res["b"].samples, paired=True)
         slower = counts["ours"]
         goal = {"A/A": ("<= 2%", slower <= 0.02 * trials), "10% slower": (">= 95%", slower >= 0.95 * trials),
                 "3% slower": ("rarely (threshold 5%)", None)}[label]

@@ -113,3 +113,29 @@ def test_compare_interleaved_uses_the_timings_samples():
     assert verdicts == {"fused": "faster", "same": "same"}
     with pytest.raises(InputError, match="baseline 'nope'"):
         compare_interleaved(timings, "nope")
+
+
+def test_wilcoxon_matches_scipy():
+    stats = pytest.importorskip("scipy.stats", reason="scipy is the reference here; not a torchnitro dependency")
+    from torchnitro.bench.regress import wilcoxon_signed_rank
+
+    r = np.random.default_rng(4)
+    for d in (r.normal(0.01, 0.05, 20), np.round(r.normal(0.02, 0.05, 25), 2)):  # the second has ties and zeros
+        ref = stats.wilcoxon(d, zero_method="wilcox", correction=True, method="approx").pvalue
+        assert wilcoxon_signed_rank(d) == pytest.approx(ref, rel=1e-9)
+
+
+def test_paired_rounds_cancel_shared_drift():
+    from torchnitro.bench.regress import compare_paired
+
+    r = np.random.default_rng(8)
+    load = r.lognormal(0.0, 0.25, 20)  # each round's machine load hits both variants alike
+    base = 1e-3 * load * r.normal(1, 0.01, 20)
+    slow = 1.10e-3 * load * r.normal(1, 0.01, 20)
+    twin = 1e-3 * load * r.normal(1, 0.01, 20)
+    assert compare_samples(base, slow).verdict == "same"  # unpaired: drowned by the drift
+    v = compare_paired(base, slow)
+    assert v.verdict == "slower" and v.ratio == pytest.approx(1.10, abs=0.02)
+    assert compare_paired(base, twin).verdict == "same"
+    with pytest.raises(InputError, match="equal numbers"):
+        compare_paired(base, slow[:-1])

@@ -29,6 +29,7 @@ import numpy as np
 from torchnitro.errors import InputError
 
 __all__ = ["CompareConfig", "CaseVerdict", "Step", "mann_whitney_u", "ratio_ci", "compare_samples",
+           "wilcoxon_signed_rank", "compare_paired",
            "compare_results", "compare_interleaved", "detect_steps"]
 
 
@@ -100,18 +101,16 @@ def ratio_ci(base: Sequence[float], new: Sequence[float], *, confidence: float =
     return float(np.quantile(r, q)), float(np.quantile(r, 1 - q))
 
 
-def compare_samples(base: Sequence[float], new: Sequence[float], config: CompareConfig | None = None, *,
-                    case: str = "") -> CaseVerdict:
-    """The verdict for one case from the raw samples of two runs (see the module doc)."""
-    cfg = config or CompareConfig()
-    for label, s in (("base", base), ("new", new)):
+def _check(case: str, **samples: Sequence[float]) -> None:
+    for label, s in samples.items():
         if len(s) < 3 or any(not (v > 0) for v in s):
             raise InputError(f"case {case!r}: {label} has {len(s)} samples ({list(s)[:3]}...); expected at least 3 "
                              "positive seconds-per-call values")
-    mb, mn = float(np.median(base)), float(np.median(new))
-    ratio = mn / mb
-    _, p = mann_whitney_u(base, new)
-    lo, hi = ratio_ci(base, new, confidence=cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed)
+
+
+def _verdict(case: str, base: Sequence[float], new: Sequence[float], ratio: float, lo: float, hi: float, p: float,
+             cfg: CompareConfig) -> CaseVerdict:
+    """Both must hold for slower/faster: significant (p and interval) and at least the threshold."""
     significant = p < cfg.alpha and (lo > 1 or hi < 1)
     big = abs(ratio - 1) >= cfg.threshold
     if significant and big:
@@ -123,7 +122,58 @@ def compare_samples(base: Sequence[float], new: Sequence[float], config: Compare
         verdict = "same"
         reason = f"not significant (p={p:.2g}, interval {lo:.3f}-{hi:.3f} includes 1)" if big or p >= cfg.alpha else \
             f"interval {lo:.3f}-{hi:.3f} includes 1"
-    return CaseVerdict(case, verdict, ratio, lo, hi, p, len(base), len(new), mb, mn, reason)
+    return CaseVerdict(case, verdict, ratio, lo, hi, p, len(base), len(new), float(np.median(base)),
+                       float(np.median(new)), reason)
+
+
+def compare_samples(base: Sequence[float], new: Sequence[float], config: CompareConfig | None = None, *,
+                    case: str = "") -> CaseVerdict:
+    """The verdict for one case from the raw samples of two runs (see the module doc)."""
+    cfg = config or CompareConfig()
+    _check(case, base=base, new=new)
+    _, p = mann_whitney_u(base, new)
+    lo, hi = ratio_ci(base, new, confidence=cfg.confidence, n_boot=cfg.n_boot, seed=cfg.seed)
+    return _verdict(case, base, new, float(np.median(new) / np.median(base)), lo, hi, p, cfg)
+
+
+def wilcoxon_signed_rank(d: Sequence[float]) -> float:
+    """Two-sided p-value that the differences ``d`` are centred on 0 (zeros dropped, normal approximation)."""
+    x = np.asarray(d, float)
+    x = x[x != 0]
+    n = len(x)
+    if n == 0:
+        return 1.0
+    a = np.abs(x)
+    order = np.argsort(a, kind="mergesort")
+    _, start, counts = np.unique(a[order], return_index=True, return_counts=True)
+    ranks = np.empty(n)
+    ranks[order] = np.repeat(start + (counts + 1) / 2.0, counts)
+    w = ranks[x > 0].sum()
+    var = n * (n + 1) * (2 * n + 1) / 24.0 - (counts ** 3 - counts).sum() / 48.0
+    if var <= 0:
+        return 1.0
+    z = (abs(w - n * (n + 1) / 4.0) - 0.5) / math.sqrt(var)
+    return float(min(1.0, math.erfc(max(z, 0.0) / math.sqrt(2.0))))
+
+
+def compare_paired(base: Sequence[float], new: Sequence[float], config: CompareConfig | None = None, *,
+                   case: str = "") -> CaseVerdict:
+    """The verdict for samples taken in pairs (interleaved rounds): drift common to a round cancels.
+
+    The ratio is exp(median of the per-round log ratios), its interval a bootstrap over rounds, the
+    test Wilcoxon's signed rank on the log ratios.
+    """
+    cfg = config or CompareConfig()
+    _check(case, base=base, new=new)
+    if len(base) != len(new):
+        raise InputError(f"case {case!r}: {len(base)} base and {len(new)} new samples; paired samples come in "
+                         "equal numbers (one of each per round); use compare_samples for unpaired runs")
+    d = np.log(np.asarray(new, float)) - np.log(np.asarray(base, float))
+    rng = np.random.default_rng(cfg.seed)
+    boot = np.median(d[rng.integers(0, len(d), (cfg.n_boot, len(d)))], axis=1)
+    q = (1 - cfg.confidence) / 2
+    lo, hi = float(np.exp(np.quantile(boot, q))), float(np.exp(np.quantile(boot, 1 - q)))
+    return _verdict(case, base, new, float(np.exp(np.median(d))), lo, hi, wilcoxon_signed_rank(d), cfg)
 
 
 def compare_results(base: Any, new: Any, config: CompareConfig | None = None) -> tuple[list[CaseVerdict], list[str]]:
@@ -139,11 +189,11 @@ def compare_results(base: Any, new: Any, config: CompareConfig | None = None) ->
 
 def compare_interleaved(timings: Mapping[str, Any], baseline: str,
                         config: CompareConfig | None = None) -> list[CaseVerdict]:
-    """Verdicts for every entry of a ``bench.compare`` result against ``baseline`` (same process, interleaved)."""
+    """Verdicts for every entry of a ``bench.compare`` result against ``baseline``: its rounds pair the samples."""
     if baseline not in timings:
         raise InputError(f"baseline {baseline!r} is not one of {sorted(timings)}; expected a name passed to compare()")
     base = timings[baseline].samples
-    return [compare_samples(base, t.samples, config, case=name) for name, t in timings.items() if name != baseline]
+    return [compare_paired(base, t.samples, config, case=name) for name, t in timings.items() if name != baseline]
 
 
 # ---- step detection over a series of runs ------------------------------------------------------
