@@ -98,3 +98,21 @@ def test_single_process_save_publishes_and_prunes_stale_temporaries(tmp_path):
     state = {"x": torch.zeros(3)}
     assert load(state, tmp_path) == 4 and torch.equal(state["x"], torch.full((3,), 4.0))
     assert load(state, tmp_path, step=3) == 3 and torch.equal(state["x"], torch.full((3,), 3.0))
+
+
+def test_async_save_survives_a_new_process_group(tmp_path, monkeypatch):
+    """The background-save group belongs to one default group; after shutdown + init a fresh one is made."""
+    from torchnitro.distributed import ParallelConfig, init, shutdown
+    from torchnitro.distributed.checkpoint import save
+
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    try:
+        for step in (1, 2):
+            init(ParallelConfig())
+            save({"x": torch.full((2,), float(step))}, tmp_path, step=step, async_=True).wait()
+            shutdown()
+        state = {"x": torch.zeros(2)}
+        assert load(state, tmp_path) == 2 and torch.equal(state["x"], torch.full((2,), 2.0))
+    finally:
+        shutdown()

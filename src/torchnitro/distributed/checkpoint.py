@@ -16,8 +16,8 @@ mesh: DCP reshards, so a checkpoint saved by FSDP on 2 ranks loads on 1 rank or 
 
 Async saves (``async_=True``) copy the state to host memory, return, and write in a background
 thread over a separate gloo group (collectives of the training loop keep the default group). The
-rename happens in ``PendingSave.wait()``, which the next ``save`` calls for you; call it before the
-process exits, or the last checkpoint stays temporary (and ignored).
+rename happens in ``PendingSave.wait()``, which the next ``save`` calls for you; call it on every rank
+before the process exits, or the last checkpoint stays temporary (and ignored).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ __all__ = ["ModelState", "PendingSave", "save", "load", "latest_step", "step_dir
 
 _STEP = re.compile(r"step_(\d{8})")
 _TMP = ".tmp-"
-_async_group: list[Any] = []  # the gloo group of background saves, made once per process
+_async_group: dict[int, Any] = {}  # id(default group) -> the gloo group of background saves made under it
 _pending: dict[str, "PendingSave"] = {}  # directory -> its unfinished async save
 
 
@@ -128,6 +128,7 @@ class PendingSave:
         if not self.done:
             self.future.result()
             _finish(self.directory, self.step, self.keep)
+            _barrier()  # like a sync save: every rank sees step_N once wait() returns
             self.done = True
             _pending.pop(str(self.directory), None)
         return step_dir(self.directory, self.step)
@@ -155,13 +156,31 @@ def save(state: dict[str, Any], directory: str | os.PathLike, step: int, *, asyn
         _finish(directory, step, keep)
         _barrier()  # every rank sees step_N before anyone reads it
         return step_dir(directory, step)
-    if dist.is_initialized() and not _async_group:
-        _async_group.append(dist.new_group(backend="gloo"))
-    group = _async_group[0] if _async_group else None
+    group = _background_group()
     future = dcp.async_save(state, checkpoint_id=tmp, process_group=group)
     pending = PendingSave(future, directory, step, keep)
     _pending[str(directory)] = pending
     return pending
+
+
+def _background_group() -> Any:
+    """A gloo group for background saves, one per default group (a re-initialised job gets a new one)."""
+    if not dist.is_initialized():
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _async_group:
+        _async_group.clear()  # groups of a destroyed default group are dead
+        _async_group[key] = dist.new_group(backend="gloo")
+    return _async_group[key]
+
+
+def _agreed(step: int | None) -> int | None:
+    """Rank 0's choice of step for every rank: ranks listing a shared file system could disagree."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return step
+    box = [step]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def load(state: dict[str, Any], directory: str | os.PathLike, step: int | None = None) -> int | None:
@@ -171,7 +190,7 @@ def load(state: dict[str, Any], directory: str | os.PathLike, step: int | None =
     """
     directory = Path(directory)
     if step is None:
-        step = latest_step(directory)
+        step = _agreed(latest_step(directory))
         if step is None:
             return None
     elif step not in list_steps(directory):
