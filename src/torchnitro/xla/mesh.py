@@ -64,12 +64,13 @@ class MeshConfig:
         known = math.prod(s for s in self.shape if s != -1)
         if -1 in self.shape:
             if n_devices % known:
-                raise ConfigError(f"mesh {self.shape} over {self.axes}: the fixed sizes multiply to {known}, which does "
-                                  f"not divide the {n_devices} devices; pick sizes whose product divides {n_devices}")
+                raise ConfigError(f"mesh {self.shape} over {self.axes}: the fixed sizes multiply to {known}, which "
+                                  f"does not divide the {n_devices} devices; pick sizes whose product divides "
+                                  f"{n_devices}")
             return tuple(n_devices // known if s == -1 else s for s in self.shape)
         if known != n_devices:
-            raise ConfigError(f"mesh {self.shape} over {self.axes} needs {known} devices but {n_devices} are available; "
-                              f"make the product {n_devices} or use -1 for one axis")
+            raise ConfigError(f"mesh {self.shape} over {self.axes} needs {known} devices but {n_devices} are "
+                              f"available; make the product {n_devices} or use -1 for one axis")
         return self.shape
 
 
