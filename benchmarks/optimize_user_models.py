@@ -210,7 +210,7 @@ def _alone(recipe: str, directory: Path, meta: dict[str, Any], inputs: Path) -> 
 
 def _build_peer(name: str, model: nn.Module, x: tuple, held_out: list[tuple], d: Path) -> tuple[dict, float]:
     """In a spawned process: build ``name`` into ``d`` and measure its embedding cosine. The runtime's
-    threads never live in the benchmark's process (OpenVINO's slowed eager there by 10-500x on 2 cores)."""
+    threads never live in the benchmark's process, where eager is timed."""
     ctx = BuildContext(model=model, example_inputs=x, hardware=hardware_info(), device=torch.device("cpu"),
                        workdir=d, dynamic_dims={0: [0]}, config=OptimizeConfig())
     built = get_recipe(name).build(ctx)
@@ -220,10 +220,9 @@ def _build_peer(name: str, model: nn.Module, x: tuple, held_out: list[tuple], d:
 def peer_rows(kind: str, keep: dict[str, Any], args: argparse.Namespace) -> list[dict]:
     """Eager against the chosen variant and against each OpenVINO variant, one interleaved run per pair.
 
-    Pairs, not one run with all: with several runtime processes alive, eager here was 100x slower on
-    2 cores. Check the "eager ms" column against eager alone: with an OpenVINO process alive, eager in
-    the pair was still 10-500x slower in --quick runs on a loaded 2-core EPYC (not understood yet; an
-    idle OpenVINO child uses no CPU), so those ratios are not evidence until that is explained."""
+    Pairs, not one run with all: one runtime process alive at a time, so nothing else holds threads
+    while eager runs here. The "eager ms" column shows eager inside each pair: pairs are comparable
+    only where it agrees (on a loaded 2-core machine a tiny model's eager varied 1-900 ms between runs)."""
     om, model, x, held_out = keep["om"], keep["model"], keep["x"], keep["held"]
     work = Path(tempfile.mkdtemp(prefix="torchnitro-peer-"))
     inputs = work / "inputs.pt"
