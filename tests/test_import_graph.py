@@ -24,10 +24,7 @@ PACKAGE = "torchnitro"
 KNOWN_MODULE_CYCLES: set[frozenset[str]] = set()
 
 # issue 17: cycles that close only through an import inside a function; remove an entry when fixed
-KNOWN_FUNCTION_CYCLES: set[frozenset[str]] = {
-    # program imports evaluate's time limit; evaluate's child loads programs through program.load_program
-    frozenset({"torchnitro.autotune.evaluate", "torchnitro.autotune.program"}),
-}
+KNOWN_FUNCTION_CYCLES: set[frozenset[str]] = set()
 
 
 def _module_name(path: Path) -> str:

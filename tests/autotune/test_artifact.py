@@ -34,7 +34,7 @@ def saved(tmp_path_factory):
 def test_round_trip_same_outputs(saved, name, batch):
     opt, path = saved[name]
     loaded = torchnitro.load(path)
-    assert loaded.recipe == name and loaded.standalone == (name == "onnxruntime")
+    assert loaded.recipe == name and loaded.candidate.standalone == (name == "onnxruntime")
     x = torch.randn(batch, 512)
     torch.testing.assert_close(loaded(x), opt(x), rtol=0, atol=0)
     assert loaded.signature == opt.signature
@@ -149,3 +149,52 @@ def test_recipe_that_cannot_rebuild_gives_artifact_error(saved, tmp_path, monkey
     monkeypatch.setattr(onnx_recipes, "OrtRunner", broken)
     with pytest.raises(ArtifactError, match="could not rebuild.*onnxruntime is not installed"):
         torchnitro.load(path)
+
+
+@pytest.mark.parametrize("name", ["onnxruntime", "dynamic-int8"])
+def test_a_loaded_model_saves_again_like_an_optimized_one(saved, tmp_path, name):
+    from torchnitro.autotune.artifact import read_manifest
+
+    opt, path = saved[name]
+    again = torchnitro.load(path).save(tmp_path / "again")
+    first, second = read_manifest(path), read_manifest(again)  # checksums and layout pass
+    same = ("recipe", "numeric_class", "standalone", "meta", "candidate_files", "model", "signature")
+    assert {k: second[k] for k in same} == {k: first[k] for k in same}
+    stored = [f for f in first["files"] if not f.startswith("report.")]  # the candidate's files, weights
+    assert stored and {f: second["files"][f] for f in stored} == {f: first["files"][f] for f in stored}
+    x = torch.randn(5, 512)
+    torch.testing.assert_close(torchnitro.load(again)(x), opt(x), rtol=0, atol=0)
+
+
+def test_saving_over_the_folder_it_was_loaded_from_is_refused(saved, tmp_path):
+    _, path = saved["dynamic-int8"]
+    d = _copy(path, tmp_path / "a")
+    with pytest.raises(ArtifactError, match="loaded from"):
+        torchnitro.load(d).save(d)
+    torchnitro.load(d)  # untouched
+
+
+def test_a_recipe_that_converts_the_eager_model_on_load_saves_its_fp32_weights_again(tmp_path, fast_cfg):
+    """bf16 casts the model it loads in place: a re-save keeps the artifact's fp32 weights, byte for byte."""
+    from fake_recipes import tiny_inputs, tiny_model
+
+    from torchnitro.autotune.recipe import register_recipe, unregister_recipe
+    from torchnitro.autotune.recipes.precision import _Cast
+
+    class AnyCpuBF16(_Cast):
+        name, dtype = "test-bf16", torch.bfloat16
+
+    register_recipe(AnyCpuBF16)
+    try:
+        model = tiny_model()
+        opt = torchnitro.optimize(model, tiny_inputs(), fast_cfg(recipes=["test-bf16"], min_speedup=0.0, cache=False))
+        assert opt.recipe == "test-bf16", opt.report
+        opt.source.ref = {"spec": "fake_recipes:tiny_model"}  # rebuilt from the factory on load
+        first = opt.save(tmp_path / "first")
+        loaded = torchnitro.load(first, trust_code=True)
+        again = loaded.save(tmp_path / "again")
+        assert (again / "weights.safetensors").read_bytes() == (first / "weights.safetensors").read_bytes()
+        x = tiny_inputs(3)[0]
+        torch.testing.assert_close(torchnitro.load(again, trust_code=True)(x), loaded(x), rtol=0, atol=0)
+    finally:
+        unregister_recipe("test-bf16")

@@ -94,7 +94,7 @@ def test_module_spec_of_an_installed_module_loads(tmp_path, fast_cfg):
 
     model, inputs = tiny_model(), tiny_inputs()
     opt = torchnitro.optimize(model, inputs, fast_cfg(recipes=["dynamic-int8"], min_speedup=0.0, cache=False))
-    opt.model_ref = {"spec": "fake_recipes:tiny_model", "name": "tiny", "extra": {}}
+    opt.source.ref = {"spec": "fake_recipes:tiny_model", "name": "tiny", "extra": {}}
     d = opt.save(tmp_path / "a")
     loaded = torchnitro.load(d)
     torch.testing.assert_close(loaded(*inputs), opt(*inputs), rtol=0, atol=0)

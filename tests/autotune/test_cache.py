@@ -74,7 +74,7 @@ def test_cached_non_standalone_winner_saves_fp32_weights(fast_cfg, tmp_path):
     first = torchnitro.optimize(model, inputs, cfg, info=info)
     again = torchnitro.optimize(model, inputs, cfg, info=info)
     assert again.report.cached and again.recipe == first.recipe == "bf16"
-    assert all(p.dtype == torch.float32 for p in again.model.parameters())
+    assert all(p.dtype == torch.float32 for p in again.source.model.parameters())
     loaded = torchnitro.load(again.save(tmp_path / "a"))
     x = torch.randn(2, 512)
     torch.testing.assert_close(loaded(x), first(x), rtol=0, atol=0)

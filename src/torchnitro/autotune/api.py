@@ -10,11 +10,12 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from torchnitro.autotune.artifact import EagerSource, load_artifact, write_artifact
 from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.inputs import (ModelInfo, forward_params, input_signature, inputs_from_mapping,
                                         model_and_inputs, signature_of)
-from torchnitro.autotune.recipe import get_recipe
+from torchnitro.autotune.recipe import EAGER, CandidateFiles, get_recipe
 from torchnitro.autotune.report import Report
 from torchnitro.errors import InputError
 
@@ -24,25 +25,15 @@ __all__ = ["OptimizedModel", "optimize", "load"]
 class OptimizedModel:
     """The chosen variant: call it like the model. ``.report`` says how it was chosen."""
 
-    def __init__(self, fn: Callable[..., Any], recipe: str, report: Report, signature: dict[str, Any], *,
-                 meta: dict[str, Any] | None = None, files: list[str] | None = None, files_dir: Path | None = None,
-                 standalone: bool = False, model: nn.Module | None = None, model_ref: dict[str, Any] | None = None,
-                 keepalive: Any = None, example_inputs: tuple[Any, ...] = (),
-                 dynamic_dims: dict[int, list[int]] | None = None):
+    def __init__(self, fn: Callable[..., Any], recipe: str, report: Report, signature: dict[str, Any],
+                 candidate: CandidateFiles, source: EagerSource | None = None, *, keepalive: Any = None):
         self._fn = fn
         self.recipe = recipe  # name of the chosen recipe
         self.report = report
         self.signature = signature  # {'inputs': [{name, dtype, shape(-1 = dynamic)}], 'outputs': [...]}
-        self.meta = meta or {}
-        self.files = files or []
-        self.files_dir = files_dir
-        self.standalone = standalone
-        self.model = model  # the eager model (kept for non-standalone saves)
-        self.model_ref = model_ref or {}
-        self._keepalive = keepalive
-        self._example_inputs = example_inputs  # for torch.export when saving eager without a factory
-        self._dynamic_dims = dynamic_dims or {}
-        self.arg_names: list[str] = []  # the model's forward arguments by position, for keyword calls
+        self.candidate = candidate  # the recipe's files, copied into the artifact by save()
+        self.source = source or EagerSource()
+        self._keepalive = keepalive  # e.g. the search's TemporaryDirectory while candidate.dir lies in it
 
     @property
     def numeric_class(self) -> str:
@@ -55,7 +46,7 @@ class OptimizedModel:
             return self._fn(*inputs)
 
     def _positional(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        names = self.arg_names or [i["name"] for i in self.signature.get("inputs", [])]
+        names = self.source.arg_names or [i["name"] for i in self.signature.get("inputs", [])]
         unknown = [k for k in kwargs if k not in names[len(inputs):]]
         if unknown:
             raise InputError(f"received keyword input(s) {unknown}; expected argument names after the {len(inputs)} "
@@ -68,24 +59,19 @@ class OptimizedModel:
         import tempfile
         import warnings
 
-        from torchnitro.autotune.artifact import write_artifact
-
-        standalone, meta, files, files_dir = self.standalone, self.meta, self.files, self.files_dir
-        tmp = None
-        if self.recipe == "eager" and not self.model_ref.get("spec") and self.model is not None and self._example_inputs:
+        candidate, src, tmp = self.candidate, self.source, None
+        if self.recipe == EAGER and not src.ref.get("spec") and src.model is not None and src.example_inputs:
             from torchnitro.autotune.recipes.eager import export_program
 
             tmp = tempfile.TemporaryDirectory(prefix="torchnitro-export-")
-            why = export_program(self.model, self._example_inputs, self._dynamic_dims, Path(tmp.name) / "model.pt2")
+            why = export_program(src.model, src.example_inputs, src.dynamic_dims, Path(tmp.name) / "model.pt2")
             if why is None:
-                standalone, meta, files, files_dir = True, {"exported": True}, ["model.pt2"], Path(tmp.name)
+                candidate = CandidateFiles(Path(tmp.name), ["model.pt2"], {"exported": True}, standalone=True)
             else:
                 warnings.warn(f"torch.export failed ({why}); the artifact needs torchnitro.load(dir, model=...)",
                               stacklevel=2)
-        return write_artifact(directory, recipe=self.recipe, numeric_class=self.numeric_class,
-                              standalone=standalone, meta=meta, files_dir=files_dir, files=files,
-                              model=self.model, model_ref=self.model_ref, signature=self.signature,
-                              report=self.report, hardware=self.report.hardware)
+        return write_artifact(directory, candidate, src, recipe=self.recipe, numeric_class=self.numeric_class,
+                              signature=self.signature, report=self.report, hardware=self.report.hardware)
 
     def __repr__(self) -> str:
         return f"OptimizedModel(recipe={self.recipe!r}, model={self.report.model!r})"
@@ -142,15 +128,12 @@ def optimize(model: nn.Module | str, example_inputs: Any = None, config: Optimiz
         out.report.notes.append(cache_note)
     sig = signature_of(model, inputs, out.workload.eager_outputs, out.workload.dynamic_dims, out.workload.references)
     ref = {"spec": info.spec, "name": info.name, "extra": info.extra}
-    om = OptimizedModel(out.fn, out.recipe.name, out.report, sig, meta=out.meta, files=out.files,
-                        files_dir=out.files_dir, standalone=out.standalone, model=model, model_ref=ref,
-                        keepalive=out.tmp, example_inputs=inputs, dynamic_dims=out.workload.dynamic_dims)
-    om.arg_names = [p.name for p in forward_params(model)]
-    if cfg.cache and (out.files_dir is None or not str(out.files_dir).startswith(str(out.tmp.name))):
+    source = EagerSource(model, ref, inputs, out.workload.dynamic_dims, [p.name for p in forward_params(model)])
+    cf = out.candidate
+    if cfg.cache and (cf.dir is None or not str(cf.dir).startswith(str(out.tmp.name))):
         CandidateCache(cfg.resolved_cache_dir()).put_search(_search_key(model, inputs, cfg), {
-            "report": out.report.to_dict(), "recipe": out.recipe.name, "dir": str(out.files_dir or ""),
-            "meta": out.meta, "files": out.files, "standalone": out.standalone, "signature": sig, "ref": ref})
-    return om
+            "report": out.report.to_dict(), "recipe": out.recipe.name, **cf.to_dict(), "signature": sig, "ref": ref})
+    return OptimizedModel(out.fn, out.recipe.name, out.report, sig, cf, source, keepalive=out.tmp)
 
 
 def _returns_cache(out: Any) -> bool:
@@ -208,13 +191,12 @@ def _from_cache(model: nn.Module, inputs: tuple[Any, ...], info: ModelInfo, cfg:
 
     try:
         recipe = get_recipe(hit["recipe"])
-        d = Path(hit["dir"]) if hit["dir"] else None
-        if d is not None and not all((d / f).is_file() for f in hit["files"]):
+        cf = CandidateFiles.from_dict(hit)
+        if cf.dir is not None and not all((cf.dir / f).is_file() for f in cf.files):
             return None
         device = resolve_device(cfg)
         eager = copy.deepcopy(model).eval().to(device)
-        # recipes may convert the model they load (bf16, int8): give them a copy, keep eager fp32 for save()
-        fn = eager if recipe.name == "eager" else recipe.load(d, hit["meta"], None if hit["standalone"] else copy.deepcopy(eager))
+        fn = eager if recipe.name == EAGER else cf.load(recipe, eager)  # loads from a copy: eager stays fp32
         wl = prepare_workload(eager, inputs, info, cfg, device, recheck=True)
         gate = judge(collect(fn, wl.held_out), wl.references, cfg.tolerance(recipe.numeric_class.value),
                      metric_fn=cfg.metric_fn, metric_threshold=cfg.metric_threshold, reference_raw=wl.reference_raw,
@@ -228,9 +210,8 @@ def _from_cache(model: nn.Module, inputs: tuple[Any, ...], info: ModelInfo, cfg:
     report = Report.from_dict(hit["report"])
     report.cached = True
     report.search_s = time.perf_counter() - t0
-    return OptimizedModel(fn, recipe.name, report, hit["signature"], meta=hit["meta"], files=hit["files"],
-                          files_dir=d, standalone=hit["standalone"], model=eager, model_ref=hit["ref"],
-                          example_inputs=inputs, dynamic_dims=info.dynamic_dims)
+    return OptimizedModel(fn, recipe.name, report, hit["signature"], cf,
+                          EagerSource(eager, hit["ref"], inputs, info.dynamic_dims))
 
 
 def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: bool = False) -> OptimizedModel:
@@ -240,14 +221,14 @@ def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: b
     ``trust_code=True`` lets the artifact run code (a ``.py`` model factory, a TorchScript archive);
     without it an artifact is loaded as data only (see ``torchnitro.autotune.artifact``).
     """
-    from torchnitro.autotune.artifact import load_artifact
-
     d = Path(directory)
     manifest, fn, eager = load_artifact(d, model, trust_code=trust_code)
     report_path = d / "report.json"
     import json
 
     report = Report.from_dict(json.loads(report_path.read_text()))
-    return OptimizedModel(fn, manifest["recipe"], report, manifest["signature"], meta=manifest.get("meta", {}),
-                          files=manifest.get("candidate_files", []), files_dir=d / "candidate",
-                          standalone=manifest["standalone"], model=eager, model_ref=manifest.get("model", {}))
+    weights = None if manifest["standalone"] else d / "weights.safetensors"  # saved again as is: exact fp32
+    cf = CandidateFiles(d / "candidate", manifest.get("candidate_files", []), manifest.get("meta", {}),
+                        manifest["standalone"])
+    return OptimizedModel(fn, manifest["recipe"], report, manifest["signature"], cf,
+                          EagerSource(eager, manifest.get("model", {}), weights=weights))

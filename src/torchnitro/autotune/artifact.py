@@ -36,15 +36,17 @@ import shutil
 import time
 import warnings
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from torch import nn
 
+from torchnitro.autotune.recipe import CandidateFiles, get_recipe
 from torchnitro.checksum import sha256_file
-from torchnitro.errors import ArtifactError
+from torchnitro.errors import ArtifactError, RecipeError
 
-__all__ = ["FORMAT", "FORMAT_VERSION", "write_artifact", "read_manifest", "load_artifact",
+__all__ = ["FORMAT", "FORMAT_VERSION", "EagerSource", "write_artifact", "read_manifest", "load_artifact",
            "check_model_spec"]
 
 FORMAT = "torchnitro-artifact"
@@ -58,10 +60,27 @@ def _manifest_hash(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def write_artifact(directory: str | Path, *, recipe: str, numeric_class: str, standalone: bool, meta: dict[str, Any],
-                   files_dir: Path | None, files: list[str], model: nn.Module | None, model_ref: dict[str, Any],
-                   signature: dict[str, Any], report: Any, hardware: str) -> Path:
+@dataclass
+class EagerSource:
+    """The eager model a variant was made from: what a non-standalone artifact stores of it."""
+
+    model: nn.Module | None = None  # the eager fp32 model (its weights go into a non-standalone artifact)
+    ref: dict[str, Any] = field(default_factory=dict)  # {'spec', 'name', 'extra'}: how load() rebuilds it
+    example_inputs: tuple[Any, ...] = ()  # for torch.export when saving eager without a factory
+    dynamic_dims: dict[int, list[int]] = field(default_factory=dict)  # input index -> dims that vary
+    arg_names: list[str] = field(default_factory=list)  # forward arguments by position, for keyword calls
+    # a loaded artifact's weights.safetensors, copied as is on save: ``model`` may have been converted by
+    # its recipe's load (bf16, int8 smoothing), the file holds the fp32 weights
+    weights: Path | None = None
+
+
+def write_artifact(directory: str | Path, candidate: CandidateFiles, source: EagerSource, *, recipe: str,
+                   numeric_class: str, signature: dict[str, Any], report: Any, hardware: str) -> Path:
     out = Path(directory)
+    inputs = [Path(candidate.dir) / f for f in candidate.files] + ([source.weights] if source.weights else [])
+    if any(p.resolve().is_relative_to(out.resolve()) for p in inputs):
+        raise ArtifactError(f"save: {str(out)!r} holds the files of the model being saved (it was loaded from "
+                            "there); expected another folder. Save to a new path, then replace the old one.")
     if out.exists() and any(out.iterdir()):
         if not (out / "manifest.json").is_file():
             raise ArtifactError(f"save: {str(out)!r} exists and is not an artifact directory; expected an empty or "
@@ -69,17 +88,13 @@ def write_artifact(directory: str | Path, *, recipe: str, numeric_class: str, st
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     written: list[str] = []
-    for f in files:
+    for f in candidate.files:
         dst = out / "candidate" / f
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(Path(files_dir) / f, dst)  # type: ignore[arg-type]
+        shutil.copy2(Path(candidate.dir) / f, dst)  # type: ignore[arg-type]
         written.append(f"candidate/{f}")
-    if not standalone:
-        if model is None:
-            raise ArtifactError(f"save: recipe {recipe!r} needs the eager weights but no model is attached")
-        from safetensors.torch import save_model
-
-        save_model(model.cpu() if next(model.parameters(), None) is not None else model, str(out / "weights.safetensors"))
+    if not candidate.standalone:
+        _write_weights(source, out / "weights.safetensors", recipe)
         written.append("weights.safetensors")
     (out / "report.json").write_text(report.to_json())
     (out / "report.md").write_text(report.to_markdown())
@@ -87,13 +102,25 @@ def write_artifact(directory: str | Path, *, recipe: str, numeric_class: str, st
     manifest = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "torchnitro_version": _version(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "recipe": recipe,
-        "numeric_class": numeric_class, "standalone": standalone, "meta": meta,
-        "candidate_files": files, "model": model_ref, "signature": signature, "hardware": hardware,
+        "numeric_class": numeric_class, "standalone": candidate.standalone, "meta": candidate.meta,
+        "candidate_files": candidate.files, "model": source.ref, "signature": signature, "hardware": hardware,
         "files": {f: sha256_file(out / f) for f in written},
     }
     manifest["manifest_sha256"] = _manifest_hash(manifest)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
     return out
+
+
+def _write_weights(source: EagerSource, path: Path, recipe: str) -> None:
+    if source.weights is not None:
+        shutil.copy2(source.weights, path)
+        return
+    model = source.model
+    if model is None:
+        raise ArtifactError(f"save: recipe {recipe!r} needs the eager weights but no model is attached")
+    from safetensors.torch import save_model
+
+    save_model(model.cpu() if next(model.parameters(), None) is not None else model, str(path))
 
 
 def _version() -> str:
@@ -247,9 +274,6 @@ def load_artifact(directory: str | Path, model: nn.Module | None = None, *,
     ``trust_code``: run code the artifact names or holds (a ``.py`` model factory, TorchScript);
     only for artifacts from a source you trust.
     """
-    from torchnitro.autotune.recipe import get_recipe
-    from torchnitro.errors import RecipeError
-
     d = Path(directory)
     manifest = read_manifest(d)
     if not trust_code:

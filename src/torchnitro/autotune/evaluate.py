@@ -31,15 +31,11 @@ import torch
 from torch import Tensor
 
 from torchnitro.autotune.failure import Failure, last_stderr_line
-from torchnitro.autotune.recipe import BuildContext, Built, Program, Recipe
+from torchnitro.autotune.recipe import BuildContext, Built, CandidateFiles, Program, Recipe
 from torchnitro.autotune.verify import collect
 from torchnitro.bench.timing import TimingConfig, measure, synchronize
 
-__all__ = ["Evaluation", "evaluate", "run_isolated", "CandidateTimeout", "time_limit"]
-
-
-class CandidateTimeout(Exception):
-    """The candidate ran past its time limit."""
+__all__ = ["Evaluation", "evaluate", "run_isolated"]
 
 
 @dataclass
@@ -51,33 +47,8 @@ class Evaluation:
     first_call_ms: dict[str, float] = field(default_factory=dict)
     shape_ms: dict[str, float] = field(default_factory=dict)
     peak_mem_mb: float | None = None
-    meta: dict[str, Any] = field(default_factory=dict)
-    files: list[str] = field(default_factory=list)
-    standalone: bool = False
+    candidate: CandidateFiles = field(default_factory=CandidateFiles)  # in the candidate's workdir
     notes: str = ""
-
-
-class time_limit:
-    """Raise CandidateTimeout in the main thread after ``seconds`` (no-op off the main thread)."""
-
-    def __init__(self, seconds: float):
-        self.seconds = seconds
-        self.active = (threading.current_thread() is threading.main_thread() and seconds > 0
-                       and hasattr(signal, "setitimer"))  # POSIX main thread only
-
-    def _fire(self, signum: int, frame: Any) -> None:
-        raise CandidateTimeout(f"ran past its {self.seconds:.0f} s limit")
-
-    def __enter__(self) -> "time_limit":
-        if self.active:
-            self.old = signal.signal(signal.SIGALRM, self._fire)
-            signal.setitimer(signal.ITIMER_REAL, self.seconds)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.active:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, self.old)
 
 
 def _size_label(inputs: tuple[Any, ...]) -> str:
@@ -149,8 +120,8 @@ def evaluate(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any, ..
             for s in sets:
                 shape_ms[_size_label(s)] = measure(lambda s=s: fn(*s), quick).median * 1e3
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else max(0.0, max(rss.peak, _rss_mb()) - rss0)
-    return Evaluation(built, outputs, tm.to_dict(), build_s, first_ms, shape_ms, peak, dict(built.meta),
-                      list(built.files), built.standalone, built.notes)
+    return Evaluation(built, outputs, tm.to_dict(), build_s, first_ms, shape_ms, peak, built.files_in(ctx.workdir),
+                      built.notes)
 
 
 # ---- isolation ------------------------------------------------------------------------------------
@@ -215,8 +186,9 @@ def run_isolated(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any
     if rc != 0 or res is None:
         return _death(rc, stderr)
     outs = [(list(zip(names, f)), list(zip(names, s)), None, list(zip(names, l))) for names, f, s, l in res["outputs"]]
+    files = CandidateFiles(ctx.workdir, res["files"], res["meta"], res["standalone"])
     return Evaluation(None, outs, res["timing"], res["build_s"], res["first_call_ms"], res["shape_ms"],
-                      res["peak_mem_mb"], res["meta"], res["files"], res["standalone"], res["notes"])
+                      res["peak_mem_mb"], files, res["notes"])
 
 
 def _death(rc: int, stderr: str) -> Failure:
@@ -279,8 +251,8 @@ def _child(ppath: str, rpath: str) -> None:
                 for f, s, _, later in ev.outputs]
         result: dict[str, Any] = {
             "outputs": outs, "timing": ev.timing, "build_s": ev.build_s, "first_call_ms": ev.first_call_ms,
-            "shape_ms": ev.shape_ms, "peak_mem_mb": ev.peak_mem_mb, "meta": ev.meta, "files": ev.files,
-            "standalone": ev.standalone, "notes": ev.notes}
+            "shape_ms": ev.shape_ms, "peak_mem_mb": ev.peak_mem_mb, "meta": ev.candidate.meta,
+            "files": ev.candidate.files, "standalone": ev.candidate.standalone, "notes": ev.notes}
     except BaseException as exc:  # noqa: BLE001 - reported to the parent as the reason
         result = {"error": Failure.from_exception(exc).to_dict()}
     tmp = Path(rpath + ".tmp")

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchnitro.autotune.evaluate import CandidateTimeout, time_limit
 from torchnitro.autotune.failure import Failure, clean_line
+from torchnitro.autotune.limits import CandidateTimeout, time_limit
 from torchnitro.autotune.recipe import Program, Recipe
 from torchnitro.errors import RecipeError
 

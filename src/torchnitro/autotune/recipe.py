@@ -11,6 +11,7 @@ the unknown key and listing the known ones.
 
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +24,12 @@ from torchnitro.errors import RecipeError
 from torchnitro.hardware import HardwareInfo
 
 __all__ = [
-    "NumericClass", "Program", "BuildContext", "Built", "Recipe", "register_recipe", "get_recipe",
-    "list_recipes", "all_recipes", "unregister_recipe",
+    "EAGER", "NumericClass", "Program", "BuildContext", "CandidateFiles", "Built", "Recipe", "register_recipe",
+    "get_recipe", "list_recipes", "all_recipes", "unregister_recipe",
 ]
+
+
+EAGER = "eager"  # the baseline recipe: always a candidate, the reference the others are checked against
 
 
 class NumericClass(str, enum.Enum):
@@ -62,6 +66,30 @@ class BuildContext:
 
 
 @dataclass
+class CandidateFiles:
+    """A candidate's files and what loading them needs: one record from the build to the artifact and back."""
+
+    dir: Path | None = None  # folder holding ``files`` (None: nothing on disk)
+    files: list[str] = field(default_factory=list)  # paths relative to ``dir``: the artifact's candidate/ folder
+    meta: dict[str, Any] = field(default_factory=dict)  # whatever ``Recipe.load`` needs (JSON-serialisable)
+    standalone: bool = False  # True when ``Recipe.load`` needs no eager model (TorchScript, ONNX, ...)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-safe form (an entry of the search cache)."""
+        return {"dir": str(self.dir or ""), "files": list(self.files), "meta": self.meta, "standalone": self.standalone}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CandidateFiles:
+        return cls(Path(d["dir"]) if d["dir"] else None, list(d["files"]), dict(d["meta"]), bool(d["standalone"]))
+
+    def load(self, recipe: Recipe, eager: nn.Module | None) -> Callable[..., Any]:
+        """The candidate rebuilt by ``recipe``; a recipe that rebuilds from the eager model gets a private
+        copy of ``eager`` (it may convert it: bf16, int8), so the caller's stays fp32 for saving."""
+        model = None if self.standalone or eager is None else copy.deepcopy(eager)
+        return recipe.load(self.dir, self.meta, model)  # type: ignore[arg-type]
+
+
+@dataclass
 class Built:
     """A built candidate."""
 
@@ -70,6 +98,10 @@ class Built:
     meta: dict[str, Any] = field(default_factory=dict)  # whatever ``load`` needs (JSON-serialisable)
     standalone: bool = False  # True when ``load`` needs no user model code (TorchScript, ONNX, ...)
     notes: str = ""  # shown in the report (e.g. "12/48 layers kept in fp32")
+
+    def files_in(self, workdir: Path) -> CandidateFiles:
+        """The record of this candidate's files, which the build wrote into ``workdir``."""
+        return CandidateFiles(workdir, list(self.files), dict(self.meta), self.standalone)
 
 
 class Recipe:

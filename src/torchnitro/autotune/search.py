@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import tempfile
 import time
@@ -32,11 +33,12 @@ from torch import nn
 
 from torchnitro.autotune.cache import CACHE_VERSION, CandidateCache, function_id, make_key, model_hash
 from torchnitro.autotune.config import OptimizeConfig
-from torchnitro.autotune.evaluate import CandidateTimeout, Evaluation, evaluate, run_isolated, time_limit
+from torchnitro.autotune.evaluate import Evaluation, evaluate, run_isolated
 from torchnitro.autotune.failure import Failure, clean_line
 from torchnitro.autotune.inputs import ModelInfo, input_signature
+from torchnitro.autotune.limits import CandidateTimeout, time_limit
 from torchnitro.autotune.program import Programs, isolation
-from torchnitro.autotune.recipe import BuildContext, Recipe
+from torchnitro.autotune.recipe import EAGER, BuildContext, CandidateFiles, Recipe
 from torchnitro.autotune.recipes._util import restructure
 from torchnitro.autotune.report import CandidateResult, Report, Status
 from torchnitro.autotune.verify import gate_options, judge
@@ -73,7 +75,7 @@ class _Search:
         self.cache = CandidateCache(cfg.resolved_cache_dir()) if cfg.cache else None
         self.mhash = model_hash(model) if cfg.cache else ""
         self.fns: dict[str, Callable[..., Any]] = {}  # in-process candidates, kept for the final comparison
-        self.where: dict[str, tuple[Path, dict[str, Any], list[str], bool]] = {}  # name -> dir, meta, files, standalone
+        self.where: dict[str, CandidateFiles] = {}  # verified candidates' files by recipe name
         self.notes: set[str] = set()
         self.programs = Programs(model, wl.example_inputs, dict(wl.dynamic_dims), Path(self.tmp.name) / "_programs")
         self.p50: dict[str, float] = {}  # search-time p50 of live in-process candidates
@@ -104,14 +106,14 @@ class _Search:
         (the search budget left), else the candidate is skipped for the budget."""
         res = CandidateResult(r.name, r.numeric_class.value, Status.FAILED)
         key = self.cand_key(r) if self.cache else None
-        if key and r.name != "eager":
+        if key and r.name != EAGER:
             hit = self.cache.get_candidate(key)
             if hit is not None:
                 entry, d = hit
                 res = CandidateResult(**entry["record"])
                 res.cached, res.speedup = True, None
                 if res.status == Status.VERIFIED:
-                    self.where[r.name] = (d, entry["meta"], entry["files"], entry["standalone"])
+                    self.where[r.name] = CandidateFiles(d, entry["files"], entry["meta"], entry["standalone"])
                 return res
         isolated, note = isolation(r, self.cfg.isolate_all)
         if note:
@@ -138,12 +140,13 @@ class _Search:
                 self.fns[r.name] = ev.built.fn
                 self.p50[r.name] = res.p50_ms or 0.0
                 self._trim()
-            self.where[r.name] = (ctx.workdir, ev.meta, ev.files, ev.standalone)
-        if key and r.name != "eager":
-            stored = self.cache.put_candidate(key, {"record": res.to_dict(), "meta": ev.meta,
-                                                    "standalone": ev.standalone}, ctx.workdir, ev.files)
+            self.where[r.name] = ev.candidate
+        if key and r.name != EAGER:
+            cf = ev.candidate
+            stored = self.cache.put_candidate(key, {"record": res.to_dict(), "meta": cf.meta,
+                                                    "standalone": cf.standalone}, ctx.workdir, cf.files)
             if stored is not None and r.name in self.where:
-                self.where[r.name] = (stored, ev.meta, ev.files, ev.standalone)
+                self.where[r.name] = dataclasses.replace(cf, dir=stored)
         return res
 
     def _in_child(self, r: Recipe, ctx: BuildContext, limit_s: float, remaining_s: float) -> Evaluation | Failure:
@@ -165,7 +168,7 @@ class _Search:
     def _trim(self) -> None:
         """Keep live only the in-process candidates that can still be finalists (each may hold a model
         copy); the others are rebuilt with ``recipe.load`` if they are needed after all."""
-        ranked = sorted((n for n in self.fns if n != "eager"), key=lambda n: self.p50[n])
+        ranked = sorted((n for n in self.fns if n != EAGER), key=lambda n: self.p50[n])
         k = self.cfg.finalists
         for name in ranked[max(2 * k, k + 2):]:  # the largest finalist pool (finalist_pool)
             del self.fns[name]
@@ -192,8 +195,7 @@ class _Search:
     def callable_for(self, r: Recipe) -> Callable[..., Any]:
         if r.name in self.fns:
             return self.fns[r.name]
-        d, meta, _, standalone = self.where[r.name]
-        fn = r.load(d, meta, None if standalone else copy.deepcopy(self.model))
+        fn = self.where[r.name].load(r, self.model)
         self.fns[r.name] = fn
         return fn
 
@@ -247,12 +249,12 @@ def _run(s: _Search, recipes: list[Recipe], t_start: float) -> SearchOutcome:
                 why = _not_here(r, hw, s.device) or r.inapplicable_reason(s.model, s.wl.example_inputs)
             except Exception as exc:  # noqa: BLE001 - a buggy check costs only its own recipe
                 why = clean_line(f"its applicability check raised {type(exc).__name__}: {exc}")
-            if why is None and r.name != "eager" and remaining < 1.0:
+            if why is None and r.name != EAGER and remaining < 1.0:
                 why = f"budget: the search's {cfg.budget_s:.0f} s are spent (raise budget_s)"
-            if why is not None and r.name != "eager":
+            if why is not None and r.name != EAGER:
                 report.candidates.append(CandidateResult(r.name, r.numeric_class.value, Status.SKIPPED, why))
             else:  # one that starts within the budget gets its whole limit: a search ends by budget + one limit
-                limit = max(cfg.candidate_timeout_s, 60.0) if r.name == "eager" else cfg.candidate_timeout_s
+                limit = max(cfg.candidate_timeout_s, 60.0) if r.name == EAGER else cfg.candidate_timeout_s
                 report.candidates.append(s.run_one(r, limit, remaining))
             prog.step(r.name, advance=1)
         prog.step("comparing finalists with eager")
@@ -265,8 +267,8 @@ def _run(s: _Search, recipes: list[Recipe], t_start: float) -> SearchOutcome:
     for c in report.candidates:
         if c.recipe == chosen.name:
             c.status = Status.CHOSEN
-    d, meta, files, standalone = s.where.get(chosen.name, (None, {}, [], False))
-    return SearchOutcome(report, chosen, s.callable_for(chosen), meta, files, d, standalone, s.wl, s.tmp)
+    return SearchOutcome(report, chosen, s.callable_for(chosen), s.where.get(chosen.name, CandidateFiles()), s.wl,
+                         s.tmp)
 
 
 NOISE_BAND = 2.0  # search-time samples are taken minutes apart; on a shared machine latency drifts ~2x in that time
@@ -308,7 +310,8 @@ def _callables(s: _Search, cands: list[CandidateResult],
     ``ChildTimer`` (also put in ``timers``, for the caller to close) per candidate that runs alone."""
     from torchnitro.autotune.recipe import get_recipe
 
-    alone = [c for c in cands if c.recipe in s.where and fair.runs_alone(get_recipe(c.recipe), s.where[c.recipe][3])]
+    alone = [c for c in cands if c.recipe in s.where and fair.runs_alone(get_recipe(c.recipe),
+                                                                         s.where[c.recipe].standalone)]
     inputs = Path(s.tmp.name) / "_timing_inputs.pt"
     if alone:
         try:
@@ -317,9 +320,9 @@ def _callables(s: _Search, cands: list[CandidateResult],
             s.notes.add(f"isolated-runtime finalists were timed in this process: {exc}"[:300])
             alone = []
     for c in alone:  # every child starts now; they load side by side, before anything is timed
-        d, meta, _, _ = s.where[c.recipe]
-        timers[c.recipe] = fair.start_alone(get_recipe(c.recipe), d, meta, inputs, threads=torch.get_num_threads(),
-                                            device=s.device.type)
+        cf = s.where[c.recipe]
+        timers[c.recipe] = fair.start_alone(get_recipe(c.recipe), cf.dir, cf.meta, inputs,  # type: ignore[arg-type]
+                                            threads=torch.get_num_threads(), device=s.device.type)
     fns: dict[str, Callable[..., Any]] = {}
     for c in cands:
         timer = timers.get(c.recipe)
@@ -346,7 +349,7 @@ def _compare_finalists(s: _Search, report: Report, fns: dict[str, Callable[..., 
     while True:
         try:
             with torch.inference_mode():
-                return compare(fns, tc, items_per_call=s.wl.items_per_call, baseline="eager")
+                return compare(fns, tc, items_per_call=s.wl.items_per_call, baseline=EAGER)
         except RecipeError:
             dead = [n for n, f in fns.items() if getattr(f, "failed", None)]
             if not dead:
@@ -364,8 +367,8 @@ def _screen(s: _Search, report: Report, eager_fn: Callable[[], Any], fns: dict[s
     cfg = s.cfg
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=cfg.final_min_time_s / 2,
                       max_time_s=max(3.0, cfg.final_min_time_s * 2), device=s.device.type)
-    res = _compare_finalists(s, report, {"eager": eager_fn, **fns}, tc)
-    est = {n: paired_ratio(res["eager"], t) for n, t in res.items() if n != "eager"}
+    res = _compare_finalists(s, report, {EAGER: eager_fn, **fns}, tc)
+    est = {n: paired_ratio(res[EAGER], t) for n, t in res.items() if n != EAGER}
     keep = sorted(est, key=lambda n: est[n].ratio, reverse=True)[:k]
     for name, e in est.items():
         c = report.get(name)
@@ -387,12 +390,12 @@ def _checked_comparison(s: _Search, report: Report, fns: dict[str, Callable[...,
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=iters, min_time_s=cfg.final_min_time_s,
                       max_time_s=max(5.0, cfg.final_min_time_s * 3), device=s.device.type)
     res = _compare_finalists(s, report, fns, tc)
-    check = fair.check_eager(alone_ms, alone_cv, res["eager"])
+    check = fair.check_eager(alone_ms, alone_cv, res[EAGER])
     if not check.ok:
         report.notes.append(f"final comparison redone after a {fair.SETTLE_S:g} s pause: first run's {check.text()}")
         time.sleep(fair.SETTLE_S)
         res = _compare_finalists(s, report, fns, tc)
-        check = fair.check_eager(alone_ms, alone_cv, res["eager"])
+        check = fair.check_eager(alone_ms, alone_cv, res[EAGER])
         for name in res:
             report.get(name).redone = True
     report.notes.append(check.text() + ("" if check.ok else ": still outside the band after the redo, so the "

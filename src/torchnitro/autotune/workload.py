@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -12,7 +11,7 @@ from torch import Tensor, nn
 
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.inputs import ModelInfo, input_signature, random_like
-from torchnitro.autotune.recipe import Recipe, all_recipes, get_recipe
+from torchnitro.autotune.recipe import EAGER, CandidateFiles, Recipe, all_recipes, get_recipe
 from torchnitro.autotune.recipes._util import output_kind
 from torchnitro.autotune.report import Report
 from torchnitro.autotune.verify import clone_outputs
@@ -43,10 +42,7 @@ class SearchOutcome:
     report: Report
     recipe: Recipe
     fn: Callable[..., Any]
-    meta: dict[str, Any]
-    files: list[str]
-    files_dir: Path | None
-    standalone: bool
+    candidate: CandidateFiles  # the chosen recipe's files (dir None: nothing on disk)
     workload: Workload
     tmp: Any = None  # TemporaryDirectory kept alive while the files are in use
 
@@ -119,8 +115,8 @@ def select_recipes(cfg: OptimizeConfig) -> list[Recipe]:
         chosen = [r for r in all_recipes() if r.default]
     for n in cfg.exclude:
         get_recipe(n)
-    chosen = [r for r in chosen if r.name not in cfg.exclude and r.name != "eager"]
-    return [get_recipe("eager")] + sorted(chosen, key=lambda r: (r.order, r.name))
+    chosen = [r for r in chosen if r.name not in cfg.exclude and r.name != EAGER]
+    return [get_recipe(EAGER)] + sorted(chosen, key=lambda r: (r.order, r.name))
 
 
 def objective_stat(t: dict[str, Any] | Timing, cfg: OptimizeConfig) -> float:
