@@ -63,3 +63,20 @@ def test_global_grad_norm_over_mixed_dtensor_meshes(name, ranks, reference):
     want = torch.sqrt(sum(g.double().pow(2).sum() for g in reference[1].values())).item()
     got = torch.load(ranks / f"{name}.pt", weights_only=True)["grad_norm"]
     assert got == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "tp", "hsdp", "fsdp_tp"])
+def test_planned_state_bytes_per_rank_equal_measured(name, ranks):
+    """Parameter, gradient and AdamW state bytes of every rank, predicted vs the storages the ranks hold."""
+    from tests.distributed.common import MODEL
+    from torchnitro.distributed import ParallelConfig
+    from torchnitro.distributed.planner import rank_state_bytes
+    from torchnitro.nn.models import TransformerConfig
+
+    cfg = ParallelConfig(**{**TWO, **FOUR}[name])
+    measured = torch.load(ranks / f"{name}.pt", weights_only=True)["memory"]
+    for rank, got in enumerate(measured):
+        shard_index = (rank // cfg.tp) % cfg.dp_shard  # mesh dims (dp_replicate, dp_shard, tp), tp innermost
+        want = rank_state_bytes(TransformerConfig(**MODEL), cfg, dp_shard_index=shard_index)
+        assert (got["parameters"], got["gradients"], got["optimizer_state"]) == \
+            (want.parameters, want.gradients, want.optimizer_state), f"{name} rank {rank}"

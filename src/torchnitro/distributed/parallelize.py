@@ -4,8 +4,8 @@ The order is torchtitan's: tensor parallelism first (it rewrites parameters into
 ``tp`` mesh dim), then activation checkpointing (it wraps block forwards, names unchanged), then
 data parallelism last, so FSDP2 shards the TP shards again (2-D) and DDP wraps the finished model.
 
-- FSDP2: ``fully_shard`` on every block and on the root; the root keeps its parameters gathered
-  after forward (backward needs them at once); ``prefetch`` blocks are all-gathered ahead
+- FSDP2: ``fully_shard`` on every block and on the root, all with the config's reshard-after-forward;
+  ``prefetch`` blocks are all-gathered ahead
   (explicit forward and backward prefetch). ``mixed_precision`` sets the parameter dtype of
   compute; gradients are reduced in fp32.
 - HSDP: the same calls on the 2-D ``(dp_replicate, dp_shard)`` mesh: sharded inside a group,
@@ -34,7 +34,7 @@ from torchnitro.distributed.mesh import dp_dims
 from torchnitro.errors import ConfigError
 from torchnitro.memory.checkpointing import checkpoint_, find_blocks
 
-__all__ = ["parallelize", "apply_tp", "apply_fsdp", "apply_ddp", "tp_plan", "TP_PLANS"]
+__all__ = ["parallelize", "apply_tp", "apply_fsdp", "apply_ddp", "tp_plan", "TP_PLANS", "LM_TP_SPLIT"]
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -49,12 +49,15 @@ def tp_plan(model_class: str) -> Callable[[Callable[[nn.Module, DeviceMesh], Non
     return deco
 
 
+# which weight dim each TransformerLM block linear is split on: 0 (output, colwise) or 1 (input, rowwise);
+# the memory planner reads the same table
+LM_TP_SPLIT = {"attn.wq": 0, "attn.wk": 0, "attn.wv": 0, "attn.wo": 1, "mlp.w1": 0, "mlp.w3": 0, "mlp.w2": 1}
+
+
 @tp_plan("TransformerLM")
 def _transformer_lm_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     n = tp_mesh.size()
-    plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
-            "attn.wo": RowwiseParallel(), "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
-            "mlp.w2": RowwiseParallel()}
+    plan = {name: ColwiseParallel() if dim == 0 else RowwiseParallel() for name, dim in LM_TP_SPLIT.items()}
     for block in model.blocks:
         parallelize_module(block, tp_mesh, plan)
         # the attention views its projections as (B, T, heads, Dh); a rank now holds heads/n of them
@@ -87,7 +90,9 @@ def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh) -> None:
     blocks = list(find_blocks(model))
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    # the root reshards too (torchtitan does the same without PP): left gathered after a no_grad forward,
+    # its registered parameters are the unsharded ones, and an optimizer built then would never step them
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     if cfg.prefetch > 0:
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + cfg.prefetch])

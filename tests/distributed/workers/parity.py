@@ -18,6 +18,28 @@ from torchnitro.distributed.parity import full_tensors  # noqa: E402
 from torchnitro.distributed.train import clip_grad_norm_  # noqa: E402
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind these tensors (DTensors: their local shards)."""
+    seen = {}
+    for t in tensors:
+        st = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def _state_bytes(model, x, measured) -> list:
+    """Every rank's measured parameter, gradient and AdamW moment bytes (step counters: 4 B per tensor)."""
+    opt = torch.optim.AdamW(model.parameters())
+    model(x[:, :-1]).float().sum().backward()
+    opt.step()
+    moments = _storage_bytes(v for st in opt.state.values() for k, v in st.items() if k != "step")
+    counters = sum(4 for st in opt.state.values() if "step" in st)
+    mine = {**measured, "optimizer_state": moments + counters}
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    return everyone
+
+
 def _evaluate(mesh) -> tuple[float, int]:
     """Mean of i**2 over 13 samples (not a multiple of any world size here), read through the sharded loader."""
     data = torch.utils.data.TensorDataset(torch.arange(13, dtype=torch.float64))
@@ -37,15 +59,21 @@ def main(out: Path, scenarios: list) -> None:
         b = x.shape[0] // size
         norms = []
 
+        measured = {}
+
         def read(m):
             norms.append(clip_grad_norm_(m.parameters(), float("inf")))  # inf: measure, do not clip
+            measured["parameters"] = _storage_bytes(p for p in m.parameters())
+            measured["gradients"] = _storage_bytes(p.grad for p in m.parameters())
             return full_tensors(m, grads=True)
 
         losses, grads = two_steps(model, x[idx * b:(idx + 1) * b], reduce=lambda t: D.dp_sum(t, mesh) / size,
                                   grads=read)
+        memory = _state_bytes(model, x[idx * b:(idx + 1) * b], measured)
         evaluation = _evaluate(mesh)
         if torch.distributed.get_rank() == 0:
-            torch.save({"losses": losses, "grads": grads, "eval": evaluation, "grad_norm": norms[0]}, out / f"{name}.pt")
+            torch.save({"losses": losses, "grads": grads, "eval": evaluation, "grad_norm": norms[0],
+                        "memory": memory}, out / f"{name}.pt")
     D.shutdown()
 
 
