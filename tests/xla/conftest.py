@@ -18,6 +18,8 @@ for _flag in ("--xla_force_host_platform_device_count=8", "--xla_backend_optimiz
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 # with libtpu installed jax would otherwise probe for a TPU on every start; AOT topologies still work
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# libtpu takes /tmp/libtpu_lockfile per process; AOT compiles touch no TPU, so parallel test runs may share it
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 @pytest.fixture(autouse=True)

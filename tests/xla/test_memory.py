@@ -9,7 +9,7 @@ import pytest
 jax = pytest.importorskip("jax", reason="jax is not installed: pip install 'torchnitro[xla]'")
 
 from torchnitro.errors import BudgetError, ConfigError  # noqa: E402
-from torchnitro.xla.memory import GIB, find_batch_size, plan_memory  # noqa: E402
+from torchnitro.xla.memory import GIB, CompiledMemory, find_batch_size, find_lm_batch_size, plan_memory  # noqa: E402
 from torchnitro.xla.model import LMConfig  # noqa: E402
 
 CFG = LMConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, max_seq_len=128)
@@ -68,3 +68,18 @@ def test_find_batch_size_errors_when_nothing_fits():
         find_batch_size(_fake_peak([]), 1500, multiple=8)
     with pytest.raises(ConfigError, match="budget=0"):
         find_batch_size(_fake_peak([]), 0)
+
+
+@needs_libtpu
+def test_lm_batch_search_uses_the_targets_hbm_and_the_data_parallel_multiple():
+    probes: list[int] = []
+
+    def fake_plan(cfg, b, seq, **kw):  # 1 GiB per sequence: on v5e (16 GiB/chip) 0.9 * 16 GiB fits 14 sequences
+        probes.append(b)
+        return type("P", (), {"compiled": CompiledMemory(argument=0, output=0, alias=0, temp=b * GIB, code=0)})()
+
+    # v5e:2x2 is 4 chips, one device each; mesh 1x4x1 splits the batch 4 ways, so batches are multiples of 4
+    assert find_lm_batch_size(CFG, 64, "v5e:2x2", mesh="1x4x1", plan=fake_plan) == 12
+    assert probes and all(b % 4 == 0 for b in probes)
+    with pytest.raises(ConfigError, match="needs a TPU target"):
+        find_lm_batch_size(CFG, 64, "host")

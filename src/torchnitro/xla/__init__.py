@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "estimate_memory": "torchnitro.xla.memory",
     "MemoryPlan": "torchnitro.xla.memory",
     "find_batch_size": "torchnitro.xla.memory",
+    "find_lm_batch_size": "torchnitro.xla.memory",
     "REMAT_POLICIES": "torchnitro.xla.remat",
     "save_checkpoint": "torchnitro.xla.checkpoint",
     "restore_checkpoint": "torchnitro.xla.checkpoint",

@@ -26,7 +26,7 @@ from torchnitro.xla.remat import layer_policies
 from torchnitro.xla.train import TrainStep
 
 __all__ = ["CompiledMemory", "MemoryEstimate", "MemoryPlan", "plan_memory", "estimate_memory", "find_batch_size",
-           "hbm_per_device"]
+           "find_lm_batch_size", "hbm_per_device"]
 
 GIB = 1024**3
 
@@ -202,3 +202,25 @@ def find_batch_size(peak_bytes: Callable[[int], int], budget: int, *, multiple: 
         else:
             hi = mid
     return lo * multiple
+
+
+def find_lm_batch_size(cfg: LMConfig, seq_len: int, target: str, *, mesh: str | MeshConfig = "1x-1x1",
+                       rules: str = "fsdp", remat: str | Sequence[str] = "none", hbm_fraction: float = 0.9,
+                       plan: Callable[..., MemoryPlan] = plan_memory) -> int:
+    """Largest global batch whose compiled peak fits ``hbm_fraction`` of the TPU ``target``'s HBM per device.
+
+    Every probe is an AOT compile for the target (seconds each); ``plan`` is injectable for tests.
+    """
+    if target == "host":
+        raise ConfigError("find_lm_batch_size needs a TPU target such as 'v5e:2x2' (host devices have no HBM "
+                          "budget); call find_batch_size with your own budget instead")
+    if not 0 < hbm_fraction <= 1:
+        raise ConfigError(f"hbm_fraction={hbm_fraction}; expected a fraction in (0, 1]")
+    m = _mesh(mesh, target)
+    dp = m.shape.get("data", 1) * m.shape.get("fsdp", 1)
+    budget = int(hbm_fraction * hbm_per_device(target, list(m.devices.flat)))
+
+    def peak(b: int) -> int:
+        return plan(cfg, b, seq_len, mesh=mesh, rules=rules, remat=remat, target=target).compiled.peak
+
+    return find_batch_size(peak, budget, multiple=dp)

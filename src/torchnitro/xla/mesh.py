@@ -104,9 +104,12 @@ def target_devices(target: str) -> list[Any]:
 
     try:
         topo = topologies.get_topology_desc(platform="tpu", topology_name=t.name)
-    except Exception as exc:  # libtpu missing or too old for this generation
+    except Exception as exc:  # libtpu missing, too old for this generation, or locked by another process
+        fix = ("another process holds libtpu's lockfile: set ALLOW_MULTIPLE_LIBTPU_LOAD=1 before jax starts "
+               "(AOT compiles use no TPU)" if "lockfile" in str(exc) else
+               "install the matching libtpu wheel (pip install 'torchnitro[xla]')")
         raise BackendUnavailableError(f"cannot describe TPU topology {t.name!r} here ({type(exc).__name__}: {exc}); "
-                                      "install the matching libtpu wheel (pip install 'torchnitro[xla]')") from exc
+                                      f"{fix}") from exc
     return list(topo.devices)
 
 
