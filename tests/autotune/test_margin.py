@@ -12,7 +12,8 @@ from torchnitro.bench.timing import Timing
 
 def _report() -> Report:
     rep = Report(model="m", inputs="f32[2x4]", objective="latency p50", hardware="cpu")
-    rep.candidates = [CandidateResult("eager", "exact", Status.VERIFIED), CandidateResult("cand", "exact", Status.VERIFIED)]
+    rep.candidates = [CandidateResult("eager", "exact", Status.VERIFIED),
+                      CandidateResult("cand", "exact", Status.VERIFIED)]
     return rep
 
 

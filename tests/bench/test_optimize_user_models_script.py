@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_run_writes_the_minilm_and_coverage_tables(tmp_path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("optimize_user_models", ROOT / "benchmarks" / "optimize_user_models.py")
+    path = ROOT / "benchmarks" / "optimize_user_models.py"
+    spec = importlib.util.spec_from_file_location("optimize_user_models", path)
     bench = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "optimize_user_models", bench)
     spec.loader.exec_module(bench)
@@ -28,7 +29,8 @@ def test_quick_run_writes_the_minilm_and_coverage_tables(tmp_path, monkeypatch):
     assert bench.main(["--quick", "--only", "minilm-short", "coverage", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "optimize_user_models_quick.json").read_text())
     minilm, _, coverage = (t["rows"] for t in data.values())
-    assert [r["held as"] for r in minilm] == ["user wrapper (AutoModel)", "SentenceTransformer", "built-in SentenceEncoder"]
+    held_as = ["user wrapper (AutoModel)", "SentenceTransformer", "built-in SentenceEncoder"]
+    assert [r["held as"] for r in minilm] == held_as
     assert all(r["emb cos (held-out)"] > 0.99 and r["ran"] >= 1 and r["failed"] == 0 for r in minilm)
     assert [r["model"] for r in coverage] == ["vit"] and coverage[0]["our fault"] == "none"
     assert coverage[0]["ran"] == "2/2"  # eager and dynamic-int8
