@@ -168,17 +168,21 @@ def test_build_verify_and_reload(tiny_bert, tmp_path, name):
 
 def test_int8_engine_is_recorded_and_an_artifact_loads_without_its_kernels(tiny_bert, tmp_path, monkeypatch):
     import torchnitro.autotune.recipes.int8_mixed as im
-    from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear
+    from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear, onednn_int8_reason
     from torchnitro.autotune.recipes.rowwise_int8 import RowwiseInt8Linear, rowwise_int8_reason
 
     recipe = get_recipe("bert-unpad-int8")
     built = recipe.build(_ctx(tiny_bert, _ragged(8, 32, seed=6), tmp_path))
     assert f"({built.meta['engine']}" in built.notes
-    if rowwise_int8_reason() is None:  # per-token int8 runs here: it is the engine, planned on itself
-        assert built.meta["engine"] == "rowwise"
-        assert any(isinstance(m, RowwiseInt8Linear) for m in built.fn.modules())
-    monkeypatch.setattr(im, "rowwise_int8_reason", lambda: "no VNNI here")
+    if onednn_int8_reason() is None:  # the fused per-tensor kernels run here and the tiny model passes with them
+        assert built.meta["engine"] == "onednn" and any(isinstance(m, OneDnnInt8Linear) for m in built.fn.modules())
     monkeypatch.setattr(im, "onednn_int8_reason", lambda: "no VNNI here")
+    if rowwise_int8_reason() is None:  # next in line: per-token int8, planned on itself
+        (tmp_path / "rowwise").mkdir()
+        rowwise = recipe.build(_ctx(tiny_bert, _ragged(8, 32, seed=6), tmp_path / "rowwise"))
+        assert rowwise.meta["engine"] == "rowwise" and "onednn: no VNNI here" in rowwise.notes
+        assert any(isinstance(m, RowwiseInt8Linear) for m in rowwise.fn.modules())
+    monkeypatch.setattr(im, "rowwise_int8_reason", lambda: "no VNNI here")
     held = _ragged(6, 24, seed=7)
     for engine in ("rowwise", "onednn"):
         with pytest.warns(UserWarning, match="no VNNI here"):
@@ -186,7 +190,8 @@ def test_int8_engine_is_recorded_and_an_artifact_loads_without_its_kernels(tiny_
         assert not any(isinstance(m, (OneDnnInt8Linear, RowwiseInt8Linear)) for m in fn.modules())
         with torch.inference_mode():
             assert row_cosine(tiny_bert(*held), fn(*held)) >= 0.98
-    fallback = recipe.build(_ctx(tiny_bert, _ragged(8, 32, seed=6), tmp_path))  # built where neither runs
+    (tmp_path / "fbgemm").mkdir()
+    fallback = recipe.build(_ctx(tiny_bert, _ragged(8, 32, seed=6), tmp_path / "fbgemm"))  # where neither runs
     assert fallback.meta["engine"] == "fbgemm" and "rowwise: no VNNI here" in fallback.notes
 
 

@@ -31,8 +31,7 @@ from torchnitro.autotune.recipes._unpad import PackedLayer
 from torchnitro.autotune.recipes.hf_encoders import UnpaddedEncoder, encoders_reason, unpad_encoders_
 from torchnitro.autotune.recipes.int8_mixed import (build_mixed_int8, int8_unavailable_reason, linear_names,
                                                    load_engine, load_full_range, load_scales, quantize_linears)
-from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear
-from torchnitro.autotune.recipes.rowwise_int8 import RowwiseInt8Linear
+from torchnitro.autotune.recipes.onednn_int8 import Int8LinearBase
 
 __all__ = ["UnpaddedBert", "fold_smoothing", "bert_inapplicable_reason", "unpad_model", "UnpaddedBertRecipe",
            "UnpaddedBertInt8", "UnpaddedBertBf16"]
@@ -112,7 +111,7 @@ def _int8(base: nn.Module, names: list[str], scales: dict[str, Tensor], full_ran
     folded, left = fold_smoothing(base, scales)
     q = quantize_linears(folded, names, left, full_range, engine)
     for layer in q.modules():
-        if isinstance(layer, PackedLayer) and isinstance(layer.ffn_out, (SmoothedInt8Linear, OneDnnInt8Linear, RowwiseInt8Linear)):
+        if isinstance(layer, PackedLayer) and isinstance(layer.ffn_out, (SmoothedInt8Linear, Int8LinearBase)):
             layer.ffn_out.inplace = True  # its input is the GELU temporary
     return q
 
@@ -170,7 +169,7 @@ class UnpaddedBertInt8(Recipe):
     numeric_class = NumericClass.INT8
     description = "padding-free BERT + SmoothQuant dynamic int8 Linears, gate-sensitive layers kept fp32"
     order = 16
-    version = "3"  # 2: built on the fused oneDNN int8 Linear where it runs; 3: encoders anywhere in the model
+    version = "4"  # 2: fused oneDNN int8 Linear; 3: encoders anywhere in the model; 4: per-token int8 (rowwise)
 
     def unavailable_reason(self, hw: Any) -> str | None:
         return int8_unavailable_reason()
@@ -201,7 +200,7 @@ class UnpaddedBertBf16(Recipe):
     numeric_class = NumericClass.REDUCED
     description = "padding-free BERT with bf16 weights and activations (AVX512-BF16/AMX GEMMs), fp32 outputs"
     order = 17
-    version = "2"  # 2: encoders anywhere in the model tree
+    version = "3"  # 2: encoders anywhere in the model tree; 3: Linears prepacked on oneDNN, fused epilogues
 
     def unavailable_reason(self, hw: Any) -> str | None:
         if not (hw.cpu_bf16 or hw.has_gpu):
@@ -212,7 +211,23 @@ class UnpaddedBertBf16(Recipe):
         return bert_inapplicable_reason(model)
 
     def build(self, ctx: BuildContext) -> Built:
-        return Built(fn=unpad_model(ctx.model, torch.bfloat16), notes="bf16 compute, fp32 pooling and outputs")
+        m, why = _bf16(ctx.model)
+        return Built(fn=m, meta={"prepacked": why is None},
+                     notes="bf16 compute, fp32 pooling and outputs; " + (
+                         "Linears prepacked on oneDNN, GELU and residual adds in their epilogue" if why is None
+                         else f"plain bf16 Linears ({why})"))
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
-        return unpad_model(copy.deepcopy(self.require_model(model)).eval(), torch.bfloat16)
+        return _bf16(copy.deepcopy(self.require_model(model)).eval())[0]
+
+
+def _bf16(model: nn.Module) -> tuple[nn.Module, str | None]:
+    """``model`` padding-free in bf16, its packed layers' Linears on oneDNN's prepacked bf16 kernels
+    where they run (the same math: bf16 GEMMs with fp32 accumulation); returns why not otherwise."""
+    from torchnitro.autotune.recipes.onednn_bf16 import onednn_bf16_reason, prepack_bf16_
+
+    m = unpad_model(model, torch.bfloat16)
+    why = onednn_bf16_reason()
+    if why is None and not prepack_bf16_(m):
+        why = "no bf16 CPU Linears to prepack"
+    return m, why

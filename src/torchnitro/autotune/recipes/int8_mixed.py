@@ -187,44 +187,43 @@ def int8_module(lin: nn.Linear, scale: Tensor | None, full_range: bool = False, 
     return _quantized_module(lin, full_range) if scale is None else SmoothedInt8Linear(lin, scale, full_range)
 
 
-INT8_ENGINES = ("rowwise", "onednn", "fbgemm")
+INT8_ENGINES = ("onednn", "rowwise", "fbgemm")  # tried in this order: fastest per GEMM first (docs/optimize.md)
 
 
-def pick_engine(make: Callable[[str], nn.Module], calib: Sequence[tuple[Any, ...]], refs: Sequence[Any],
-                target: float, fbgemm_cosine: float) -> tuple[nn.Module, str, float, str | None]:
-    """``make(engine)`` for the fused oneDNN kernels when they run here and the result still scores
-    ``target`` against ``refs`` on the calibration inputs (their rounding differs from the plan's
-    fbgemm modules), else for fbgemm. Returns (model, engine, calibration cosine, why not oneDNN)."""
-    why = onednn_int8_reason()
-    if why is None:
-        q = make("onednn")
-        cos = calibration_cosine(q, calib, refs)
-        if cos >= target:
-            return q, "onednn", cos, None
-        why = f"oneDNN calibration cosine {cos:.4f} < {target:.4f}"
-    return make("fbgemm"), "fbgemm", fbgemm_cosine, why
+def _engine_reasons() -> dict[str, str | None]:
+    why = {"onednn": onednn_int8_reason(), "rowwise": rowwise_int8_reason(), "fbgemm": None}
+    return {e: why[e] for e in INT8_ENGINES}
 
 
 def build_mixed_int8(ctx: BuildContext, model: nn.Module,
                      make: Callable[[dict[str, Any], str], nn.Module]) -> tuple[nn.Module, dict[str, Any], str]:
-    """The int8 recipes' build: plan on ``model`` (which Linears stay fp32, SmoothQuant scales), then
-    ``make(plan, engine)`` on the engine ``pick_engine`` chooses; saves the scales in the workdir.
-    Per-token activation scales (``rowwise``) where they run: planned on the engine that runs, and a
-    range that fits the calibration batch is not baked in (per-tensor ranges fitted to short sentences
-    failed long text). Returns (variant, artifact meta, "engine[: why not rowwise / oneDNN]")."""
+    """The int8 recipes' build: for each engine of ``INT8_ENGINES`` that runs here, plan on ``model``
+    with that engine's own Linears (which stay fp32, SmoothQuant scales) on length-varied calibration
+    sets, ``make(plan, engine)``, and keep the first whose variant reaches the target there (oneDNN's
+    per-tensor rounding differs from per-token's and fbgemm's). Saves the scales in the workdir.
+    Returns (variant, artifact meta, "engine[: why not the engines before it]")."""
     calib, target = varied_calibration_inputs(ctx), int8_target(ctx)
-    rowwise_why = rowwise_int8_reason()
-    if rowwise_why is None:
-        plan = plan_mixed_int8(model, calib, target, engine="rowwise")
-        q, engine, cos, why = make(plan, "rowwise"), "rowwise", plan["cosine"], None
-    else:
-        plan = plan_mixed_int8(model, calib, target)
-        q, engine, cos, why = pick_engine(lambda e: make(plan, e), calib, plan["refs"], target, plan["cosine"])
-        why = f"rowwise: {rowwise_why}; " + (why or "oneDNN runs")
+    skipped: list[str] = []
+    for engine, why in _engine_reasons().items():
+        if why is not None:
+            skipped.append(f"{engine}: {why}")
+            continue
+        try:
+            plan = plan_mixed_int8(model, calib, target, engine=engine)
+        except RecipeError as exc:
+            if engine == INT8_ENGINES[-1]:
+                raise
+            skipped.append(f"{engine}: {exc}")
+            continue
+        q = make(plan, engine)
+        cos = calibration_cosine(q, calib, plan["refs"])
+        if cos >= target or engine == INT8_ENGINES[-1]:
+            break
+        skipped.append(f"{engine}: calibration cosine {cos:.4f} < {target:.4f}")
     save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
     meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": cos, "full_range": plan["full_range"],
             "engine": engine}
-    return q, meta, engine if why is None else f"{engine}: {why}"
+    return q, meta, f"{engine}: {'; '.join(skipped)}" if skipped else engine
 
 
 def load_engine(meta: dict[str, Any], recipe: str) -> str:
@@ -388,7 +387,7 @@ class MixedInt8(Recipe):
     numeric_class = NumericClass.INT8
     description = "dynamic int8 Linears (per-channel, VNNI) with the most gate-sensitive layers kept in fp32"
     order = 46
-    version = "3"  # 2: built on the fused oneDNN int8 Linear where it runs; 3: HF Conv1D quantised as Linear
+    version = "4"  # 2: fused oneDNN int8 Linear; 3: HF Conv1D quantised as Linear; 4: per-token int8 (rowwise)
 
     def unavailable_reason(self, hw: HardwareInfo) -> str | None:
         return int8_unavailable_reason()

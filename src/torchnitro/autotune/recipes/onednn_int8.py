@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Int8LinearBase", "OneDnnInt8Linear", "onednn_int8_reason", "quiet_quantize"]
+__all__ = ["SharesPackedWeight", "Int8LinearBase", "OneDnnInt8Linear", "onednn_int8_reason", "quiet_quantize"]
 
 # torch.quantize_per_tensor / _per_channel are the vectorised CPU quantisers torch has (the decomposed ops take
 # 4-5 passes). Their deprecation notice (issued once per process) is not actionable for users of this module.
@@ -62,6 +62,16 @@ def _uint8_view(q: Tensor) -> Tensor:
     return torch.empty((0,), dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(), q.shape, q.stride())
 
 
+class SharesPackedWeight:
+    """``deepcopy`` shares ``self.packed``: an opaque oneDNN tensor that cannot be copied and is never written."""
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        new.__dict__.update({k: (v if k == "packed" else copy.deepcopy(v, memo)) for k, v in self.__dict__.items()})
+        return new
+
+
 class Int8LinearBase(nn.Module):
     """What the int8 Linears here share: int8 weights per output channel (symmetric) smoothed by
     ``scale`` per input channel (SmoothQuant: they carry ``W * s``), fp32 bias, and the checks of a
@@ -76,7 +86,8 @@ class Int8LinearBase(nn.Module):
         k = lin.in_features
         s = torch.ones(k) if scale is None else scale.detach().float().reshape(k)
         if not bool((s > 0).all()) or not bool(torch.isfinite(s).all()):
-            raise ValueError(f"{type(self).__name__}: smoothing scales must be finite and > 0 (got min {float(s.min())})")
+            raise ValueError(f"{type(self).__name__}: smoothing scales must be finite and > 0 "
+                             f"(got min {float(s.min())})")
         ws = w * s  # (out, in): the smoothed weights
         self.register_buffer("w_scale", (ws.abs().amax(1) / 127.0).clamp(min=1e-12), persistent=False)  # (out,)
         self.wq_init = torch.round(ws / self.w_scale[:, None]).clamp(-127, 127).to(torch.int8)  # (out, in)
@@ -106,7 +117,7 @@ class Int8LinearBase(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-class OneDnnInt8Linear(Int8LinearBase):
+class OneDnnInt8Linear(SharesPackedWeight, Int8LinearBase):
     """``y = W x + b`` (optionally ``gelu(.)`` or ``+ residual``) with int8 weights (per output channel,
     symmetric) and uint8 activations (per tensor, asymmetric, range taken from each call's input),
     smoothed by ``scale`` per input channel (SmoothQuant: the weights carry ``W * s``)."""
@@ -138,9 +149,3 @@ class OneDnnInt8Linear(Int8LinearBase):
                                                    0, torch.float32, "gelu" if gelu else "none", [], "none")
         return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
 
-    def __deepcopy__(self, memo: dict) -> "OneDnnInt8Linear":
-        # the packed weight is an opaque oneDNN tensor that cannot be copied; it is never written, so share it
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        new.__dict__.update({k: (v if k == "packed" else copy.deepcopy(v, memo)) for k, v in self.__dict__.items()})
-        return new

@@ -1,0 +1,86 @@
+"""The prepacked oneDNN bf16 Linear against F.linear in bf16, and the padding-free bf16 encoder built on it."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchnitro.autotune.recipes.onednn_bf16 import OneDnnBf16Linear, onednn_bf16_reason, prepack_bf16_
+
+pytestmark = pytest.mark.skipif(onednn_bf16_reason() is not None, reason=f"oneDNN bf16: {onednn_bf16_reason()}")
+
+BF16 = dict(rtol=2e-2, atol=2e-2)  # bf16 outputs: 8 mantissa bits, fp32 accumulation in both paths
+
+
+def _case(n: int, k: int, m: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, m).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(m, k, generator=g) / k ** 0.5)
+        lin.bias.copy_(torch.randn(m, generator=g))
+    return lin, torch.randn(n, k, generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("n,k,m", [(128, 64, 96), (5, 37, 23)])
+def test_matches_bf16_linear_with_fused_gelu_and_add(n, k, m):
+    lin, x = _case(n, k, m)
+    res = torch.randn(n, m).to(torch.bfloat16)
+    fast = OneDnnBf16Linear(lin)
+    with torch.inference_mode():
+        ref = lin(x)
+        assert fast(x).dtype == torch.bfloat16
+        torch.testing.assert_close(fast(x), ref, **BF16)
+        torch.testing.assert_close(fast(x, gelu=True), F.gelu(ref), **BF16)
+        torch.testing.assert_close(fast(x, add=res), ref + res, **BF16)
+        assert fast(x.view(1, n, k)).shape == (1, n, m)  # leading dims kept
+
+
+def test_no_bias_and_deepcopy_shares_the_packed_weight():
+    lin = nn.Linear(16, 8, bias=False).to(torch.bfloat16)
+    fast = OneDnnBf16Linear(lin)
+    twin = copy.deepcopy(fast)
+    assert twin.packed is fast.packed and twin.bias is None
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(twin(x), lin(x), **BF16)
+
+
+def test_bad_input_says_what_was_expected():
+    fast = OneDnnBf16Linear(nn.Linear(16, 8).to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"received torch.float32 input of shape \(3, 16\), expected torch.bfloat16"):
+        fast(torch.zeros(3, 16))
+    with pytest.raises(ValueError, match=r"shape \(3, 12\), expected torch.bfloat16 \(\.\.\., 16\)"):
+        fast(torch.zeros(3, 12, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="either gelu or a residual"):
+        fast(torch.zeros(3, 16, dtype=torch.bfloat16), gelu=True, add=torch.zeros(3, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("shape", [(4, 32), (5, 37)])
+def test_prepacked_padding_free_bf16_encoder_matches_eager(shape):
+    pytest.importorskip("transformers")
+    from torchnitro.autotune.recipes.bert_unpad import unpad_model
+    from torchnitro.autotune.recipes.hf_encoders import UnpaddedEncoder
+    from torchnitro.hf import bert_config, random_hf_model
+
+    eager = random_hf_model(bert_config()).encoder.eval()  # the HF BertModel itself
+    plain = unpad_model(copy.deepcopy(eager), torch.bfloat16)
+    fast = unpad_model(copy.deepcopy(eager), torch.bfloat16)
+    assert isinstance(fast, UnpaddedEncoder)
+    assert prepack_bf16_(fast) == 4 * len(fast.layers)
+    g = torch.Generator().manual_seed(1)
+    b, t = shape
+    ids = torch.randint(1, 1000, (b, t), generator=g)
+    lens = torch.tensor([1] + [t] * (b - 2) + [t // 2])  # one-token, full and half sentences
+    mask = (torch.arange(t)[None] < lens[:, None]).long()
+    with torch.inference_mode():
+        ref = eager(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = fast(input_ids=ids, attention_mask=mask).last_hidden_state
+        base = plain(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    assert out.dtype == torch.float32
+    assert torch.equal(out[~real], torch.zeros_like(out[~real]))  # zeros at masked positions, as documented
+    cos = F.cosine_similarity(out[real].double(), ref[real].double(), dim=1)
+    assert float(cos.min()) > 0.999  # the bf16 gate
+    torch.testing.assert_close(out, base, rtol=5e-2, atol=5e-2)  # same math as the unpacked bf16 Linears
