@@ -116,7 +116,8 @@ def _activation_bytes(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: 
     q/k/v and their RoPE'd copies, the attention output, 4 MLP-hidden vectors) plus the two
     (T, T) score/probability rows per head; dots_saveable keeps only matmul outputs (q, k, v, the
     attention output and score matmuls, w1/w3 outputs, the block outputs); nothing_saveable keeps
-    the block input only. The logits and their softmax are live once, outside the layers.
+    the block input only; while the backward pass recomputes a block, that block's dropped
+    intermediates are live. The logits and their softmax are live once, outside the layers.
     """
     m = step.mesh.shape
     b = batch_size // (m.get("data", 1) * m.get("fsdp", 1))  # local sequences
@@ -131,9 +132,12 @@ def _activation_bytes(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: 
         "nothing_saveable": D,
         "full": D,
     }
-    layers = sum(per_token[p] for p in layer_policies(remat, cfg.n_layers))
+    policies = layer_policies(remat, cfg.n_layers)
+    layers = sum(per_token[p] for p in policies)
+    # the backward pass recomputes one rematerialised block at a time: its dropped intermediates are live once
+    recompute = max(per_token["none"] - per_token[p] for p in policies)
     logits = 2 * cfg.padded_vocab // tp  # logits and log-softmax
-    return 4 * b * seq_len * (layers + logits)
+    return 4 * b * seq_len * (layers + recompute + logits)
 
 
 def estimate_memory(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: int,
