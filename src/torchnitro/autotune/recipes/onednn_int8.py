@@ -79,6 +79,7 @@ class Int8LinearBase(nn.Module):
 
     fused_epilogue = True  # forward takes gelu= / add= (see _unpad.PackedLayer)
     inplace = False  # the caller passes a temporary: the smoothing multiply may overwrite it
+    weight = None  # no fp32 weight; HF code that reads .weight for a dtype (T5's wo) then leaves its input as is
 
     def __init__(self, lin: nn.Linear, scale: Tensor | None = None):
         super().__init__()
