@@ -19,13 +19,13 @@ outputs are the tensors' bytes.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from torchnitro.errors import InputError, NitroError, ServeError
+from torchnitro.serve.access import UNAUTHORIZED, Refusal, bearer, find_model, not_accepting, token_ok
 from torchnitro.serve.binary import encode_response, read_request
 from torchnitro.serve.protocol import parse_infer_request
 
@@ -72,7 +72,7 @@ class InferPath:
     def __init__(self, server: "InferenceServer", app: Any):
         self.server, self.app = server, app
         cfg = server.config
-        self._token = f"Bearer {cfg.auth_token}".encode() if cfg.auth_token else None
+        self._token = bearer(cfg.auth_token)
         self._limit = cfg.max_body_bytes
         self._body_timeout = cfg.body_timeout_s
         self._retry = [(b"retry-after", str(cfg.retry_after_s).encode())]
@@ -155,15 +155,13 @@ class InferPath:
     async def _answer(self, name: str, scope: Scope, receive: Receive) -> tuple[int, bytes, list]:
         srv = self.server
         auth, declared, header_length = self._headers(scope)
-        if self._token is not None and not hmac.compare_digest(auth or b"", self._token):
-            return _err("missing or wrong bearer token; send 'Authorization: Bearer <token>'", 401,
-                        [(b"www-authenticate", b"Bearer")])
-        ep = srv.models.get(name)
-        if ep is None:
-            return _err(f"unknown model {name!r}; this server serves {sorted(srv.models)}", 404)
+        if not token_ok(self._token, auth):
+            return _err(UNAUTHORIZED.message, 401, [(b"www-authenticate", b"Bearer")])
+        ep = find_model(srv.models, name)
+        refused = ep if isinstance(ep, Refusal) else not_accepting(srv.draining, ep)
+        if refused is not None:
+            return _err(refused.message, refused.status)
         batcher = ep.batcher
-        if srv.draining or not ep.ready or batcher is None:
-            return _err("the server is draining or not ready; retry on another replica", 503)
         body = await self._read_body(receive, declared)
         if isinstance(body, tuple):
             return body

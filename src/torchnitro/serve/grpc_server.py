@@ -19,7 +19,6 @@ a client that cancels has its request withdrawn. The bearer token, if set, is re
 
 from __future__ import annotations
 
-import hmac
 import math
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -31,6 +30,7 @@ from torch import Tensor
 
 import torchnitro
 from torchnitro.errors import InputError, NitroError, ServeError
+from torchnitro.serve.access import Refusal, bearer, find_model, not_accepting, token_ok
 from torchnitro.serve.protocol import DATATYPES, ModelSignature, array_from_bytes, parse_infer_request
 from torchnitro.serve.proto import grpc_predict_v2_pb2 as pb
 from torchnitro.serve.triton import model_config, model_stats
@@ -142,8 +142,7 @@ class GRPCFrontend:
         self.server = server
         self.port: int | None = None
         self._grpc: Any = None
-        token = server.config.auth_token
-        self._token = f"Bearer {token}".encode() if token else None
+        self._token = bearer(server.config.auth_token)
 
     async def start(self, port: int | None = None, host: str | None = None) -> "GRPCFrontend":
         """Listen on ``host:port`` (default: ``ServeConfig.host`` and ``grpc_port``; 0 = any free port)."""
@@ -200,13 +199,13 @@ class GRPCFrontend:
         if self._token is None:
             return
         got = dict(context.invocation_metadata() or ()).get("authorization", "")
-        if not hmac.compare_digest(got.encode() if isinstance(got, str) else got, self._token):
+        if not token_ok(self._token, got):
             raise _Abort(401, "missing or wrong bearer token; send metadata 'authorization: Bearer <token>'")
 
     def _endpoint(self, name: str) -> "ModelEndpoint":
-        ep = self.server.models.get(name)
-        if ep is None:
-            raise _Abort(404, f"unknown model {name!r}; this server serves {sorted(self.server.models)}")
+        ep = find_model(self.server.models, name)
+        if isinstance(ep, Refusal):
+            raise _Abort(ep.status, ep.message)
         return ep
 
     # ------------------------------------------------------------------ RPCs
@@ -263,9 +262,10 @@ class GRPCFrontend:
 
     async def _infer(self, request: Any, context: Any) -> Any:
         ep = self._endpoint(request.model_name)
+        refused = not_accepting(self.server.draining, ep)
+        if refused is not None:
+            raise _Abort(refused.status, refused.message)
         batcher = ep.batcher
-        if self.server.draining or not ep.ready or batcher is None:
-            raise _Abort(503, "the server is draining or not ready; retry on another replica")
         sig = ep.signature
         wanted = [o.name for o in request.outputs]
         try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import json
 import threading
 import time
@@ -33,6 +32,7 @@ from starlette.routing import Route
 
 import torchnitro
 from torchnitro.errors import ConfigError, DrainingError, ServeError
+from torchnitro.serve.access import UNAUTHORIZED, Refusal, bearer, find_model, token_ok
 from torchnitro.serve.batcher import BatchingConfig, DynamicBatcher, Request
 from torchnitro.serve.connections import default_max_connections, header_timeout_protocol
 from torchnitro.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
@@ -273,14 +273,10 @@ class InferenceServer:
 
     # ------------------------------------------------------------------ routes
     def _auth(self, request: Request) -> Response | None:
-        token = self.config.auth_token
-        if not token or request.url.path.startswith("/v2/health"):
+        if request.url.path.startswith("/v2/health") or token_ok(bearer(self.config.auth_token),
+                                                                 request.headers.get("authorization")):
             return None
-        got = request.headers.get("authorization", "")
-        if hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-            return None
-        return _error("missing or wrong bearer token; send 'Authorization: Bearer <token>'", 401,
-                      {"WWW-Authenticate": "Bearer"})
+        return _error(UNAUTHORIZED.message, 401, {"WWW-Authenticate": "Bearer"})
 
     async def _http_error(self, request: Request, exc: HTTPException) -> Response:
         return _error(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
@@ -297,10 +293,8 @@ class InferenceServer:
         return _json({"ready": ok}, 200 if ok else 503)
 
     def _endpoint(self, request: Request) -> ModelEndpoint | Response:
-        name = request.path_params["name"]
-        if name not in self.models:
-            return _error(f"unknown model {name!r}; this server serves {sorted(self.models)}", 404)
-        return self.models[name]
+        ep = find_model(self.models, request.path_params["name"])
+        return _error(ep.message, ep.status) if isinstance(ep, Refusal) else ep
 
     def _loaded(self, request: Request) -> ModelEndpoint | Response:
         """The request's model once authorised and loaded, else the error answer."""
