@@ -114,7 +114,7 @@ class DynamicBatcher:
     """
 
     def __init__(self, fn: Callable[[list[Any]], Sequence[Any] | Awaitable[Sequence[Any]]],
-                 config: BatchingConfig | None = None, *, observer: Any = None,
+                 config: BatchingConfig | None = None, *, observer: BatchObserver | None = None,
                  clock: Callable[[], float] | None = None, exact_lengths: bool = False):
         self.fn = fn
         self.exact_lengths = exact_lengths  # only equal lengths share a batch (padding would change results)

@@ -21,7 +21,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Sequence
 
 import uvicorn
 from starlette.applications import Starlette
@@ -39,6 +39,9 @@ from torchnitro.serve.metrics import CONTENT_TYPE_LATEST, ServeMetrics
 from torchnitro.serve.fastpath import InferPath
 from torchnitro.serve.protocol import InferItem, priority_level
 from torchnitro.serve.triton import model_config, model_stats
+
+if TYPE_CHECKING:  # pragma: no cover - workers is imported when a pool is made
+    from torchnitro.serve.workers import WorkerPool
 
 __all__ = ["ServeConfig", "ModelEndpoint", "InferenceServer", "make_pool"]
 
@@ -89,7 +92,8 @@ class ServeConfig:
                               "seconds > 0, or None for no watchdog")
 
 
-def make_pool(spec: Any, name: str, config: ServeConfig, on_restart: Any = None) -> Any:
+def make_pool(spec: Any, name: str, config: ServeConfig,
+              on_restart: Callable[[int], None] | None = None) -> WorkerPool:
     """A worker pool for ``spec``: CUDA streams on GPUs; else processes for string specs, in-process
     for objects or workers=0."""
     import torch
@@ -115,7 +119,7 @@ def make_pool(spec: Any, name: str, config: ServeConfig, on_restart: Any = None)
 class ModelEndpoint:
     """One served model: its worker pool and the batcher in front of it."""
 
-    def __init__(self, name: str, pool: Any, batching: BatchingConfig | None = None):
+    def __init__(self, name: str, pool: WorkerPool, batching: BatchingConfig | None = None):
         self.name, self.pool = name, pool
         self.batching = batching or BatchingConfig()
         self.batcher: DynamicBatcher | None = None

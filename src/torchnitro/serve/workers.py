@@ -28,7 +28,7 @@ import itertools
 import multiprocessing as mp
 import os
 import signal
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ from torchnitro.errors import BackendUnavailableError, ConfigError, ServeError, 
 from torchnitro.serve.models import ServedModel, resolve_model
 from torchnitro.serve.protocol import InferItem, ModelSignature, assemble, split_outputs
 
-__all__ = ["InlinePool", "ProcessPool", "DevicePool", "threads_per_worker"]
+__all__ = ["WorkerPool", "InlinePool", "ProcessPool", "DevicePool", "threads_per_worker"]
 
 _ALIGN = 64
 
@@ -79,6 +79,23 @@ async def _run_on_free_slot(free: asyncio.Queue[Any] | None, compute: Callable[[
     finally:
         free.put_nowait(slot)
 
+class WorkerPool(Protocol):
+    """What a ``server.ModelEndpoint`` drives: ``InlinePool``, ``ProcessPool``, ``DevicePool`` (or a test's own)."""
+
+    size: int  # replicas computing at once: the batcher's concurrency
+    signature: ModelSignature | None  # known once started
+    on_restart: Callable[[int], None] | None  # called with a replica's index when it is replaced
+
+    @property
+    def ready(self) -> bool: ...  # at least one replica answers (False while every one is being replaced)
+
+    async def start(self) -> None: ...
+
+    async def run(self, items: list[InferItem]) -> list[list[Tensor]]: ...
+
+    async def close(self) -> None: ...
+
+
 class InlinePool:
     """Replicas in this process, each on its own thread with its own reused input buffers."""
 
@@ -90,6 +107,7 @@ class InlinePool:
         self.size = replicas
         self.restarts = 0
         self.ready = True  # threads in this process: nothing to replace
+        self.on_restart: Callable[[int], None] | None = None  # never called: nothing here is replaced
         self._free: asyncio.Queue[list[Tensor]] | None = None
 
     async def start(self) -> None:
@@ -391,6 +409,7 @@ class DevicePool:
         self.signature = model.signature
         self.restarts = 0
         self.ready = True
+        self.on_restart: Callable[[int], None] | None = None  # never called: nothing here is replaced
         self._replicas: list[tuple[torch.device, torch.cuda.Stream, Callable[..., Any]]] = []
         for d in devs:
             dev = torch.device("cuda", d)
