@@ -5,7 +5,8 @@
   port still held by an old store.
 - a short rendezvous timeout (``rdzv_timeout_s``): a node that never comes is an error in a minute.
   The process-group timeout is the script's: ``ParallelConfig.timeout_s`` in ``init``.
-- ``--max-restarts K``: torchrun restarts every rank of the job up to K times when one fails.
+- ``--max-restarts K``: torchrun restarts every rank of the job up to K times when one fails; each
+  attempt's workers meet at a new store on a new port (``launch_env``), not the agent's shared one.
 - ``python script.py ...`` and ``python -m module ...`` run under the launcher's own interpreter;
   any other command runs as is (torchrun's ``--no-python``).
 
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from torchnitro.errors import InputError
 
-__all__ = ["LaunchConfig", "torchrun_args", "launch", "free_port"]
+__all__ = ["LaunchConfig", "torchrun_args", "launch", "launch_env", "free_port"]
 
 _PYTHONS = ("python", "python3", os.path.basename(sys.executable))
 
@@ -82,4 +83,15 @@ def torchrun_args(cfg: LaunchConfig, command: list[str]) -> list[str]:
 def launch(cfg: LaunchConfig, command: list[str]) -> int:
     """Run ``command`` on ``cfg.nproc`` ranks under torchrun; returns torchrun's exit code."""
     argv = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg, command)]
-    return subprocess.call(argv)
+    return subprocess.call(argv, env=launch_env())
+
+
+def launch_env() -> dict[str, str]:
+    """The environment torchrun runs in: workers get a fresh store on a fresh port for every attempt.
+
+    By default the workers of every restart share the rendezvous store of the agent; after a restart,
+    gloo then intermittently reads peer addresses of the killed attempt and fails with
+    "connectFullMesh ... Connection refused" (or hangs). With the sharing off, rank 0's agent picks a
+    new MASTER_PORT each round and the workers build their own store there.
+    """
+    return {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

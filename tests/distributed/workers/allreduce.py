@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ if __name__ == "__main__":
     rank, attempt = int(os.environ["RANK"]), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if os.environ.get("FAIL_FIRST") and rank == 1 and attempt == 0:
         sys.exit(3)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     (out / f"rank{rank}.txt").write_text(f"{int(t.item())} {os.environ['WORLD_SIZE']} {attempt}")
