@@ -20,7 +20,7 @@ import json
 import math
 import sysconfig
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
