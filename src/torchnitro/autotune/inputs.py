@@ -140,36 +140,56 @@ def model_and_inputs(
     seq: int | None = None,
 ) -> tuple[nn.Module, tuple[Any, ...], ModelInfo]:
     """A model spec (see the module docstring) -> ``(model in eval mode, example inputs, info)``."""
-    from torchnitro.nn.zoo import DEFAULT_BUILTIN, get_builtin
+    from torchnitro.nn.zoo import DEFAULT_BUILTIN
 
     spec = spec or DEFAULT_BUILTIN
     parsed = [parse_input_spec(s) for s in input_specs]
     if spec.startswith("hf:"):
-        path = spec[3:]
-        if not Path(path).exists():
-            raise InputError(f"--model {spec!r}: folder {path!r} does not exist; expected a local Hugging Face folder")
-        try:
-            from torchnitro import hf
-        except ImportError as exc:
-            raise InputError(f"--model {spec!r} needs the hf extra ({exc}); install with: pip install 'torchnitro[hf]'") from exc
-        b, s = batch or 1, seq or 128
-        model, inputs, details = hf.load_hf(path, text, batch=b, seq=s)
-        make = details.pop("make_inputs", None)
-        info = ModelInfo(spec, f"hf:{Path(path).name}", make, {0: [0, 1], 1: [0, 1]}, b, s,
-                         {k: v for k, v in details.items() if isinstance(v, (str, int, float, bool, list, type(None)))})
-        if text is not None:
-            info.extra["text"] = [text] if isinstance(text, str) else list(text)
-        return model.eval(), tuple(inputs), info
+        return _hf_model_and_inputs(spec, text, batch, seq)
     if ":" not in spec:
-        bi = get_builtin(spec)
-        b = batch or bi.default_batch
-        s = seq if seq is not None else bi.default_seq
-        model = bi.build().eval()
-        inputs = tuple(bi.inputs(b, s, 0))
-        if parsed:
-            raise InputError(f"--input was given with built-in model {spec!r}, which makes its own inputs; "
-                             "use --batch/--seq to size them, or drop --input")
-        return model, inputs, ModelInfo(spec, spec, bi.inputs, dict(bi.dynamic_dims), b, s)
+        return _builtin_model_and_inputs(spec, parsed, batch, seq)
+    return _factory_model_and_inputs(spec, parsed, batch, seq)
+
+
+def _hf_model_and_inputs(spec: str, text: Sequence[str] | str | None, batch: int | None,
+                         seq: int | None) -> tuple[nn.Module, tuple[Any, ...], ModelInfo]:
+    """``hf:/path``: a local Hugging Face folder, its tokenizer making the inputs."""
+    path = spec[3:]
+    if not Path(path).exists():
+        raise InputError(f"--model {spec!r}: folder {path!r} does not exist; expected a local Hugging Face folder")
+    try:
+        from torchnitro import hf
+    except ImportError as exc:
+        raise InputError(f"--model {spec!r} needs the hf extra ({exc}); install with: pip install 'torchnitro[hf]'") from exc
+    b, s = batch or 1, seq or 128
+    model, inputs, details = hf.load_hf(path, text, batch=b, seq=s)
+    make = details.pop("make_inputs", None)
+    info = ModelInfo(spec, f"hf:{Path(path).name}", make, {0: [0, 1], 1: [0, 1]}, b, s,
+                     {k: v for k, v in details.items() if isinstance(v, (str, int, float, bool, list, type(None)))})
+    if text is not None:
+        info.extra["text"] = [text] if isinstance(text, str) else list(text)
+    return model.eval(), tuple(inputs), info
+
+
+def _builtin_model_and_inputs(spec: str, parsed: Sequence[InputSpec], batch: int | None,
+                              seq: int | None) -> tuple[nn.Module, tuple[Any, ...], ModelInfo]:
+    """A built-in name: the zoo builds the model and its inputs (``--input`` is refused)."""
+    from torchnitro.nn.zoo import get_builtin
+
+    bi = get_builtin(spec)
+    b = batch or bi.default_batch
+    s = seq if seq is not None else bi.default_seq
+    model = bi.build().eval()
+    inputs = tuple(bi.inputs(b, s, 0))
+    if parsed:
+        raise InputError(f"--input was given with built-in model {spec!r}, which makes its own inputs; "
+                         "use --batch/--seq to size them, or drop --input")
+    return model, inputs, ModelInfo(spec, spec, bi.inputs, dict(bi.dynamic_dims), b, s)
+
+
+def _factory_model_and_inputs(spec: str, parsed: list[InputSpec], batch: int | None,
+                              seq: int | None) -> tuple[nn.Module, tuple[Any, ...], ModelInfo]:
+    """``file.py:function`` or ``module:function``: the factory's model, with its inputs or ``--input``'s."""
     if Path(spec).exists() and not spec.endswith(".py"):
         raise InputError(f"--model {spec!r} looks like a path; expected 'file.py:function', 'module:function', "
                          "'hf:/path' or a built-in name")

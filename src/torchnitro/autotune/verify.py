@@ -277,38 +277,66 @@ def judge(
     """
     if len(outputs) != len(references):
         return GateResult(False, f"ran on {len(outputs)} input set(s), expected {len(references)}")
-    worst = GateResult(passed=True, reason="")
     per_output: dict[str, OutputError] = {}
     metric_vals: list[float] = []
     for i, ((first, second, raw, later), ref) in enumerate(zip(outputs, references)):
         mask = masks[i] if masks is not None and i < len(masks) else None
-        kept = compare_outputs(first, later, mask, False)
-        if isinstance(kept, str) or any(e.max_abs > 0 for e in kept):
-            return GateResult(False, "an earlier output changed when the candidate was called again: it hands out a "
-                              "reused buffer (copy outputs before returning them)")
-        again = compare_outputs(first, second, mask, False)
-        if isinstance(again, str) or any(e.norm_rel > 1e-5 for e in again):
-            return GateResult(False, "two calls on the same input disagree (a reused output buffer?)"
-                              + (f": {again}" if isinstance(again, str) else ""))
+        unstable = _stability_failure(first, second, later, mask)
+        if unstable is not None:
+            return unstable
         errs = compare_outputs(ref, first, mask, classifier)
         if isinstance(errs, str):
             return GateResult(False, errs)
-        for e in errs:
-            w = per_output.get(e.name)
-            if w is None:
-                per_output[e.name] = e
-            else:
-                w.max_abs, w.max_rel = max(w.max_abs, e.max_abs), max(w.max_rel, e.max_rel)
-                w.norm_rel, w.cosine = max(w.norm_rel, e.norm_rel), min(w.cosine, e.cosine)
-                w.rows, w.total_rows = w.rows + e.rows, w.total_rows + e.total_rows
-                if e.top1 is not None:
-                    w.top1 = e.top1 if w.top1 is None else min(w.top1, e.top1)
-                    w.top5 = e.top5 if w.top5 is None else min(w.top5, e.top5 or 1.0)
+        _merge_worst(per_output, errs)
         if metric_fn is not None:
             ref_obj = reference_raw[i] if reference_raw is not None else [t for _, t in ref]
             cand = raw if raw is not None else (rebuild([t for _, t in first]) if rebuild else [t for _, t in first])
             metric_vals.append(float(metric_fn(ref_obj, cand)))
-    outs = list(per_output.values())
+    worst = _summary(list(per_output.values()))
+    if metric_fn is not None:  # the user's metric replaces the class tolerance
+        tolerance = {}
+    reasons = _tolerance_failures(worst, tolerance)
+    if metric_vals:
+        worst.metric = min(metric_vals)
+        if metric_threshold is not None and not worst.metric >= metric_threshold:
+            reasons.append(f"metric {worst.metric:.5f} < {metric_threshold}")
+    if reasons:
+        worst.passed, worst.reason = False, "; ".join(reasons)
+    return worst
+
+
+def _stability_failure(first: list[tuple[str, Tensor]], second: list[tuple[str, Tensor]],
+                       later: list[tuple[str, Tensor]], mask: Tensor | None) -> GateResult | None:
+    """A failed GateResult when an output changed after a later call or two calls disagree, else None."""
+    kept = compare_outputs(first, later, mask, False)
+    if isinstance(kept, str) or any(e.max_abs > 0 for e in kept):
+        return GateResult(False, "an earlier output changed when the candidate was called again: it hands out a "
+                          "reused buffer (copy outputs before returning them)")
+    again = compare_outputs(first, second, mask, False)
+    if isinstance(again, str) or any(e.norm_rel > 1e-5 for e in again):
+        return GateResult(False, "two calls on the same input disagree (a reused output buffer?)"
+                          + (f": {again}" if isinstance(again, str) else ""))
+    return None
+
+
+def _merge_worst(per_output: dict[str, OutputError], errs: Sequence[OutputError]) -> None:
+    """Fold one input set's errors into ``per_output``: the worst of each number, the rows summed."""
+    for e in errs:
+        w = per_output.get(e.name)
+        if w is None:
+            per_output[e.name] = e
+            continue
+        w.max_abs, w.max_rel = max(w.max_abs, e.max_abs), max(w.max_rel, e.max_rel)
+        w.norm_rel, w.cosine = max(w.norm_rel, e.norm_rel), min(w.cosine, e.cosine)
+        w.rows, w.total_rows = w.rows + e.rows, w.total_rows + e.total_rows
+        if e.top1 is not None:
+            w.top1 = e.top1 if w.top1 is None else min(w.top1, e.top1)
+            w.top5 = e.top5 if w.top5 is None else min(w.top5, e.top5 or 1.0)
+
+
+def _summary(outs: list[OutputError]) -> GateResult:
+    """A passing GateResult holding the worst numbers over all outputs and the gate's notes."""
+    worst = GateResult(passed=True, reason="")
     worst.per_output = outs
     worst.max_abs = max((e.max_abs for e in outs), default=0.0)
     worst.max_rel = max((e.max_rel for e in outs), default=0.0)
@@ -318,26 +346,23 @@ def judge(
     worst.top1 = min((e.top1 for e in logits), default=None)
     worst.top5 = min((e.top5 for e in logits if e.top5 is not None), default=None)
     worst.compared, worst.note = _gate_notes(outs)
+    return worst
+
+
+def _tolerance_failures(worst: GateResult, tolerance: Mapping[str, float]) -> list[str]:
+    """Why ``worst`` misses the class tolerance (rel, abs, cosine, classifier top-1), one reason each."""
     reasons = []
-    if metric_fn is not None:  # the user's metric replaces the class tolerance
-        tolerance = {}
     if "rel" in tolerance and not worst.norm_rel <= tolerance["rel"]:
         reasons.append(f"relative error {worst.norm_rel:.2e} > {tolerance['rel']:.0e}")
     if "abs" in tolerance and not worst.max_abs <= tolerance["abs"]:
         reasons.append(f"max abs error {worst.max_abs:.2e} > {tolerance['abs']:.0e}")
     if "cosine" in tolerance and not worst.min_cosine >= tolerance["cosine"]:
         reasons.append(f"cosine {worst.min_cosine:.5f} < {tolerance['cosine']}")
-    for e in logits:
-        if "top1" in tolerance and e.gated_top1 and not e.top1 >= tolerance["top1"]:
+    for e in worst.per_output:
+        if e.top1 is not None and "top1" in tolerance and e.gated_top1 and not e.top1 >= tolerance["top1"]:
             reasons.append(f"top-1 class changed on {1 - e.top1:.1%} of the {e.rows} rows of {e.name!r} "
                            f"(agreement {e.top1:.4f} < {tolerance['top1']}; cosine {e.cosine:.5f})")
-    if metric_vals:
-        worst.metric = min(metric_vals)
-        if metric_threshold is not None and not worst.metric >= metric_threshold:
-            reasons.append(f"metric {worst.metric:.5f} < {metric_threshold}")
-    if reasons:
-        worst.passed, worst.reason = False, "; ".join(reasons)
-    return worst
+    return reasons
 
 
 def _gate_notes(outs: Sequence[OutputError]) -> tuple[str, str]:
