@@ -407,12 +407,12 @@ def _finalists(s: _Search, report: Report) -> Recipe:
     from torchnitro.autotune.recipe import get_recipe
 
     cfg = s.cfg
-    eager = get_recipe("eager")
-    eager_res = report.get("eager")
+    eager = get_recipe(EAGER)
+    eager_res = report.get(EAGER)
     if eager_res.status != Status.VERIFIED:
         raise InputError(f"the eager model failed on its own inputs: {eager_res.reason}; expected a model that runs "
                          "deterministically in eval mode on the example inputs")
-    verified = [c for c in report.candidates if c.status == Status.VERIFIED and c.recipe != "eager"]
+    verified = [c for c in report.candidates if c.status == Status.VERIFIED and c.recipe != EAGER]
     key = (lambda c: c.p99_ms) if cfg.percentile == "p99" else (lambda c: c.p50_ms)
     verified.sort(key=key)
     for c in verified:  # search-time estimate; finalists get the interleaved number below
@@ -433,7 +433,7 @@ def _finalists(s: _Search, report: Report) -> Recipe:
         eager_fn = lambda: [efn(*x) for x in sets]  # noqa: E731
         if len(fns) > cfg.finalists:
             fns = _screen(s, report, eager_fn, fns, cfg.finalists)
-        res = _checked_comparison(s, report, {"eager": eager_fn, **fns}, alone_ms, alone_cv)
+        res = _checked_comparison(s, report, {EAGER: eager_fn, **fns}, alone_ms, alone_cv)
     finally:
         for timer in timers.values():
             timer.close()
@@ -463,10 +463,10 @@ def pick_winner(res: dict[str, Timing], report: Report, cfg: OptimizeConfig) -> 
         c = report.get(name)
         c.p50_ms, c.p99_ms, c.cv, c.throughput = t.median * 1e3, t.p99 * 1e3, t.cv, t.throughput
         c.interleaved = True
-        if name == "eager":
+        if name == EAGER:
             c.speedup = 1.0
             continue
-        est = paired_ratio(res["eager"], t, q)
+        est = paired_ratio(res[EAGER], t, q)
         c.speedup, c.noise = est.ratio, est.noise
         clears = c.speedup >= cfg.min_speedup and (cfg.min_speedup < 1 or est.beats_noise)
         if clears and c.speedup > best_speed:
