@@ -12,12 +12,7 @@ Saved for backward, per layer (each line is what autograd holds, read from the o
   CUDA the fused kernel keeps only its input and rstd, plus the output the next matmul saves:
   ``2eBTD + 4BT``; a third norm after the last block;
 - attention, by the SDPA backend that runs (``attention=``; "auto" asks PyTorch what it would
-  pick for this device, dtype, head dim and GQA): q and k after RoPE and v, ``c(BTD + 2BT*Hkv*Dh)``,
-  plus the kernel's output and fp32 log-sum-exp ``4BHT``; the output is ``cBTD``, and the input of
-  ``wo`` is a second ``cBTD`` copy when the kernel returns (B, H, T, Dh) memory (CPU flash, cuDNN),
-  a free view when it returns (B, T, H, Dh) memory (CUDA flash, memory-efficient; the latter pads
-  the log-sum-exp to 32 rows). The math backend instead keeps scaled q, k^T and v expanded to H
-  heads, the softmax ``BHT^2`` and the output copy (fp32 on CPU; c-byte on CUDA);
+  pick for this device, dtype, head dim and GQA): see ``memory/attention.py``;
 - SwiGLU: w1 and w3 outputs, silu(w1) and their product: ``4c*BTF``;
 - loss: the fp32 log-softmax of the logits ``4BTV``.
 
@@ -44,17 +39,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchnitro.errors import InputError
+from torchnitro.memory.attention import ATTENTION_KINDS, attention_bytes, sdpa_backend, selective_attention_bytes
 
 __all__ = ["Budget", "checkpoint_indices", "MemoryPlan", "PlanTerm", "plan", "parse_dtype", "DTYPE_BYTES",
-           "CHECKPOINT_POLICIES", "ATTENTION_KINDS", "sdpa_backend", "attention_bytes", "StepShape", "step_shape",
+           "CHECKPOINT_POLICIES", "StepShape", "step_shape",
            "parameter_terms", "gradient_term", "optimizer_state_term", "layer_terms", "selective_layer_bytes",
            "head_bytes", "Checkpointed", "checkpointed_activations", "optimizer_temporaries_term"]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 _OPTIMIZER_STATE = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "none": 0}
 CHECKPOINT_POLICIES = ("none", "blocks", "every_n", "selective", "budget")
-ATTENTION_KINDS = ("auto", "flash", "efficient", "cudnn", "math")
-_SDP_CHOICE = {0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}  # torch.nn.attention.SDPBackend values
 
 
 @dataclass(frozen=True)
@@ -187,54 +181,6 @@ def _device(device: Any) -> str:
     return kind
 
 
-def sdpa_backend(device: str, dtype_bytes: int, *, n_heads: int, kv_heads: int, head_dim: int, seq: int) -> str:
-    """The SDPA backend ``TransformerLM``'s causal attention would run: flash/efficient/cudnn/math.
-
-    Asks PyTorch (``torch._fused_sdp_choice`` on small empty tensors, honouring ``sdpa_kernel``
-    contexts and the ``torch.backends.cuda.*_sdp_enabled()`` switches) when the device is present.
-    Planning for CUDA on a machine without one uses the order seen with torch 2.11 on Hopper:
-    16-bit: cuDNN (Dh <= 128, Dh % 8 == 0), else flash (Dh <= 256); fp32 or what is left:
-    memory-efficient for plain multi-head attention, math for GQA.
-    """
-    import torch
-
-    gqa = n_heads != kv_heads
-    dt = {4: torch.float32, 2: torch.bfloat16}[dtype_bytes]
-    if device == "cpu" or torch.cuda.is_available():
-        try:
-            # requires_grad: a training step is planned, and some kernels are chosen only without grad
-            q = torch.empty(1, n_heads, seq, head_dim, dtype=dt, device=device, requires_grad=True)
-            k = torch.empty(1, kv_heads, seq, head_dim, dtype=dt, device=device, requires_grad=True)
-            choice = torch._fused_sdp_choice(q, k, k, None, 0.0, True, scale=None, enable_gqa=gqa)
-            return _SDP_CHOICE.get(int(choice), "math")
-        except (RuntimeError, TypeError, AttributeError):  # private API moved: use the rules below
-            pass
-    if device == "cpu":
-        return "flash" if torch.backends.cpu.flash_sdp_enabled() else "math"
-    b = torch.backends.cuda
-    if dtype_bytes == 2 and head_dim % 8 == 0:
-        if b.cudnn_sdp_enabled() and head_dim <= 128:
-            return "cudnn"
-        if b.flash_sdp_enabled() and head_dim <= 256:
-            return "flash"
-    if b.mem_efficient_sdp_enabled() and not gqa and head_dim % (4 if dtype_bytes == 4 else 8) == 0:
-        return "efficient"
-    return "math"
-
-
-def attention_bytes(kind: str, device: str, *, B: int, T: int, H: int, Hkv: int, Dh: int, c: int) -> tuple[int, str]:
-    """Bytes one attention layer saves for backward with SDPA backend ``kind``, and the formula."""
-    q, kv = B * T * H * Dh, B * T * Hkv * Dh  # q-sized (= BTD) and k/v-sized element counts
-    if kind == "math":
-        if device == "cpu":  # fp32 scaled q, k^T and v expanded to H heads, fp32 softmax, output copy
-            return 4 * 3 * q + 4 * B * H * T * T + c * q, "12BTD + 4BHT^2 + cBTD (CPU math)"
-        return c * (4 * q + B * H * T * T), "c(4BTD + BHT^2) (CUDA math: scaled q, k^T, v, softmax, copy)"
-    lse_rows = 32 * math.ceil(T / 32) if kind == "efficient" else T
-    copy = kind == "cudnn" or device == "cpu"  # output in (B, H, T, Dh) memory: wo's input is a copy
-    b = c * ((3 if copy else 2) * q + 2 * kv) + 4 * B * H * lse_rows
-    return b, f"c({'3' if copy else '2'}BTD + 2BT*Hkv*Dh) + 4BH*{'ceil32(T)' if kind == 'efficient' else 'T'} ({kind})"
-
-
 @dataclass(frozen=True)
 class StepShape:
     """One training step's sizes and byte widths: what every estimator below reads.
@@ -347,11 +293,7 @@ def selective_layer_bytes(s: StepShape) -> int:
     """A block under selective checkpointing: its input, the q/k/v and w1/w3 matmul outputs and the
     attention kernel's outputs (``checkpoint_``'s default policy recomputes wo and w2)."""
     BT, c = s.BT, s.c
-    if s.attention == "math":  # the two bmm outputs: scores (B, H, T, T) and (B, H, T, Dh); fp32 on CPU
-        sel_attn = (4 if s.device == "cpu" else c) * (s.B * s.H * s.T * s.T + BT * s.D)
-    else:
-        lse_rows = 32 * math.ceil(s.T / 32) if s.attention == "efficient" else s.T
-        sel_attn = c * BT * s.D + 4 * s.B * s.H * lse_rows
+    sel_attn = selective_attention_bytes(s.attention, s.device, B=s.B, T=s.T, H=s.H, D=s.D, c=c)
     return s.e * BT * s.D + c * (BT * s.D + 2 * BT * s.Hkv * s.Dh + 2 * BT * s.F) + sel_attn
 
 
