@@ -18,6 +18,7 @@ from torchnitro.errors import ConfigError  # noqa: E402
 from torchnitro.nn.zoo import get_builtin  # noqa: E402
 from torchnitro.serve.batcher import BatchingConfig  # noqa: E402
 from torchnitro.serve.ray_app import ray_app, should_retry  # noqa: E402
+from torchnitro.serve.server import ServeConfig  # noqa: E402
 
 N, CONCURRENCY = 160, 8
 
@@ -33,7 +34,10 @@ def cluster():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = ray_app("mlp", replicas=2, num_cpus=0.5, batching=BatchingConfig(max_batch_size=8, max_wait_ms=2))
+    # body_timeout_s=5: a request Ray's router re-sends after the kill may find its body gone with the
+    # dead replica; the replica then answers 503 (resent below) after 5 s instead of the default 30
+    app = ray_app("mlp", replicas=2, num_cpus=0.5, batching=BatchingConfig(max_batch_size=8, max_wait_ms=2),
+                  serve_config=ServeConfig(threads=1, body_timeout_s=5))
     serve.run(app, route_prefix="/")
     try:
         yield f"http://127.0.0.1:{port}"

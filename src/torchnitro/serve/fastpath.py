@@ -5,7 +5,16 @@
 parse into numpy-backed tensors, one enqueue into the batcher, one wait and one JSON write (orjson
 writes numpy arrays directly). Status codes and messages are the same as the Starlette routes':
 400 bad input, 401 token, 404 unknown model, 408 body too slow, 413 body too large, 429 queue full
-(``Retry-After``), 499 client gone, 500 model failure, 503 draining, 504 deadline.
+(``Retry-After``), 499 client gone, 500 model failure, 503 draining (or, behind Ray's proxy, a body
+that never came), 504 deadline.
+
+The body is read under one ``body_timeout_s`` timer. Where torchnitro owns the connection (uvicorn,
+``torchnitro serve``) a body that misses it is a slow client's: 408. Behind Ray's proxy
+(``behind_proxy``, the Ray replicas of ``serve.ray_app``) the body comes through Ray's receive
+channel, and one that never comes is most likely a request Ray's router re-sent to this replica
+after the replica it first went to died having already taken the body from the proxy's one queue
+per request: nothing will ever arrive, so the answer is 503 with ``Retry-After``, which
+``ray_app.should_retry`` tells the client to resend (a fresh request, with its body).
 
 A client that disconnects while its request waits has the request withdrawn from the batcher (it
 is never computed if still queued): a small watcher awaits the ASGI ``http.disconnect`` message.
@@ -69,8 +78,9 @@ async def _watch_disconnect(receive: Receive, cancel: Callable[[], None]) -> Non
 class InferPath:
     """ASGI app: answers ``POST /v2/models/{name}/infer`` itself, passes everything else to ``app``."""
 
-    def __init__(self, server: "InferenceServer", app: Any):
+    def __init__(self, server: "InferenceServer", app: Any, *, behind_proxy: bool = False):
         self.server, self.app = server, app
+        self.behind_proxy = behind_proxy  # the body comes through a proxy's channel, not a client's socket
         cfg = server.config
         self._token = bearer(cfg.auth_token)
         self._limit = cfg.max_body_bytes
@@ -134,6 +144,11 @@ class InferPath:
         try:  # one timer for the whole body: a client trickling bytes cannot hold the connection
             return await _within(self._body_timeout, self._read_chunks(receive, limit))
         except asyncio.TimeoutError:
+            if self.behind_proxy:
+                return _err(f"the request body did not reach this replica within {self._body_timeout:g} s "
+                            "(ServeConfig.body_timeout_s): behind Ray's proxy this is a request re-routed "
+                            "after the replica it first went to died with its body; resend it", 503,
+                            self._retry)
             return _err(f"the request body did not arrive within {self._body_timeout:g} s; send it at once "
                         "(the limit is ServeConfig.body_timeout_s)", 408)
 

@@ -15,8 +15,12 @@ Ray routes at most ``max_ongoing_requests`` requests to one replica at a time (d
 ``target_ongoing_requests`` ...) Ray sizes the deployment instead of ``replicas``.
 
 A replica that dies (process killed, node lost) fails the requests it held: Ray's proxy answers
-them with a plain-text 500, and Ray replaces the replica. Those requests are safe to resend
-(inference has no side effects): ``should_retry(status, body)`` says which answers to resend.
+them with a plain-text 500, and Ray replaces the replica. Ray's router may also re-send a request
+whose replica died before Ray saw it accepted to another replica, but the dead replica may already
+have taken the body from the proxy: the new replica then waits ``ServeConfig.body_timeout_s`` for a
+body that never comes and answers 503 (a slow-client 408 only where torchnitro owns the socket).
+Those requests are safe to resend (inference has no side effects): ``should_retry(status, body)``
+says which answers to resend.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ __all__ = ["ray_app", "run_ray", "NitroReplica", "should_retry"]
 def should_retry(status: int, body: bytes) -> bool:
     """Whether a client should resend a request that got ``status``/``body`` from the deployment.
 
-    502/503 (Ray's proxy without a replica, or a replica draining) and a 500 that is not this
+    502/503 (Ray's proxy without a replica, a replica draining, or one whose request body never came
+    through Ray's proxy, see the module doc) and a 500 that is not this
     server's JSON error: Ray's proxy answers a request whose replica died with a plain-text
     ``Internal Server Error``, while a model failure is ``{"error": ...}`` and would fail again.
     """
@@ -58,7 +63,10 @@ class NitroReplica:
             torch.set_num_threads(serve_config.threads)
         # the replica is the process: the model runs in it (workers=0), on the batcher's one thread
         cfg = dataclasses.replace(serve_config, workers=0, grpc_port=None)
-        self.server = InferenceServer([ModelEndpoint(name, make_pool(model, name, cfg), batching)], cfg)
+        # behind_proxy: the body comes through Ray's receive channel; one that never arrives (Ray re-sent
+        # the request here after its first replica died holding the body) is answered 503, to resend
+        self.server = InferenceServer([ModelEndpoint(name, make_pool(model, name, cfg), batching)], cfg,
+                                      behind_proxy=True)
         self.replica_id = f"{os.uname().nodename}:{os.getpid()}"
         self._life: Any = None
         self._lock = asyncio.Lock()

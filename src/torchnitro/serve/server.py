@@ -179,7 +179,10 @@ class _Uvicorn(uvicorn.Server):
 
 
 class InferenceServer:
-    def __init__(self, endpoints: Sequence[ModelEndpoint], config: ServeConfig | None = None):
+    def __init__(self, endpoints: Sequence[ModelEndpoint], config: ServeConfig | None = None, *,
+                 behind_proxy: bool = False):
+        """``behind_proxy``: requests come through another server's proxy (a Ray replica), not a
+        socket of ours, so a body that never arrives is answered 503 (resend), not 408 (fastpath)."""
         self.config = config or ServeConfig()
         self.models = {e.name: e for e in endpoints}
         self.metrics = ServeMetrics()
@@ -196,7 +199,8 @@ class InferenceServer:
             Route("/v2/models/{name}/config", self.model_config), Route("/v2/models/{name}/stats", self.stats),
             Route("/v2/models/{name}/infer", self.infer, methods=["POST"]), Route("/metrics", self.prom),
         ], lifespan=self._lifespan, exception_handlers={HTTPException: self._http_error})
-        self.app = InferPath(self, self.starlette)  # POST .../infer skips Starlette: the hot path
+        # POST .../infer skips Starlette: the hot path
+        self.app = InferPath(self, self.starlette, behind_proxy=behind_proxy)
 
     # ------------------------------------------------------------------ lifecycle
     @contextlib.asynccontextmanager
