@@ -200,3 +200,50 @@ def test_clean_line_and_stderr_helpers():
     assert clean_line("x" * 500).endswith("...") and len(clean_line("x" * 500)) == 300
     f = Failure.from_dict(Failure("KeyError", "'a'", ["d/f.py:3 in g"]).to_dict())
     assert f.reason == "KeyError: 'a'" and f.notes == "at d/f.py:3 in g"
+
+
+class _Pair(dict):
+    """An output class the child process has never heard of (as an HF ModelOutput is to a child that has
+    not imported transformers): registered as a pytree node here only."""
+
+
+torch.utils._pytree.register_pytree_node(
+    _Pair, lambda d: (list(d.values()), list(d.keys())), lambda values, keys: _Pair(zip(keys, values)))
+
+
+class _PairModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return _Pair(hidden=h, pooled=h.mean(dim=1))
+
+
+def test_exported_program_with_a_custom_output_class_loads_in_a_fresh_process(tmp_path):
+    """The saved program returns flat tensors; the child rebuilds eager's structure by name. Before, the
+    program named the output class and a child without it registered could not deserialize it."""
+    from torchnitro.autotune.program import prepare_program
+
+    torch.manual_seed(0)
+    model, x = _PairModel().eval(), torch.randn(3, 6)
+    program = prepare_program("exported", model, (x,), {0: [0]}, tmp_path)
+    torch.save({"x": x}, tmp_path / "x.pt")
+    code = ("import sys, torch\n"
+            "from torchnitro.autotune.recipe import Program\n"
+            "from torchnitro.autotune.program import load_program\n"
+            "p = Program(sys.argv[1], __import__('pathlib').Path(sys.argv[2]), __import__('json').loads(sys.argv[3]))\n"
+            "out = load_program(p)(torch.load(sys.argv[4])['x'])\n"
+            "torch.save({k: out[k] for k in ('hidden', 'pooled')}, sys.argv[5])\n")
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", code, program.kind, str(program.path), json.dumps(program.meta),
+                           str(tmp_path / "x.pt"), str(tmp_path / "out.pt")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():
+        want = model(x)
+    torch.testing.assert_close(got["hidden"], want["hidden"])
+    torch.testing.assert_close(got["pooled"], want["pooled"])

@@ -26,6 +26,8 @@ from torch import nn
 from torchnitro.autotune.failure import Failure, clean_line
 from torchnitro.autotune.limits import CandidateTimeout, time_limit
 from torchnitro.autotune.recipe import Program, Recipe
+from torchnitro.autotune.recipes._util import output_kind, restructure
+from torchnitro.autotune.verify import flatten_outputs
 from torchnitro.errors import RecipeError
 
 __all__ = ["ISOLATED_INPUTS", "prepare_program", "load_program", "isolation", "Programs"]
@@ -37,16 +39,46 @@ def _first_line(exc: BaseException) -> str:
     return clean_line(f"{type(exc).__name__}: {exc}", limit=100)  # two of them fit one reason
 
 
+class _FlatOutputs(nn.Module):
+    """The model with its outputs as a flat tuple of tensors. A saved program then names no output class
+    (an HF ``ModelOutput`` is a registered pytree type: loading a program that returns one fails in a child
+    that has not imported its library); ``load_program`` rebuilds the structure from ``output_kind``."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(t for _, t in flatten_outputs(self.model(*inputs)))
+
+
+class _Restructured(nn.Module):
+    """A loaded flat program returning eager's output structure (dicts by name, as ONNX runners do)."""
+
+    def __init__(self, module: nn.Module, kind: dict[str, Any]):
+        super().__init__()
+        self.module, self.kind = module, kind
+
+    def forward(self, *inputs: Any) -> Any:
+        out = self.module(*inputs)
+        return restructure(self.kind, list(out) if isinstance(out, (tuple, list)) else [out])
+
+
 def _export(model: nn.Module, inputs: tuple[Any, ...], dynamic_dims: dict[int, list[int]], directory: Path) -> Program:
     from torch.export import Dim
 
     shapes = tuple({d: Dim.AUTO for d in dynamic_dims.get(i, [])} if isinstance(x, torch.Tensor) else None
                    for i, x in enumerate(inputs))
     try:
-        ep = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+        out = model(*inputs)
         path = directory / "model.pt2"
+        if isinstance(out, torch.Tensor):  # nothing to flatten: the program keeps the model's own names
+            torch.export.save(torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False), str(path))
+            return Program("exported", path)
+        # forward(*inputs): the shapes of the packed positional inputs are one nested tuple
+        ep = torch.export.export(_FlatOutputs(model), inputs, dynamic_shapes=(shapes,), strict=False)
         torch.export.save(ep, str(path))
-        return Program("exported", path)
+        return Program("exported", path, {"output_kind": output_kind(out)})
     except Exception as exc:  # noqa: BLE001 - TorchScript next
         export_error = _first_line(exc)
     try:
@@ -81,7 +113,9 @@ def prepare_program(kind: str, model: nn.Module, inputs: tuple[Any, ...], dynami
 def load_program(program: Program) -> nn.Module | None:
     """The module a child's ``ctx.model`` is: the exported or traced program; None for ONNX."""
     if program.kind == "exported":
-        return torch.export.load(str(program.path)).module()
+        module = torch.export.load(str(program.path)).module()
+        kind = program.meta.get("output_kind")
+        return _Restructured(module, kind) if kind is not None else module
     if program.kind == "torchscript":
         return torch.jit.load(str(program.path)).eval()
     return None
