@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import IO, Any, Callable, Iterator, Sequence, cast
 
 import torch
 
@@ -90,6 +90,7 @@ class ChildTimer:
         self.proc = subprocess.Popen([sys.executable, "-m", "torchnitro.bench.isolated", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env,
                                      bufsize=0)  # unbuffered: select() sees every line
+        self._stdin, self._stdout = cast(IO[bytes], self.proc.stdin), cast(IO[bytes], self.proc.stdout)  # both PIPE
         self._ready = False
 
     def wait_ready(self) -> None:
@@ -108,19 +109,17 @@ class ChildTimer:
         return float(self._expect(line, "sample"))
 
     def _send(self, text: str) -> None:
-        assert self.proc.stdin is not None
         try:
-            self.proc.stdin.write((text + "\n").encode())
-            self.proc.stdin.flush()
+            self._stdin.write((text + "\n").encode())
+            self._stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             self._fail(f"the timing process exited: {self._tail()}", exc)
 
     def _read(self, timeout_s: float) -> str:
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        ready, _, _ = select.select([self._stdout], [], [], timeout_s)
         if not ready:
             self._fail(f"the timing process did not answer within {timeout_s:.0f} s (killed)")
-        return self.proc.stdout.readline().decode().strip()
+        return self._stdout.readline().decode().strip()
 
     def _expect(self, line: str, what: str) -> str:
         tag, _, rest = line.partition(" ")

@@ -218,11 +218,15 @@ def main(argv: list[str] | None = None) -> None:
     cfg = from_dict(TrainConfig, json.loads(a.train), where="train")
     pcfg = from_dict(ParallelConfig, json.loads(a.parallel), where="parallel")
 
+    from rich.console import Console
+
+    console = Console()  # the launched command's own output, rank 0 only
+
     def show(r: dict[str, Any]) -> None:
         if dist.get_rank() == 0:
             mfu = f"{r['mfu']:.1%}" if r["mfu"] is not None else "n/a"
-            print(f"step {r['step']:>6}  loss {r['loss']:.4f}  {r['tokens_per_s']:.0f} tok/s  mfu {mfu}  "
-                  f"mem/rank {r['peak_mem_bytes_rank'] / 2**20:.0f} MiB", flush=True)
+            console.print(f"step {r['step']:>6}  loss {r['loss']:.4f}  {r['tokens_per_s']:.0f} tok/s  mfu {mfu}  "
+                          f"mem/rank {r['peak_mem_bytes_rank'] / 2**20:.0f} MiB", highlight=False)
     try:
         train(cfg, pcfg, on_log=show)
     finally:

@@ -40,5 +40,5 @@ def generate() -> Path:
     return out
 
 
-if __name__ == "__main__":
-    print(generate())
+if __name__ == "__main__":  # the command line: say where the module was written
+    sys.stdout.write(f"{generate()}\n")
