@@ -2,11 +2,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo.testing
 from torch import nn
 
 from torchnitro.errors import BackendUnavailableError, InputError
 from torchnitro.nn.models import TransformerConfig, TransformerLM
 from torchnitro.precision import Float8Config, Float8Linear, scaled_mm_available, sqnr, to_float8_
+from torchnitro.precision.fp8 import E4M3, E5M2
 
 
 def _e4m3(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -118,3 +120,32 @@ def test_fused_dynamic_cast_path_matches_the_torch_path(monkeypatch):
         results.append((y.detach(), xi.grad, layer.weight.grad, layer.bias.grad, layer.scale_x.scale.clone()))
     for a, b in zip(*results):  # same fp8 operands; fp32 matmul summation order may differ by an ulp
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_dynamic_cast_matches_the_scaled_cast(dtype):
+    from torchnitro.precision.float8_linear import _dynamic_cast
+    from torchnitro.precision.fp8 import amax_to_scale, cast_to_fp8
+
+    for x in (torch.randn(5, 123) * 7, torch.zeros(4, 16)):
+        q, scale, inv = _dynamic_cast(x, dtype, margin=1)
+        ref_scale = amax_to_scale(x.abs().amax(), dtype, 1)
+        assert torch.equal(scale, ref_scale) and torch.equal(inv, ref_scale.reciprocal())
+        assert torch.equal(q.float(), cast_to_fp8(x, ref_scale, dtype).float())
+
+
+def test_dynamic_path_compiles_without_graph_breaks():
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 32))
+    to_float8_(model, skip=())
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    model(x).sum().backward()
+    ref = (x.grad.clone(), model[0].weight.grad.clone())
+    x.grad = None
+    model.zero_grad()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda t: model(t).sum(), backend=counter, fullgraph=True)  # a break raises here
+    compiled(x).backward()
+    assert counter.frame_count == 1
+    torch.testing.assert_close(x.grad, ref[0])
+    torch.testing.assert_close(model[0].weight.grad, ref[1])

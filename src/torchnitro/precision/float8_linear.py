@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torchnitro.errors import BackendUnavailableError, InputError
 from torchnitro.kernels.dispatch import use_triton
 from torchnitro.kernels.fp8 import _fp8_native, fp8_recipe_cast
-from torchnitro.precision.fp8 import E4M3, E5M2, Float8Config, ScaleState, cast_to_fp8
+from torchnitro.precision.fp8 import E4M3, E5M2, Float8Config, ScaleState, cast_to_fp8, fp8_max
 
 __all__ = ["Float8Linear", "to_float8_", "fp8_matmul_supported", "scaled_mm_available"]
 
@@ -46,6 +46,13 @@ def scaled_mm_available(device: torch.device | str | None = None) -> bool:
     return torch.cuda.get_device_capability(dev) >= (8, 9)
 
 
+@torch.compiler.assume_constant_result
+def _scaled_mm_ok(device: torch.device) -> bool:
+    """``scaled_mm_available`` as a constant for Dynamo: the device query is not traced (a fixed fact
+    of the machine), so choosing the backend inside a compiled region costs no guard or graph break."""
+    return scaled_mm_available(device)
+
+
 def fp8_matmul_supported(m: int, k: int, n: int) -> bool:
     """``_scaled_mm`` shape rule: every dimension a multiple of 16."""
     return m % 16 == 0 and k % 16 == 0 and n % 16 == 0
@@ -55,17 +62,41 @@ def _col_major(t: Tensor) -> Tensor:
     return t.t().contiguous().t()
 
 
+def _dynamic_cast(x: Tensor, dtype: torch.dtype, margin: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``(q, scale, inv_scale)`` from ``x``'s own amax, in plain torch ops only.
+
+    This is the path taken under ``torch.compile``: amax, scale, clamp and the fp8 conversion are
+    ordinary aten ops, so Inductor fuses them into one reduction and one pointwise kernel around
+    ``torch._scaled_mm``, with no host sync and no graph break (no ``.item()``, no Python branch on
+    a tensor value, no opaque Triton launch). amax == 0 gives scale 1 and a non-finite amax gives
+    scale 1 (the eager path keeps the previous scale instead; the compiled path holds no state).
+    """
+    amax = x.detach().abs().amax().float()
+    ok = (amax > 0) & torch.isfinite(amax)
+    safe = torch.where(ok, amax, torch.ones_like(amax))
+    scale = torch.where(ok, fp8_max(dtype) / safe / (2.0 ** margin), torch.ones_like(amax))
+    scale = scale.clamp(max=torch.finfo(torch.float32).max)  # a subnormal amax must not give an inf scale
+    m = fp8_max(dtype)
+    q = (x.float() * scale).clamp(-m, m).to(dtype)
+    return q, scale, scale.reciprocal()
+
+
 def _quantize(state: ScaleState, x: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
     """``(q, scale, inv_scale)`` of ``x`` under ``state``'s recipe.
 
-    Dynamic scaling where the fused Triton cast runs (CUDA; CPU under ``TRITON_INTERPRET=1``): two
-    passes over ``x`` and no host sync. Otherwise the PyTorch path of ``torchnitro.precision.fp8``.
+    Dynamic scaling under ``torch.compile``: ``_dynamic_cast`` (plain ops Inductor fuses; the
+    state is left as is, since a traced region cannot mutate it). Dynamic scaling in eager where the
+    fused Triton cast runs (CUDA; CPU under ``TRITON_INTERPRET=1``): two passes over ``x`` and no
+    host sync. Otherwise the PyTorch path of ``torchnitro.precision.fp8``, which records the scale.
     """
-    if state.config.scaling == "dynamic" and _fp8_native(x) and use_triton(x, op="fp8_recipe_cast"):
-        state.sync_device(x.device)
-        q, scale, inv, _ = fp8_recipe_cast(x, state.scale, dtype, state.config.margin)
-        state.scale = scale
-        return q, scale, inv
+    if state.config.scaling == "dynamic":
+        if torch.compiler.is_compiling():
+            return _dynamic_cast(x, dtype, state.config.margin)
+        if _fp8_native(x) and use_triton(x, op="fp8_recipe_cast"):
+            state.sync_device(x.device)
+            q, scale, inv, _ = fp8_recipe_cast(x, state.scale, dtype, state.config.margin)
+            state.scale = scale
+            return q, scale, inv
     scale = state.scale_for(x)
     return cast_to_fp8(x, scale, dtype), scale, scale.reciprocal()
 
@@ -84,23 +115,26 @@ def _mm(a_q: Tensor, a: tuple[Tensor, Tensor], b_q: Tensor, b: tuple[Tensor, Ten
 
 
 class _Float8MatmulFn(torch.autograd.Function):
+    """fp8 ``x @ W^T + b``. Non-tensor arguments are plain constants (a bool, the ScaleStates) so
+    that Dynamo traces forward and backward into the graph instead of breaking around them."""
+
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, layer: "Float8Linear") -> Tensor:
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, states: tuple[ScaleState, ...],
+                hw: bool) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
-        xq, sx, ix = _quantize(layer.scale_x, x2, E4M3)
-        wq, sw, iw = _quantize(layer.scale_w, weight, E4M3)  # (N, K)
-        hw = layer._use_hw(x2.shape[0], x2.shape[1], weight.shape[0], x.device)
+        xq, sx, ix = _quantize(states[0], x2, E4M3)
+        wq, sw, iw = _quantize(states[1], weight, E4M3)  # (N, K)
         y = _mm(xq, (sx, ix), wq.t(), (sw, iw), x.dtype, hw, bias)  # (M, N)
         ctx.save_for_backward(xq, wq, sx, ix, sw, iw)
-        ctx.layer, ctx.hw, ctx.x_shape = layer, hw, x.shape
+        ctx.states, ctx.hw, ctx.x_shape = states, hw, x.shape
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None, None, None]:
         xq, wq, sx, ix, sw, iw = ctx.saved_tensors
         g2 = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
-        gq, sg, ig = _quantize(ctx.layer.scale_g, g2, E5M2)
+        gq, sg, ig = _quantize(ctx.states[2], g2, E5M2)
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = _mm(gq, (sg, ig), wq, (sw, iw), ctx.dtypes[0], ctx.hw).reshape(ctx.x_shape)  # (M, N) @ (N, K)
@@ -108,7 +142,7 @@ class _Float8MatmulFn(torch.autograd.Function):
             dw = _mm(gq.t(), (sg, ig), xq, (sx, ix), ctx.dtypes[1], ctx.hw)  # (N, M) @ (M, K)
         if ctx.needs_input_grad[2]:
             db = g2.sum(0, dtype=torch.float32).to(ctx.dtypes[2])  # bias gradient in high precision
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -145,19 +179,21 @@ class Float8Linear(nn.Linear):
         backend = self.config.backend
         if backend == "emulated":
             return False
-        ok = scaled_mm_available(device) and fp8_matmul_supported(m, k, n)
+        ok = _scaled_mm_ok(device) and fp8_matmul_supported(m, k, n)
         if backend == "scaled_mm" and not ok:
             raise BackendUnavailableError(
                 f"Float8Linear: scaled_mm cannot run shape (M={m}, K={k}, N={n}) on {device}; expected a "
                 "CUDA capability >= 8.9 GPU and dimensions that are multiples of 16. Pad, or use backend='auto'.")
-        if not ok and device.type == "cuda" and "shape" not in _warned:
+        if not ok and device.type == "cuda" and "shape" not in _warned and not torch.compiler.is_compiling():
             _warned.add("shape")
             warnings.warn("Float8Linear: falling back to the emulated fp8 path (GPU without fp8 matmul, or a "
                           "dimension not a multiple of 16)", stacklevel=3)
         return ok
 
     def forward(self, x: Tensor) -> Tensor:
-        return _Float8MatmulFn.apply(x, self.weight, self.bias, self)
+        x_rows = x.numel() // x.shape[-1] if x.dim() else 0
+        hw = self._use_hw(x_rows, x.shape[-1], self.weight.shape[0], x.device)
+        return _Float8MatmulFn.apply(x, self.weight, self.bias, (self.scale_x, self.scale_w, self.scale_g), hw)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scaling={self.config.scaling}, backend={self.config.backend}"
