@@ -40,3 +40,35 @@ def test_layer_norm_gpu(dtype):
     x = torch.randn(5, 123, 123, device="cuda", dtype=dtype)
     w, b = (torch.randn(123, device="cuda", dtype=dtype) for _ in range(2))
     check_against_reference(layer_norm, reference.layer_norm, [x, w, b], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_launch_config_is_correct(triton_cpu, dtype):
+    """Each candidate pick_config may choose on the device computes the reference result."""
+    from torchnitro.kernels.layer_norm import (bwd_candidates, fwd_candidates, layer_norm_backward,
+                                               layer_norm_forward)
+
+    N, C = 37, 33  # rows not a multiple of ROWS, and more rows than programs (each loops)
+    x = (torch.randn(N, C) * 2 + 0.5).to(dtype)
+    w, b = (1 + 0.1 * torch.randn(C)).to(dtype), (0.1 * torch.randn(C)).to(dtype)
+    dy = torch.randn(N, C).to(dtype)
+    xr, wr, br = (t.float().requires_grad_() for t in (x, w, b))
+    yr = reference.layer_norm(xr, wr, br)
+    yr.backward(dy.float())
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    for cfg in fwd_candidates(C):
+        y, mean, rstd = layer_norm_forward(x, w, b, 1e-5, config=cfg)
+        torch.testing.assert_close(y.float(), yr.detach(), atol=atol, rtol=atol, msg=lambda m: f"{cfg}: {m}")
+    for cfg in bwd_candidates(C):
+        dx, dw, db = layer_norm_backward(dy, x, w, mean, rstd, b.dtype, config=cfg)
+        assert dw.dtype == w.dtype and db.dtype == b.dtype
+        for got, want in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
+            torch.testing.assert_close(got.float(), want, atol=atol * 4, rtol=atol * 4, msg=lambda m: f"{cfg}: {m}")
+
+
+def test_candidate_lists_start_with_the_default():
+    from torchnitro.kernels.layer_norm import bwd_candidates, fwd_candidates
+
+    for cands in (fwd_candidates(4096), bwd_candidates(4096)):
+        assert cands[0]["ROWS"] == 1 and len(cands) > 3
+        assert len({tuple(sorted(c.items())) for c in cands}) == len(cands)

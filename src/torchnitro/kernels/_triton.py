@@ -5,6 +5,12 @@ one (``TRITON_INTERPRET=1``). Kernels here are plain functions wrapped by :class
 which jits them on first launch for the mode in force *then*, so importing torchnitro before a test
 sets ``TRITON_INTERPRET`` does not freeze the wrong mode. ``@triton.autotune`` is bypassed while
 interpreting (the interpreter cannot time configs): the first config is launched directly.
+
+:func:`pick_config` chooses a kernel's launch config by measurement: a short explicit candidate list
+is timed once per key (kernel, shape bucket, dtype, device) with CUDA events on the first call and
+the winner cached in-process (:func:`tuned_configs` shows what was picked). On CPU, under the
+interpreter, while a CUDA graph is being captured, or with ``TORCHNITRO_KERNEL_TUNE=0`` the first
+candidate (the fixed default) is used and nothing is timed.
 """
 
 from __future__ import annotations
@@ -13,10 +19,11 @@ import contextlib
 import functools
 import os
 import sys
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Hashable, Sequence
 
 __all__ = ["triton_importable", "interpreting", "LazyKernel", "jit", "cdiv", "next_pow2", "num_programs",
-           "row_config"]
+           "row_config", "tuning_enabled", "pick_config", "tuned_configs", "clear_tuned_configs"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -90,6 +97,99 @@ def row_config(n_cols: int, elem_size: int = 4) -> tuple[int, int]:
         )
     warps = 4 if block < 2048 else 8 if block < 8192 else 16 if block < 32768 else 32
     return block, warps
+
+
+def tuning_enabled(device: Any) -> bool:
+    """Whether :func:`pick_config` may time candidates on ``device``: a CUDA device, not interpreting,
+    ``TORCHNITRO_KERNEL_TUNE`` not set to 0, and no CUDA graph capture in progress (it cannot sync)."""
+    if os.environ.get("TORCHNITRO_KERNEL_TUNE", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    if interpreting() or getattr(device, "type", str(device)) != "cuda":
+        return False
+    import torch
+
+    return torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
+
+
+_TUNED: dict[Hashable, dict[str, Any]] = {}  # key -> {"config": winner, "ms": {candidate: ms}}
+_TUNE_LOCK = threading.RLock()
+
+
+def _time_candidates(candidates: Sequence[dict[str, Any]], run: Callable[[dict[str, Any]], Any],
+                     rounds: int = 3, budget_ms: float = 2.0) -> dict[int, float]:
+    """Best-of-``rounds`` mean ms per call of each candidate that runs (index -> ms), timed with CUDA
+    events around a burst of calls sized to ~``budget_ms``; a candidate that raises (fails to compile,
+    out of resources) is left out."""
+    import torch
+
+    ok: dict[int, int] = {}  # index -> calls per burst
+    for i, cfg in enumerate(candidates):
+        try:
+            run(cfg)  # compiles
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run(cfg)
+            end.record()
+            end.synchronize()
+            ok[i] = max(3, min(100, int(budget_ms / max(start.elapsed_time(end), 1e-3))))
+        except Exception:  # a config this device cannot build or launch is simply not a candidate
+            continue
+    best: dict[int, float] = {}
+    for _ in range(rounds):  # rounds interleave candidates, so clock drift hits all alike
+        for i, reps in ok.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                run(candidates[i])
+            end.record()
+            end.synchronize()
+            best[i] = min(best.get(i, float("inf")), start.elapsed_time(end) / reps)
+    return best
+
+
+def pick_config(key: Hashable, candidates: Sequence[dict[str, Any]], run: Callable[[dict[str, Any]], Any],
+                device: Any) -> dict[str, Any]:
+    """The launch config to use for ``key`` (e.g. ``("layer_norm_fwd", C, rows_bucket, dtype, device)``).
+
+    ``candidates`` are keyword dicts for ``run`` (which launches the kernel once with that config on the
+    caller's real tensors; it must only write outputs the caller overwrites afterwards). The first
+    candidate is the default: it is returned without timing when :func:`tuning_enabled` is False, and
+    when every candidate fails. Otherwise all are timed once (:func:`_time_candidates`), the fastest is
+    cached under ``key`` for this process and returned. Every candidate must compute the same result
+    (tests launch each one), so the pick only changes speed.
+    """
+    if not candidates:
+        from torchnitro.errors import InputError
+
+        raise InputError("pick_config: received an empty candidate list; expected at least the default config")
+    hit = _TUNED.get(key)
+    if hit is not None:
+        return hit["config"]
+    if not tuning_enabled(device):
+        return candidates[0]
+    with _TUNE_LOCK:
+        hit = _TUNED.get(key)
+        if hit is not None:
+            return hit["config"]
+        ms = _time_candidates(candidates, run)
+        cfg = candidates[min(ms, key=ms.__getitem__)] if ms else candidates[0]
+        _TUNED[key] = {"config": dict(cfg), "ms": {_cfg_name(candidates[i]): round(t, 5) for i, t in ms.items()}}
+        return _TUNED[key]["config"]
+
+
+def _cfg_name(cfg: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in cfg.items())
+
+
+def tuned_configs() -> dict[str, dict[str, Any]]:
+    """What :func:`pick_config` chose in this process: ``str(key) -> {"config": ..., "ms": {candidate: ms}}``."""
+    return {str(k): {"config": dict(v["config"]), "ms": dict(v["ms"])} for k, v in list(_TUNED.items())}
+
+
+def clear_tuned_configs() -> None:
+    """Forget every pick (the next call of each kernel measures again)."""
+    _TUNED.clear()
 
 
 _STDLIB_CACHE: dict[int, Any] = {}

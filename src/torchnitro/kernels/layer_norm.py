@@ -3,7 +3,9 @@
     y = (x - mean) * rstd * w + b,  rstd = 1 / sqrt(var + eps)
 Backward with x_hat = (x - mean) * rstd and g = dy * w:
     dx = rstd * (g - x_hat * mean(g * x_hat) - mean(g));  dw = sum dy * x_hat;  db = sum dy
-Forward: one program per row. Backward: persistent programs accumulate dw/db partials in fp32.
+Forward: ROWS rows per program. Backward: persistent programs (PER_SM per SM) each accumulate dw/db
+partials in fp32 over their rows, then one launch sums the partials (``_partials.sum_partials``).
+The launch config of each is picked by measurement on the first CUDA call (``_triton.pick_config``).
 """
 
 from __future__ import annotations
@@ -15,37 +17,47 @@ from torch import Tensor, nn
 
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float, check_last_dim
-from torchnitro.kernels._triton import LazyKernel, num_programs, row_config
+from torchnitro.kernels._partials import sum_partials
+from torchnitro.kernels._triton import LazyKernel, cdiv, next_pow2, num_programs, pick_config, row_config
 from torchnitro.kernels.dispatch import use_triton_rows
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
 
-__all__ = ["layer_norm", "LayerNorm", "layer_norm_forward", "layer_norm_backward", "LayerNormFunction"]
+__all__ = ["layer_norm", "LayerNorm", "layer_norm_forward", "layer_norm_backward", "LayerNormFunction",
+           "fwd_candidates", "bwd_candidates"]
 
 
-def _ln_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, C, eps,
-                   HAS_W: constexpr, HAS_B: constexpr, BLOCK: constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _ln_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr, N, C, eps,
+                   HAS_W: constexpr, HAS_B: constexpr, BLOCK: constexpr, ROWS: constexpr):
+    pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < C
-    x = tl.load(x_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / C
-    xc = tl.where(mask, x - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / C + eps)
-    tl.store(mean_ptr + row, mean)
-    tl.store(rstd_ptr + row, rstd)
-    y = xc * rstd
-    if HAS_W:
-        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_W:  # loaded once per ROWS rows
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_B:
-        y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * C + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        b = tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    for i in tl.static_range(ROWS):  # unrolled: the next row's loads overlap this row's reductions
+        row = pid * ROWS + i
+        ok = (cols * 0 + row) < N
+        m = mask & ok
+        x = tl.load(x_ptr + row * C + cols, mask=m, other=0.0).to(tl.float32)
+        mean = tl.sum(x, axis=0) / C
+        xc = tl.where(m, x - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / C + eps)
+        tl.store(mean_ptr + row, mean, mask=row < N)
+        tl.store(rstd_ptr + row, rstd, mask=row < N)
+        y = xc * rstd
+        if HAS_W:
+            y = y * w
+        if HAS_B:
+            y = y + b
+        tl.store(y_ptr + row * C + cols, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 def _ln_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, n_rows, C,
-                   HAS_W: constexpr, BLOCK: constexpr):
+                   HAS_W: constexpr, BLOCK: constexpr, ROWS: constexpr):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
@@ -54,20 +66,24 @@ def _ln_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     db = tl.zeros((BLOCK,), dtype=tl.float32)
-    for row in range(pid, n_rows, n_prog):
-        base = tl.cast(row, tl.int64) * C
-        dy = tl.load(dy_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-        x = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-        mean = tl.load(mean_ptr + row)
-        rstd = tl.load(rstd_ptr + row)
-        x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
-        g = dy * w if HAS_W else dy
-        c1 = tl.sum(g * x_hat, axis=0) / C
-        c2 = tl.sum(g, axis=0) / C
-        dx = rstd * (g - x_hat * c1 - c2)
-        tl.store(dx_ptr + base + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += dy * x_hat
-        db += dy
+    for r0 in range(pid * ROWS, n_rows, n_prog * ROWS):
+        for i in tl.static_range(ROWS):
+            row = tl.cast(r0 + i, tl.int64)
+            ok = (cols * 0 + row) < n_rows
+            m = mask & ok
+            base = row * C
+            dy = tl.load(dy_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+            mean = tl.load(mean_ptr + row, mask=row < n_rows, other=0.0)
+            rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
+            x_hat = tl.where(m, (x - mean) * rstd, 0.0)
+            g = dy * w if HAS_W else dy
+            c1 = tl.sum(g * x_hat, axis=0) / C
+            c2 = tl.sum(g, axis=0) / C
+            dx = rstd * (g - x_hat * c1 - c2)
+            tl.store(dx_ptr + base + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
+            dw += dy * x_hat
+            db += dy
     tl.store(dw_ptr + pid * C + cols, dw, mask=mask)
     tl.store(db_ptr + pid * C + cols, db, mask=mask)
 
@@ -76,56 +92,101 @@ _fwd = LazyKernel(_ln_fwd_kernel)
 _bwd = LazyKernel(_ln_bwd_kernel)
 
 
-def layer_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
-                       ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (y, mean, rstd); mean and rstd are fp32 (N,)."""
+def fwd_candidates(C: int) -> list[dict[str, int]]:
+    """Forward launch configs :func:`pick_config` times (the first, one row per program, is the default)."""
+    _, w0 = row_config(C)
+    out = [{"ROWS": 1, "num_warps": w0}]
+    out += [{"ROWS": r, "num_warps": w} for r in (1, 2, 4) for w in (4, 8, 16) if (r, w) != (1, w0)]
+    return out
+
+
+def bwd_candidates(C: int) -> list[dict[str, int]]:
+    """Backward configs: PER_SM persistent programs per SM, ROWS rows per loop step, num_warps
+    (the first, one program per SM and one row per step, is the default)."""
+    _, w0 = row_config(C)
+    out = [{"PER_SM": 1, "ROWS": 1, "num_warps": w0}]
+    for per_sm, rows, warps in ((2, 1, 8), (4, 1, 8), (2, 1, 16), (4, 1, 16), (1, 2, 8), (2, 2, 8), (1, 2, 16),
+                                (2, 2, 16), (4, 1, 4), (8, 1, 4), (1, 1, 16)):
+        c = {"PER_SM": per_sm, "ROWS": rows, "num_warps": warps}
+        if c != out[0]:
+            out.append(c)
+    return out
+
+
+def layer_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
+                       config: dict[str, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (y, mean, rstd); mean and rstd are fp32 (N,). ``config`` forces one of
+    :func:`fwd_candidates` (default: picked by measurement on CUDA, see ``_triton.pick_config``)."""
     C = x.shape[-1]
     x2 = x.reshape(-1, C).contiguous()
     N = x2.shape[0]
     y2 = torch.empty_like(x2)
     mean = torch.empty(N, device=x.device, dtype=torch.float32)
     rstd = torch.empty_like(mean)
-    block, warps = row_config(C)
+    block, _ = row_config(C)
     if N:
-        _ln_launch = _fwd[(N,)]
-        _ln_launch(x2, weight if weight is not None else x2, bias if bias is not None else x2, y2, mean, rstd,
-                   C, eps, HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, num_warps=warps)
+        def run(cfg: dict[str, int]) -> None:
+            _fwd[(cdiv(N, cfg["ROWS"]),)](
+                x2, weight if weight is not None else x2, bias if bias is not None else x2, y2, mean, rstd,
+                N, C, eps, HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, **cfg)
+
+        if config is None:
+            key = ("layer_norm_fwd", C, next_pow2(N), x.dtype, weight is not None, bias is not None, str(x.device))
+            config = pick_config(key, fwd_candidates(C), run, x.device)
+        run(config)
     return y2.view(x.shape), mean, rstd
 
 
-def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor
+def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor,
+                        bias_dtype: torch.dtype | None = None, config: dict[str, int] | None = None
                         ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (dx, dw, db) with dw/db in fp32 (the caller casts to the parameter dtypes)."""
+    """Returns (dx, dw, db): dw in ``weight``'s dtype (fp32 without weight), db in ``bias_dtype``
+    (fp32 when None). ``config`` forces one of :func:`bwd_candidates`."""
     C = x.shape[-1]
     x2 = x.reshape(-1, C).contiguous()
     N = x2.shape[0]
     dy2 = dy.reshape(-1, C).contiguous()
     dx2 = torch.empty_like(x2)
-    P = max(1, min(N, num_programs(x.device)))
-    dw_part = torch.zeros(P, C, device=x.device, dtype=torch.float32)
-    db_part = torch.zeros_like(dw_part)
-    block, warps = row_config(C)
+    block, _ = row_config(C)
+    n_sm = num_programs(x.device)
+    cands = bwd_candidates(C)
+    p_max = max(1, min(N, max(c["PER_SM"] for c in cands) * n_sm))
+    dw_part = torch.empty(p_max, C, device=x.device, dtype=torch.float32)
+    db_part = torch.empty_like(dw_part)
+
+    def programs(cfg: dict[str, int]) -> int:
+        return max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * n_sm))
+
+    def run(cfg: dict[str, int]) -> None:
+        kw = {k: v for k, v in cfg.items() if k != "PER_SM"}
+        _bwd[(programs(cfg),)](dy2, x2, weight if weight is not None else x2, mean, rstd, dx2, dw_part, db_part,
+                               N, C, HAS_W=weight is not None, BLOCK=block, **kw)
+
+    P = 0
     if N:
-        _bwd[(P,)](dy2, x2, weight if weight is not None else x2, mean, rstd, dx2, dw_part, db_part, N, C,
-                   HAS_W=weight is not None, BLOCK=block, num_warps=warps)
-    return dx2.view(x.shape), dw_part.sum(0), db_part.sum(0)
+        if config is None:
+            key = ("layer_norm_bwd", C, next_pow2(N), x.dtype, weight is not None, str(x.device))
+            config = pick_config(key, cands, run, x.device)
+        run(config)
+        P = programs(config)
+    dw, db = sum_partials(dw_part[:P], weight.dtype if weight is not None else torch.float32,
+                          db_part[:P], bias_dtype or torch.float32)
+    return dx2.view(x.shape), dw, db
 
 
 class LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float) -> Tensor:  # type: ignore[override]
         y, mean, rstd = layer_norm_forward(x, weight, bias, eps)
-        ctx.has_b = bias is not None
+        ctx.b_dtype = bias.dtype if bias is not None else None
         ctx.save_for_backward(x, weight, mean, rstd)
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):  # type: ignore[override]
         x, weight, mean, rstd = ctx.saved_tensors
-        dx, dw, db = layer_norm_backward(dy, x, weight, mean, rstd)
-        dw = dw.to(weight.dtype) if weight is not None else None
-        db = db.to(x.dtype) if ctx.has_b else None
-        return dx, dw, db, None
+        dx, dw, db = layer_norm_backward(dy, x, weight, mean, rstd, ctx.b_dtype)
+        return dx, dw if weight is not None else None, db if ctx.b_dtype is not None else None, None
 
 
 def layer_norm(x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5) -> Tensor:
