@@ -51,3 +51,27 @@ def test_rms_norm_gpu(dtype):
     w = torch.randn(123, device="cuda", dtype=dtype)
     check_against_reference(lambda a, b, c: rms_norm(a, c, residual=b),
                             lambda a, b, c: reference.rms_norm(a, c, residual=b), [x, r, w], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_launch_config_is_correct(triton_cpu, dtype):
+    """Each candidate pick_config may choose on the device computes the reference result (with residual)."""
+    from torchnitro.kernels.rms_norm import bwd_candidates, fwd_candidates, rms_norm_backward, rms_norm_forward
+
+    N, C = 37, 33  # rows not a multiple of ROWS, and more rows than programs (each loops)
+    x, r = torch.randn(N, C).to(dtype), torch.randn(N, C).to(dtype)
+    w = (1 + 0.1 * torch.randn(C)).to(dtype)
+    dy, dh = torch.randn(N, C).to(dtype), torch.randn(N, C).to(dtype)
+    xr, rr, wr = (t.float().requires_grad_() for t in (x, r, w))
+    yr, hr = reference.rms_norm(xr, wr, 1e-6, rr)
+    torch.autograd.backward([yr, hr], [dy.float(), dh.float()])
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    for cfg in fwd_candidates(C):
+        y, h, rstd = rms_norm_forward(x, w, 1e-6, r, config=cfg)
+        torch.testing.assert_close(y.float(), yr.detach(), atol=atol, rtol=atol, msg=lambda m: f"{cfg}: {m}")
+        torch.testing.assert_close(h.float(), hr.detach(), atol=atol, rtol=atol, msg=lambda m: f"{cfg}: {m}")
+    for cfg in bwd_candidates(C):
+        dx, dw = rms_norm_backward(dy, dh, h, w, rstd, config=cfg)
+        assert dw.dtype == w.dtype
+        for got, want in ((dx, xr.grad), (dw, wr.grad)):
+            torch.testing.assert_close(got.float(), want, atol=atol * 4, rtol=atol * 4, msg=lambda m: f"{cfg}: {m}")

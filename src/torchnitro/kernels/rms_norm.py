@@ -3,8 +3,10 @@
     h = x (+ residual);  y = h / sqrt(mean(h^2) + eps) * w            (Zhang & Sennrich, 2019)
 Backward, with h_hat = h * rstd and g = dy * w:
     dh = rstd * (g - h_hat * mean(g * h_hat)) (+ dh from the residual stream);  dw = sum_rows dy * h_hat
-One program per row forward; the backward runs one persistent program per SM that accumulates its
-rows' dw in fp32 registers and writes one partial row (Liger-Kernel's layout).
+ROWS rows per program forward; the backward runs PER_SM persistent programs per SM, each accumulating
+its rows' dw in fp32 registers and writing one partial row (Liger-Kernel's layout), then one launch
+sums the partials (``_partials.sum_partials``). Launch configs are picked by measurement on the first
+CUDA call (``_triton.pick_config``).
 """
 
 from __future__ import annotations
@@ -16,35 +18,42 @@ from torch import Tensor, nn
 
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float, check_last_dim, check_same_shape
-from torchnitro.kernels._triton import LazyKernel, num_programs, row_config
+from torchnitro.kernels._partials import sum_partials
+from torchnitro.kernels._triton import LazyKernel, cdiv, next_pow2, num_programs, pick_config, row_config
 from torchnitro.kernels.dispatch import use_triton_rows
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
 
-__all__ = ["rms_norm", "RMSNorm", "rms_norm_forward", "rms_norm_backward", "RMSNormFunction"]
+__all__ = ["rms_norm", "RMSNorm", "rms_norm_forward", "rms_norm_backward", "RMSNormFunction",
+           "fwd_candidates", "bwd_candidates"]
 
 
-def _rms_fwd_kernel(x_ptr, r_ptr, h_ptr, w_ptr, y_ptr, rstd_ptr, C, eps,
-                    HAS_RES: constexpr, HAS_W: constexpr, BLOCK: constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _rms_fwd_kernel(x_ptr, r_ptr, h_ptr, w_ptr, y_ptr, rstd_ptr, N, C, eps,
+                    HAS_RES: constexpr, HAS_W: constexpr, BLOCK: constexpr, ROWS: constexpr):
+    pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < C
-    x = tl.load(x_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x += tl.load(r_ptr + row * C + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(h_ptr + row * C + cols, x.to(h_ptr.dtype.element_ty), mask=mask)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / C + eps)
-    tl.store(rstd_ptr + row, rstd)
-    y = x * rstd
-    if HAS_W:
-        y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * C + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+    if HAS_W:  # loaded once per ROWS rows
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    for i in tl.static_range(ROWS):  # unrolled: the next row's loads overlap this row's reduction
+        row = pid * ROWS + i
+        m = mask & ((cols * 0 + row) < N)
+        x = tl.load(x_ptr + row * C + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            x += tl.load(r_ptr + row * C + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(h_ptr + row * C + cols, x.to(h_ptr.dtype.element_ty), mask=m)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / C + eps)
+        tl.store(rstd_ptr + row, rstd, mask=row < N)
+        y = x * rstd
+        if HAS_W:
+            y = y * w
+        tl.store(y_ptr + row * C + cols, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 def _rms_bwd_kernel(dy_ptr, dh_ptr, h_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n_rows, C,
-                    HAS_DH: constexpr, HAS_W: constexpr, BLOCK: constexpr):
+                    HAS_DH: constexpr, HAS_W: constexpr, BLOCK: constexpr, ROWS: constexpr):
     pid = tl.program_id(0)
     n_prog = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
@@ -52,18 +61,21 @@ def _rms_bwd_kernel(dy_ptr, dh_ptr, h_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n_ro
     if HAS_W:
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
-    for row in range(pid, n_rows, n_prog):
-        base = tl.cast(row, tl.int64) * C
-        dy = tl.load(dy_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-        h = tl.load(h_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row)
-        h_hat = h * rstd
-        g = dy * w if HAS_W else dy
-        dx = rstd * (g - h_hat * (tl.sum(g * h_hat, axis=0) / C))
-        if HAS_DH:
-            dx += tl.load(dh_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(dx_ptr + base + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
-        dw += dy * h_hat
+    for r0 in range(pid * ROWS, n_rows, n_prog * ROWS):
+        for i in tl.static_range(ROWS):
+            row = tl.cast(r0 + i, tl.int64)
+            m = mask & ((cols * 0 + row) < n_rows)
+            base = row * C
+            dy = tl.load(dy_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+            h = tl.load(h_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+            rstd = tl.load(rstd_ptr + row, mask=row < n_rows, other=0.0)
+            h_hat = h * rstd
+            g = dy * w if HAS_W else dy
+            dx = rstd * (g - h_hat * (tl.sum(g * h_hat, axis=0) / C))
+            if HAS_DH:
+                dx += tl.load(dh_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(dx_ptr + base + cols, dx.to(dx_ptr.dtype.element_ty), mask=m)
+            dw += dy * h_hat
     if HAS_W:
         tl.store(dw_ptr + pid * C + cols, dw, mask=mask)
 
@@ -72,9 +84,31 @@ _fwd = LazyKernel(_rms_fwd_kernel)
 _bwd = LazyKernel(_rms_bwd_kernel)
 
 
-def rms_norm_forward(x: Tensor, weight: Tensor | None, eps: float, residual: Tensor | None = None
-                     ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (y, h, rstd): h is x + residual (x itself without residual), rstd is fp32 (N,)."""
+def fwd_candidates(C: int) -> list[dict[str, int]]:
+    """Forward launch configs :func:`pick_config` times (the first, one row per program, is the default)."""
+    _, w0 = row_config(C)
+    out = [{"ROWS": 1, "num_warps": w0}]
+    out += [{"ROWS": r, "num_warps": w} for r in (1, 2, 4) for w in (4, 8, 16) if (r, w) != (1, w0)]
+    return out
+
+
+def bwd_candidates(C: int) -> list[dict[str, int]]:
+    """Backward configs: PER_SM persistent programs per SM, ROWS rows per loop step, num_warps
+    (the first, one program per SM and one row per step, is the default)."""
+    _, w0 = row_config(C)
+    out = [{"PER_SM": 1, "ROWS": 1, "num_warps": w0}]
+    for per_sm, rows, warps in ((2, 1, 8), (4, 1, 8), (2, 1, 16), (4, 1, 16), (1, 2, 8), (2, 2, 8), (1, 2, 16),
+                                (2, 2, 16), (4, 1, 4), (8, 1, 4), (1, 1, 16)):
+        c = {"PER_SM": per_sm, "ROWS": rows, "num_warps": warps}
+        if c != out[0]:
+            out.append(c)
+    return out
+
+
+def rms_norm_forward(x: Tensor, weight: Tensor | None, eps: float, residual: Tensor | None = None,
+                     config: dict[str, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Returns (y, h, rstd): h is x + residual (x itself without residual), rstd is fp32 (N,).
+    ``config`` forces one of :func:`fwd_candidates` (default: picked by measurement on CUDA)."""
     C = x.shape[-1]
     x2 = x.reshape(-1, C).contiguous()
     N = x2.shape[0]
@@ -82,31 +116,53 @@ def rms_norm_forward(x: Tensor, weight: Tensor | None, eps: float, residual: Ten
     h2 = torch.empty_like(x2) if r2 is not None else x2
     y2 = torch.empty_like(x2)
     rstd = torch.empty(N, device=x.device, dtype=torch.float32)
-    block, warps = row_config(C)
+    block, _ = row_config(C)
     if N:
-        _fwd[(N,)](x2, r2 if r2 is not None else x2, h2, weight if weight is not None else x2, y2, rstd, C, eps,
-                   HAS_RES=r2 is not None, HAS_W=weight is not None, BLOCK=block, num_warps=warps)
+        def run(cfg: dict[str, int]) -> None:
+            _fwd[(cdiv(N, cfg["ROWS"]),)](
+                x2, r2 if r2 is not None else x2, h2, weight if weight is not None else x2, y2, rstd, N, C, eps,
+                HAS_RES=r2 is not None, HAS_W=weight is not None, BLOCK=block, **cfg)
+
+        if config is None:
+            key = ("rms_norm_fwd", C, next_pow2(N), x.dtype, r2 is not None, weight is not None, str(x.device))
+            config = pick_config(key, fwd_candidates(C), run, x.device)
+        run(config)
     return y2.view(x.shape), h2.view(x.shape), rstd
 
 
-def rms_norm_backward(dy: Tensor, dh_out: Tensor | None, h: Tensor, weight: Tensor | None, rstd: Tensor
-                      ) -> tuple[Tensor, Tensor | None]:
-    """Returns (dx, dw); ``dh_out`` is the gradient flowing into the residual-stream output h."""
+def rms_norm_backward(dy: Tensor, dh_out: Tensor | None, h: Tensor, weight: Tensor | None, rstd: Tensor,
+                      config: dict[str, int] | None = None) -> tuple[Tensor, Tensor | None]:
+    """Returns (dx, dw); ``dh_out`` is the gradient flowing into the residual-stream output h.
+    ``config`` forces one of :func:`bwd_candidates`."""
     C = h.shape[-1]
     h2 = h.reshape(-1, C)
     N = h2.shape[0]
     dy2 = dy.reshape(-1, C).contiguous()
     dh2 = dh_out.reshape(-1, C).contiguous() if dh_out is not None else None
     dx2 = torch.empty_like(h2)
-    P = max(1, min(N, num_programs(h.device)))
-    dw_part = torch.empty(P, C, device=h.device, dtype=torch.float32) if weight is not None else None
-    block, warps = row_config(C)
+    block, _ = row_config(C)
+    n_sm = num_programs(h.device)
+    cands = bwd_candidates(C)
+    p_max = max(1, min(N, max(c["PER_SM"] for c in cands) * n_sm))
+    dw_part = torch.empty(p_max, C, device=h.device, dtype=torch.float32) if weight is not None else None
+
+    def programs(cfg: dict[str, int]) -> int:
+        return max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * n_sm))
+
+    def run(cfg: dict[str, int]) -> None:
+        kw = {k: v for k, v in cfg.items() if k != "PER_SM"}
+        _bwd[(programs(cfg),)](dy2, dh2 if dh2 is not None else dy2, h2, weight if weight is not None else h2, rstd,
+                               dx2, dw_part if dw_part is not None else rstd, N, C,
+                               HAS_DH=dh2 is not None, HAS_W=weight is not None, BLOCK=block, **kw)
+
+    P = 0
     if N:
-        _bwd[(P,)](dy2, dh2 if dh2 is not None else dy2, h2, weight if weight is not None else h2, rstd, dx2,
-                   dw_part if dw_part is not None else rstd, N, C,
-                   HAS_DH=dh2 is not None, HAS_W=weight is not None, BLOCK=block, num_warps=warps)
-    dw = dw_part.sum(0).to(weight.dtype) if weight is not None and N else (
-        torch.zeros_like(weight) if weight is not None else None)
+        if config is None:
+            key = ("rms_norm_bwd", C, next_pow2(N), h.dtype, dh2 is not None, weight is not None, str(h.device))
+            config = pick_config(key, cands, run, h.device)
+        run(config)
+        P = programs(config)
+    dw = sum_partials(dw_part[:P], weight.dtype)[0] if weight is not None and dw_part is not None else None
     return dx2.view(h.shape), dw
 
 
