@@ -74,7 +74,8 @@ def doctor() -> None:
     rt.add_column("available")
     for r in all_recipes():
         why = r.unavailable_reason(hw)
-        rt.add_row(r.name, r.numeric_class.value, "yes" if why is None else f"no: {why}")
+        cls = r.numeric_class.value + ("" if r.default else " (opt-in: name it)")
+        rt.add_row(r.name, cls, "yes" if why is None else f"no: {why}")
     from torchnitro.autotune.recipes import BROKEN
 
     for module, why in BROKEN.items():

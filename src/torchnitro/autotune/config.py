@@ -22,6 +22,9 @@ DEFAULT_TOLERANCES: dict[str, dict[str, float]] = {
     "exact": {"rel": 1e-4},
     "reduced": {"cosine": 0.999, "top1": 1.0},
     "int8": {"cosine": 0.99, "top1": 1.0},
+    # pruning changes what the model computes: a dense model pruned without fine-tuning fails this
+    # (random-init lm: cosine 0.55); a model trained 2:4-sparse passes; a broken kernel fails
+    "pruned": {"cosine": 0.9, "top1": 0.9},
 }
 
 _OBJECTIVES = ("latency", "throughput")

@@ -38,6 +38,7 @@ class NumericClass(str, enum.Enum):
     EXACT = "exact"  # same math up to float reassociation: rel error <= 1e-4
     REDUCED = "reduced"  # bf16/fp16: cosine >= 0.999
     INT8 = "int8"  # quantized: cosine >= 0.99
+    PRUNED = "pruned"  # weights pruned (2:4): opt-in only (recipes of this class have default = False); cosine >= 0.9
 
 
 @dataclass

@@ -5,20 +5,25 @@ In every group of 4 consecutive weights along the input dim, keep the 2 of large
 anywhere; ``verify_2to4`` checks a weight; ``to_semi_structured`` converts a pruned Linear to
 PyTorch's ``SparseSemiStructuredTensor`` (CUDA, compute capability >= 8.0, fp16/bf16), where
 ``F.linear`` runs on the sparse tensor cores. ``sparsify_(model)`` does prune + convert on every
-eligible Linear and returns what it did.
+eligible Linear and returns what it did. ``SemiSparseLinear`` is the inference module the
+``sparse-2:4`` recipe swaps in: semi-structured on the GPU, the dense pruned weight elsewhere (the
+reference it is tested against), and the dense pruned weight again if a sparse call fails.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import warnings
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
 
 __all__ = ["prune_2to4", "mask_2to4", "verify_2to4", "semi_structured_supported", "to_semi_structured",
-           "sparsify_", "SparsityReport"]
+           "sparsify_", "SparsityReport", "SemiSparseLinear", "semi_structured_reason"]
 
 
 def mask_2to4(weight: Tensor) -> Tensor:
@@ -108,3 +113,79 @@ def sparsify_(model: nn.Module, convert: bool = True, min_features: int = 64, sk
                 mod.weight.mul_(mask_2to4(mod.weight))
             report.pruned_only.append(name)
     return report
+
+
+SPARSE_NEEDS = "needs CUDA sm_80+ with cuSPARSELt/CUTLASS semi-structured sparse"
+_warned: set[str] = set()
+
+
+def semi_structured_reason(device: torch.device | str | None = None) -> str | None:
+    """None when semi-structured sparse ``F.linear`` runs on ``device``, else a line starting with what it needs."""
+    try:
+        from torch.sparse import to_sparse_semi_structured  # noqa: F401
+    except ImportError:
+        return f"{SPARSE_NEEDS}; torch {torch.__version__} has no torch.sparse.to_sparse_semi_structured"
+    why = semi_structured_supported(device)
+    return None if why is None else f"{SPARSE_NEEDS}; {why}"
+
+
+class SemiSparseLinear(nn.Module):
+    """Inference ``y = x W^T + b`` with ``W`` pruned to 2:4 (``prune_2to4``; the source layer is not changed).
+
+    ``backend``: 'auto' stores ``W`` semi-structured (cuSPARSELt where torch has it, else CUTLASS)
+    when the layer is on an Ampere+ GPU in fp16/bf16 with features that are multiples of 64, and
+    the dense pruned weight otherwise; 'sparse' requires the sparse path (raises where it cannot);
+    'dense' always keeps the dense pruned weight (the reference)."""
+
+    def __init__(self, linear: nn.Linear, backend: str = "auto"):
+        super().__init__()
+        if backend not in ("auto", "sparse", "dense"):
+            raise InputError(f"SemiSparseLinear: backend={backend!r}; expected 'auto', 'sparse' or 'dense'")
+        w = prune_2to4(linear.weight.detach())  # (N, K), zeros where the 2:4 mask drops
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        why = None if backend == "dense" else self._sparse_reason(w)
+        if backend == "sparse" and why is not None:
+            raise BackendUnavailableError(f"SemiSparseLinear(backend='sparse'): {why}. Use backend='auto'")
+        stored: Tensor = w
+        if backend != "dense" and why is None:
+            from torch.sparse import to_sparse_semi_structured
+
+            try:
+                stored = to_sparse_semi_structured(w)
+            except Exception as exc:  # noqa: BLE001 - a shape/dtype the sparse kernels reject keeps the dense weight
+                if backend == "sparse":
+                    raise BackendUnavailableError(f"SemiSparseLinear: to_sparse_semi_structured failed on weight "
+                                                  f"{tuple(w.shape)} {w.dtype}: {exc}") from exc
+                warnings.warn(f"SemiSparseLinear: to_sparse_semi_structured failed on weight {tuple(w.shape)} "
+                              f"({type(exc).__name__}: {exc}); keeping the dense pruned weight", stacklevel=2)
+        self.sparse = stored is not w
+        self.register_buffer("weight", stored, persistent=False)
+        self.register_buffer("bias", linear.bias.detach() if linear.bias is not None else None, persistent=False)
+
+    @staticmethod
+    def _sparse_reason(w: Tensor) -> str | None:
+        why = semi_structured_reason(w.device)
+        if why is None and w.dtype not in (torch.float16, torch.bfloat16):
+            why = f"weight dtype {w.dtype}; semi-structured sparse needs float16 or bfloat16"
+        if why is None and (w.shape[0] % 64 or w.shape[1] % 64):
+            why = f"weight shape {tuple(w.shape)}: semi-structured sparse needs both dims multiples of 64"
+        return why
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, sparse={self.sparse}"
+
+    def forward(self, x: Tensor) -> Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).contiguous()  # (M, K): the sparse kernels take 2-d row-major input
+        if self.sparse and x2.shape[0]:
+            try:
+                y = F.linear(x2, self.weight, self.bias)
+                return y.reshape(*lead, self.out_features)
+            except Exception as exc:  # noqa: BLE001 - a failing sparse kernel falls back to the same math, dense
+                self.weight, self.sparse = self.weight.to_dense(), False
+                if "linear" not in _warned:
+                    _warned.add("linear")
+                    warnings.warn(f"SemiSparseLinear: the semi-structured matmul failed ({type(exc).__name__}: "
+                                  f"{exc}); continuing with the dense pruned weight (same math, not faster)",
+                                  stacklevel=2)
+        return F.linear(x2, self.weight, self.bias).reshape(*lead, self.out_features)
