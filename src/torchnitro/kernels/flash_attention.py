@@ -12,17 +12,18 @@ over the query heads of its group and accumulates dK/dV in registers (no per-que
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
-
 import math
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor, nn
 
-from torchnitro.errors import InputError, ShapeError
+from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import autocast_inputs, check_float
-from torchnitro.kernels._triton import LazyKernel, cdiv, next_pow2
+from torchnitro.kernels._triton import LazyKernel, cdiv, interpreting, next_pow2
 from torchnitro.kernels.dispatch import use_triton
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
@@ -30,7 +31,7 @@ if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importi
     from triton.language import constexpr
 
 __all__ = ["flash_attention", "FlashAttention", "flash_attention_forward", "flash_attention_backward",
-           "FlashAttentionFunction"]
+           "FlashAttentionFunction", "KernelConfig", "chosen_configs"]
 
 
 def _fa_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, H, G, Tq, Tk, D, WINDOW,
@@ -65,23 +66,25 @@ def _fa_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, H, G, Tq, Tk, 
         hi = tl.minimum(Tk, (start_m + 1) * BLOCK_M)
     mid = lo
     if not HAS_WINDOW:
-        # key blocks wholly inside the mask (in range, and before this query block when causal) skip all masking
+        # stage 1, key blocks wholly inside the mask (in range, and before this query block when causal):
+        # no masking at all, so the loop body is only the two MMAs, the exp2 and the rescale
         full = Tk // BLOCK_N * BLOCK_N
         if CAUSAL:
             full = tl.minimum(full, start_m * BLOCK_M // BLOCK_N * BLOCK_N)
+        k_ptrs = k_base + offs_n[:, None] * skt + offs_d[None, :]
+        v_ptrs = v_base + offs_n[:, None] * svt + offs_d[None, :]
         for start_n in range(0, full, BLOCK_N):
-            cols = start_n + offs_n
-            k = tl.load(k_base + cols[:, None] * skt + offs_d[None, :], mask=dmask[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
+            k = tl.load(k_ptrs + start_n * skt, mask=dmask[None, :], other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # (BLOCK_M, BLOCK_N)
+            m_new = tl.maximum(m_i, tl.max(qk * qk_scale, axis=1))
+            p = tl.exp2(qk * qk_scale - m_new[:, None])
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_base + cols[:, None] * svt + offs_d[None, :], mask=dmask[None, :], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            v = tl.load(v_ptrs + start_n * svt, mask=dmask[None, :], other=0.0)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
             m_i = m_new
         mid = full
-    for start_n in range(mid, hi, BLOCK_N):  # boundary blocks: masked
+    for start_n in range(mid, hi, BLOCK_N):  # stage 2, boundary blocks (diagonal, window edges, Tk tail): masked
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < Tk) & dmask[None, :]
         k = tl.load(k_base + cols[:, None] * skt + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -100,7 +103,7 @@ def _fa_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, H, G, Tq, Tk, 
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + cols[:, None] * svt + offs_d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PREC)
         m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / l_safe[:, None]
@@ -128,6 +131,11 @@ def _fa_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr,
                         WINDOW, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
                         CAUSAL: constexpr, HAS_WINDOW: constexpr, PREC: constexpr,
                         BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr):
+    """dK, dV for one K/V block held in registers, looping over query blocks (FlashAttention-2 bwd).
+
+    The query blocks split into a masked set (causal diagonal, window edges, Tq tail, or a partial key
+    block) and a contiguous unmasked middle; the masked set is walked by one loop whose block index
+    jumps from the head run to the tail run, so neither loop body branches."""
     start_n = tl.program_id(0)
     bk = tl.program_id(1)  # (batch, K/V head): the G query heads sharing it accumulate into one dK/dV
     Hkv = H // G
@@ -135,6 +143,7 @@ def _fa_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr,
     hk = bk % Hkv
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_mb = tl.arange(0, BLOCK_M)
     dmask = offs_d < D
     kv_mask = (offs_n[:, None] < Tk) & dmask[None, :]
     k = tl.load(k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh + offs_n[:, None] * skt + offs_d[None, :],
@@ -152,42 +161,58 @@ def _fa_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr,
         hi = tl.minimum(Tq, (start_n + 1) * BLOCK_N + WINDOW - 1)
         if not CAUSAL:
             lo = tl.maximum(0, start_n * BLOCK_N - WINDOW + 1) // BLOCK_M * BLOCK_M
-    # q blocks [first_full, last_full) need no mask: whole blocks in range, and (causal) every query
-    # after every key of this block; the branch below is uniform per program, so it costs no divergence
+    # unmasked query blocks [first_full, last_full): whole blocks in range, key block whole, and (causal)
+    # every query at or after every key of this block; masked: [lo, first_full) and [last_full, hi)
     first_full = lo
     last_full = lo
     if not HAS_WINDOW:
         if CAUSAL:
-            first_full = (start_n * BLOCK_N + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+            first_full = tl.minimum((start_n * BLOCK_N + BLOCK_N - 1 + BLOCK_M - 1) // BLOCK_M * BLOCK_M,
+                                    (Tq + BLOCK_M - 1) // BLOCK_M * BLOCK_M)
         last_full = tl.where((start_n + 1) * BLOCK_N <= Tk, Tq // BLOCK_M * BLOCK_M, 0)
+        last_full = tl.maximum(last_full, first_full)
+    n_head = (first_full - lo) // BLOCK_M
+    n_masked = n_head + tl.maximum(hi - last_full + BLOCK_M - 1, 0) // BLOCK_M
     for g in range(0, G):
         h = hk * G + g
         bh = b * H + h
         q_base = q_ptr + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
         do_base = do_ptr + bh.to(tl.int64) * Tq * D
-        row_base = bh.to(tl.int64) * Tq
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            qmask = (offs_m[:, None] < Tq) & dmask[None, :]
-            q = tl.load(q_base + offs_m[:, None] * sqt + offs_d[None, :], mask=qmask, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
-            lse = tl.load(lse_ptr + row_base + offs_m, mask=offs_m < Tq, other=float("inf"))
-            delta = tl.load(delta_ptr + row_base + offs_m, mask=offs_m < Tq, other=0.0)
-            s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
-            p_t = tl.exp2(s_t - lse[None, :] * 1.4426950408889634)
-            if (start_m < first_full) | (start_m >= last_full):
-                keep = (offs_m[None, :] < Tq) & (offs_n[:, None] < Tk)
-                if CAUSAL:
-                    keep = keep & (offs_n[:, None] <= offs_m[None, :])
-                if HAS_WINDOW:
-                    keep = keep & (offs_m[None, :] - offs_n[:, None] < WINDOW)
-                    if not CAUSAL:
-                        keep = keep & (offs_n[:, None] - offs_m[None, :] < WINDOW)
-                p_t = tl.where(keep, p_t, 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
+        row_base = lse_ptr + bh.to(tl.int64) * Tq
+        delta_base = delta_ptr + bh.to(tl.int64) * Tq
+        q_ptrs = q_base + offs_mb[:, None] * sqt + offs_d[None, :]
+        do_ptrs = do_base + offs_mb[:, None] * D + offs_d[None, :]
+        for start_m in range(first_full, last_full, BLOCK_M):  # no masks but D's
+            q = tl.load(q_ptrs + start_m * sqt, mask=dmask[None, :], other=0.0)
+            do = tl.load(do_ptrs + start_m * D, mask=dmask[None, :], other=0.0)
+            lse2 = tl.load(row_base + start_m + offs_mb) * 1.4426950408889634
+            delta = tl.load(delta_base + start_m + offs_mb)
+            p_t = tl.exp2(tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale - lse2[None, :])  # (BN, BM)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
             dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
             ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
+        for i in range(0, n_masked):  # head run, then tail run
+            start_m = tl.where(i < n_head, lo + i * BLOCK_M, last_full + (i - n_head) * BLOCK_M)
+            offs_m = start_m + offs_mb
+            qmask = (offs_m[:, None] < Tq) & dmask[None, :]
+            q = tl.load(q_ptrs + start_m * sqt, mask=qmask, other=0.0)
+            do = tl.load(do_ptrs + start_m * D, mask=qmask, other=0.0)
+            lse2 = tl.load(row_base + offs_m, mask=offs_m < Tq, other=float("inf")) * 1.4426950408889634
+            delta = tl.load(delta_base + offs_m, mask=offs_m < Tq, other=0.0)
+            s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
+            keep = (offs_m[None, :] < Tq) & (offs_n[:, None] < Tk)
+            if CAUSAL:
+                keep = keep & (offs_n[:, None] <= offs_m[None, :])
+            if HAS_WINDOW:
+                keep = keep & (offs_m[None, :] - offs_n[:, None] < WINDOW)
+                if not CAUSAL:
+                    keep = keep & (offs_n[:, None] - offs_m[None, :] < WINDOW)
+            p_t = tl.where(keep, tl.exp2(s_t - lse2[None, :]), 0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PREC)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PREC)
     out = bk.to(tl.int64) * Tk * D + offs_n[:, None] * D + offs_d[None, :]  # dK/dV are (B, Hkv, Tk, D)
     tl.store(dk_ptr + out, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=kv_mask)
     tl.store(dv_ptr + out, dv.to(dv_ptr.dtype.element_ty), mask=kv_mask)
@@ -197,6 +222,7 @@ def _fa_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, s
                       sqb, sqh, sqt, skb, skh, skt, svb, svh, svt,
                       CAUSAL: constexpr, HAS_WINDOW: constexpr, PREC: constexpr,
                       BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr):
+    """dQ for one query block held in registers, looping over key blocks (unmasked interior, then edges)."""
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -211,7 +237,7 @@ def _fa_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, s
                 mask=qmask, other=0.0)
     row = bh.to(tl.int64) * Tq + offs_m
     do = tl.load(do_ptr + bh.to(tl.int64) * Tq * D + offs_m[:, None] * D + offs_d[None, :], mask=qmask, other=0.0)
-    lse = tl.load(lse_ptr + row, mask=offs_m < Tq, other=float("inf"))
+    lse2 = tl.load(lse_ptr + row, mask=offs_m < Tq, other=float("inf")) * 1.4426950408889634  # log2 units
     delta = tl.load(delta_ptr + row, mask=offs_m < Tq, other=0.0)
     k_base = k_ptr + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
     v_base = v_ptr + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
@@ -230,14 +256,14 @@ def _fa_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, s
         full = Tk // BLOCK_N * BLOCK_N
         if CAUSAL:
             full = tl.minimum(full, start_m * BLOCK_M // BLOCK_N * BLOCK_N)
+        k_ptrs = k_base + offs_n[:, None] * skt + offs_d[None, :]
+        v_ptrs = v_base + offs_n[:, None] * svt + offs_d[None, :]
         for start_n in range(0, full, BLOCK_N):
-            cols = start_n + offs_n
-            k = tl.load(k_base + cols[:, None] * skt + offs_d[None, :], mask=dmask[None, :], other=0.0)
-            v = tl.load(v_base + cols[:, None] * svt + offs_d[None, :], mask=dmask[None, :], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-            p = tl.exp2(s - lse[:, None] * 1.4426950408889634)
+            k = tl.load(k_ptrs + start_n * skt, mask=dmask[None, :], other=0.0)
+            v = tl.load(v_ptrs + start_n * svt, mask=dmask[None, :], other=0.0)
+            p = tl.exp2(tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-            dq += tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, input_precision=PREC)
+            dq = tl.dot((p * (dp - delta[:, None])).to(k.dtype), k, dq, input_precision=PREC)
         mid = full
     for start_n in range(mid, hi, BLOCK_N):  # boundary blocks: masked
         cols = start_n + offs_n
@@ -252,35 +278,111 @@ def _fa_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, s
             keep = keep & (offs_m[:, None] - cols[None, :] < WINDOW)
             if not CAUSAL:
                 keep = keep & (cols[None, :] - offs_m[:, None] < WINDOW)
-        p = tl.where(keep, tl.exp2(s - lse[:, None] * 1.4426950408889634), 0.0)
+        p = tl.where(keep, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PREC)
     tl.store(dq_ptr + bh.to(tl.int64) * Tq * D + offs_m[:, None] * D + offs_d[None, :],
              (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=qmask)
 
 
-def _configs(pairs: list[tuple[int, int, int, int]]) -> Callable[[], list]:
-    """Autotune configs, built on first use (so triton is imported only when a kernel runs)."""
-    def make() -> list:
-        import triton
-
-        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
-
-    return make
-
-
-_SMALL = {"BLOCK_M": 16, "BLOCK_N": 16}  # interpreter: tiny blocks keep the numpy emulation fast
-_fwd = LazyKernel(_fa_fwd_kernel, _configs([(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 4, 4),
-                                            (64, 32, 4, 4), (128, 64, 4, 2)]),
-                  key=["Tq", "Tk", "D", "CAUSAL", "HAS_WINDOW"], interpret_kwargs=_SMALL)
-_bwd_kv = LazyKernel(_fa_bwd_dkdv_kernel, _configs([(32, 64, 4, 3), (64, 64, 8, 3), (32, 128, 8, 3), (16, 64, 4, 2),
-                                                    (64, 128, 8, 2)]),
-                     key=["Tq", "Tk", "D", "CAUSAL", "HAS_WINDOW"], interpret_kwargs=_SMALL)
-_bwd_q = LazyKernel(_fa_bwd_dq_kernel, _configs([(64, 32, 4, 3), (64, 64, 8, 3), (128, 32, 8, 3), (64, 16, 4, 2),
-                                                 (128, 64, 8, 2)]),
-                    key=["Tq", "Tk", "D", "CAUSAL", "HAS_WINDOW"], interpret_kwargs=_SMALL)
+_fwd = LazyKernel(_fa_fwd_kernel)
+_bwd_kv = LazyKernel(_fa_bwd_dkdv_kernel)
+_bwd_q = LazyKernel(_fa_bwd_dq_kernel)
 _pre = LazyKernel(_fa_bwd_pre_kernel)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """One launch configuration of a flash-attention kernel."""
+
+    block_m: int  # query rows per block
+    block_n: int  # key rows per block
+    num_warps: int
+    num_stages: int  # software-pipelining depth of the main loop
+
+    def __str__(self) -> str:
+        return f"M{self.block_m}/N{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+
+
+# Candidates per kernel, tried in order; the first is the default when nothing is timed (CPU, tuning off).
+# Centred on the FlashAttention-2 / Triton fused-attention tutorial settings for D=128 on sm_90 (forward
+# 128x64-128 with 8 warps; dK/dV 32x128 and dQ 128x32 with 4 warps and 5 stages), plus 64-wide fallbacks
+# for small head dims and small shared memory. One that fails to compile (shared memory) is skipped.
+FWD_CANDIDATES = (KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4),
+                  KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3))
+DKDV_CANDIDATES = (KernelConfig(32, 128, 4, 5), KernelConfig(32, 128, 8, 3), KernelConfig(64, 128, 8, 3),
+                   KernelConfig(32, 64, 4, 4), KernelConfig(64, 64, 4, 3), KernelConfig(16, 128, 4, 5))
+DQ_CANDIDATES = (KernelConfig(128, 32, 4, 5), KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 8, 3),
+                 KernelConfig(64, 64, 4, 3), KernelConfig(64, 32, 4, 4), KernelConfig(128, 16, 4, 5))
+_INTERPRET_CONFIG = KernelConfig(16, 16, 4, 1)  # interpreter: tiny blocks keep the numpy emulation fast
+
+_CHOSEN: dict[tuple, KernelConfig] = {}
+
+
+def chosen_configs() -> dict[str, str]:
+    """The configs picked so far in this process, ``"kernel key" -> "M128/N64/w8/s3"`` (for benchmarks)."""
+    return {" ".join(map(str, key)): str(cfg) for key, cfg in _CHOSEN.items()}
+
+
+def _tuning_enabled(t: Tensor) -> bool:
+    return (t.is_cuda and not interpreting() and os.environ.get("TORCHNITRO_KERNEL_TUNE", "1").strip() != "0"
+            and not torch.cuda.is_current_stream_capturing())
+
+
+def _time_ms(launch: Callable[[], None], reps: int = 5) -> float:
+    launch()  # compile and warm up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        launch()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _pick_config(name: str, key: tuple, candidates: tuple[KernelConfig, ...], like: Tensor,
+                 launch: Callable[[KernelConfig], None]) -> KernelConfig:
+    """The fastest of ``candidates`` for ``key``, timed once with CUDA events and cached in-process.
+
+    A local version of a config picker (to be unified with the shared one in ``_triton``). The
+    interpreter uses tiny fixed blocks; CPU and ``TORCHNITRO_KERNEL_TUNE=0`` use ``candidates[0]``.
+    ``launch`` must be safe to repeat (each kernel overwrites its outputs, nothing accumulates).
+    """
+    if interpreting():
+        return _INTERPRET_CONFIG
+    full = (name, *key)
+    cfg = _CHOSEN.get(full)
+    if cfg is not None:
+        return cfg
+    if not _tuning_enabled(like):
+        return candidates[0]
+    times: dict[KernelConfig, float] = {}
+    errors: list[str] = []
+    for c in candidates:
+        try:
+            times[c] = _time_ms(lambda c=c: launch(c))
+        except Exception as e:  # noqa: BLE001 - a candidate over the shared-memory or register budget
+            errors.append(f"{c}: {type(e).__name__}: {str(e)[:200]}")
+    if not times:
+        raise BackendUnavailableError(f"flash_attention {name}: no launch config ran for {key}; errors: {errors}")
+    cfg = _CHOSEN[full] = min(times, key=times.__getitem__)
+    return cfg
+
+
+def _launch_kw(cfg: KernelConfig) -> dict[str, int]:
+    kw = {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
+    if not interpreting():
+        kw.update(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return kw
+
+
+def _key(q: Tensor, k: Tensor, causal: bool, window: int | None) -> tuple:
+    """Tuning bucket: lengths rounded up to powers of two; everything the kernels specialise on."""
+    dev = torch.cuda.get_device_name(q.device) if q.is_cuda else q.device.type
+    return (str(q.dtype).replace("torch.", ""), next_pow2(q.shape[2]), next_pow2(k.shape[2]), q.shape[3],
+            q.shape[1] // k.shape[1], "causal" if causal else "full", "window" if window is not None else "",
+            dev)
 
 
 def _prec(q: Tensor) -> str:
@@ -291,22 +393,31 @@ def _strides(t: Tensor) -> tuple[int, int, int]:
     return t.stride(0), t.stride(1), t.stride(2)
 
 
-def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None, scale: float
-                            ) -> tuple[Tensor, Tensor]:
-    """Returns (O (B, H, Tq, D) contiguous, L (B*H, Tq) fp32 natural-log row log-sum-exp)."""
+def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, window: int | None, scale: float,
+                            config: KernelConfig | None = None) -> tuple[Tensor, Tensor]:
+    """Returns (O (B, H, Tq, D) contiguous, L (B*H, Tq) fp32 natural-log row log-sum-exp).
+
+    ``config`` forces a launch config (tests); by default one is picked by :func:`_pick_config`."""
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     o = torch.empty(B, H, Tq, D, device=q.device, dtype=q.dtype)
     lse = torch.empty(B * H, Tq, device=q.device, dtype=torch.float32)
-    grid = lambda meta: (cdiv(Tq, meta["BLOCK_M"]), B * H)  # noqa: E731
-    _fwd[grid](q, k, v, o, lse, scale, H, H // Hkv, Tq, Tk, D, window or 0, *_strides(q), *_strides(k),
-               *_strides(v), *_strides(o), CAUSAL=causal, HAS_WINDOW=window is not None, PREC=_prec(q),
-               BLOCK_D=max(16, next_pow2(D)))
+
+    def launch(c: KernelConfig) -> None:
+        _fwd[(cdiv(Tq, c.block_m), B * H)](
+            q, k, v, o, lse, scale, H, H // Hkv, Tq, Tk, D, window or 0, *_strides(q), *_strides(k),
+            *_strides(v), *_strides(o), CAUSAL=causal, HAS_WINDOW=window is not None, PREC=_prec(q),
+            BLOCK_D=max(16, next_pow2(D)), **_launch_kw(c))
+
+    launch(config or _pick_config("fwd", _key(q, k, causal, window), FWD_CANDIDATES, q, launch))
     return o, lse
 
 
 def flash_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, causal: bool,
-                             window: int | None, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                             window: int | None, scale: float,
+                             configs: tuple[KernelConfig, KernelConfig] | None = None
+                             ) -> tuple[Tensor, Tensor, Tensor]:
+    """(dQ, dK, dV); ``configs`` = (dK/dV config, dQ config) forces launch configs (tests)."""
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     G = H // Hkv
@@ -318,11 +429,21 @@ def flash_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Ten
     dk = torch.empty(B, Hkv, Tk, D, device=q.device, dtype=k.dtype)
     dv = torch.empty_like(dk)
     common = dict(CAUSAL=causal, HAS_WINDOW=window is not None, PREC=_prec(q), BLOCK_D=bd)
-    strides = (*_strides(q), *_strides(k), *_strides(v))
-    _bwd_kv[lambda meta: (cdiv(Tk, meta["BLOCK_N"]), B * Hkv)](
-        q, k, v, do, lse, delta, dk, dv, scale, H, G, Tq, Tk, D, window or 0, *strides, **common)
-    _bwd_q[lambda meta: (cdiv(Tq, meta["BLOCK_M"]), B * H)](
-        q, k, v, do, lse, delta, dq, scale, H, G, Tq, Tk, D, window or 0, *strides, **common)
+    args = (scale, H, G, Tq, Tk, D, window or 0, *_strides(q), *_strides(k), *_strides(v))
+
+    def launch_kv(c: KernelConfig) -> None:
+        _bwd_kv[(cdiv(Tk, c.block_n), B * Hkv)](
+            q, k, v, do, lse, delta, dk, dv, *args, **common, **_launch_kw(c))
+
+    def launch_q(c: KernelConfig) -> None:
+        _bwd_q[(cdiv(Tq, c.block_m), B * H)](
+            q, k, v, do, lse, delta, dq, *args, **common, **_launch_kw(c))
+
+    key = _key(q, k, causal, window)
+    c_kv, c_q = configs or (_pick_config("bwd_dkdv", key, DKDV_CANDIDATES, q, launch_kv),
+                            _pick_config("bwd_dq", key, DQ_CANDIDATES, q, launch_q))
+    launch_kv(c_kv)
+    launch_q(c_q)
     return dq, dk, dv
 
 
