@@ -61,3 +61,37 @@ def test_rope_loops_over_head_blocks(triton_cpu):
     cos, sin = rope_cache(T, D)
     check_against_reference(lambda a: rope(a, cos, sin), lambda a: reference.rope(a, cos, sin),
                             [torch.randn(B, H, T, D)], torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_apply_rope_one_launch_matches_reference(triton_cpu, dtype):
+    """q and k with different head counts (GQA), k a transposed view, rotated together fwd and bwd."""
+    from torchnitro.kernels import apply_rope as fused_apply_rope
+
+    B, Hq, Hk, T, D = 2, 5, 3, 9, 34
+    cos, sin = rope_cache(T, D)
+    q = torch.randn(B, Hq, T, D).to(dtype)
+    k = torch.randn(B, T, Hk, D).to(dtype)
+    check_against_reference(lambda a, b: fused_apply_rope(a, b.transpose(1, 2), cos, sin),
+                            lambda a, b: (reference.rope(a, cos, sin), reference.rope(b.transpose(1, 2), cos, sin)),
+                            [q, k], dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_launch_config_is_correct(triton_cpu, dtype):
+    """Each candidate pick_config may choose on the device gives the reference rotation, both ways."""
+    from torchnitro.kernels.rope import candidates, rope_qk_forward
+
+    B, Hq, Hk, T, D = 2, 9, 3, 37, 34  # head counts and T not multiples of HEADS / BLOCK_T
+    cos, sin = torch.randn(B, T, D // 2), torch.randn(B, T, D // 2)
+    q, k = torch.randn(B, Hq, T, D).to(dtype), torch.randn(B, Hk, T, D).to(dtype)
+    want_q, want_k = reference.rope(q.float(), cos, sin), reference.rope(k.float(), cos, sin)
+    back_q = reference.rope(q.float(), cos, -sin)  # rotation by -theta
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for cfg in candidates(D):
+        got_q, got_k = rope_qk_forward(q, k, cos, sin, 1, config=cfg)
+        torch.testing.assert_close(got_q.float(), want_q, atol=tol, rtol=tol, msg=lambda m: f"{cfg}: {m}")
+        torch.testing.assert_close(got_k.float(), want_k, atol=tol, rtol=tol, msg=lambda m: f"{cfg}: {m}")
+        got_b, none = rope_qk_forward(q, None, cos, sin, -1, config=cfg)
+        assert none is None
+        torch.testing.assert_close(got_b.float(), back_q, atol=tol, rtol=tol, msg=lambda m: f"{cfg}: {m}")

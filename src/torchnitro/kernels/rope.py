@@ -2,7 +2,9 @@
 
 For x = (x1, x2) split at D/2 and angle theta_{t,i}:
     y1 = x1 cos - x2 sin,   y2 = x2 cos + x1 sin
-The backward is the rotation by -theta, so one kernel with a sign serves both directions.
+The backward is the rotation by -theta, so one kernel with a sign serves both directions, and one
+launch rotates q and k together (``apply_rope``); its tile shape is picked by measurement on the
+first CUDA call (``_triton.pick_config``).
 q/k may be strided views (B, H, T, D) (e.g. after ``transpose(1, 2)``); only D must be contiguous.
 """
 
@@ -16,38 +18,68 @@ from torch import Tensor, nn
 from torchnitro.errors import ShapeError
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float
-from torchnitro.kernels._triton import LazyKernel, next_pow2
+from torchnitro.kernels._triton import LazyKernel, cdiv, next_pow2, pick_config
 from torchnitro.kernels.dispatch import use_triton
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
 
-__all__ = ["rope", "apply_rope", "rope_forward", "RopeFunction", "RotaryEmbedding"]
+__all__ = ["rope", "apply_rope", "rope_forward", "rope_qk_forward", "RopeFunction", "RopeQKFunction",
+           "RotaryEmbedding", "candidates"]
 
 
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, y_ptr, H, T, sxb, sxh, sxt, scb, sct, HALF,
-                 SIGN: constexpr, BLOCK_H: constexpr, BLOCK: constexpr):
-    pid = tl.program_id(0)  # one (b, t) position: cos/sin are read once and applied to every head
-    t = pid % T
-    b = pid // T
+def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, T, HQ, HK, NQG,
+                 sqb, sqh, sqt, skb, skh, skt, scb, sct, HALF,
+                 SIGN: constexpr, HEADS: constexpr, BLOCK_T: constexpr, BLOCK: constexpr):
+    # program (t block, head group, b): q's head groups come first, then k's, so one launch rotates both;
+    # the (BLOCK_T, HALF) cos/sin tile is loaded once and applied to HEADS heads
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    g = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    cmask = cols < HALF
-    cb = b.to(tl.int64) * scb + t.to(tl.int64) * sct
-    c = tl.load(cos_ptr + cb + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    s = (tl.load(sin_ptr + cb + cols, mask=cmask, other=0.0).to(tl.float32) * SIGN)[None, :]
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)
-        m = (h[:, None] < H) & cmask[None, :]
-        xb = x_ptr + b.to(tl.int64) * sxb + h[:, None].to(tl.int64) * sxh + t.to(tl.int64) * sxt + cols[None, :]
-        x1 = tl.load(xb, mask=m, other=0.0).to(tl.float32)
-        x2 = tl.load(xb + HALF, mask=m, other=0.0).to(tl.float32)
-        yb = y_ptr + ((b.to(tl.int64) * H + h[:, None]) * T + t) * (2 * HALF) + cols[None, :]  # (B, H, T, D)
-        tl.store(yb, (x1 * c - x2 * s).to(y_ptr.dtype.element_ty), mask=m)
-        tl.store(yb + HALF, (x2 * c + x1 * s).to(y_ptr.dtype.element_ty), mask=m)
+    m = (t[:, None] < T) & (cols[None, :] < HALF)  # (BLOCK_T, BLOCK)
+    t64 = t[:, None].to(tl.int64)
+    cb = b * scb + t64 * sct + cols[None, :]
+    c = tl.load(cos_ptr + cb, mask=m, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + cb, mask=m, other=0.0).to(tl.float32) * SIGN
+    if g < NQG:
+        for i in tl.static_range(HEADS):
+            h = (g * HEADS + i).to(tl.int64)
+            mh = m & ((t64 * 0 + h) < HQ)
+            xb = q_ptr + b * sqb + h * sqh + t64 * sqt + cols[None, :]
+            x1 = tl.load(xb, mask=mh, other=0.0).to(tl.float32)
+            x2 = tl.load(xb + HALF, mask=mh, other=0.0).to(tl.float32)
+            yb = qo_ptr + ((b * HQ + h) * T + t64) * (2 * HALF) + cols[None, :]  # (B, HQ, T, D)
+            tl.store(yb, (x1 * c - x2 * s).to(qo_ptr.dtype.element_ty), mask=mh)
+            tl.store(yb + HALF, (x2 * c + x1 * s).to(qo_ptr.dtype.element_ty), mask=mh)
+    else:
+        for i in tl.static_range(HEADS):
+            h = ((g - NQG) * HEADS + i).to(tl.int64)
+            mh = m & ((t64 * 0 + h) < HK)
+            xb = k_ptr + b * skb + h * skh + t64 * skt + cols[None, :]
+            x1 = tl.load(xb, mask=mh, other=0.0).to(tl.float32)
+            x2 = tl.load(xb + HALF, mask=mh, other=0.0).to(tl.float32)
+            yb = ko_ptr + ((b * HK + h) * T + t64) * (2 * HALF) + cols[None, :]  # (B, HK, T, D)
+            tl.store(yb, (x1 * c - x2 * s).to(ko_ptr.dtype.element_ty), mask=mh)
+            tl.store(yb + HALF, (x2 * c + x1 * s).to(ko_ptr.dtype.element_ty), mask=mh)
 
 
 _kernel = LazyKernel(_rope_kernel)
+
+
+def candidates(D: int) -> list[dict[str, int]]:
+    """Launch configs (BLOCK_T positions x HEADS heads per program, num_warps) :func:`pick_config` times;
+    the first is the default. Tiles are capped near 16K elements so wide heads stay in registers."""
+    half = next_pow2(max(1, D // 2))
+    out = []
+    for bt, heads, warps in ((16, 4, 4), (8, 8, 4), (16, 8, 4), (32, 4, 4), (32, 4, 8), (32, 8, 8), (64, 2, 8),
+                             (64, 4, 8), (16, 2, 4), (8, 4, 2), (4, 8, 4)):
+        bt = max(1, min(bt, 16384 // half))
+        c = {"BLOCK_T": bt, "HEADS": heads, "num_warps": warps}
+        if c not in out:
+            out.append(c)
+    return out
 
 
 def _tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, int, int]:
@@ -58,19 +90,38 @@ def _tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, int, int]:
     return cos, sin, (cos.stride(0) if cos.shape[0] > 1 else 0), cos.stride(1)
 
 
+def rope_qk_forward(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, sign: int = 1,
+                    config: dict[str, int] | None = None) -> tuple[Tensor, Tensor | None]:
+    """Rotate ``q`` (B, Hq, T, D) and ``k`` (B, Hk, T, D) (or None) by +theta (sign=1) or -theta (sign=-1)
+    in one launch; returns contiguous tensors. ``config`` forces one of :func:`candidates`."""
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k is None or k.stride(-1) == 1 else k.contiguous()
+    B, HQ, T, D = q.shape
+    HK = k.shape[1] if k is not None else 0
+    c, s, scb, sct = _tables(cos, sin)
+    qo = torch.empty(B, HQ, T, D, device=q.device, dtype=q.dtype)
+    ko = torch.empty(B, HK, T, D, device=q.device, dtype=k.dtype) if k is not None else None
+    kk, kko = (k, ko) if k is not None else (q, qo)
+    if B * T * D == 0 or HQ + HK == 0:
+        return qo, ko
+    block = next_pow2(D // 2)
+
+    def run(cfg: dict[str, int]) -> None:
+        nqg, nkg = cdiv(HQ, cfg["HEADS"]), cdiv(HK, cfg["HEADS"])
+        _kernel[(cdiv(T, cfg["BLOCK_T"]), nqg + nkg, B)](
+            q, kk, qo, kko, c, s, T, HQ, HK, nqg, q.stride(0), q.stride(1), q.stride(2),
+            kk.stride(0), kk.stride(1), kk.stride(2), scb, sct, D // 2, SIGN=sign, BLOCK=block, **cfg)
+
+    if config is None:
+        key = ("rope", D, HQ, HK, next_pow2(B * T), q.dtype, str(q.device))
+        config = pick_config(key, candidates(D), run, q.device)
+    run(config)
+    return qo, ko
+
+
 def rope_forward(x: Tensor, cos: Tensor, sin: Tensor, sign: int = 1) -> Tensor:
     """Rotate ``x`` (B, H, T, D) by +theta (sign=1) or -theta (sign=-1); returns a contiguous tensor."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    B, H, T, D = x.shape
-    c, s, scb, sct = _tables(cos, sin)
-    y = torch.empty(B, H, T, D, device=x.device, dtype=x.dtype)
-    if y.numel():
-        block = next_pow2(D // 2)
-        block_h = min(next_pow2(H), max(1, 4096 // block))
-        _kernel[(B * T,)](x, c, s, y, H, T, x.stride(0), x.stride(1), x.stride(2), scb, sct, D // 2,
-                          SIGN=sign, BLOCK_H=block_h, BLOCK=block, num_warps=4 if block_h * block <= 2048 else 8)
-    return y
+    return rope_qk_forward(x, None, cos, sin, sign)[0]
 
 
 class RopeFunction(torch.autograd.Function):
@@ -83,6 +134,21 @@ class RopeFunction(torch.autograd.Function):
     def backward(ctx, dy: Tensor):  # type: ignore[override]
         cos, sin = ctx.saved_tensors
         return rope_forward(dy, cos, sin, -1), None, None
+
+
+class RopeQKFunction(torch.autograd.Function):
+    """RoPE on q and k in one launch each way (the backward rotates both gradients by -theta)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+        ctx.save_for_backward(cos, sin)
+        return rope_qk_forward(q, k, cos, sin, 1)
+
+    @staticmethod
+    def backward(ctx, dq: Tensor, dk: Tensor):  # type: ignore[override]
+        cos, sin = ctx.saved_tensors
+        gq, gk = rope_qk_forward(dq, dk, cos, sin, -1)
+        return gq, gk, None, None
 
 
 def _check(x: Tensor, cos: Tensor, sin: Tensor) -> None:
@@ -108,7 +174,14 @@ def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def apply_rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """RoPE on queries and keys (they may have different head counts, GQA)."""
+    """RoPE on queries and keys (they may have different head counts, GQA); one launch for both when
+    they share batch, length, head size, dtype and device."""
+    _check(q, cos, sin)
+    _check(k, cos, sin)
+    same = (q.shape[0] == k.shape[0] and q.shape[2:] == k.shape[2:] and q.dtype == k.dtype
+            and q.device == k.device)
+    if same and use_triton(q, op="rope"):
+        return RopeQKFunction.apply(q, k, cos, sin)
     return rope(q, cos, sin), rope(k, cos, sin)
 
 
