@@ -229,3 +229,27 @@ def test_a_failed_build_warns_once_and_falls_back_to_triton(kernels, monkeypatch
     assert ops.one_pass(x, x, "auto", conj_b=False) == "triton"  # no second try, no second warning
     with pytest.raises(BackendUnavailableError, match="no NVRTC"):
         ops.one_pass(x, x, "cuda", conj_b=False)  # asked for explicitly: the error, not a fallback
+
+
+@pytest.mark.parametrize("d", DIMS)
+def test_launch_candidates_build_valid_sources(d):
+    """Every layout the device may pick is a valid layout, the first is the default, none repeats."""
+    cands = cuda_fft.launch_candidates(d)
+    assert cands[0]["rows"] == cuda_fft._layout(d)[3] and cands[0]["min_blocks"] is None
+    assert len({(c["rows"], c["min_blocks"]) for c in cands}) == len(cands) > 1
+    for c in cands:
+        src, name, threads, rows = cuda_fft.kernel_source(d, False, True, c["rows"], c["min_blocks"])
+        assert rows == c["rows"] and threads % 32 == 0 and name in src
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [2048, 4096])
+def test_every_launch_candidate_binds_correctly(d):
+    if not _cuda_ok():
+        pytest.skip(f"NVRTC build unavailable: {cuda_fft.cuda_bind_reason(torch.empty(1, d, device='cuda'))}")
+    g = torch.Generator().manual_seed(d)
+    a, b = (x.cuda() for x in hrr.random((2, 301), d, generator=g))
+    want = hrr.bind(a, b, backend="torch")
+    for c in cuda_fft.launch_candidates(d):
+        got = cuda_fft.cuda_bind(a, b, rows_per_block=c["rows"], min_blocks=c["min_blocks"])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=lambda m: f"{c}: {m}")

@@ -45,9 +45,11 @@ import torch
 
 from torchnitro.errors import BackendUnavailableError, InputError
 from torchnitro.hrr.fft_kernel import kernel_rows
+from torchnitro.kernels._triton import next_pow2, pick_config
 
 __all__ = ["cuda_bind", "cuda_bind_reason", "kernel_source", "reference_bind", "lanes_per_row",
-           "dif_schedule", "dit_schedule", "MIN_D", "MAX_D"]
+           "dif_schedule", "dit_schedule", "MIN_D", "MAX_D",
+           "launch_candidates", "TUNE_MIN_ROWS"]
 
 MIN_D, MAX_D = 256, 4096
 BLOCK_THREADS = 128
@@ -525,6 +527,36 @@ def cuda_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, normali
         raise InputError(f"cuda_bind: {n} rows; the kernel takes fewer than 2**31")
     if not (eps > 0 and math.isfinite(eps)):
         raise InputError(f"cuda_bind: eps={eps}; expected a positive finite float")
+    tensors = (a2, b2, out, _twiddles(d, a.device))
+    ints = (n, a2.stride(0), b2.stride(0), out.stride(0))
+    if rows_per_block is None and min_blocks is None and n >= TUNE_MIN_ROWS:
+        def run(cfg: dict[str, int | None]) -> None:
+            _kernel(d, conj_b, normalize, a.device, cfg["rows"], cfg["min_blocks"], float(eps))(n, tensors, ints)
+
+        key = ("hrr_cuda_bind", d, conj_b, normalize, next_pow2(n), str(a.device))
+        cfg = pick_config(key, launch_candidates(d), run, a.device)
+        rows_per_block, min_blocks = cfg["rows"], cfg["min_blocks"]
     launch = _kernel(d, conj_b, normalize, a.device, rows_per_block, min_blocks, float(eps))
-    launch(n, (a2, b2, out, _twiddles(d, a.device)), (n, a2.stride(0), b2.stride(0), out.stride(0)))
+    launch(n, tensors, ints)
     return out.reshape(a.shape)
+
+
+TUNE_MIN_ROWS = 4096  # smaller batches are launch-bound: the default layout, no timing
+
+
+def launch_candidates(d: int) -> list[dict[str, int | None]]:
+    """Launch layouts :func:`pick_config` times for large batches at ``d``: rows per block that fit 48 KiB
+    of shared memory and whole warps, times ``__launch_bounds__`` minimum blocks per SM (None: the
+    compiler's choice). The first is the default layout."""
+    t, _, _, rows0 = _layout(d)
+    out: list[dict[str, int | None]] = [{"rows": rows0, "min_blocks": None}]
+    for rows in (1, 2, 4, 8):
+        try:
+            _layout(d, rows)
+        except InputError:
+            continue
+        for mb in (None, 4, 6):
+            c = {"rows": rows, "min_blocks": mb}
+            if c not in out and rows * t * (mb or 1) <= 2048:  # min_blocks x threads within an SM's 2048
+                out.append(c)
+    return out
