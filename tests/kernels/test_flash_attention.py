@@ -97,3 +97,102 @@ def test_flash_attention_module(triton_cpu):
     q, k, v = torch.randn(1, 2, 12, 16), torch.randn(1, 1, 12, 16), torch.randn(1, 1, 12, 16)
     torch.testing.assert_close(FlashAttention(causal=True, window=4)(q, k, v),
                                reference.flash_attention(q, k, v, True, 4), atol=1e-5, rtol=1e-5)
+
+
+def _fa_module():
+    import importlib
+
+    return importlib.import_module("torchnitro.kernels.flash_attention")  # the package re-exports the function
+
+
+def _grads_vs_reference(fa, q, k, v, dy, causal, fwd_cfg, bwd_cfgs, scale=0.25):
+    """Max abs errors, relative to the largest reference value, of (O, dQ, dK, dV) from the launchers under forced configs, vs the fp32 reference."""
+    o, lse = fa.flash_attention_forward(q, k, v, causal, None, scale, config=fwd_cfg)
+    dq, dk, dv = fa.flash_attention_backward(dy, q, k, v, o, lse, causal, None, scale, configs=bwd_cfgs)
+    qr, kr, vr = (t.detach().float().clone().requires_grad_() for t in (q, k, v))
+    ref = reference.flash_attention(qr, kr, vr, causal, None, scale)
+    ref.backward(dy.float())
+    return [((a.float() - b).abs().max() / b.abs().max()).item() for a, b in
+            ((o, ref.detach()), (dq, qr.grad), (dk, kr.grad), (dv, vr.grad))]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("i", range(6))
+def test_flash_attention_every_candidate_config(triton_cpu, causal, i):
+    # fp32 through the interpreter; T spans two 128-blocks plus a tail, so every candidate runs its
+    # unmasked interior loops, the causal diagonal and the ragged edge; GQA (G=2) runs the dK/dV head loop
+    fa = _fa_module()
+    torch.manual_seed(i)
+    B, H, Hkv, T, D = 1, 2, 1, 272, 16
+    q, k, v, dy = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, H, T, D)
+    cands = (fa.FWD_CANDIDATES, fa.DKDV_CANDIDATES, fa.DQ_CANDIDATES)
+    fwd_cfg, kv_cfg, q_cfg = (c[i % len(c)] for c in cands)
+    errs = _grads_vs_reference(fa, q, k, v, dy, causal, fwd_cfg, (kv_cfg, q_cfg))
+    assert max(errs) < 1e-4, f"configs {fwd_cfg}, {kv_cfg}, {q_cfg}: errors (O, dQ, dK, dV) {errs}"
+
+
+def test_flash_attention_candidate_lists_cover_every_kernel():
+    fa = _fa_module()
+    for cands in (fa.FWD_CANDIDATES, fa.DKDV_CANDIDATES, fa.DQ_CANDIDATES):
+        assert 1 <= len(cands) <= 6 and len(set(cands)) == len(cands)  # the config test above walks 6 per kernel
+        assert all(c.block_m >= 16 and c.block_n >= 16 for c in cands)  # tl.dot needs 16-wide tiles
+
+
+def test_pick_config_times_candidates_once_and_caches(monkeypatch):
+    fa = _fa_module()
+    monkeypatch.setattr(fa, "_CHOSEN", {})
+    monkeypatch.setattr(fa, "_tuning_enabled", lambda t: True)
+    cands = (fa.KernelConfig(16, 16, 4, 1), fa.KernelConfig(32, 16, 4, 2), fa.KernelConfig(64, 16, 4, 3))
+    cost = {cands[0]: 3.0, cands[1]: 1.0}
+    timed = []
+
+    def fake_time(launch):
+        launch()
+        return cost[timed[-1]]
+
+    def launch(c):
+        timed.append(c)
+        if c not in cost:
+            raise RuntimeError("out of shared memory")  # a candidate that does not compile is skipped
+
+    monkeypatch.setattr(fa, "_time_ms", fake_time)
+    x = torch.zeros(1)
+    assert fa._pick_config("fwd", ("k",), cands, x, launch) == cands[1]
+    assert timed == list(cands)
+    assert fa._pick_config("fwd", ("k",), cands, x, launch) == cands[1]  # cached: nothing timed again
+    assert len(timed) == 3
+    assert fa.chosen_configs() == {"fwd k": "M32/N16/w4/s2"}
+    with pytest.raises(fa.BackendUnavailableError, match="no launch config ran"):
+        fa._pick_config("dq", ("k",), cands[2:], x, launch)
+
+
+def test_pick_config_untimed_defaults(monkeypatch):
+    fa = _fa_module()
+    cands = (fa.KernelConfig(128, 64, 8, 3), fa.KernelConfig(64, 64, 4, 3))
+    never = lambda c: pytest.fail("nothing may be timed here")  # noqa: E731
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fa._pick_config("fwd", ("x",), cands, torch.zeros(1), never) == fa._INTERPRET_CONFIG
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert fa._pick_config("fwd", ("x",), cands, torch.zeros(1), never) == cands[0]  # CPU tensor: fixed default
+    monkeypatch.setenv("TORCHNITRO_KERNEL_TUNE", "0")
+    assert not fa._tuning_enabled(torch.zeros(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_attention_every_candidate_config_gpu(causal):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU; none is visible (run on the device machine)")
+    fa = _fa_module()
+    B, H, Hkv, T, D = 1, 4, 2, 600, 128
+    q, k, v = (torch.randn(B, h, T, D, device="cuda").bfloat16() for h in (H, Hkv, Hkv))
+    dy = torch.randn(B, H, T, D, device="cuda").bfloat16()
+    for i in range(6):
+        cfgs = [c[i % len(c)] for c in (fa.FWD_CANDIDATES, fa.DKDV_CANDIDATES, fa.DQ_CANDIDATES)]
+        try:
+            errs = _grads_vs_reference(fa, q, k, v, dy, causal, cfgs[0], tuple(cfgs[1:]), scale=D ** -0.5)
+        except Exception as e:  # noqa: BLE001 - a config over this GPU's shared memory is skipped by the picker too
+            if "OutOfResources" not in type(e).__name__ and "shared memory" not in str(e):
+                raise
+            continue
+        assert max(errs) < 3e-2, f"configs {cfgs}: errors (O, dQ, dK, dV) {errs}"
