@@ -129,6 +129,16 @@ def semi_structured_reason(device: torch.device | str | None = None) -> str | No
     return None if why is None else f"{SPARSE_NEEDS}; {why}"
 
 
+def _semi_structured(w: Tensor) -> Tensor:
+    """``w`` (2:4 sparse) as torch's default semi-structured tensor (cuSPARSELt), else the CUTLASS one."""
+    from torch.sparse import SparseSemiStructuredTensorCUTLASS, to_sparse_semi_structured
+
+    try:
+        return to_sparse_semi_structured(w)
+    except Exception:  # noqa: BLE001 - a torch build without cuSPARSELt: the CUTLASS kernels need no library
+        return SparseSemiStructuredTensorCUTLASS.from_dense(w)
+
+
 class SemiSparseLinear(nn.Module):
     """Inference ``y = x W^T + b`` with ``W`` pruned to 2:4 (``prune_2to4``; the source layer is not changed).
 
@@ -148,10 +158,8 @@ class SemiSparseLinear(nn.Module):
             raise BackendUnavailableError(f"SemiSparseLinear(backend='sparse'): {why}. Use backend='auto'")
         stored: Tensor = w
         if backend != "dense" and why is None:
-            from torch.sparse import to_sparse_semi_structured
-
             try:
-                stored = to_sparse_semi_structured(w)
+                stored = _semi_structured(w)
             except Exception as exc:  # noqa: BLE001 - a shape/dtype the sparse kernels reject keeps the dense weight
                 if backend == "sparse":
                     raise BackendUnavailableError(f"SemiSparseLinear: to_sparse_semi_structured failed on weight "
