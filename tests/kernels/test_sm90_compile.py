@@ -30,9 +30,9 @@ def _mod(name: str):
     return importlib.import_module(f"torchnitro.kernels.{name}")
 
 
-cross_entropy, flash_attention, fp8, gelu, layer_norm, linear_gelu, rms_norm, rope, softmax, swiglu = map(
+cross_entropy, flash_attention, fp8, gelu, layer_norm, linear_gelu, rms_norm, rope, softmax, swiglu, _partials = map(
     _mod, ["cross_entropy", "flash_attention", "fp8", "gelu", "layer_norm", "linear_gelu", "rms_norm", "rope",
-           "softmax", "swiglu"])
+           "softmax", "swiglu", "_partials"])
 
 P16, P32, I32, F32, C = "*fp16", "*fp32", "i32", "fp32", "constexpr"
 
@@ -51,19 +51,24 @@ CASES = {
     "glu_bwd": (swiglu._glu_bwd_kernel, dict(dy_ptr=P16, g_ptr=P16, u_ptr=P16, dg_ptr=P16, du_ptr=P16, n=I32),
                 dict(ACT=2, BLOCK=1024)),
     "rms_fwd": (rms_norm._rms_fwd_kernel, dict(x_ptr=P16, r_ptr=P16, h_ptr=P16, w_ptr=P16, y_ptr=P16, rstd_ptr=P32,
-                                               C=I32, eps=F32), dict(HAS_RES=True, HAS_W=True, BLOCK=4096)),
+                                               N=I32, C=I32, eps=F32), dict(HAS_RES=True, HAS_W=True, BLOCK=4096, ROWS=2)),
     "rms_bwd": (rms_norm._rms_bwd_kernel, dict(dy_ptr=P16, dh_ptr=P16, h_ptr=P16, w_ptr=P16, rstd_ptr=P32,
                                                dx_ptr=P16, dw_ptr=P32, n_rows=I32, C=I32),
-                dict(HAS_DH=True, HAS_W=True, BLOCK=4096)),
+                dict(HAS_DH=True, HAS_W=True, BLOCK=4096, ROWS=2)),
     "ln_fwd": (layer_norm._ln_fwd_kernel, dict(x_ptr=P16, w_ptr=P16, b_ptr=P16, y_ptr=P16, mean_ptr=P32,
-                                               rstd_ptr=P32, C=I32, eps=F32), dict(HAS_W=True, HAS_B=True, BLOCK=4096)),
+                                               rstd_ptr=P32, N=I32, C=I32, eps=F32),
+               dict(HAS_W=True, HAS_B=True, BLOCK=4096, ROWS=4)),
     "ln_bwd": (layer_norm._ln_bwd_kernel, dict(dy_ptr=P16, x_ptr=P16, w_ptr=P16, mean_ptr=P32, rstd_ptr=P32,
                                                dx_ptr=P16, dw_ptr=P32, db_ptr=P32, n_rows=I32, C=I32),
-               dict(HAS_W=True, BLOCK=4096)),
+               dict(HAS_W=True, BLOCK=4096, ROWS=2)),
+    "col_sum": (_partials._col_sum_kernel, dict(a_ptr=P32, b_ptr=P32, oa_ptr="*bf16", ob_ptr=P16, P=I32, C=I32),
+                dict(HAS_B=True, BLOCK_P=32, BLOCK_C=64)),
     "softmax_fwd": (softmax._softmax_fwd_kernel, dict(x_ptr=P16, y_ptr=P16, C=I32), dict(BLOCK=8192)),
     "softmax_bwd": (softmax._softmax_bwd_kernel, dict(dy_ptr=P16, y_ptr=P16, dx_ptr=P16, C=I32), dict(BLOCK=8192)),
-    "rope": (rope._rope_kernel, dict(x_ptr=P16, cos_ptr=P32, sin_ptr=P32, y_ptr=P16, H=I32, T=I32, sxb=I32, sxh=I32,
-                                     sxt=I32, scb=I32, sct=I32, HALF=I32), dict(SIGN=-1, BLOCK_H=32, BLOCK=64)),
+    "rope": (rope._rope_kernel, dict(q_ptr="*bf16", k_ptr="*bf16", qo_ptr="*bf16", ko_ptr="*bf16", cos_ptr=P32,
+                                     sin_ptr=P32, T=I32, HQ=I32, HK=I32, NQG=I32, sqb=I32, sqh=I32, sqt=I32,
+                                     skb=I32, skh=I32, skt=I32, scb=I32, sct=I32, HALF=I32),
+             dict(SIGN=-1, HEADS=4, BLOCK_T=16, BLOCK=64)),
     "ce_fwd": (cross_entropy._ce_fwd_kernel, dict(z_ptr=P16, stride=I32, t_ptr="*i64", loss_ptr=P32, lse_ptr=P32,
                                                   V=I32, ignore_index=I32, eps=F32), dict(BLOCK=4096)),
     "ce_bwd": (cross_entropy._ce_bwd_kernel, dict(z_ptr=P16, stride=I32, dz_ptr=P16, dz_stride=I32, t_ptr="*i64",
