@@ -113,6 +113,7 @@ class Fp8InferenceLinear(nn.Module):
         bias = linear.bias.detach().to(out_dtype) if linear.bias is not None else None
         self.register_buffer("bias", bias)  # (N,) in out_dtype, or None
         self._hw_failed = False
+        self._checked: dict[torch.device, bool] = {}
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, backend={self.backend}"
@@ -121,9 +122,12 @@ class Fp8InferenceLinear(nn.Module):
         """Whether a call on ``device`` takes ``torch._scaled_mm`` (else the emulated path)."""
         if self.backend == "emulated" or self._hw_failed:
             return False
+        if device in self._checked:  # the capability check costs host time on every layer call otherwise
+            return self._checked[device]
         why = fp8_inference_reason(device) if device.type == "cuda" else "needs CUDA sm_89+ for FP8 _scaled_mm"
         if why is not None and self.backend == "scaled_mm":
             raise BackendUnavailableError(f"Fp8InferenceLinear(backend='scaled_mm'): {why}. Use backend='auto'")
+        self._checked[device] = why is None
         return why is None
 
     def forward(self, x: Tensor) -> Tensor:
