@@ -39,6 +39,8 @@ def _fa_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, H, G, Tq, Tk, 
                    CAUSAL: constexpr, HAS_WINDOW: constexpr, PREC: constexpr,
                    BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr):
     start_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks see the most keys: launch them first so the tail of the grid is short
+        start_m = tl.num_programs(0) - 1 - start_m
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
@@ -224,6 +226,8 @@ def _fa_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, s
                       BLOCK_M: constexpr, BLOCK_N: constexpr, BLOCK_D: constexpr):
     """dQ for one query block held in registers, looping over key blocks (unmasked interior, then edges)."""
     start_m = tl.program_id(0)
+    if CAUSAL:  # the last query blocks see the most keys: launch them first so the tail of the grid is short
+        start_m = tl.num_programs(0) - 1 - start_m
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
