@@ -57,3 +57,10 @@ def test_env_switch_and_interpreter_disable_tuning(monkeypatch):
 def test_empty_candidates_raise():
     with pytest.raises(InputError, match="empty candidate list"):
         _triton.pick_config(("k", 4), [], lambda c: None, "cpu")
+
+
+def test_small_launches_are_not_timed(fresh, monkeypatch):
+    monkeypatch.setattr(_triton, "tuning_enabled", lambda device: True)
+    monkeypatch.setattr(_triton, "_time_candidates", lambda cands, run: pytest.fail("timed a small launch"))
+    assert _triton.pick_config(("k", 5), CANDS, lambda c: None, "cuda", size=_triton.TUNE_MIN_SIZE - 1) == CANDS[0]
+    assert _triton.tuned_configs() == {}

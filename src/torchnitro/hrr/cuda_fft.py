@@ -534,7 +534,7 @@ def cuda_bind(a: torch.Tensor, b: torch.Tensor, *, conj_b: bool = False, normali
             _kernel(d, conj_b, normalize, a.device, cfg["rows"], cfg["min_blocks"], float(eps))(n, tensors, ints)
 
         key = ("hrr_cuda_bind", d, conj_b, normalize, next_pow2(n), str(a.device))
-        cfg = pick_config(key, launch_candidates(d), run, a.device)
+        cfg = pick_config(key, launch_candidates(d), run, a.device, n * d)
         rows_per_block, min_blocks = cfg["rows"], cfg["min_blocks"]
     launch = _kernel(d, conj_b, normalize, a.device, rows_per_block, min_blocks, float(eps))
     launch(n, tensors, ints)

@@ -23,7 +23,8 @@ import threading
 from typing import Any, Callable, Hashable, Sequence
 
 __all__ = ["triton_importable", "interpreting", "LazyKernel", "jit", "cdiv", "next_pow2", "num_programs",
-           "row_config", "tuning_enabled", "pick_config", "tuned_configs", "clear_tuned_configs"]
+           "row_config", "tuning_enabled", "pick_config", "tuned_configs", "clear_tuned_configs",
+           "TUNE_MIN_SIZE"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -148,14 +149,17 @@ def _time_candidates(candidates: Sequence[dict[str, Any]], run: Callable[[dict[s
     return best
 
 
+TUNE_MIN_SIZE = 1 << 20  # elements below which a launch is latency-bound: every config is alike, none timed
+
+
 def pick_config(key: Hashable, candidates: Sequence[dict[str, Any]], run: Callable[[dict[str, Any]], Any],
-                device: Any) -> dict[str, Any]:
+                device: Any, size: int | None = None) -> dict[str, Any]:
     """The launch config to use for ``key`` (e.g. ``("layer_norm_fwd", C, rows_bucket, dtype, device)``).
 
     ``candidates`` are keyword dicts for ``run`` (which launches the kernel once with that config on the
     caller's real tensors; it must only write outputs the caller overwrites afterwards). The first
-    candidate is the default: it is returned without timing when :func:`tuning_enabled` is False, and
-    when every candidate fails. Otherwise all are timed once (:func:`_time_candidates`), the fastest is
+    candidate is the default: it is returned without timing when :func:`tuning_enabled` is False, when
+    ``size`` (elements the launch touches) is below ``TUNE_MIN_SIZE``, and when every candidate fails. Otherwise all are timed once (:func:`_time_candidates`), the fastest is
     cached under ``key`` for this process and returned. Every candidate must compute the same result
     (tests launch each one), so the pick only changes speed.
     """
@@ -166,7 +170,7 @@ def pick_config(key: Hashable, candidates: Sequence[dict[str, Any]], run: Callab
     hit = _TUNED.get(key)
     if hit is not None:
         return hit["config"]
-    if not tuning_enabled(device):
+    if (size is not None and size < TUNE_MIN_SIZE) or not tuning_enabled(device):
         return candidates[0]
     with _TUNE_LOCK:
         hit = _TUNED.get(key)

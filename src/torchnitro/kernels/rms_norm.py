@@ -11,6 +11,7 @@ CUDA call (``_triton.pick_config``).
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -84,15 +85,17 @@ _fwd = LazyKernel(_rms_fwd_kernel)
 _bwd = LazyKernel(_rms_bwd_kernel)
 
 
-def fwd_candidates(C: int) -> list[dict[str, int]]:
+@functools.lru_cache(maxsize=None)
+def fwd_candidates(C: int) -> tuple[dict[str, int], ...]:
     """Forward launch configs :func:`pick_config` times (the first, one row per program, is the default)."""
     _, w0 = row_config(C)
     out = [{"ROWS": 1, "num_warps": w0}]
     out += [{"ROWS": r, "num_warps": w} for r in (1, 2, 4) for w in (4, 8, 16) if (r, w) != (1, w0)]
-    return out
+    return tuple(out)
 
 
-def bwd_candidates(C: int) -> list[dict[str, int]]:
+@functools.lru_cache(maxsize=None)
+def bwd_candidates(C: int) -> tuple[dict[str, int], ...]:
     """Backward configs: PER_SM persistent programs per SM, ROWS rows per loop step, num_warps
     (the first, one program per SM and one row per step, is the default)."""
     _, w0 = row_config(C)
@@ -102,7 +105,7 @@ def bwd_candidates(C: int) -> list[dict[str, int]]:
         c = {"PER_SM": per_sm, "ROWS": rows, "num_warps": warps}
         if c != out[0]:
             out.append(c)
-    return out
+    return tuple(out)
 
 
 def rms_norm_forward(x: Tensor, weight: Tensor | None, eps: float, residual: Tensor | None = None,
@@ -125,7 +128,7 @@ def rms_norm_forward(x: Tensor, weight: Tensor | None, eps: float, residual: Ten
 
         if config is None:
             key = ("rms_norm_fwd", C, next_pow2(N), x.dtype, r2 is not None, weight is not None, str(x.device))
-            config = pick_config(key, fwd_candidates(C), run, x.device)
+            config = pick_config(key, fwd_candidates(C), run, x.device, N * C)
         run(config)
     return y2.view(x.shape), h2.view(x.shape), rstd
 
@@ -149,20 +152,19 @@ def rms_norm_backward(dy: Tensor, dh_out: Tensor | None, h: Tensor, weight: Tens
     def programs(cfg: dict[str, int]) -> int:
         return max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * n_sm))
 
-    def run(cfg: dict[str, int]) -> None:
+    def run(cfg: dict[str, int]) -> Tensor | None:  # timed whole: P changes the second stage
         kw = {k: v for k, v in cfg.items() if k != "PER_SM"}
-        _bwd[(programs(cfg),)](dy2, dh2 if dh2 is not None else dy2, h2, weight if weight is not None else h2, rstd,
-                               dx2, dw_part if dw_part is not None else rstd, N, C,
-                               HAS_DH=dh2 is not None, HAS_W=weight is not None, BLOCK=block, **kw)
+        P = programs(cfg) if N else 0
+        if N:
+            _bwd[(P,)](dy2, dh2 if dh2 is not None else dy2, h2, weight if weight is not None else h2, rstd,
+                       dx2, dw_part if dw_part is not None else rstd, N, C,
+                       HAS_DH=dh2 is not None, HAS_W=weight is not None, BLOCK=block, **kw)
+        return sum_partials(dw_part[:P], weight.dtype)[0] if weight is not None and dw_part is not None else None
 
-    P = 0
-    if N:
-        if config is None:
-            key = ("rms_norm_bwd", C, next_pow2(N), h.dtype, dh2 is not None, weight is not None, str(h.device))
-            config = pick_config(key, cands, run, h.device)
-        run(config)
-        P = programs(config)
-    dw = sum_partials(dw_part[:P], weight.dtype)[0] if weight is not None and dw_part is not None else None
+    if config is None:
+        key = ("rms_norm_bwd", C, next_pow2(N), h.dtype, dh2 is not None, weight is not None, str(h.device))
+        config = pick_config(key, cands, run, h.device, N * C)
+    dw = run(config)
     return dx2.view(h.shape), dw
 
 

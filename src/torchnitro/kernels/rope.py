@@ -114,7 +114,7 @@ def rope_qk_forward(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, sign:
 
     if config is None:
         key = ("rope", D, HQ, HK, next_pow2(B * T), q.dtype, str(q.device))
-        config = pick_config(key, candidates(D), run, q.device)
+        config = pick_config(key, candidates(D), run, q.device, B * T * D * (HQ + HK))
     run(config)
     return qo, ko
 
