@@ -102,14 +102,16 @@ def row_config(n_cols: int, elem_size: int = 4) -> tuple[int, int]:
 
 def tuning_enabled(device: Any) -> bool:
     """Whether :func:`pick_config` may time candidates on ``device``: a CUDA device, not interpreting,
-    ``TORCHNITRO_KERNEL_TUNE`` not set to 0, and no CUDA graph capture in progress (it cannot sync)."""
+    ``TORCHNITRO_KERNEL_TUNE`` not set to 0, no CUDA graph capture in progress (it cannot sync) and no
+    torch.compile trace (fake tensors cannot be timed)."""
     if os.environ.get("TORCHNITRO_KERNEL_TUNE", "1").strip().lower() in ("0", "false", "no", "off"):
         return False
-    if interpreting() or getattr(device, "type", str(device)) != "cuda":
+    if interpreting() or (getattr(device, "type", None) or str(device).split(":")[0]) != "cuda":
         return False
     import torch
 
-    return torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing()
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", lambda: False)
+    return torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing() and not compiling()
 
 
 _TUNED: dict[Hashable, dict[str, Any]] = {}  # key -> {"config": winner, "ms": {candidate: ms}}
