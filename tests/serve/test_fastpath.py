@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
 
@@ -14,7 +15,8 @@ pytest.importorskip("uvicorn")
 
 from torchnitro.serve.batcher import BatchingConfig  # noqa: E402
 from torchnitro.serve.models import ServedModel  # noqa: E402
-from torchnitro.serve.protocol import ModelSignature, TensorSpec  # noqa: E402
+from torchnitro.serve.protocol import InferItem, ModelSignature, TensorSpec  # noqa: E402
+from torchnitro.serve.queue import Request  # noqa: E402
 from torchnitro.serve.server import InferenceServer, ModelEndpoint, ServeConfig  # noqa: E402
 from torchnitro.serve.workers import InlinePool  # noqa: E402
 
@@ -150,3 +152,35 @@ def test_deep_json_is_a_400_and_an_unexpected_failure_is_a_json_500(served, monk
     assert bug[0] == 500 and bug[1][b"content-type"] == b"application/json"
     assert "KeyError" in json.loads(bug[2])["error"]
     assert 'torchnitro_requests_total{code="500",model="g"} 1.0' in srv.metrics.render().decode()
+
+
+def test_failed_requests_are_freed_without_the_cycle_collector():
+    """A request whose model call raised is answered 500; once answered, nothing may hold it or its
+    input tensors except a reference cycle (error -> traceback -> the route's frame -> request ->
+    future -> error), which only the cyclic GC would free (see test_batcher's test of the same)."""
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        if bool((x[:, 0] < 0).any()):
+            raise ValueError("negative rows are refused")
+        return x * 2 + 1
+
+    sig = ModelSignature("g", [TensorSpec("x", "FP32", (-1, 4))], [TensorSpec("y", "FP32", (-1, 4))])
+    ep = ModelEndpoint("g", InlinePool(ServedModel(model, sig)), BatchingConfig(max_batch_size=4, max_wait_ms=1))
+    srv = InferenceServer([ep], ServeConfig(port=0, workers=0))
+
+    async def main():
+        await ep.start(srv.metrics)
+        answers = await asyncio.gather(*(call(srv.app, scope("/v2/models/g/infer"), body(-v if v % 3 == 0 else v))
+                                         for v in range(1, 13)))
+        live = [sum(type(o) is t for o in gc.get_objects()) for t in (Request, InferItem)]
+        await ep.batcher.stop()
+        return [a[0] for a in answers], live
+
+    gc.collect()
+    gc.disable()  # what a cycle holds now stays held, so the count is deterministic
+    try:
+        statuses, live = asyncio.run(asyncio.wait_for(main(), 20))
+    finally:
+        gc.enable()
+    assert statuses == [500 if v % 3 == 0 else 200 for v in range(1, 13)]
+    assert live == [0, 0]

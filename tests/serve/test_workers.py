@@ -168,3 +168,41 @@ def test_watchdog_replaces_a_stopped_worker_and_fails_only_its_batch():
             await pool.close()
 
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_replacement_workers_reuse_the_arena_and_dead_ones_are_freed_at_once():
+    """Each worker death used to leave its 16 MB shared-memory arena resident in the server until a
+    full cyclic collection freed the dead worker (an error stored in a future whose traceback held
+    the future): the soak's server RSS swung by up to 8 arenas. Now a replacement takes its slot's
+    arena, and nothing but the live workers holds one."""
+    import gc
+
+    from torchnitro.errors import WorkerError
+    from torchnitro.serve.testing import POISON
+    from torchnitro.serve.workers import _Proc
+
+    poison, good = InferItem([torch.full((1, 4), POISON)], 1, None), InferItem([torch.ones(1, 4)], 1, None)
+
+    async def main():
+        pool = ProcessPool("torchnitro.serve.testing:affine", "affine", workers=1, threads=1)
+        await pool.start()
+        try:
+            for _ in range(2):
+                with pytest.raises(WorkerError, match="died"):
+                    await pool.run([poison])
+                out = await pool.run([good])  # waits for the replacement
+                torch.testing.assert_close(out[0][0], torch.full((1, 4), 3.0))
+            arenas = {t.untyped_storage().data_ptr() for t in gc.get_objects()
+                      if type(t) is torch.Tensor and t.is_shared() and t.nbytes == pool.arena_bytes}
+            return pool.restarts, arenas, sum(type(o) is _Proc for o in gc.get_objects())
+        finally:
+            await pool.close()
+
+    gc.collect()
+    gc.disable()  # what a cycle holds now stays held, so the counts are deterministic
+    try:
+        restarts, arenas, procs = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        gc.enable()
+    assert restarts == 2
+    assert len(arenas) == 1 and procs == 1

@@ -189,9 +189,16 @@ class DynamicBatcher:
                      rows: int = 1, length: int | None = None) -> Any:
         """Queue ``item`` and wait for its result. Cancelling the await removes it from the queue."""
         req = self.enqueue(item, priority=priority, timeout_ms=timeout_ms, rows=rows, length=length)
-        return await self.wait(req)
+        try:
+            return await self.wait(req)
+        finally:
+            req = None  # see wait()
 
     async def wait(self, req: Request) -> Any:
+        """The request's result, or its error raised. Callers that keep ``req`` in a local while
+        this raises should drop it (``finally: req = None``): the error's traceback holds their
+        frame, and the frame would hold the future that holds the error, a cycle that only the
+        cyclic GC frees, with the request's tensors in it."""
         try:
             # no shield: cancelling the waiting task cancels the future too, and _finish below
             # still does the bookkeeping (it keys on req.finished, not on the future's state)
@@ -199,6 +206,8 @@ class DynamicBatcher:
         except asyncio.CancelledError:
             self._finish(req, "cancelled", exc=asyncio.CancelledError())
             raise
+        finally:
+            req = None
 
     def cancel(self, req: Request) -> None:
         """Withdraw a request (its client went away): it leaves the queue and is never computed."""
@@ -339,11 +348,10 @@ class DynamicBatcher:
 
     async def _consume(self) -> None:
         while True:
-            batch = await self._collect()
-            live = [r for r in batch if r.live]
-            if not live:
-                continue
-            await self._run(live)
+            batch = [r for r in await self._collect() if r.live]
+            if batch:
+                await self._run(batch)
+            del batch  # a consumer waiting for work holds no answered request
 
     async def _run(self, batch: list[Request]) -> None:
         """Compute ``batch``; if the function raises, retry each half so only the culprit fails.
@@ -358,19 +366,18 @@ class DynamicBatcher:
             self._inflight.add(r)
         rows = sum(r.rows for r in batch)
         try:
-            items = [r.item for r in batch]
-            if self._is_async:
-                out = await self.fn(items)
-            else:
-                out = await asyncio.get_running_loop().run_in_executor(None, self.fn, items)
-            if len(out) != len(batch):
-                raise RuntimeError(f"batch function returned {len(out)} results for {len(batch)} items; "
-                                   "it must return exactly one result per item")
+            out, exc = await self._call([r.item for r in batch])
         except asyncio.CancelledError:
             for r in batch:
                 self._finish(r, "error", exc=DrainingError("the batcher stopped while this request ran"))
             raise
-        except BaseException as exc:  # noqa: BLE001 - one bad request fails only itself
+        finally:
+            dt = self.clock() - t0
+            if self.observer is not None:
+                self.observer.on_batch(rows, dt)
+            if self.adaptive is not None:
+                self.adaptive.on_batch(rows, dt)
+        if exc is not None:  # one bad request fails only itself
             if len(batch) > 1 and isinstance(exc, Exception) and not isinstance(exc, _NOT_RETRIED):
                 mid = len(batch) // 2
                 # a failure that costs a lot to repeat (a worker process lost) is retried one request
@@ -384,11 +391,26 @@ class DynamicBatcher:
             for r in batch:
                 self._finish(r, getattr(exc, "status", "error"), exc=exc)
             return
-        finally:
-            dt = self.clock() - t0
-            if self.observer is not None:
-                self.observer.on_batch(rows, dt)
-            if self.adaptive is not None:
-                self.adaptive.on_batch(rows, dt)
         for r, res in zip(batch, out):
             self._finish(r, "ok", result=res)
+
+    async def _call(self, items: list[Any]) -> tuple[Sequence[Any], None] | tuple[None, BaseException]:
+        """``fn(items)``: (results, None), or (None, the exception it raised).
+
+        The exception is caught here, in a frame that holds items but no ``Request``: it is then
+        stored on the requests' futures, and a traceback through ``_run`` (which holds the batch,
+        hence those futures) would make a cycle that only the cyclic GC frees.
+        """
+        try:
+            if self._is_async:
+                out = await self.fn(items)
+            else:
+                out = await asyncio.get_running_loop().run_in_executor(None, self.fn, items)
+            if len(out) != len(items):
+                raise RuntimeError(f"batch function returned {len(out)} results for {len(items)} items; "
+                                   "it must return exactly one result per item")
+            return out, None
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - _run decides: retry halves or fail the requests
+            return None, exc

@@ -211,5 +211,6 @@ class InferPath:
             timer.cancel()
             if watch:
                 watch[0].cancel()
+            req = None  # an error raised above keeps this frame (its traceback): it must not keep req's future
         data, json_length = encode_response(ep.signature, outputs, item)
         return 200, data, [] if json_length is None else [(_HEADER_LENGTH, str(json_length).encode())]

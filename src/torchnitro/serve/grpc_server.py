@@ -288,4 +288,6 @@ class GRPCFrontend:
             raise _Abort(400 if isinstance(exc, InputError) else 500, str(exc)) from None
         except Exception as exc:  # noqa: BLE001 - one failing batch answers its requests, the server lives on
             raise _Abort(500, f"the model failed on this batch: {type(exc).__name__}: {exc}") from None
+        finally:
+            req = None  # an error's traceback keeps this frame: it must not keep req's future (batcher.wait)
         return encode_response(sig, list(outputs), request.id, wanted, raw=bool(request.raw_input_contents))

@@ -203,8 +203,11 @@ class ProcessPool:
         self._closing = False
         self._tasks: set[asyncio.Task] = set()
 
-    def _spawn(self, idx: int) -> _Proc:
-        arena = torch.empty(self.arena_bytes, dtype=torch.uint8).share_memory_()
+    def _spawn(self, idx: int, arena: Tensor | None = None) -> _Proc:
+        """Start worker ``idx``; a replacement gets the arena of the worker it replaces (dead, and
+        workers only read it), so shared memory stays at one arena per slot however many restarts."""
+        if arena is None:
+            arena = torch.empty(self.arena_bytes, dtype=torch.uint8).share_memory_()
         parent, child = self._ctx.Pipe(duplex=True)
         p = self._ctx.Process(target=_worker_main,
                               args=(self.spec, self.name, child, arena, self.threads, self.trust_code),
@@ -241,6 +244,9 @@ class ProcessPool:
             loop.remove_reader(fd)
             if timer is not None:
                 timer.cancel()
+            # an error stored in fut keeps its traceback, whose frames (readable/late) hold fut: a
+            # cycle only the cyclic GC frees, and with it this batch's frames and its worker (arena)
+            fut = None
 
     async def _wait_ready(self, proc: _Proc) -> None:
         try:
@@ -287,7 +293,7 @@ class ProcessPool:
         if self.on_restart is not None:
             self.on_restart(idx)
         while not self._closing:
-            new = self._spawn(idx)
+            new = self._spawn(idx, old.arena)
             self._procs[idx] = new
             try:
                 await self._wait_ready(new)
