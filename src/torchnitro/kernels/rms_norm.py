@@ -101,7 +101,7 @@ def bwd_candidates(C: int) -> tuple[dict[str, int], ...]:
     _, w0 = row_config(C)
     out = [{"PER_SM": 1, "ROWS": 1, "num_warps": w0}]
     for per_sm, rows, warps in ((2, 1, 8), (4, 1, 8), (2, 1, 16), (4, 1, 16), (1, 2, 8), (2, 2, 8), (1, 2, 16),
-                                (2, 2, 16), (4, 1, 4), (8, 1, 4), (1, 1, 16)):
+                                (2, 2, 16), (4, 1, 4), (8, 1, 4), (1, 1, 16), (1, 4, 16), (2, 4, 16)):
         c = {"PER_SM": per_sm, "ROWS": rows, "num_warps": warps}
         if c != out[0]:
             out.append(c)
