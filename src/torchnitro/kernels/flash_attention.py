@@ -310,15 +310,16 @@ class KernelConfig:
 
 
 # Candidates per kernel, tried in order; the first is the default when nothing is timed (CPU, tuning off).
-# Centred on the FlashAttention-2 / Triton fused-attention tutorial settings for D=128 on sm_90 (forward
-# 128x64-128 with 8 warps; dK/dV 32x128 and dQ 128x32 with 4 warps and 5 stages), plus 64-wide fallbacks
-# for small head dims and small shared memory. One that fails to compile (shared memory) is skipped.
-FWD_CANDIDATES = (KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4),
-                  KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3))
-DKDV_CANDIDATES = (KernelConfig(32, 128, 4, 5), KernelConfig(32, 128, 8, 3), KernelConfig(64, 128, 8, 3),
-                   KernelConfig(32, 64, 4, 4), KernelConfig(64, 64, 4, 3), KernelConfig(16, 128, 4, 5))
-DQ_CANDIDATES = (KernelConfig(128, 32, 4, 5), KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 8, 3),
-                 KernelConfig(64, 64, 4, 3), KernelConfig(64, 32, 4, 4), KernelConfig(128, 16, 4, 5))
+# Centred on the FlashAttention-2 / Triton fused-attention tutorial settings (forward 128x64-128 with 8
+# warps; dK/dV 32x128 and dQ 128x32-64), with 8 warps first for dK/dV: at D=128 its two fp32 (128, D)
+# accumulators overflow 4 warps' registers (ptxas reports spills for sm_90); the 4-warp ones are for
+# D <= 64. One that fails to compile (shared memory) is skipped by the picker.
+FWD_CANDIDATES = (KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 8, 4),
+                  KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3))
+DKDV_CANDIDATES = (KernelConfig(32, 128, 8, 3), KernelConfig(32, 128, 8, 4), KernelConfig(64, 128, 8, 2),
+                   KernelConfig(16, 128, 8, 4), KernelConfig(32, 128, 4, 5), KernelConfig(64, 64, 4, 3))
+DQ_CANDIDATES = (KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 8, 3), KernelConfig(128, 32, 8, 4),
+                 KernelConfig(128, 64, 8, 2), KernelConfig(64, 64, 4, 3), KernelConfig(128, 32, 4, 5))
 _INTERPRET_CONFIG = KernelConfig(16, 16, 4, 1)  # interpreter: tiny blocks keep the numpy emulation fast
 
 _CHOSEN: dict[tuple, KernelConfig] = {}
