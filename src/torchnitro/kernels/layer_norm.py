@@ -89,8 +89,48 @@ def _ln_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_
     tl.store(db_ptr + pid * C + cols, db, mask=mask)
 
 
+def _ln_bwd_prefetch_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_ptr, db_ptr, n_rows, C,
+                            HAS_W: constexpr, BLOCK: constexpr):
+    """As ``_ln_bwd_kernel`` with one row per step, loading the next row before this row's reductions
+    (software pipelining: one program per SM otherwise waits a DRAM latency per row)."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < C
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    db = tl.zeros((BLOCK,), dtype=tl.float32)
+    first = pid.to(tl.int64)
+    m0 = mask & ((cols * 0 + first) < n_rows)
+    dy = tl.load(dy_ptr + first * C + cols, mask=m0, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + first * C + cols, mask=m0, other=0.0).to(tl.float32)
+    mean = tl.load(mean_ptr + first, mask=first < n_rows, other=0.0)
+    rstd = tl.load(rstd_ptr + first, mask=first < n_rows, other=0.0)
+    for r in range(pid, n_rows, n_prog):
+        cur = tl.cast(r, tl.int64)
+        nxt = cur + n_prog
+        mn = mask & ((cols * 0 + nxt) < n_rows)
+        dy_n = tl.load(dy_ptr + nxt * C + cols, mask=mn, other=0.0).to(tl.float32)
+        x_n = tl.load(x_ptr + nxt * C + cols, mask=mn, other=0.0).to(tl.float32)
+        mean_n = tl.load(mean_ptr + nxt, mask=nxt < n_rows, other=0.0)
+        rstd_n = tl.load(rstd_ptr + nxt, mask=nxt < n_rows, other=0.0)
+        x_hat = tl.where(mask, (x - mean) * rstd, 0.0)
+        g = dy * w if HAS_W else dy
+        c1 = tl.sum(g * x_hat, axis=0) / C
+        c2 = tl.sum(g, axis=0) / C
+        dx = rstd * (g - x_hat * c1 - c2)
+        tl.store(dx_ptr + cur * C + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * x_hat
+        db += dy
+        dy, x, mean, rstd = dy_n, x_n, mean_n, rstd_n
+    tl.store(dw_ptr + pid * C + cols, dw, mask=mask)
+    tl.store(db_ptr + pid * C + cols, db, mask=mask)
+
+
 _fwd = LazyKernel(_ln_fwd_kernel)
 _bwd = LazyKernel(_ln_bwd_kernel)
+_bwd_prefetch = LazyKernel(_ln_bwd_prefetch_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,8 +144,8 @@ def fwd_candidates(C: int) -> tuple[dict[str, int], ...]:
 
 @functools.lru_cache(maxsize=None)
 def bwd_candidates(C: int) -> tuple[dict[str, int], ...]:
-    """Backward configs: PER_SM persistent programs per SM, ROWS rows per loop step, num_warps
-    (the first, one program per SM and one row per step, is the default)."""
+    """Backward configs: PER_SM persistent programs per SM, ROWS rows per loop step (or PREFETCH: the
+    next row loaded during this one), num_warps (the first, one program per SM and one row per step, is the default)."""
     _, w0 = row_config(C)
     out = [{"PER_SM": 1, "ROWS": 1, "num_warps": w0}]
     for per_sm, rows, warps in ((2, 1, 8), (4, 1, 8), (2, 1, 16), (4, 1, 16), (1, 2, 8), (2, 2, 8), (1, 2, 16),
@@ -113,6 +153,8 @@ def bwd_candidates(C: int) -> tuple[dict[str, int], ...]:
         c = {"PER_SM": per_sm, "ROWS": rows, "num_warps": warps}
         if c != out[0]:
             out.append(c)
+    for per_sm, warps in ((1, 8), (2, 8), (1, 16), (2, 16)):  # next-row prefetch, one row per step
+        out.append({"PER_SM": per_sm, "ROWS": 1, "PREFETCH": 1, "num_warps": warps})
     return tuple(out)
 
 
@@ -161,10 +203,14 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tens
         return max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * n_sm))
 
     def run(cfg: dict[str, int]) -> tuple[Tensor, Tensor | None]:  # timed whole: P changes the second stage
-        kw = {k: v for k, v in cfg.items() if k != "PER_SM"}
+        kw = {k: v for k, v in cfg.items() if k not in ("PER_SM", "PREFETCH")}
+        kernel = _bwd
+        if cfg.get("PREFETCH"):
+            kernel = _bwd_prefetch
+            del kw["ROWS"]
         P = programs(cfg) if N else 0
         if N:
-            _bwd[(P,)](dy2, x2, weight if weight is not None else x2, mean, rstd, dx2, dw_part, db_part,
+            kernel[(P,)](dy2, x2, weight if weight is not None else x2, mean, rstd, dx2, dw_part, db_part,
                        N, C, HAS_W=weight is not None, BLOCK=block, **kw)
         return sum_partials(dw_part[:P], weight.dtype if weight is not None else torch.float32,
                             db_part[:P], bias_dtype or torch.float32)

@@ -81,8 +81,44 @@ def _rms_bwd_kernel(dy_ptr, dh_ptr, h_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n_ro
         tl.store(dw_ptr + pid * C + cols, dw, mask=mask)
 
 
+def _rms_bwd_prefetch_kernel(dy_ptr, dh_ptr, h_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, n_rows, C,
+                             HAS_DH: constexpr, HAS_W: constexpr, BLOCK: constexpr):
+    """As ``_rms_bwd_kernel`` with one row per step, loading the next row's dy and h before this row's
+    reduction (software pipelining: one program per SM otherwise waits a DRAM latency per row)."""
+    pid = tl.program_id(0)
+    n_prog = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < C
+    if HAS_W:
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    first = pid.to(tl.int64)
+    m0 = mask & ((cols * 0 + first) < n_rows)
+    dy = tl.load(dy_ptr + first * C + cols, mask=m0, other=0.0).to(tl.float32)
+    h = tl.load(h_ptr + first * C + cols, mask=m0, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + first, mask=first < n_rows, other=0.0)
+    for r in range(pid, n_rows, n_prog):
+        cur = tl.cast(r, tl.int64)
+        nxt = cur + n_prog
+        mn = mask & ((cols * 0 + nxt) < n_rows)
+        dy_n = tl.load(dy_ptr + nxt * C + cols, mask=mn, other=0.0).to(tl.float32)
+        h_n = tl.load(h_ptr + nxt * C + cols, mask=mn, other=0.0).to(tl.float32)
+        rstd_n = tl.load(rstd_ptr + nxt, mask=nxt < n_rows, other=0.0)
+        h_hat = h * rstd
+        g = dy * w if HAS_W else dy
+        dx = rstd * (g - h_hat * (tl.sum(g * h_hat, axis=0) / C))
+        if HAS_DH:
+            dx += tl.load(dh_ptr + cur * C + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + cur * C + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        dw += dy * h_hat
+        dy, h, rstd = dy_n, h_n, rstd_n
+    if HAS_W:
+        tl.store(dw_ptr + pid * C + cols, dw, mask=mask)
+
+
 _fwd = LazyKernel(_rms_fwd_kernel)
 _bwd = LazyKernel(_rms_bwd_kernel)
+_bwd_prefetch = LazyKernel(_rms_bwd_prefetch_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,8 +132,8 @@ def fwd_candidates(C: int) -> tuple[dict[str, int], ...]:
 
 @functools.lru_cache(maxsize=None)
 def bwd_candidates(C: int) -> tuple[dict[str, int], ...]:
-    """Backward configs: PER_SM persistent programs per SM, ROWS rows per loop step, num_warps
-    (the first, one program per SM and one row per step, is the default)."""
+    """Backward configs: PER_SM persistent programs per SM, ROWS rows per loop step (or PREFETCH: the
+    next row loaded during this one), num_warps (the first, one program per SM and one row per step, is the default)."""
     _, w0 = row_config(C)
     out = [{"PER_SM": 1, "ROWS": 1, "num_warps": w0}]
     for per_sm, rows, warps in ((2, 1, 8), (4, 1, 8), (2, 1, 16), (4, 1, 16), (1, 2, 8), (2, 2, 8), (1, 2, 16),
@@ -105,6 +141,8 @@ def bwd_candidates(C: int) -> tuple[dict[str, int], ...]:
         c = {"PER_SM": per_sm, "ROWS": rows, "num_warps": warps}
         if c != out[0]:
             out.append(c)
+    for per_sm, warps in ((1, 8), (2, 8), (1, 16), (2, 16)):  # next-row prefetch, one row per step
+        out.append({"PER_SM": per_sm, "ROWS": 1, "PREFETCH": 1, "num_warps": warps})
     return tuple(out)
 
 
@@ -153,10 +191,14 @@ def rms_norm_backward(dy: Tensor, dh_out: Tensor | None, h: Tensor, weight: Tens
         return max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * n_sm))
 
     def run(cfg: dict[str, int]) -> Tensor | None:  # timed whole: P changes the second stage
-        kw = {k: v for k, v in cfg.items() if k != "PER_SM"}
+        kw = {k: v for k, v in cfg.items() if k not in ("PER_SM", "PREFETCH")}
+        kernel = _bwd
+        if cfg.get("PREFETCH"):
+            kernel = _bwd_prefetch
+            del kw["ROWS"]
         P = programs(cfg) if N else 0
         if N:
-            _bwd[(P,)](dy2, dh2 if dh2 is not None else dy2, h2, weight if weight is not None else h2, rstd,
+            kernel[(P,)](dy2, dh2 if dh2 is not None else dy2, h2, weight if weight is not None else h2, rstd,
                        dx2, dw_part if dw_part is not None else rstd, N, C,
                        HAS_DH=dh2 is not None, HAS_W=weight is not None, BLOCK=block, **kw)
         return sum_partials(dw_part[:P], weight.dtype)[0] if weight is not None and dw_part is not None else None
