@@ -102,12 +102,16 @@ def _quantize(state: ScaleState, x: Tensor, dtype: torch.dtype) -> tuple[Tensor,
 
 
 def _mm(a_q: Tensor, a: tuple[Tensor, Tensor], b_q: Tensor, b: tuple[Tensor, Tensor], out_dtype: torch.dtype,
-        hw: bool, bias: Tensor | None = None) -> Tensor:
-    """``(a_q / a_scale) @ (b_q / b_scale) [+ bias]`` for 2-D fp8 operands; ``a``/``b`` are (scale, inv_scale)."""
+        hw: bool, bias: Tensor | None = None, fast_accum: bool = False) -> Tensor:
+    """``(a_q / a_scale) @ (b_q / b_scale) [+ bias]`` for 2-D fp8 operands; ``a``/``b`` are (scale, inv_scale).
+
+    ``fast_accum``: Hopper's fp8 fast accumulation (partial sums promoted to fp32 less often). Used
+    for the forward output only, as torchao's float8 training does; the gradients keep full
+    accumulation, where the sums over many tokens are longest."""
     if hw:
         fused_bias = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
         out = torch._scaled_mm(a_q.contiguous(), _col_major(b_q), scale_a=a[1], scale_b=b[1],
-                               bias=bias if fused_bias else None, out_dtype=out_dtype)
+                               bias=bias if fused_bias else None, out_dtype=out_dtype, use_fast_accum=fast_accum)
         out = out[0] if isinstance(out, tuple) else out
         return out + bias.to(out_dtype) if bias is not None and not fused_bias else out
     out = ((a_q.float() / a[0]) @ (b_q.float() / b[0])).to(out_dtype)
@@ -124,7 +128,7 @@ class _Float8MatmulFn(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])  # (M, K)
         xq, sx, ix = _quantize(states[0], x2, E4M3)
         wq, sw, iw = _quantize(states[1], weight, E4M3)  # (N, K)
-        y = _mm(xq, (sx, ix), wq.t(), (sw, iw), x.dtype, hw, bias)  # (M, N)
+        y = _mm(xq, (sx, ix), wq.t(), (sw, iw), x.dtype, hw, bias, fast_accum=True)  # (M, N)
         ctx.save_for_backward(xq, wq, sx, ix, sw, iw)
         ctx.states, ctx.hw, ctx.x_shape = states, hw, x.shape
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype if bias is not None else None)
