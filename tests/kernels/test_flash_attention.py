@@ -118,14 +118,17 @@ def _grads_vs_reference(fa, q, k, v, dy, causal, fwd_cfg, bwd_cfgs, scale=0.25):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("i", range(6))
-def test_flash_attention_every_candidate_config(triton_cpu, causal, i):
+@pytest.mark.parametrize("D", [16, 160])  # the D <= 128 lists, and the wide ones (160 also pads BLOCK_D)
+def test_flash_attention_every_candidate_config(triton_cpu, causal, i, D):
     # fp32 through the interpreter; T spans two 128-blocks plus a tail, so every candidate runs its
     # unmasked interior loops, the causal diagonal and the ragged edge; GQA (G=2) runs the dK/dV head loop
     fa = _fa_module()
     torch.manual_seed(i)
-    B, H, Hkv, T, D = 1, 2, 1, 272, 16
+    B, H, Hkv, T = 1, 2, 1, 272
+    cands = fa.candidates(D)
+    if i >= max(map(len, cands)):
+        pytest.skip(f"the D={D} lists have {max(map(len, cands))} candidates")
     q, k, v, dy = torch.randn(B, H, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, Hkv, T, D), torch.randn(B, H, T, D)
-    cands = (fa.FWD_CANDIDATES, fa.DKDV_CANDIDATES, fa.DQ_CANDIDATES)
     fwd_cfg, kv_cfg, q_cfg = (c[i % len(c)] for c in cands)
     errs = _grads_vs_reference(fa, q, k, v, dy, causal, fwd_cfg, (kv_cfg, q_cfg))
     assert max(errs) < 1e-4, f"configs {fwd_cfg}, {kv_cfg}, {q_cfg}: errors (O, dQ, dK, dV) {errs}"
@@ -133,7 +136,7 @@ def test_flash_attention_every_candidate_config(triton_cpu, causal, i):
 
 def test_flash_attention_candidate_lists_cover_every_kernel():
     fa = _fa_module()
-    for cands in (fa.FWD_CANDIDATES, fa.DKDV_CANDIDATES, fa.DQ_CANDIDATES):
+    for cands in (*fa.candidates(128), *fa.candidates(256)):
         assert 1 <= len(cands) <= 6 and len(set(cands)) == len(cands)  # the config test above walks 6 per kernel
         assert all(c.block_m >= 16 and c.block_n >= 16 for c in cands)  # tl.dot needs 16-wide tiles
 
@@ -180,15 +183,16 @@ def test_pick_config_untimed_defaults(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [False, True])
-def test_flash_attention_every_candidate_config_gpu(causal):
+@pytest.mark.parametrize("D", [128, 256])
+def test_flash_attention_every_candidate_config_gpu(causal, D):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU; none is visible (run on the device machine)")
     fa = _fa_module()
-    B, H, Hkv, T, D = 1, 4, 2, 600, 128
+    B, H, Hkv, T = 1, 4, 2, 600
     q, k, v = (torch.randn(B, h, T, D, device="cuda").bfloat16() for h in (H, Hkv, Hkv))
     dy = torch.randn(B, H, T, D, device="cuda").bfloat16()
     for i in range(6):
-        cfgs = [c[i % len(c)] for c in (fa.FWD_CANDIDATES, fa.DKDV_CANDIDATES, fa.DQ_CANDIDATES)]
+        cfgs = [c[i % len(c)] for c in fa.candidates(D)]
         try:
             errs = _grads_vs_reference(fa, q, k, v, dy, causal, cfgs[0], tuple(cfgs[1:]), scale=D ** -0.5)
         except Exception as e:  # noqa: BLE001 - a config over this GPU's shared memory is skipped by the picker too

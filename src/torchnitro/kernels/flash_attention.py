@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importi
     from triton.language import constexpr
 
 __all__ = ["flash_attention", "FlashAttention", "flash_attention_forward", "flash_attention_backward",
-           "FlashAttentionFunction", "KernelConfig", "chosen_configs"]
+           "FlashAttentionFunction", "KernelConfig", "candidates", "chosen_configs"]
 
 
 def _fa_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, H, G, Tq, Tk, D, WINDOW,
@@ -320,6 +321,19 @@ DKDV_CANDIDATES = (KernelConfig(32, 128, 8, 3), KernelConfig(32, 128, 8, 4), Ker
                    KernelConfig(16, 128, 8, 4), KernelConfig(32, 128, 4, 5), KernelConfig(64, 64, 4, 3))
 DQ_CANDIDATES = (KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 8, 3), KernelConfig(128, 32, 8, 4),
                  KernelConfig(128, 64, 8, 2), KernelConfig(64, 64, 4, 3), KernelConfig(128, 32, 4, 5))
+# Head dims above 128: the 128-wide tiles above overflow shared memory, so smaller tiles, fewer stages.
+FWD_CANDIDATES_WIDE = (KernelConfig(64, 32, 4, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 32, 8, 2))
+DKDV_CANDIDATES_WIDE = (KernelConfig(16, 64, 4, 2), KernelConfig(32, 64, 4, 2), KernelConfig(16, 32, 4, 2))
+DQ_CANDIDATES_WIDE = (KernelConfig(64, 32, 4, 2), KernelConfig(32, 32, 4, 2), KernelConfig(64, 16, 4, 2))
+
+
+def candidates(head_dim: int) -> tuple[tuple[KernelConfig, ...], tuple[KernelConfig, ...], tuple[KernelConfig, ...]]:
+    """(forward, dK/dV, dQ) candidate lists for a head dim."""
+    if head_dim > 128:
+        return FWD_CANDIDATES_WIDE, DKDV_CANDIDATES_WIDE, DQ_CANDIDATES_WIDE
+    return FWD_CANDIDATES, DKDV_CANDIDATES, DQ_CANDIDATES
+
+
 _INTERPRET_CONFIG = KernelConfig(16, 16, 4, 1)  # interpreter: tiny blocks keep the numpy emulation fast
 
 _CHOSEN: dict[tuple, KernelConfig] = {}
@@ -414,7 +428,7 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, windo
             *_strides(v), *_strides(o), CAUSAL=causal, HAS_WINDOW=window is not None, PREC=_prec(q),
             BLOCK_D=max(16, next_pow2(D)), **_launch_kw(c))
 
-    launch(config or _pick_config("fwd", _key(q, k, causal, window), FWD_CANDIDATES, q, launch))
+    launch(config or _pick_config("fwd", _key(q, k, causal, window), candidates(D)[0], q, launch))
     return o, lse
 
 
@@ -445,8 +459,8 @@ def flash_attention_backward(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Ten
             q, k, v, do, lse, delta, dq, *args, **common, **_launch_kw(c))
 
     key = _key(q, k, causal, window)
-    c_kv, c_q = configs or (_pick_config("bwd_dkdv", key, DKDV_CANDIDATES, q, launch_kv),
-                            _pick_config("bwd_dq", key, DQ_CANDIDATES, q, launch_q))
+    c_kv, c_q = configs or (_pick_config("bwd_dkdv", key, candidates(D)[1], q, launch_kv),
+                            _pick_config("bwd_dq", key, candidates(D)[2], q, launch_q))
     launch_kv(c_kv)
     launch_q(c_q)
     return dq, dk, dv
@@ -494,7 +508,10 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, windo
     if q.shape[-1] <= 256 and use_triton(q, op="flash_attention"):
         q, k, v = autocast_inputs(q, k, v)  # as SDPA under torch.autocast
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # kernels need unit-stride D
-        return FlashAttentionFunction.apply(q, k, v, causal, window, scale)
+        try:
+            return FlashAttentionFunction.apply(q, k, v, causal, window, scale)
+        except BackendUnavailableError as e:  # no launch config compiled on this GPU for this shape
+            warnings.warn(f"flash_attention: {e}; using the PyTorch reference", stacklevel=2)
     return reference.flash_attention(q, k, v, causal, window, scale)
 
 
