@@ -97,3 +97,50 @@ def test_kernel_turns_bad_class_into_nan_without_reading_out_of_row(triton_cpu):
     z = torch.randn(3, 10)
     loss, _ = ce.cross_entropy_forward(z, torch.tensor([1, 10, -100]), -100, 0.0)  # 10 is out of range
     assert torch.isfinite(loss[0]) and torch.isnan(loss[1]) and loss[2] == 0
+
+
+@pytest.mark.parametrize("grad_exists", [False, True])
+def test_fused_linear_cross_entropy_keeps_one_vocab_sized_gradient_buffer(triton_cpu, grad_exists):
+    """Backward scales dW in place and hands it to autograd: no (V, D) copy is made, whether autograd
+    takes it over as .grad or adds it into an existing .grad (a buffer the context still held would
+    be cloned, doubling peak memory at LM-head sizes)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    N, D, V = 8, 16, 40
+    x = torch.randn(N, D, requires_grad=True)
+    w = (torch.randn(V, D) / D ** 0.5).requires_grad_()
+    t = torch.randint(0, V, (N,))
+    if grad_exists:
+        w.grad = torch.zeros(V, D)
+
+    class CountVD(TorchDispatchMode):
+        made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            new_alloc = all(r.alias_info is None for r in func._schema.returns)  # not a view, in-place or out=
+            CountVD.made += sum(isinstance(o, torch.Tensor) and tuple(o.shape) == (V, D) for o in outs) * new_alloc
+            return out
+
+    want = torch.func.grad(lambda w_: reference.fused_linear_cross_entropy(x.detach(), w_, t) * 0.37)(w.detach())
+    with CountVD():
+        (fused_linear_cross_entropy(x, w, t, chunk_size=3) * 0.37).backward()
+    assert CountVD.made == 1, f"{CountVD.made} (V, D) buffers allocated; expected only dW"
+    torch.testing.assert_close(w.grad, want, atol=1e-5, rtol=1e-4)
+
+
+def test_fused_linear_cross_entropy_retained_graph_backward_twice(triton_cpu):
+    """The first backward hands its buffers to autograd; a second one through a retained graph
+    recomputes them, so the accumulated gradients are exactly twice the reference's."""
+    N, D, V = 7, 13, 33
+    x, w = torch.randn(N, D, requires_grad=True), (torch.randn(V, D) / D ** 0.5).requires_grad_()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    t = torch.randint(0, V, (N,))
+    loss = fused_linear_cross_entropy(x, w, t, chunk_size=3)
+    ref = reference.fused_linear_cross_entropy(xr, wr, t)
+    for g in (torch.tensor(0.5), torch.tensor(-2.0)):
+        loss.backward(g, retain_graph=True)
+        ref.backward(g, retain_graph=True)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-5, rtol=1e-4)

@@ -171,54 +171,84 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
     return reference.cross_entropy(logits, target, ignore_index, reduction, label_smoothing)
 
 
+def _flce_chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,
+                 reduction: str, eps: float, chunk_size: int, accum_dtype: torch.dtype | None,
+                 need: tuple[bool, bool, bool]) -> tuple[Tensor, Tensor | None, Tensor | None, Tensor | None]:
+    """(summed row losses, dx, dW, db) for a loss gradient of 1, walking N in row chunks.
+
+    Memory beyond the inputs: dx (N, D) and dW (V, D) (the outputs), one (chunk, V) logits block (its
+    gradient overwrites it in place and it is freed before the next chunk's block exists) and O(chunk)
+    fp32 row statistics. dx rows are written by the GEMM straight into dx (no (chunk, D) temporary).
+    """
+    N, D = x.shape
+    V = weight.shape[0]
+    need_x, need_w, need_b = need
+    dx = torch.empty_like(x) if need_x else None
+    acc = accum_dtype or weight.dtype  # weight dtype (Liger's choice) keeps dW at the size of W
+    dw = torch.zeros(V, D, device=x.device, dtype=acc) if need_w else None
+    db = torch.zeros(V, device=x.device, dtype=acc) if need_b else None
+    total = torch.zeros((), device=x.device, dtype=torch.float32)
+    scale = _mean_factor(target, ignore_index, reduction)  # device scalar: no host sync per step
+    for s in range(0, N, chunk_size):
+        xc, tc = x[s:s + chunk_size], target[s:s + chunk_size]
+        logits = xc @ weight.t()  # (chunk, V): the only vocab-sized block alive
+        if bias is not None:
+            logits += bias
+        loss, lse = cross_entropy_forward(logits, tc, ignore_index, eps)
+        total += loss.sum()
+        if need_x or need_w or need_b:
+            cross_entropy_backward(logits, tc, lse, scale, ignore_index, eps, out=logits)  # in place
+            if dx is not None:
+                torch.mm(logits, weight, out=dx[s:s + chunk_size])  # rows of a contiguous dx: a valid out=
+            if dw is not None:
+                if dw.dtype == logits.dtype:
+                    dw.addmm_(logits.t(), xc)
+                else:  # fp32 accumulation of low-precision chunks: one (V, D) temporary per chunk
+                    dw += (logits.t() @ xc).to(dw.dtype)
+            if db is not None:
+                db += logits.sum(0, dtype=torch.float32).to(db.dtype)
+        del logits, loss, lse  # free this block before the next chunk allocates its own
+    return total, dx, dw, db
+
+
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """Loss and all gradients computed in forward, chunk by chunk; backward only scales them."""
+    """Loss and all gradients computed in forward, chunk by chunk; backward only scales them.
+
+    Exactly one (V, D) gradient buffer exists at any time: backward scales it in place by the
+    incoming loss gradient, drops the context's reference and returns it, so autograd either adds
+    it into an existing ``weight.grad`` in place or takes it over as ``.grad`` without a copy (a
+    tensor still held by the context would be cloned). A second backward through a retained graph
+    (``retain_graph=True``) recomputes the gradients from the saved inputs, so it stays exact.
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None, ignore_index: int,  # type: ignore[override]
                 reduction: str, eps: float, chunk_size: int, accum_dtype: torch.dtype | None):
-        N, D = x.shape
-        V = weight.shape[0]
-        need_grad = x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-        dx = torch.empty_like(x) if need_grad else None
-        acc = accum_dtype or weight.dtype  # weight dtype (Liger's choice) keeps dW at the size of W
-        dw = torch.zeros(V, D, device=x.device, dtype=acc) if weight.requires_grad else None
-        db = torch.zeros(V, device=x.device, dtype=acc) if bias is not None and bias.requires_grad else None
-        total = torch.zeros((), device=x.device, dtype=torch.float32)
-        scale = _mean_factor(target, ignore_index, reduction)  # device scalar: no host sync per step
-        for s in range(0, N, chunk_size):
-            xc, tc = x[s:s + chunk_size], target[s:s + chunk_size]
-            logits = xc @ weight.t()  # (chunk, V): the only vocab-sized buffer alive
-            if bias is not None:
-                logits += bias
-            loss, lse = cross_entropy_forward(logits, tc, ignore_index, eps)
-            total += loss.sum()
-            if need_grad:
-                cross_entropy_backward(logits, tc, lse, scale, ignore_index, eps, out=logits)  # in place
-                dx[s:s + chunk_size] = logits @ weight
-                if dw is not None:
-                    if dw.dtype == logits.dtype:
-                        dw.addmm_(logits.t(), xc)
-                    else:  # fp32 accumulation of low-precision chunks: one (V, D) temporary per chunk
-                        dw += (logits.t() @ xc).to(dw.dtype)
-                if db is not None:
-                    db += logits.sum(0, dtype=torch.float32).to(db.dtype)
-        ctx.save_for_backward(dx, dw, db)
-        ctx.has = (x.requires_grad, weight.requires_grad, db is not None)
-        ctx.w_dtype = weight.dtype
+        need = (x.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+        args = (ignore_index, reduction, eps, chunk_size, accum_dtype)
+        total, dx, dw, db = _flce_chunks(x, weight, target, bias, *args, need)
+        ctx.grads = (dx, dw, db)  # a plain attribute, not saved_tensors: backward must be able to release it
+        ctx.save_for_backward(x, weight, target, bias)  # inputs only (no new memory); for a retained graph
+        ctx.args, ctx.need, ctx.w_dtype = args, need, weight.dtype
         return total / (target != ignore_index).sum() if reduction == "mean" else total
 
     @staticmethod
     def backward(ctx, dout: Tensor):  # type: ignore[override]
-        dx, dw, db = ctx.saved_tensors
-        hx, hw, hb = ctx.has
-        if bool(dout == 1):  # loss.backward(): hand the gradients over without another (V, D) buffer
-            return (dx if hx else None, dw.to(ctx.w_dtype) if hw else None, None,
-                    db.to(ctx.w_dtype) if hb else None, None, None, None, None, None)
-        gx = dx * dout.to(dx.dtype) if hx else None
-        gw = (dw * dout).to(ctx.w_dtype) if hw else None
-        gb = (db * dout).to(ctx.w_dtype) if hb else None
-        return gx, gw, None, gb, None, None, None, None, None
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:  # retained graph, second pass: the first pass handed its buffers to autograd
+            x, weight, target, bias = ctx.saved_tensors
+            grads = _flce_chunks(x, weight, target, bias, *ctx.args, ctx.need)[1:]
+        dx, dw, db = grads
+        del grads
+        if bool(dout != 1):  # loss.backward() passes exactly 1: skip a pass over the (V, D) buffer
+            for g in (dx, dw, db):
+                if g is not None:
+                    g.mul_(dout)  # fp32 scalar, computed in fp32, stored in g.dtype
+        if dw is not None and dw.dtype != ctx.w_dtype:  # fp32 accumulation (opt-in) returns the weight dtype
+            dw = dw.to(ctx.w_dtype)
+        if db is not None and db.dtype != ctx.w_dtype:
+            db = db.to(ctx.w_dtype)
+        return dx, dw, None, db, None, None, None, None, None
 
 
 _MIN_BLOCK_BYTES = 256 << 20  # a logit block this large keeps the chunk GEMMs tall enough to run near peak
