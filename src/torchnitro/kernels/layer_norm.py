@@ -195,9 +195,6 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tens
     block, _ = row_config(C)
     n_sm = num_programs(x.device)
     cands = bwd_candidates(C)
-    p_max = max(1, min(N, max(c["PER_SM"] for c in cands) * n_sm))
-    dw_part = torch.empty(p_max, C, device=x.device, dtype=torch.float32)
-    db_part = torch.empty_like(dw_part)
 
     def programs(cfg: dict[str, int]) -> int:
         return max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * n_sm))
@@ -209,11 +206,13 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tens
             kernel = _bwd_prefetch
             del kw["ROWS"]
         P = programs(cfg) if N else 0
+        dw_part = torch.empty(P, C, device=x.device, dtype=torch.float32)  # sized by the config
+        db_part = torch.empty_like(dw_part)
         if N:
             kernel[(P,)](dy2, x2, weight if weight is not None else x2, mean, rstd, dx2, dw_part, db_part,
                        N, C, HAS_W=weight is not None, BLOCK=block, **kw)
-        return sum_partials(dw_part[:P], weight.dtype if weight is not None else torch.float32,
-                            db_part[:P], bias_dtype or torch.float32)
+        return sum_partials(dw_part, weight.dtype if weight is not None else torch.float32,
+                            db_part, bias_dtype or torch.float32)
 
     if config is None:
         key = ("layer_norm_bwd", C, next_pow2(N), x.dtype, weight is not None, str(x.device))

@@ -184,8 +184,6 @@ def rms_norm_backward(dy: Tensor, dh_out: Tensor | None, h: Tensor, weight: Tens
     block, _ = row_config(C)
     n_sm = num_programs(h.device)
     cands = bwd_candidates(C)
-    p_max = max(1, min(N, max(c["PER_SM"] for c in cands) * n_sm))
-    dw_part = torch.empty(p_max, C, device=h.device, dtype=torch.float32) if weight is not None else None
 
     def programs(cfg: dict[str, int]) -> int:
         return max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * n_sm))
@@ -197,11 +195,12 @@ def rms_norm_backward(dy: Tensor, dh_out: Tensor | None, h: Tensor, weight: Tens
             kernel = _bwd_prefetch
             del kw["ROWS"]
         P = programs(cfg) if N else 0
+        dw_part = torch.empty(P, C, device=h.device, dtype=torch.float32) if weight is not None else None
         if N:
             kernel[(P,)](dy2, dh2 if dh2 is not None else dy2, h2, weight if weight is not None else h2, rstd,
                        dx2, dw_part if dw_part is not None else rstd, N, C,
                        HAS_DH=dh2 is not None, HAS_W=weight is not None, BLOCK=block, **kw)
-        return sum_partials(dw_part[:P], weight.dtype)[0] if weight is not None and dw_part is not None else None
+        return sum_partials(dw_part, weight.dtype)[0] if weight is not None and dw_part is not None else None
 
     if config is None:
         key = ("rms_norm_bwd", C, next_pow2(N), h.dtype, dh2 is not None, weight is not None, str(h.device))
