@@ -8,6 +8,12 @@ Masks: causal (top-left aligned, as SDPA's ``is_causal``), sliding window (|q - 
 k <= q when causal); blocks wholly outside the mask are skipped and blocks wholly inside it run without
 masking. GQA/MQA: query head h reads K/V head h // (H / Hkv); in the backward each K/V block loops
 over the query heads of its group and accumulates dK/dV in registers (no per-query-head copies).
+The backward is three launches, no atomics: delta = rowsum(dO * O); dK/dV with a K/V block resident,
+looping over query blocks; dQ with a query block resident, looping over K/V blocks. Scores are scaled
+by scale * log2(e) so every exponential is an exp2; accumulators are fp32.
+Launch configs come from short explicit candidate lists (``candidates``), timed with CUDA events on
+first use per (length bucket, dtype, head dim, group, mask kind, GPU) and cached in-process
+(``chosen_configs()`` lists them; ``TORCHNITRO_KERNEL_TUNE=0`` takes the first candidate untimed).
 """
 
 from __future__ import annotations
