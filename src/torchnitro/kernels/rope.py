@@ -70,12 +70,12 @@ _kernel = LazyKernel(_rope_kernel)
 
 def candidates(D: int) -> list[dict[str, int]]:
     """Launch configs (BLOCK_T positions x HEADS heads per program, num_warps) :func:`pick_config` times;
-    the first is the default. Tiles are capped near 16K elements so wide heads stay in registers."""
+    the first is the default. Tiles are capped at 4096 elements so wide heads stay in registers."""
     half = next_pow2(max(1, D // 2))
     out = []
     for bt, heads, warps in ((16, 4, 4), (8, 8, 4), (16, 8, 4), (32, 4, 4), (32, 4, 8), (32, 8, 8), (64, 2, 8),
                              (64, 4, 8), (16, 2, 4), (8, 4, 2), (4, 8, 4)):
-        bt = max(1, min(bt, 16384 // half))
+        bt = max(1, min(bt, 4096 // half))
         c = {"BLOCK_T": bt, "HEADS": heads, "num_warps": warps}
         if c not in out:
             out.append(c)
