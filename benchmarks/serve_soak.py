@@ -22,7 +22,11 @@ Invariants: every request gets exactly one outcome (an HTTP status, or the clien
 ``disconnect``); every 200 carries the right numbers; expected statuses per kind; no ``deadline``
 request answered later than its deadline + 1 s; once idle, ``torchnitro_queue_depth`` and
 ``torchnitro_requests_pending`` are 0; the server's RSS grows < 10% from the first to the last
-quarter. Writes results/<name>.{json,md}.
+quarter (mean RSS of the server process, sampled every second, over the run's last quarter against
+its first; no warm-up is left out: the server is ready, so the model is loaded, before the load
+starts). The server's anonymous and shared-memory RSS (the workers' arenas) and the workers' RSS are
+reported beside it; the server's stderr goes to a file, not a pipe nobody reads (a full pipe would
+block the server). Writes results/<name>.{json,md}.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import os
 import random
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +48,7 @@ from typing import Any
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from serve_cpu import free_port, start, stop, wait_ready  # noqa: E402
+from serve_cpu import free_port, stop, wait_ready  # noqa: E402
 
 from torchnitro.bench import ResultTable  # noqa: E402
 from torchnitro.bench.provenance import provenance  # noqa: E402
@@ -91,6 +96,7 @@ class Soak:
         self.sent = 0
         self.last_poison = 0.0
         self.rss: list[tuple[float, int]] = []
+        self.memory: list[dict[str, float]] = []  # every 10 s: server anon/shared MiB, workers' RSS
 
     def violate(self, msg: str) -> None:
         if len(self.violations) < 50:
@@ -186,12 +192,34 @@ class Soak:
             except (ProcessLookupError, OSError) as exc:
                 self.faults[f"{fault} (could not inject: {type(exc).__name__})"] += 1
 
+    def breakdown(self, t: float) -> dict[str, float]:
+        """Server RSS split as the kernel counts it (MiB), and each worker's RSS."""
+        rec: dict[str, Any] = {"t": round(t, 1)}
+        try:
+            with open(f"/proc/{self.proc.pid}/status") as f:
+                for line in f:
+                    key, _, val = line.partition(":")
+                    if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+                        rec[key] = int(val.split()[0]) / 1024
+        except OSError:
+            pass
+        rec["workers"] = [round(w.memory_info().rss / 2**20) for w in self.workers()]
+        return rec
+
     async def sample_rss(self, end: float) -> None:
+        start = last = time.monotonic()
         while time.monotonic() < end:
+            now = time.monotonic()
             try:
-                self.rss.append((time.monotonic(), psutil.Process(self.proc.pid).memory_info().rss))
+                self.rss.append((now, psutil.Process(self.proc.pid).memory_info().rss))
             except psutil.Error:
                 pass
+            if now - last >= 10 or not self.memory:
+                try:
+                    self.memory.append(self.breakdown(now - start))
+                except psutil.Error:
+                    pass
+                last = now
             await asyncio.sleep(1.0)
 
     async def idle_check(self) -> dict[str, float]:
@@ -241,19 +269,30 @@ def main() -> None:
         f.write(f"version: 1\nbatching:\n  max_batch_size: 16\n  max_wait_ms: 5\n  max_queue_size: 256\n"
                 f"serve:\n  workers: 2\n  threads: 1\n  worker_timeout_s: {args.watchdog_s}\n"
                 f"  header_timeout_s: {args.header_timeout_s}\n")
-    proc = start([sys.executable, "-m", "torchnitro", "serve", "torchnitro.serve.testing:picky_affine", "--name",
-                  "soak", "--port", str(port), "--config", f.name])
+    log = tempfile.TemporaryFile()  # the server's stderr: a pipe nobody reads would fill and block it
+    proc = subprocess.Popen([sys.executable, "-m", "torchnitro", "serve", "torchnitro.serve.testing:picky_affine",
+                             "--name", "soak", "--port", str(port), "--config", f.name],
+                            stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(proc, url, "/v2/health/ready")
+        try:
+            wait_ready(proc, url, "/v2/health/ready")
+        except (RuntimeError, AttributeError):
+            log.seek(0)
+            raise RuntimeError(f"the server did not start: {log.read().decode(errors='replace')[-2000:]}") from None
         soak = Soak(url, proc, args)
         idle = asyncio.run(soak.run())
     finally:
         stop(proc)
         os.unlink(f.name)
-    q = max(1, len(soak.rss) // 4)
-    first, last = (sum(r for _, r in part) / len(part) for part in (soak.rss[:q], soak.rss[-q:]))
-    growth = last / first - 1 if soak.rss else 0.0
+    log.seek(0)
+    stderr = log.read().decode(errors="replace")
+    if not soak.rss:
+        soak.violate("no RSS sample of the server could be read")
+    rss = soak.rss or [(0.0, 1)]
+    q = max(1, len(rss) // 4)
+    first, last = (sum(r for _, r in part) / len(part) for part in (rss[:q], rss[-q:]))
+    growth = last / first - 1
     if growth >= 0.10:
         soak.violate(f"server RSS grew {growth:.1%} (first quarter {first / 2**20:.0f} MiB, "
                      f"last {last / 2**20:.0f} MiB)")
@@ -266,12 +305,23 @@ def main() -> None:
     for fault, n in soak.faults.items():
         table.add(what=f"fault: {fault}", count=n, outcomes="server kept answering" if not soak.violations else "")
     table.add(what="worker restarts", count=int(idle.get("torchnitro_worker_restarts_total", 0)), outcomes="")
-    table.add(what="RSS growth (server process)", count=None, outcomes=f"{growth:+.1%}")
+    table.add(what="RSS growth (server process)", count=None,
+              outcomes=f"{growth:+.1%} (mean {first / 2**20:.0f} MiB in the first quarter, {last / 2**20:.0f} MiB "
+                       f"in the last; peak {max(r for _, r in rss) / 2**20:.0f} MiB)")
+    if soak.memory:
+        a, b = soak.memory[0], soak.memory[-1]
+        table.add(what="server RSS: anonymous / shared memory", count=None,
+                  outcomes=f"{a.get('RssAnon', 0):.0f} / {a.get('RssShmem', 0):.0f} MiB at {a['t']:.0f} s, "
+                           f"{b.get('RssAnon', 0):.0f} / {b.get('RssShmem', 0):.0f} MiB at {b['t']:.0f} s")
+        peak = max((w for m in soak.memory for w in m["workers"]), default=0)
+        table.add(what="worker RSS", count=None, outcomes=f"largest sample {peak} MiB (workers are replaced by faults)")
+    table.add(what="server stderr", count=len(stderr.splitlines()), outcomes="lines written (to a file)")
     table.add(what="invariant violations", count=len(soak.violations), outcomes="; ".join(soak.violations[:5]))
     from rich.console import Console
 
     Console().print(table.rich())
     table.meta.update(violations=soak.violations, idle_metrics=idle, faults=dict(soak.faults), rss_growth=growth,
+                      memory_every_10s=soak.memory, server_stderr_tail=stderr[-4000:],
                       outcomes={k: {str(s): n for s, n in c.items()} for k, c in soak.outcomes.items()})
     paths = table.save(args.name)
     print("wrote " + ", ".join(str(p) for p in paths))
