@@ -44,6 +44,16 @@ def test_layer_norm_gpu(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_every_launch_config_is_correct(triton_cpu, dtype):
+    _check_every_config("cpu", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_launch_config_is_correct_gpu(dtype):
+    _check_every_config("cuda", dtype)
+
+
+def _check_every_config(device, dtype):
     """Each candidate pick_config may choose on the device computes the reference result."""
     from torchnitro.kernels.layer_norm import (bwd_candidates, fwd_candidates, layer_norm_backward,
                                                layer_norm_forward)
@@ -55,15 +65,16 @@ def test_every_launch_config_is_correct(triton_cpu, dtype):
     xr, wr, br = (t.float().requires_grad_() for t in (x, w, b))
     yr = reference.layer_norm(xr, wr, br)
     yr.backward(dy.float())
-    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    x, w, b, dy = (t.to(device) for t in (x, w, b, dy))
+    atol = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]
     for cfg in fwd_candidates(C):
         y, mean, rstd = layer_norm_forward(x, w, b, 1e-5, config=cfg)
-        torch.testing.assert_close(y.float(), yr.detach(), atol=atol, rtol=atol, msg=lambda m: f"{cfg}: {m}")
+        torch.testing.assert_close(y.float().cpu(), yr.detach(), atol=atol, rtol=atol, msg=lambda m: f"{cfg}: {m}")
     for cfg in bwd_candidates(C):
         dx, dw, db = layer_norm_backward(dy, x, w, mean, rstd, b.dtype, config=cfg)
         assert dw.dtype == w.dtype and db.dtype == b.dtype
         for got, want in ((dx, xr.grad), (dw, wr.grad), (db, br.grad)):
-            torch.testing.assert_close(got.float(), want, atol=atol * 4, rtol=atol * 4, msg=lambda m: f"{cfg}: {m}")
+            torch.testing.assert_close(got.float().cpu(), want, atol=atol * 4, rtol=atol * 4, msg=lambda m: f"{cfg}: {m}")
 
 
 def test_candidate_lists_start_with_the_default():

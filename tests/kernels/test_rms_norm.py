@@ -55,6 +55,16 @@ def test_rms_norm_gpu(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_every_launch_config_is_correct(triton_cpu, dtype):
+    _check_every_config("cpu", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_launch_config_is_correct_gpu(dtype):
+    _check_every_config("cuda", dtype)
+
+
+def _check_every_config(device, dtype):
     """Each candidate pick_config may choose on the device computes the reference result (with residual)."""
     from torchnitro.kernels.rms_norm import bwd_candidates, fwd_candidates, rms_norm_backward, rms_norm_forward
 
@@ -65,13 +75,14 @@ def test_every_launch_config_is_correct(triton_cpu, dtype):
     xr, rr, wr = (t.float().requires_grad_() for t in (x, r, w))
     yr, hr = reference.rms_norm(xr, wr, 1e-6, rr)
     torch.autograd.backward([yr, hr], [dy.float(), dh.float()])
-    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    x, r, w, dy, dh = (t.to(device) for t in (x, r, w, dy, dh))
+    atol = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 6e-2}[dtype]
     for cfg in fwd_candidates(C):
         y, h, rstd = rms_norm_forward(x, w, 1e-6, r, config=cfg)
-        torch.testing.assert_close(y.float(), yr.detach(), atol=atol, rtol=atol, msg=lambda m: f"{cfg}: {m}")
-        torch.testing.assert_close(h.float(), hr.detach(), atol=atol, rtol=atol, msg=lambda m: f"{cfg}: {m}")
+        torch.testing.assert_close(y.float().cpu(), yr.detach(), atol=atol, rtol=atol, msg=lambda m: f"{cfg}: {m}")
+        torch.testing.assert_close(h.float().cpu(), hr.detach(), atol=atol, rtol=atol, msg=lambda m: f"{cfg}: {m}")
     for cfg in bwd_candidates(C):
         dx, dw = rms_norm_backward(dy, dh, h, w, rstd, config=cfg)
         assert dw.dtype == w.dtype
         for got, want in ((dx, xr.grad), (dw, wr.grad)):
-            torch.testing.assert_close(got.float(), want, atol=atol * 4, rtol=atol * 4, msg=lambda m: f"{cfg}: {m}")
+            torch.testing.assert_close(got.float().cpu(), want, atol=atol * 4, rtol=atol * 4, msg=lambda m: f"{cfg}: {m}")

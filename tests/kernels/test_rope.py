@@ -79,6 +79,16 @@ def test_apply_rope_one_launch_matches_reference(triton_cpu, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_every_launch_config_is_correct(triton_cpu, dtype):
+    _check_every_config("cpu", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_launch_config_is_correct_gpu(dtype):
+    _check_every_config("cuda", dtype)
+
+
+def _check_every_config(device, dtype):
     """Each candidate pick_config may choose on the device gives the reference rotation, both ways."""
     from torchnitro.kernels.rope import candidates, rope_qk_forward
 
@@ -87,11 +97,12 @@ def test_every_launch_config_is_correct(triton_cpu, dtype):
     q, k = torch.randn(B, Hq, T, D).to(dtype), torch.randn(B, Hk, T, D).to(dtype)
     want_q, want_k = reference.rope(q.float(), cos, sin), reference.rope(k.float(), cos, sin)
     back_q = reference.rope(q.float(), cos, -sin)  # rotation by -theta
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    q, k, cos, sin = (t.to(device) for t in (q, k, cos, sin))
+    tol = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}[dtype]
     for cfg in candidates(D):
         got_q, got_k = rope_qk_forward(q, k, cos, sin, 1, config=cfg)
-        torch.testing.assert_close(got_q.float(), want_q, atol=tol, rtol=tol, msg=lambda m: f"{cfg}: {m}")
-        torch.testing.assert_close(got_k.float(), want_k, atol=tol, rtol=tol, msg=lambda m: f"{cfg}: {m}")
+        torch.testing.assert_close(got_q.float().cpu(), want_q, atol=tol, rtol=tol, msg=lambda m: f"{cfg}: {m}")
+        torch.testing.assert_close(got_k.float().cpu(), want_k, atol=tol, rtol=tol, msg=lambda m: f"{cfg}: {m}")
         got_b, none = rope_qk_forward(q, None, cos, sin, -1, config=cfg)
         assert none is None
-        torch.testing.assert_close(got_b.float(), back_q, atol=tol, rtol=tol, msg=lambda m: f"{cfg}: {m}")
+        torch.testing.assert_close(got_b.float().cpu(), back_q, atol=tol, rtol=tol, msg=lambda m: f"{cfg}: {m}")

@@ -64,3 +64,32 @@ def test_small_launches_are_not_timed(fresh, monkeypatch):
     monkeypatch.setattr(_triton, "_time_candidates", lambda cands, run: pytest.fail("timed a small launch"))
     assert _triton.pick_config(("k", 5), CANDS, lambda c: None, "cuda", size=_triton.TUNE_MIN_SIZE - 1) == CANDS[0]
     assert _triton.tuned_configs() == {}
+
+
+@pytest.mark.gpu
+def test_tuned_launches_on_device_are_correct_and_exposed(fresh, monkeypatch):
+    """Shapes big enough to be timed: the measured picks compute the reference and are listed."""
+    import torch
+
+    from torchnitro.kernels import apply_rope, layer_norm, reference, rms_norm
+    from torchnitro.nn.models import rope_cache
+
+    monkeypatch.delenv("TORCHNITRO_KERNEL_TUNE", raising=False)
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "triton")
+    x = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.ones(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.zeros(1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for got, want in ((layer_norm(x, w, b), reference.layer_norm(x.float(), w.float(), b.float())),
+                      (rms_norm(x, w), reference.rms_norm(x.float(), w.float(), 1e-6))):
+        torch.testing.assert_close(got.float(), want, atol=6e-2, rtol=6e-2)
+        got.sum().backward()
+    cos, sin = rope_cache(1024, 128, device="cuda")
+    q = torch.randn(1, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 4, 1024, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    qo, ko = apply_rope(q, k, cos, sin)
+    torch.testing.assert_close(qo.float(), reference.rope(q.float(), cos, sin), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(ko.float(), reference.rope(k.float(), cos, sin), atol=3e-2, rtol=3e-2)
+    (qo.sum() + ko.sum()).backward()
+    picked = " ".join(_triton.tuned_configs())
+    for name in ("layer_norm_fwd", "layer_norm_bwd", "rms_norm_fwd", "rms_norm_bwd", "rope"):
+        assert name in picked, f"{name} was not tuned; picked: {picked}"
