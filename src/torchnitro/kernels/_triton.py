@@ -24,7 +24,7 @@ from typing import Any, Callable, Hashable, Sequence
 
 __all__ = ["triton_importable", "interpreting", "LazyKernel", "jit", "cdiv", "next_pow2", "num_programs",
            "row_config", "tuning_enabled", "pick_config", "tuned_configs", "clear_tuned_configs",
-           "TUNE_MIN_SIZE"]
+           "TUNE_MIN_SIZE", "TUNE_MARGIN"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -140,18 +140,24 @@ def _time_candidates(candidates: Sequence[dict[str, Any]], run: Callable[[dict[s
             continue
     best: dict[int, float] = {}
     for _ in range(rounds):  # rounds interleave candidates, so clock drift hits all alike
-        for i, reps in ok.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                run(candidates[i])
-            end.record()
-            end.synchronize()
+        for i, reps in list(ok.items()):
+            try:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    run(candidates[i])
+                end.record()
+                end.synchronize()
+            except Exception:  # failed on a later launch: dropped like one that never built
+                del ok[i]
+                best.pop(i, None)
+                continue
             best[i] = min(best.get(i, float("inf")), start.elapsed_time(end) / reps)
     return best
 
 
 TUNE_MIN_SIZE = 1 << 20  # elements below which a launch is latency-bound: every config is alike, none timed
+TUNE_MARGIN = 0.02  # another config must beat the default by this fraction to replace it
 
 
 def pick_config(key: Hashable, candidates: Sequence[dict[str, Any]], run: Callable[[dict[str, Any]], Any],
@@ -161,9 +167,11 @@ def pick_config(key: Hashable, candidates: Sequence[dict[str, Any]], run: Callab
     ``candidates`` are keyword dicts for ``run`` (which launches the kernel once with that config on the
     caller's real tensors; it must only write outputs the caller overwrites afterwards). The first
     candidate is the default: it is returned without timing when :func:`tuning_enabled` is False, when
-    ``size`` (elements the launch touches) is below ``TUNE_MIN_SIZE``, and when every candidate fails. Otherwise all are timed once (:func:`_time_candidates`), the fastest is
-    cached under ``key`` for this process and returned. Every candidate must compute the same result
-    (tests launch each one), so the pick only changes speed.
+    ``size`` (elements the launch touches) is below ``TUNE_MIN_SIZE``, and when every candidate fails.
+    Otherwise all are timed once (:func:`_time_candidates`) and the fastest is cached under ``key`` for
+    this process and returned; the default keeps its place unless another is over ``TUNE_MARGIN``
+    faster (timing noise does not move the pick). Every candidate must compute the same result (tests
+    launch each one), so the pick only changes speed.
     """
     if not candidates:
         from torchnitro.errors import InputError
@@ -179,7 +187,10 @@ def pick_config(key: Hashable, candidates: Sequence[dict[str, Any]], run: Callab
         if hit is not None:
             return hit["config"]
         ms = _time_candidates(candidates, run)
-        cfg = candidates[min(ms, key=ms.__getitem__)] if ms else candidates[0]
+        win = min(ms, key=ms.__getitem__) if ms else 0
+        if 0 in ms and ms[0] <= ms[win] * (1 + TUNE_MARGIN):
+            win = 0
+        cfg = candidates[win]
         _TUNED[key] = {"config": dict(cfg), "ms": {_cfg_name(candidates[i]): round(t, 5) for i, t in ms.items()}}
         return _TUNED[key]["config"]
 
