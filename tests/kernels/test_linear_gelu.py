@@ -4,18 +4,20 @@ import pytest
 import torch
 
 from kernel_checks import check_against_reference
-from torchnitro.errors import ShapeError
+from torchnitro.errors import InputError, ShapeError
 from torchnitro.kernels import FusedLinearGELU, linear_gelu, reference
+from torchnitro.kernels.linear_gelu import linear_gelu_epilogue, linear_gelu_triton_gemm
 
 
 @pytest.mark.parametrize("shape,N", [((2, 8, 64), 48), ((3, 7, 33), 20)])
 @pytest.mark.parametrize("approximate", ["none", "tanh"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_linear_gelu_matches_reference(triton_cpu, shape, N, approximate, bias):
+@pytest.mark.parametrize("op", [linear_gelu, linear_gelu_triton_gemm])
+def test_linear_gelu_matches_reference(triton_cpu, shape, N, approximate, bias, op):
     K = shape[-1]
     x, w = torch.randn(shape), torch.randn(N, K) / K ** 0.5
     inputs = [x, w] + ([torch.randn(N)] if bias else [])
-    check_against_reference(lambda a, b, *c: linear_gelu(a, b, *(c or [None]), approximate),
+    check_against_reference(lambda a, b, *c: op(a, b, *(c or [None]), approximate),
                             lambda a, b, *c: reference.linear_gelu(a, b, *(c or [None]), approximate), inputs,
                             torch.float32)
 
@@ -39,11 +41,28 @@ def test_module_shares_linear_parameters(triton_cpu):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_linear_gelu_gpu(dtype):
+@pytest.mark.parametrize("op", [linear_gelu, linear_gelu_triton_gemm])
+def test_linear_gelu_gpu(dtype, op):
     x = torch.randn(5, 123, 256, device="cuda", dtype=dtype)
     w = (torch.randn(384, 256, device="cuda") / 16).to(dtype)
     b = torch.randn(384, device="cuda", dtype=dtype)
-    check_against_reference(linear_gelu, reference.linear_gelu, [x, w, b], dtype, tol_scale=2.0)
+    check_against_reference(op, reference.linear_gelu, [x, w, b], dtype, tol_scale=2.0)
+    with torch.no_grad():  # inference: GELU in place over the GEMM output (tanh: the cuBLASLt epilogue)
+        for approximate in ("none", "tanh"):
+            torch.testing.assert_close(op(x, w, b, approximate).float(),
+                                       reference.linear_gelu(x.float(), w.float(), b.float(), approximate),
+                                       atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_linear_gelu_epilogue_is_tanh_gelu_gpu():
+    x = torch.randn(5, 123, 256, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(384, 256, device="cuda") / 16).to(torch.bfloat16)
+    b = torch.randn(384, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        y = linear_gelu_epilogue(x, w, b).float()
+    want = reference.linear_gelu(x.float(), w.float(), b.float(), "tanh")
+    torch.testing.assert_close(y, want, atol=3e-2, rtol=3e-2)
 
 
 def test_linear_gelu_follows_autocast(triton_cpu):
@@ -56,3 +75,55 @@ def test_linear_gelu_follows_autocast(triton_cpu):
     torch.testing.assert_close(y.float(), ref.float(), atol=2e-2, rtol=2e-2)
     y.float().sum().backward()
     assert lin.weight.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+
+
+def test_linear_gelu_epilogue_off_cuda_is_tanh_and_forward_only():
+    x, w, b = torch.randn(4, 16), torch.randn(12, 16) / 4, torch.randn(12)
+    with torch.no_grad():  # torch's CPU _addmm_activation would apply erf GELU: ours must stay tanh
+        torch.testing.assert_close(linear_gelu_epilogue(x, w, b), reference.linear_gelu(x, w, b, "tanh"))
+    with pytest.raises(InputError, match="no_grad"):
+        linear_gelu_epilogue(x.requires_grad_(), w, b)
+    with pytest.raises(InputError, match="bias is None"):
+        linear_gelu_epilogue(x, w, None)
+
+
+def test_linear_gelu_backward_reuses_the_preactivation_buffer(triton_cpu):
+    """dz overwrites the saved z in place: backward allocates no (M, N) buffer (the old path allocated
+    dz beside z, one activation-sized buffer more than eager at peak)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    M, K, N = 6, 16, 24
+    x, w, b = torch.randn(M, K, requires_grad=True), (torch.randn(N, K) / 4).requires_grad_(), torch.randn(N)
+    y = linear_gelu(x, w, b.requires_grad_())
+    dy = torch.randn(M, N)
+
+    class CountMN(TorchDispatchMode):
+        made = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            new_alloc = all(r.alias_info is None for r in func._schema.returns)  # not a view, in-place or out=
+            CountMN.made += sum(isinstance(o, torch.Tensor) and tuple(o.shape) == (M, N) for o in outs) * new_alloc
+            return out
+
+    with CountMN():
+        y.backward(dy)
+    assert CountMN.made == 0, f"backward allocated {CountMN.made} (M, N) buffers; expected none"
+    xr, wr, br = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    reference.linear_gelu(xr, wr, br).backward(dy)
+    for got, want in ((x.grad, xr.grad), (w.grad, wr.grad), (b.grad, br.grad)):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_linear_gelu_retained_graph_backward_twice(triton_cpu):
+    """The first backward spends z; a second one through the retained graph recomputes it."""
+    x, w = torch.randn(5, 16, requires_grad=True), (torch.randn(12, 16) / 4).requires_grad_()
+    xr, wr = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    y, yr = linear_gelu(x, w, None, "tanh"), reference.linear_gelu(xr, wr, None, "tanh")
+    for _ in range(2):
+        dy = torch.randn_like(y)
+        y.backward(dy, retain_graph=True)
+        yr.backward(dy, retain_graph=True)
+    torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(w.grad, wr.grad, atol=1e-5, rtol=1e-4)

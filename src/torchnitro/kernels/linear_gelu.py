@@ -1,10 +1,17 @@
-"""Fused Linear + bias + GELU: one GEMM whose epilogue adds the bias and applies GELU.
-
+"""Linear + bias + GELU, three ways:
     z = x W^T + b;  y = gelu(z)     (x (M, K), W (N, K), b (N,))
-The epilogue saves the extra (M, N) round trip an unfused ``gelu(linear(x))`` pays. For backward it
-also writes z (pre-activation), then dz = dy * gelu'(z) runs as one elementwise kernel and the three
-GEMMs of the backward (dx = dz W, dW = dz^T x, db = sum dz) go to cuBLAS, which Triton does not beat.
-Tile loop and grouped program order follow the Triton matmul tutorial (L2 reuse across column tiles).
+
+``linear_gelu`` (the default, fwd + bwd): cuBLAS GEMM with the bias in its epilogue (``addmm``),
+then one Triton GELU pass; backward is one Triton GELU-backward pass that overwrites z with dz in
+place, then cuBLAS for dx = dz W, dW = dz^T x, db = sum dz. Same kernels as eager
+``gelu(linear(x))`` but a faster elementwise pass and one (M, N) buffer less in backward.
+``linear_gelu_triton_gemm``: a Triton GEMM whose epilogue adds the bias and applies GELU (one
+kernel forward, also writes z for backward). It saves the (M, N) round trip but its GEMM is slower
+than cuBLAS at LLM shapes (results/kernels_nvidia_h200.md: 0.90x eager), so it is not the default.
+``linear_gelu_epilogue``: forward only, tanh GELU, one cuBLASLt kernel
+(``torch._addmm_activation(..., use_gelu=True)`` uses CUBLASLT_EPILOGUE_GELU_BIAS, the tanh
+approximation); ``linear_gelu`` uses it for inference with ``approximate='tanh'`` on CUDA.
+Triton tile loop and grouped program order follow the Triton matmul tutorial (L2 reuse).
 """
 
 from __future__ import annotations
@@ -14,18 +21,22 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from torchnitro.errors import ShapeError
+from torchnitro.errors import InputError, ShapeError
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import autocast_inputs, check_approximate, check_float
 from torchnitro.kernels._triton import LazyKernel, cdiv
 from torchnitro.kernels.dispatch import use_triton
+from torchnitro.kernels.gelu import BLOCK as _GELU_BLOCK
+from torchnitro.kernels.gelu import _bwd as _gelu_bwd
+from torchnitro.kernels.gelu import _fwd as _gelu_fwd
 from torchnitro.kernels.gelu import gelu_backward
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
     from triton.language import constexpr
 
-__all__ = ["linear_gelu", "FusedLinearGELU", "linear_gelu_forward", "linear_gelu_backward", "LinearGeluFunction"]
+__all__ = ["linear_gelu", "FusedLinearGELU", "linear_gelu_forward", "linear_gelu_backward", "LinearGeluFunction",
+           "linear_gelu_triton_gemm", "LinearGeluTritonGemmFunction", "linear_gelu_epilogue"]
 
 
 def _linear_gelu_kernel(x_ptr, w_ptr, b_ptr, y_ptr, z_ptr, M, N, K, sxm, sxk, swn, swk, sym,
@@ -103,7 +114,9 @@ def linear_gelu_backward(dy: Tensor, x2: Tensor, weight: Tensor, z: Tensor, appr
     return dx, dw, db
 
 
-class LinearGeluFunction(torch.autograd.Function):
+class LinearGeluTritonGemmFunction(torch.autograd.Function):
+    """The single-kernel Triton GEMM + bias + GELU forward (stores z); backward as ``linear_gelu_backward``."""
+
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> Tensor:  # type: ignore[override]
         x2 = x.reshape(-1, x.shape[-1])
@@ -120,23 +133,124 @@ class LinearGeluFunction(torch.autograd.Function):
         return dx.view(ctx.x_shape), dw, db, None
 
 
-def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None, approximate: str = "none") -> Tensor:
-    """gelu(x @ weight.T + bias) with the bias and activation fused into the GEMM; x (..., K), weight (N, K)."""
-    check_float("linear_gelu", x=x, weight=weight, bias=bias)
-    check_approximate("linear_gelu", approximate)
+def _gemm_bias(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """z = x2 W^T + b as one cuBLAS call (the bias rides in the GEMM epilogue)."""
+    return torch.addmm(bias, x2, weight.t()) if bias is not None else x2 @ weight.t()  # (M, N)
+
+
+def _gelu_into(src: Tensor, dst: Tensor, approximate: str) -> Tensor:
+    """dst = gelu(src) elementwise; ``dst is src`` works in place (each element is read before written)."""
+    n = src.numel()
+    if n:
+        _gelu_fwd[(cdiv(n, _GELU_BLOCK),)](src, dst, n, APPROX=approximate == "tanh", BLOCK=_GELU_BLOCK)
+    return dst
+
+
+def _gelu_backward_inplace(dy: Tensor, z: Tensor, approximate: str) -> Tensor:
+    """dz = dy * gelu'(z) written over z (contiguous): no new (M, N) buffer."""
+    n = z.numel()
+    if n:
+        _gelu_bwd[(cdiv(n, _GELU_BLOCK),)](dy, z, z, n, APPROX=approximate == "tanh", BLOCK=_GELU_BLOCK)
+    return z
+
+
+class LinearGeluFunction(torch.autograd.Function):
+    """cuBLAS GEMM + bias, Triton GELU; backward turns the saved z into dz in place.
+
+    A second backward through a retained graph finds z spent and recomputes it (one more GEMM).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> Tensor:  # type: ignore[override]
+        x2 = x.reshape(-1, x.shape[-1])
+        z = _gemm_bias(x2, weight, bias).contiguous()  # (M, N) pre-activation, kept for backward
+        y = _gelu_into(z, torch.empty_like(z), approximate)
+        ctx.save_for_backward(x2, weight, bias, z)
+        ctx.approximate, ctx.x_shape, ctx.z_spent = approximate, x.shape, False
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):  # type: ignore[override]
+        x2, weight, bias, z = ctx.saved_tensors
+        if ctx.z_spent:  # an earlier backward of this retained graph overwrote z with its dz
+            z = _gemm_bias(x2, weight, bias).contiguous()
+        ctx.z_spent = True
+        dz = _gelu_backward_inplace(dy.reshape(z.shape).contiguous(), z, ctx.approximate)  # (M, N), aliases z
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = (dz @ weight).view(ctx.x_shape) if need_x else None
+        dw = dz.t() @ x2 if need_w else None
+        db = dz.sum(0, dtype=torch.float32).to(bias.dtype) if need_b else None
+        return dx, dw, db, None
+
+
+def _check(op: str, x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> None:
+    check_float(op, x=x, weight=weight, bias=bias)
+    check_approximate(op, approximate)
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or (bias is not None and bias.shape != weight.shape[:1]):
         raise ShapeError(
-            f"linear_gelu: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
+            f"{op}: x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
             f"{None if bias is None else tuple(bias.shape)}; expected x (..., K), weight (N, K), bias (N,)"
         )
-    if use_triton(x, op="linear_gelu"):
-        x, weight, bias = autocast_inputs(x, weight, bias)
-        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
-            x2 = x.reshape(-1, x.shape[-1])
-            y, _ = linear_gelu_forward(x2, weight, bias, approximate, store_z=False)
-            return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _needs_grad(*tensors: Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _epilogue(x2: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    return torch._addmm_activation(bias, x2, weight.t(), use_gelu=True)  # tanh GELU in the cuBLASLt epilogue
+
+
+def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None, approximate: str = "none") -> Tensor:
+    """gelu(x @ weight.T + bias); x (..., K), weight (N, K). cuBLAS GEMM with the bias in its epilogue,
+    then Triton GELU (in place when no gradient is needed; tanh inference on CUDA: one cuBLASLt kernel)."""
+    _check("linear_gelu", x, weight, bias, approximate)
+    if not use_triton(x, op="linear_gelu"):
+        return reference.linear_gelu(x, weight, bias, approximate)
+    x, weight, bias = autocast_inputs(x, weight, bias)
+    if _needs_grad(x, weight, bias):
         return LinearGeluFunction.apply(x, weight, bias, approximate)
-    return reference.linear_gelu(x, weight, bias, approximate)
+    x2 = x.reshape(-1, x.shape[-1])
+    out_shape = (*x.shape[:-1], weight.shape[0])
+    if approximate == "tanh" and bias is not None and x.is_cuda:
+        return _epilogue(x2, weight, bias).view(out_shape)
+    z = _gemm_bias(x2, weight, bias).contiguous()
+    return _gelu_into(z, z, approximate).view(out_shape)
+
+
+def linear_gelu_triton_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None, approximate: str = "none"
+                            ) -> Tensor:
+    """``linear_gelu`` as one Triton GEMM with bias + GELU in its epilogue (benchmark variant; slower than
+    cuBLAS at large shapes, see the module docstring). Falls back to the reference where Triton is off."""
+    _check("linear_gelu_triton_gemm", x, weight, bias, approximate)
+    if not use_triton(x, op="linear_gelu"):
+        return reference.linear_gelu(x, weight, bias, approximate)
+    x, weight, bias = autocast_inputs(x, weight, bias)
+    if _needs_grad(x, weight, bias):
+        return LinearGeluTritonGemmFunction.apply(x, weight, bias, approximate)
+    y, _ = linear_gelu_forward(x.reshape(-1, x.shape[-1]), weight, bias, approximate, store_z=False)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def linear_gelu_epilogue(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """Forward-only gelu_tanh(x @ weight.T + bias) as one cuBLASLt GEMM with a GELU+bias epilogue.
+
+    The epilogue computes the tanh approximation only, and torch gives it no backward: call it under
+    ``torch.no_grad()`` (``linear_gelu`` chooses it by itself for tanh inference on CUDA). On CUDA torch
+    runs CUBLASLT_EPILOGUE_GELU_BIAS or, where cuBLASLt is off, ``gelu_(approximate='tanh')``; off CUDA
+    this is the reference with ``approximate='tanh'``.
+    """
+    _check("linear_gelu_epilogue", x, weight, bias, "tanh")
+    if bias is None:
+        raise InputError("linear_gelu_epilogue: bias is None; expected a (N,) bias (the epilogue adds it); "
+                         "use linear_gelu for a bias-free layer")
+    if _needs_grad(x, weight, bias):
+        raise InputError("linear_gelu_epilogue: an input requires grad; expected inference (the cuBLASLt "
+                         "epilogue has no backward); wrap the call in torch.no_grad() or use linear_gelu")
+    if not x.is_cuda:  # torch's CPU kernel of the same op applies exact (erf) GELU: keep the tanh meaning
+        return reference.linear_gelu(x, weight, bias, "tanh")
+    x, weight, bias = autocast_inputs(x, weight, bias)
+    return _epilogue(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 class FusedLinearGELU(nn.Linear):
