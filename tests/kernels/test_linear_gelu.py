@@ -127,3 +127,22 @@ def test_linear_gelu_retained_graph_backward_twice(triton_cpu):
         yr.backward(dy, retain_graph=True)
     torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(w.grad, wr.grad, atol=1e-5, rtol=1e-4)
+
+
+def test_linear_gelu_epilogue_failure_falls_back_with_one_warning(triton_cpu, monkeypatch):
+    """tanh inference on CUDA tries the cuBLASLt epilogue; if torch refuses it, the GEMM + Triton GELU
+    path answers instead (faked here: CPU tensors that claim to be CUDA, an epilogue that raises)."""
+    import importlib
+
+    lg = importlib.import_module("torchnitro.kernels.linear_gelu")
+
+    def refuse(*a):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+
+    monkeypatch.setattr(lg, "_epilogue", refuse)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    x, w, b = torch.randn(3, 8), torch.randn(5, 8), torch.randn(5)
+    with pytest.warns(UserWarning, match="epilogue failed"), torch.no_grad():
+        y = lg.linear_gelu(x, w, b, "tanh")
+    monkeypatch.undo()
+    torch.testing.assert_close(y, reference.linear_gelu(x, w, b, "tanh"), atol=1e-5, rtol=1e-5)

@@ -16,6 +16,7 @@ Triton tile loop and grouped program order follow the Triton matmul tutorial (L2
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -213,7 +214,11 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None, approxima
     x2 = x.reshape(-1, x.shape[-1])
     out_shape = (*x.shape[:-1], weight.shape[0])
     if approximate == "tanh" and bias is not None and x.is_cuda:
-        return _epilogue(x2, weight, bias).view(out_shape)
+        try:
+            return _epilogue(x2, weight, bias).view(out_shape)
+        except RuntimeError as e:  # an auto-chosen fast path: fall back, once loudly, never crash the model
+            warnings.warn(f"linear_gelu: the cuBLASLt GELU epilogue failed ({e}); using GEMM + Triton GELU",
+                          stacklevel=2)
     z = _gemm_bias(x2, weight, bias).contiguous()
     return _gelu_into(z, z, approximate).view(out_shape)
 
