@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -106,3 +108,14 @@ def _check_every_config(device, dtype):
         got_b, none = rope_qk_forward(q, None, cos, sin, -1, config=cfg)
         assert none is None
         torch.testing.assert_close(got_b.float().cpu(), back_q, atol=tol, rtol=tol, msg=lambda m: f"{cfg}: {m}")
+
+
+def test_batches_beyond_the_grid_limit_are_sliced(triton_cpu, monkeypatch):
+    mod = importlib.import_module("torchnitro.kernels.rope")  # the package re-exports the function as `rope`
+    monkeypatch.setattr(mod, "_MAX_GRID_Z", 2)
+    B, Hq, Hk, T, D = 5, 2, 1, 3, 8
+    cos, sin = torch.randn(B, T, D // 2), torch.randn(B, T, D // 2)
+    q, k = torch.randn(B, Hq, T, D), torch.randn(B, Hk, T, D)
+    got_q, got_k = mod.rope_qk_forward(q, k, cos, sin)
+    torch.testing.assert_close(got_q, reference.rope(q, cos, sin), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_k, reference.rope(k, cos, sin), atol=1e-5, rtol=1e-5)

@@ -82,6 +82,9 @@ def candidates(D: int) -> list[dict[str, int]]:
     return out
 
 
+_MAX_GRID_Z = 65535
+
+
 def _tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, int, int]:
     """Contiguous fp32 tables with (batch stride, time stride); batch stride 0 when shared."""
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
@@ -94,6 +97,14 @@ def rope_qk_forward(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, sign:
                     config: dict[str, int] | None = None) -> tuple[Tensor, Tensor | None]:
     """Rotate ``q`` (B, Hq, T, D) and ``k`` (B, Hk, T, D) (or None) by +theta (sign=1) or -theta (sign=-1)
     in one launch; returns contiguous tensors. ``config`` forces one of :func:`candidates`."""
+    if q.shape[0] > _MAX_GRID_Z:  # the batch is grid axis 2 (at most 65535 programs): launch per slice
+        parts = []
+        for i in range(0, q.shape[0], _MAX_GRID_Z):
+            j = i + _MAX_GRID_Z
+            per_batch = cos.dim() == 3 and cos.shape[0] > 1
+            parts.append(rope_qk_forward(q[i:j], k[i:j] if k is not None else None, cos[i:j] if per_batch else cos,
+                                         sin[i:j] if per_batch else sin, sign, config))
+        return torch.cat([p[0] for p in parts]), (torch.cat([p[1] for p in parts]) if k is not None else None)
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k is None or k.stride(-1) == 1 else k.contiguous()
     B, HQ, T, D = q.shape
