@@ -200,3 +200,13 @@ def test_flash_attention_every_candidate_config_gpu(causal, D):
                 raise
             continue
         assert max(errs) < 3e-2, f"configs {cfgs}: errors (O, dQ, dK, dV) {errs}"
+
+
+def test_flash_attention_negative_scale_matches_reference(triton_cpu):
+    # the kernels take the row max before scaling (one FMA per score), valid for scale > 0 only
+    q, k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    torch.testing.assert_close(flash_attention(q, k, v, False, scale=-0.3),
+                               reference.flash_attention(q, k, v, False, None, -0.3), atol=1e-5, rtol=1e-4)
+    fa = _fa_module()
+    with pytest.raises(InputError, match="scale=-0.3"):
+        fa.flash_attention_forward(q, k, v, True, None, -0.3)

@@ -85,8 +85,8 @@ def _fa_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, sm_scale, H, G, Tq, Tk, 
         for start_n in range(0, full, BLOCK_N):
             k = tl.load(k_ptrs + start_n * skt, mask=dmask[None, :], other=0.0)
             qk = tl.dot(q, tl.trans(k), input_precision=PREC)  # (BLOCK_M, BLOCK_N)
-            m_new = tl.maximum(m_i, tl.max(qk * qk_scale, axis=1))
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)  # max commutes with the scale (> 0)
+            p = tl.exp2(qk * qk_scale - m_new[:, None])  # one FMA per score
             alpha = tl.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptrs + start_n * svt, mask=dmask[None, :], other=0.0)
@@ -422,7 +422,11 @@ def flash_attention_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, windo
                             config: KernelConfig | None = None) -> tuple[Tensor, Tensor]:
     """Returns (O (B, H, Tq, D) contiguous, L (B*H, Tq) fp32 natural-log row log-sum-exp).
 
-    ``config`` forces a launch config (tests); by default one is picked by :func:`_pick_config`."""
+    ``scale`` must be positive; ``config`` forces a launch config (tests), by default one is picked by
+    :func:`_pick_config`."""
+    if not scale > 0:
+        raise InputError(f"flash_attention_forward: scale={scale}; expected > 0 (flash_attention routes other "
+                         "scales to the reference)")
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     o = torch.empty(B, H, Tq, D, device=q.device, dtype=q.dtype)
@@ -511,7 +515,7 @@ def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, windo
     """
     _check(q, k, v, window)
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if q.shape[-1] <= 256 and use_triton(q, op="flash_attention"):
+    if q.shape[-1] <= 256 and scale > 0 and use_triton(q, op="flash_attention"):
         q, k, v = autocast_inputs(q, k, v)  # as SDPA under torch.autocast
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # kernels need unit-stride D
         try:
