@@ -144,3 +144,26 @@ def test_fused_linear_cross_entropy_retained_graph_backward_twice(triton_cpu):
         ref.backward(g, retain_graph=True)
     torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(w.grad, wr.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grad_exists", [False, True])
+def test_fused_linear_cross_entropy_peak_memory_gpu(grad_exists):
+    """fwd + bwd holds at most dW + dx + one (chunk, V) logits block (+ 8 MiB of row statistics and
+    allocator rounding) beyond the inputs and existing grads; the eager op holds the (N, V) logits in
+    fp32 several times. Memory is deterministic, so this is an exact budget, not a timing."""
+    N, D, V, chunk = 1024, 1024, 32768, 256
+    x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(V, D, device="cuda") / 32).to(torch.bfloat16).requires_grad_()
+    t = torch.randint(0, V, (N,), device="cuda")
+    if grad_exists:
+        x.grad, w.grad = torch.zeros_like(x), torch.zeros_like(w)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = fused_linear_cross_entropy(x, w, t, chunk_size=chunk)
+    loss.backward(torch.tensor(0.5, device="cuda"))  # not 1: the in-place scaling path
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    budget = 2 * (V * D + N * D + chunk * V) + (8 << 20)
+    assert extra <= budget, f"peak {extra / 2**20:.1f} MiB above the inputs; budget {budget / 2**20:.1f} MiB"
