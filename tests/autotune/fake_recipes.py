@@ -24,9 +24,11 @@ __all__ = ["Raises", "Hangs", "HangsIsolated", "ExitsIsolated", "SegfaultIsolate
 
 
 def fast_config(tmp_path, **kw) -> OptimizeConfig:
-    """Cheap timing so a search over tiny models takes seconds on 2 cores."""
+    """Cheap timing so a search over tiny models takes seconds on 2 cores: eager and in-process candidates are
+    timed in the test's process (``final_alone=False``; tests/autotune/test_fair_timing.py turns it on)."""
     base = dict(timing_min_iters=2, timing_min_time_s=0.01, final_min_iters=3, final_min_time_s=0.02,
-                progress=False, cache_dir=str(tmp_path / "cache"), candidate_timeout_s=60.0, held_out=2, threads=1)
+                progress=False, cache_dir=str(tmp_path / "cache"), candidate_timeout_s=60.0, held_out=2, threads=1,
+                final_alone=False, tune_allocator=False)
     base.update(kw)
     return OptimizeConfig(**base)
 

@@ -8,12 +8,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from fake_recipes import tiny_model
+from fake_recipes import SlowModel, tiny_model
 from torch import nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
 
-__all__ = ["BusyRuntime", "DiesWhileTimed", "LOADS", "busy_threads", "identity_loader", "failing_loader", "env_loader"]
+__all__ = ["BusyRuntime", "DiesWhileTimed", "LOADS", "busy_threads", "identity_loader", "failing_loader", "env_loader",
+           "env_scale_loader", "CountingSlowModel", "FORWARD_PIDS", "ShiftsWhenUnpickled", "FailsWhenUnpickled",
+           "FakeChild"]
 
 LOADS: list[int] = []  # pids of the processes in which BusyRuntime.load ran (only this process is visible)
 _BUSY = "test-busy-runtime-pool"
@@ -82,3 +84,79 @@ def env_loader(name: str, value: str) -> Callable[..., Any]:
 
 def failing_loader() -> Callable[..., Any]:
     raise RuntimeError("artifact is missing its weights")
+
+
+def env_scale_loader(name: str) -> Callable[..., Any]:
+    """A ChildTimer loader whose function returns x * float(os.environ[name]) (0 when unset): its outputs
+    tell which environment its process started with."""
+    scale = float(os.environ.get(name, "0"))
+    return lambda x: x * scale
+
+
+FORWARD_PIDS: list[int] = []  # the pid of each CountingSlowModel.forward call made in this process
+
+
+class CountingSlowModel(SlowModel):
+    """SlowModel that records each forward call made in this process (a timing child keeps its own list)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        FORWARD_PIDS.append(os.getpid())
+        return super().forward(x)
+
+
+class _Copies(nn.Module):
+    """A tiny model whose deepcopy is plain; what happens when it is unpickled is up to the subclass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = tiny_model()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_Copies":
+        new = type(self)()
+        new.load_state_dict(self.state_dict())
+        return new.train(self.training)
+
+
+class ShiftsWhenUnpickled(_Copies):
+    """Unpickled (in a timing child), its first bias moves by 1: the child's eager differs from the search's."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        with torch.no_grad():
+            self.inner[0].bias.add_(1.0)
+
+
+class FailsWhenUnpickled(_Copies):
+    """Cannot be unpickled: the child that should time eager fails to load it."""
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        raise RuntimeError("this model cannot be re-created from a pickle")
+
+
+class FakeChild:
+    """Stands for a ChildTimer in fair.tune_allocator: every sample takes ``seconds`` per call (no timing).
+    ``again(env)`` returns the process started with ``env``: ``tuned_seconds`` per call."""
+
+    times_itself = True
+
+    def __init__(self, seconds: float, tuned_seconds: float, env: dict[str, str] | None = None):
+        self.seconds, self.tuned_seconds, self.env, self.failed = seconds, tuned_seconds, env, None
+        self.closed = False
+        self.spawned: list[FakeChild] = []
+
+    def again(self, env: dict[str, str]) -> "FakeChild":
+        child = FakeChild(self.tuned_seconds, self.tuned_seconds, env)
+        self.spawned.append(child)
+        return child
+
+    def wait_ready(self) -> None:
+        pass
+
+    def __call__(self, k: int) -> float:
+        return self.seconds
+
+    def close(self) -> None:
+        self.closed = True

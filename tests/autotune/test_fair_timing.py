@@ -3,6 +3,7 @@ eager checked against eager alone, ORT pools quiet wherever other work is timed.
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -167,7 +168,7 @@ def test_own_runtime_candidate_is_timed_alone_and_never_loaded_here(busy_recipe,
     assert opt.recipe == "eager" and c.status == "verified" and c.interleaved and c.alone
     assert not opt.report.get("eager").alone and opt.report.get("eager").interleaved
     assert os.getpid() not in fs.LOADS and fs.busy_threads() == []
-    assert any("each alone in its own process" in n for n in opt.report.notes)
+    assert any("each alone in its own fresh process: test-busy-runtime" in n for n in opt.report.notes)
     dead = opt.report.get(fs.DiesWhileTimed.name)
     assert dead.status == "failed" and dead.reason.startswith("timing it alone failed: the timing process")
 
@@ -229,3 +230,272 @@ def test_timing_environment_records_allocator_and_thread_settings(monkeypatch):
     assert "MALLOC_MMAP_THRESHOLD_=268435456" in text and "default thresholds" not in text
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_")
     assert "default thresholds" in describe_environment() or "malloc" not in timing_environment()["allocator"]
+
+
+# ---- every finalist alone, eager included (final_alone) -------------------------------------------
+
+@pytest.fixture
+def faster(fake_recipes):
+    return fake_recipes
+
+
+def _finalist_calls(monkeypatch) -> list[int]:
+    """Counts CountingSlowModel.forward calls made in this process while the final comparison runs."""
+    import fake_standalone as fs
+
+    import torchnitro.autotune.search as search_mod
+
+    real, seen = search_mod._finalists, []
+
+    def counted(s, report):
+        fs.FORWARD_PIDS.clear()
+        try:
+            return real(s, report)
+        finally:
+            seen.append(len(fs.FORWARD_PIDS))
+
+    monkeypatch.setattr(search_mod, "_finalists", counted)
+    return seen
+
+
+def test_eager_and_in_process_candidates_are_each_timed_alone_in_their_own_process(faster, fast_cfg, monkeypatch):
+    """The old comparison timed eager (and every in-process candidate) in the search's own process: the
+    model's forward ran there for every sample. Now it runs there once, for the check of eager's child."""
+    import fake_standalone as fs
+
+    seen = _finalist_calls(monkeypatch)
+    opt = torchnitro.optimize(fs.CountingSlowModel(), faster.tiny_inputs(),
+                              fast_cfg(recipes=["test-faster", "torchscript"], final_alone=True))
+    rep = opt.report
+    assert seen == [1]  # eager_outputs(): this process's eager on the first timing set, nothing timed here
+    for name in ("eager", "test-faster", "torchscript"):
+        c = rep.get(name)
+        assert c.interleaved and c.alone, (name, c.notes)
+    assert "a pickle of the model object" in rep.get("eager").notes
+    assert "rebuilt from the re-created eager model" in rep.get("test-faster").notes
+    assert "loaded from its standalone artifact" in rep.get("torchscript").notes
+    assert any(n.startswith("eager p50 alone (its own process") for n in rep.notes)
+    assert any("each alone in its own fresh process: eager" in n for n in rep.notes)
+    assert opt.recipe in ("test-faster", "torchscript")  # both drop SlowModel's 30 ms sleep
+
+
+def test_final_alone_off_times_eager_in_this_process(faster, fast_cfg, monkeypatch):
+    import fake_standalone as fs
+
+    seen = _finalist_calls(monkeypatch)
+    opt = torchnitro.optimize(fs.CountingSlowModel(), faster.tiny_inputs(), fast_cfg(recipes=["test-faster"]))
+    assert seen[0] > 3 and not opt.report.get("eager").alone  # every sample of eager ran here
+    assert "final_alone=False" in opt.report.get("eager").notes
+
+
+@pytest.mark.parametrize("model_name, why", [
+    ("ShiftsWhenUnpickled", "differs from this process's eager"),
+    ("FailsWhenUnpickled", "cannot be re-created from a pickle"),
+])
+def test_eager_that_cannot_be_recreated_in_a_child_is_timed_here_and_the_row_says_why(faster, fast_cfg, model_name,
+                                                                                       why):
+    """A child whose eager differs from (or fails to become) the search's eager is not trusted: eager and the
+    candidates rebuilt from it fall back to this process; a standalone artifact is still timed alone."""
+    import fake_standalone as fs
+
+    opt = torchnitro.optimize(getattr(fs, model_name)(), faster.tiny_inputs(),
+                              fast_cfg(recipes=["test-faster", "torchscript"], final_alone=True, min_speedup=0.5))
+    rep = opt.report
+    eager, rebuilt, ts = rep.get("eager"), rep.get("test-faster"), rep.get("torchscript")
+    assert not eager.alone and "timed in this process: eager re-created in a child failed" in eager.notes
+    assert why in eager.notes
+    assert not rebuilt.alone and "could not be re-created in a child" in rebuilt.notes and rebuilt.interleaved
+    assert ts.alone and ts.interleaved
+    assert any("in this process: eager, test-faster (each row says why)" in n for n in rep.notes)
+
+
+def test_model_defined_in_the_running_script_stays_in_this_process(faster):
+    import fake_standalone as fs
+
+    from torchnitro.autotune.recipe import get_recipe
+
+    class ScriptModel(fs.SlowModel):
+        pass
+
+    ScriptModel.__module__ = "__main__"
+    cm = fair.child_model(ScriptModel(), None, {}, __import__("pathlib").Path(os.devnull).parent / "unused")
+    assert cm.kwargs is None and "ScriptModel" in cm.text and "running script" in cm.text
+    p = fair.place(get_recipe("eager"), None, cm, device="cpu", all_alone=True)
+    assert p.kwargs is None and p.why.startswith("timed in this process") and "running script" in p.why
+
+
+def test_outputs_differ_names_shape_value_and_nan_differences(tmp_path):
+    ref = (torch.ones(2, 3), {"b": torch.arange(4.0)})
+    path = tmp_path / "out.pt"
+    torch.save([torch.ones(2, 3), torch.arange(4.0)], path)
+    assert fair.outputs_differ(path, ref, 1e-4) is None
+    torch.save([torch.ones(2, 3), torch.arange(4.0) * 1.01], path)
+    assert "output 1 differs" in fair.outputs_differ(path, ref, 1e-4)
+    torch.save([torch.ones(2, 3)], path)
+    assert "shapes" in fair.outputs_differ(path, ref, 1e-4)
+    torch.save([torch.full((2, 3), float("nan")), torch.arange(4.0)], path)
+    assert "output 0 differs" in fair.outputs_differ(path, ref, 1e-4)
+    assert "could not be read" in fair.outputs_differ(tmp_path / "missing.pt", ref, 1e-4)
+
+
+def test_memory_guard_refuses_more_copies_than_fit():
+    from fake_recipes import tiny_model
+
+    assert fair.memory_fits(tiny_model(), 1) is None
+    why = fair.memory_fits(tiny_model(), 10**7)
+    assert why is None or ("processes holding a copy of the model" in why and "MiB are available" in why)
+    if os.path.exists("/proc/meminfo"):
+        assert why is not None
+
+
+def test_child_timer_again_starts_a_fresh_process_with_the_extra_environment(tmp_path):
+    save_inputs([(torch.ones(3),)], tmp_path / "in.pt")
+    first = ChildTimer("fake_standalone:env_scale_loader", {"name": "TORCHNITRO_TEST_SCALE"}, tmp_path / "in.pt",
+                       threads=1, outputs=tmp_path / "out.pt", env={"OMP_NUM_THREADS": "1"})
+    with first:
+        first.wait_ready()
+        assert torch.load(tmp_path / "out.pt", weights_only=True)[0].tolist() == [0.0, 0.0, 0.0]
+        with first.again({"TORCHNITRO_TEST_SCALE": "3"}) as second:
+            second.wait_ready()
+            assert second.proc.pid != first.proc.pid
+            assert second.extra_env == {"OMP_NUM_THREADS": "1", "TORCHNITRO_TEST_SCALE": "3"}
+            assert torch.load(tmp_path / "out.pt", weights_only=True)[0].tolist() == [3.0, 3.0, 3.0]
+
+
+# ---- the allocator knob ----------------------------------------------------------------------------
+
+def test_tune_allocator_keeps_the_setting_only_when_the_fresh_process_with_it_is_faster():
+    import fake_standalone as fs
+
+    from torchnitro.bench.environment import ALLOCATOR_SETTING
+
+    helped = fs.FakeChild(2e-3, 1e-3)
+    trial = fair.tune_allocator(helped, _FAST)
+    assert trial.keep and trial.ratio == pytest.approx(2.0) and trial.default_ms == pytest.approx(2.0)
+    assert helped.spawned[0].env == ALLOCATOR_SETTING and helped.spawned[0].closed and not helped.closed
+    assert "kept in the artifact" in trial.text() and "MALLOC_TRIM_THRESHOLD_=536870912" in trial.text()
+    same = fair.tune_allocator(fs.FakeChild(2e-3, 2e-3), _FAST)
+    assert not same.keep and same.ratio == pytest.approx(1.0) and "not kept" in same.text()
+    slightly = fair.tune_allocator(fs.FakeChild(2e-3, 1.98e-3), _FAST)  # 1%: below MIN_ALLOCATOR_GAIN
+    assert not slightly.keep
+
+
+def _no_malloc_env(monkeypatch) -> None:
+    """MALLOC_* absent now and after the test, whatever the code under test puts into os.environ."""
+    for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.setenv(k, "0")  # recorded as absent before: restored as absent
+        monkeypatch.delenv(k)
+
+
+def _kept_trial(timer, tc):
+    return fair.AllocatorTrial(2.0, 1.0, 2.0, 0.01, True)
+
+
+@pytest.mark.parametrize("min_speedup, chosen", [(1.03, "test-faster"), (1e6, "eager")])
+def test_kept_allocator_setting_goes_into_the_artifact_and_load_and_serve_apply_it(faster, fast_cfg, monkeypatch,
+                                                                                   tmp_path, min_speedup, chosen):
+    import torchnitro.bench.environment as env_mod
+    from torchnitro.autotune.artifact import read_manifest
+
+    _no_malloc_env(monkeypatch)
+    monkeypatch.setattr(fair, "tune_allocator", _kept_trial)
+    opt = torchnitro.optimize(faster.SlowModel(), faster.tiny_inputs(), fast_cfg(
+        recipes=["test-faster"], final_alone=True, tune_allocator=True, min_speedup=min_speedup))
+    assert opt.recipe == chosen
+    assert any(n.startswith("allocator setting MALLOC_MMAP_THRESHOLD_") for n in opt.report.notes)
+    assert opt.candidate.meta["environment"] == env_mod.ALLOCATOR_SETTING
+    opt.save(tmp_path / "art")
+    meta = read_manifest(tmp_path / "art")["meta"]
+    assert meta["environment"] == env_mod.ALLOCATOR_SETTING and meta["environment_gain"]["ratio"] == 2.0
+
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(env_mod, "_mallopt", lambda param, value: calls.append((param, value)) or True)
+    torchnitro.load(tmp_path / "art", model=faster.SlowModel(), trust_code=True, allocator=False)
+    assert calls == [] and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+    torchnitro.load(tmp_path / "art", model=faster.SlowModel(), trust_code=True)
+    assert sorted(calls) == [(-3, 268435456), (-1, 536870912)]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    assert all(os.environ[k] == v for k, v in env_mod.ALLOCATOR_SETTING.items())  # for processes started later
+
+
+def test_serve_sets_the_artifacts_allocator_setting_before_any_worker_starts(tmp_path, monkeypatch):
+    import typer
+    from typer.testing import CliRunner
+
+    import torchnitro.bench.environment as env_mod
+    import torchnitro.serve.cli as serve_cli
+    from torchnitro.autotune.artifact import EagerSource, write_artifact
+    from torchnitro.autotune.recipe import CandidateFiles
+    from torchnitro.autotune.report import Report
+
+    _no_malloc_env(monkeypatch)
+    monkeypatch.setattr(env_mod, "_mallopt", lambda param, value: True)
+    cand = tmp_path / "cand"
+    cand.mkdir()
+    (cand / "model.onnx").write_bytes(b"not really onnx")
+    write_artifact(tmp_path / "art", CandidateFiles(cand, ["model.onnx"], {"environment": env_mod.ALLOCATOR_SETTING},
+                                                    True), EagerSource(), recipe="onnxruntime", numeric_class="exact",
+                   signature={}, report=Report(model="m", inputs="x", objective="o", hardware="h"), hardware="h")
+    seen: list[dict[str, str]] = []
+    monkeypatch.setattr(serve_cli, "_start_server", lambda *a, **k: seen.append(
+        {k: os.environ.get(k, "") for k in env_mod.ALLOCATOR_SETTING}))
+    app = typer.Typer()
+    serve_cli.register(app)
+    app.command("noop")(lambda: None)  # a second command: typer keeps 'serve' as a subcommand
+    result = CliRunner().invoke(app, ["serve", str(tmp_path / "art")])
+    assert result.exit_code == 0, result.output
+    assert seen == [env_mod.ALLOCATOR_SETTING]
+
+
+def test_apply_allocator_sets_glibc_thresholds_in_a_running_process(tmp_path):
+    """In a fresh interpreter: a 64 MiB block is mmapped under glibc's defaults (threshold 128 KiB), and comes
+    from the heap once apply_allocator set the 256 MiB threshold with mallopt (mallinfo2's hblks counts the
+    mmapped blocks in use: one more while the block is held, or none)."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("the MALLOC_* thresholds are glibc's; this C library is not glibc")
+    code = """
+import ctypes, json, sys
+from torchnitro.bench.environment import ALLOCATOR_SETTING, apply_allocator
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                 "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.mallinfo2.restype = Info
+def mmapped():
+    n0 = libc.mallinfo2().hblks
+    p = libc.malloc(64 << 20)
+    n = libc.mallinfo2().hblks - n0
+    libc.free(ctypes.c_void_p(p))
+    return n
+before = mmapped()
+applied = apply_allocator(ALLOCATOR_SETTING if sys.argv[1] == "on" else {})
+print(json.dumps([before, mmapped(), applied]))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    out = {}
+    for mode in ("on", "off"):
+        res = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, env=env, timeout=120)
+        assert res.returncode == 0, res.stderr
+        out[mode] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["off"][:2] == [1, 1]  # the control: still mmapped without the setting
+    assert out["on"][:2] == [1, 0]
+    assert out["on"][2] == {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "536870912"}
+
+
+def test_apply_allocator_refuses_unknown_variables_and_keeps_the_users_own(monkeypatch):
+    import torchnitro.bench.environment as env_mod
+
+    monkeypatch.setattr(env_mod, "_mallopt", lambda param, value: True)
+    with pytest.raises(InputError, match="MALLOC_BOGUS"):
+        env_mod.apply_allocator({"MALLOC_BOGUS": "1"})
+    with pytest.raises(InputError, match="non-negative integer"):
+        env_mod.apply_allocator({"MALLOC_TRIM_THRESHOLD_": "-5"})
+    _no_malloc_env(monkeypatch)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000")
+    assert env_mod.apply_allocator(env_mod.ALLOCATOR_SETTING) == {"MALLOC_MMAP_THRESHOLD_": "268435456"}
+    assert os.environ["MALLOC_TRIM_THRESHOLD_"] == "1000"
+    assert "already set" in env_mod.allocator_untunable()

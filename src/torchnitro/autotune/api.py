@@ -66,7 +66,8 @@ class OptimizedModel:
             tmp = tempfile.TemporaryDirectory(prefix="torchnitro-export-")
             why = export_program(src.model, src.example_inputs, src.dynamic_dims, Path(tmp.name) / "model.pt2")
             if why is None:
-                candidate = CandidateFiles(Path(tmp.name), ["model.pt2"], {"exported": True}, standalone=True)
+                candidate = CandidateFiles(Path(tmp.name), ["model.pt2"], {**candidate.meta, "exported": True},
+                                           standalone=True)
             else:
                 warnings.warn(f"torch.export failed ({why}); the artifact needs torchnitro.load(dir, model=...)",
                               stacklevel=2)
@@ -214,15 +215,23 @@ def _from_cache(model: nn.Module, inputs: tuple[Any, ...], info: ModelInfo, cfg:
                           EagerSource(eager, hit["ref"], inputs, info.dynamic_dims))
 
 
-def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: bool = False) -> OptimizedModel:
+def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: bool = False,
+         allocator: bool = True) -> OptimizedModel:
     """Load a saved artifact after checking every file's SHA-256 (``ArtifactError`` on mismatch).
 
     ``model`` is only needed for non-standalone recipes whose artifact has no factory reference.
     ``trust_code=True`` lets the artifact run code (a ``.py`` model factory, a TorchScript archive);
     without it an artifact is loaded as data only (see ``torchnitro.autotune.artifact``).
+    ``allocator``: apply the glibc allocator setting the optimizer measured to help this variant (meta
+    ``environment``), in this process and every process started from it (``bench.environment.apply_allocator``;
+    glibc reads the variables only at a process's start, so this process gets them through ``mallopt``).
     """
     d = Path(directory)
     manifest, fn, eager = load_artifact(d, model, trust_code=trust_code)
+    if allocator and manifest.get("meta", {}).get("environment"):
+        from torchnitro.bench.environment import apply_allocator
+
+        apply_allocator(manifest["meta"]["environment"])
     report_path = d / "report.json"
     import json
 

@@ -70,6 +70,8 @@ class OptimizeConfig:
     timing_min_time_s: float = 0.5  # measured seconds per candidate during the search
     final_min_iters: int = 10  # samples per finalist in the interleaved comparison
     final_min_time_s: float = 1.0  # measured seconds per finalist in the interleaved comparison
+    final_alone: bool = True  # CPU: time eager and each finalist alone in its own fresh process, as deployed
+    tune_allocator: bool = True  # CPU: try glibc's allocator setting on the chosen variant; keep it when it helps
     progress: bool = True  # rich progress display while searching (on a terminal)
     seed: int = 1234  # base seed of the held-out inputs
     padding_mask: Optional[Union[int, str]] = None  # the attention-mask input (index or forward arg name); None: detect
@@ -124,4 +126,5 @@ class OptimizeConfig:
             "metric": _function_id(self.metric_fn), "metric_threshold": self.metric_threshold,
             "min_speedup": self.min_speedup, "threads": self.threads, "finalists": self.finalists,
             "padding_mask": self.padding_mask, "compare_padding": self.compare_padding, "classifier": self.classifier,
+            "final_alone": self.final_alone, "tune_allocator": self.tune_allocator,
         }

@@ -1,64 +1,227 @@
 """Timing the finalists the way they will run: the rules the final comparison follows.
 
-- A candidate whose recipe is ``isolate=True`` (its own native runtime: ONNX Runtime, OpenVINO) and
-  whose artifact is standalone is timed alone, in a fresh child process that loads the artifact
-  from its directory (``Recipe.load(dir, meta, None)``) and the timing inputs from a tensor file:
-  the search process never creates that runtime's session, so its thread pool cannot steal the
-  cores from eager (``bench.isolated.ChildTimer``; rounds alternate eager here and the candidate there).
-- Eager's p50 inside the comparison must match eager alone (its search-time p50, measured before any
-  candidate ran) within ``max(5%, 2 x eager's cv)``, at most 25%; otherwise the comparison is redone
-  once after ``SETTLE_S`` and the report says so (``check_eager``).
+- On the CPU, eager and every finalist are timed alone, each in its own fresh child process that loads
+  the variant as a deployed artifact would (``load_variant``): a standalone artifact from its files
+  (``Recipe.load(dir, meta, None)``: TorchScript, ONNX Runtime, OpenVINO), eager and every artifact that
+  is rebuilt from the eager model from a re-created eager model (``ChildModel``: the model's factory and
+  the search's weights, else a pickle of the model object when its classes are importable). Rounds
+  alternate between the processes (A B A B); the search process only waits, so no runtime pool, warm
+  arena or allocator history of the search's own process is in any number. A variant that cannot be
+  loaded in a child (its recipe class defined in ``__main__``, a model with no factory that does not
+  pickle, a child that fails to start, a re-created eager whose outputs differ) is timed in the search
+  process, and its report row says why (``Placement.why``). On CUDA only own-runtime candidates
+  (``isolate=True``) are timed in their own process.
+- Eager's p50 inside the comparison must match eager alone within ``max(5%, 2 x eager's cv)``, at most
+  25% (``check_eager``); otherwise the comparison is redone once after ``SETTLE_S`` and the report says so.
+  Eager alone is a short solo run of eager's own timing process just before the comparison (or, for eager
+  timed in this process, its search-time p50).
+- The chosen variant is timed once more in a fresh process under glibc's ``ALLOCATOR_SETTING``
+  (``tune_allocator``); the setting goes into the artifact's meta (``environment``) when it made that
+  variant faster by more than the noise, and ``torchnitro.load`` / ``serve`` apply it
+  (``bench.environment.apply_allocator``).
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from torchnitro.autotune.recipe import Recipe
-from torchnitro.bench.isolated import ChildTimer
-from torchnitro.bench.timing import Timing
+import torch
+from torch import nn
 
-__all__ = ["runs_alone", "start_alone", "load_standalone", "EagerCheck", "check_eager", "SETTLE_S", "MIN_BAND",
-           "MAX_BAND"]
+from torchnitro.autotune.recipe import Recipe
+from torchnitro.bench.environment import ALLOCATOR_SETTING
+from torchnitro.bench.isolated import ChildTimer
+from torchnitro.bench.ratio import paired_ratio
+from torchnitro.bench.timing import Timing, TimingConfig, compare
+
+__all__ = ["runs_alone", "start_alone", "load_standalone", "load_variant", "ChildModel", "child_model", "Placement",
+           "place", "memory_fits", "outputs_differ", "EagerCheck", "check_eager", "AllocatorTrial", "tune_allocator", "SETTLE_S",
+           "MIN_BAND", "MAX_BAND", "MIN_ALLOCATOR_GAIN",
+           "start_children", "ready_children", "apply_recorded_allocator"]
 
 SETTLE_S = 2.0  # pause before redoing a comparison whose eager drifted (let a burst of other load pass)
 MIN_BAND = 0.05  # eager inside the comparison may differ from eager alone by this much, or 2 x its cv
 MAX_BAND = 0.25  # ... but never more: past that, eager alone was too noisy to vouch for the comparison
+MIN_ALLOCATOR_GAIN = 1.03  # the allocator setting is kept when it is this much faster and beyond the noise
+_CHILD_RUNTIME_BYTES = 400 << 20  # an interpreter with torch imported, before the model
 
 
 def runs_alone(recipe: Recipe, standalone: bool) -> bool:
-    """Whether the final comparison times this candidate in its own process."""
+    """Whether this candidate has its own runtime and a standalone artifact (timed alone on every device)."""
     return bool(recipe.isolate) and standalone
+
+
+def _recipe_class(path: str) -> type[Recipe]:
+    mod, _, qual = path.partition(":")
+    obj: Any = importlib.import_module(mod)
+    for part in qual.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def load_standalone(recipe: str, directory: str, meta: dict[str, Any]) -> Callable[..., Any]:
     """Child side: ``module:qualname`` of the recipe class -> its artifact loaded without the user's model."""
-    mod, _, qual = recipe.partition(":")
-    obj: Any = importlib.import_module(mod)
-    for part in qual.split("."):
-        obj = getattr(obj, part)
-    return obj().load(Path(directory), meta, None)
+    return _recipe_class(recipe)().load(Path(directory), meta, None)
+
+
+def load_variant(recipe: str | None, directory: str | None, meta: dict[str, Any],
+                 eager: dict[str, Any] | None) -> Callable[..., Any]:
+    """Child side: the variant as a deployed artifact loads it. ``recipe`` None: the re-created eager model
+    itself; ``eager`` (``ChildModel.kwargs``): how to re-create the eager model a non-standalone artifact
+    is rebuilt from (None for a standalone one)."""
+    model = _eager_in_child(**eager) if eager is not None else None
+    if recipe is None:
+        if model is None:
+            raise ValueError("load_variant: received recipe=None and eager=None; expected the eager model's source")
+        return model
+    return _recipe_class(recipe)().load(Path(directory or "."), meta, model)
+
+
+def _eager_in_child(how: str, **kw: Any) -> nn.Module:
+    if how == "factory":
+        from safetensors.torch import load_model
+
+        from torchnitro.autotune.inputs import rebuild_model
+
+        model = rebuild_model(kw["spec"], kw.get("extra"))
+        load_model(model, kw["weights"], strict=True)
+        return model.eval()
+    if how == "pickle":  # written by the search process from the model object it was given (``child_model``)
+        return torch.load(kw["path"], weights_only=False).eval()
+    raise ValueError(f"eager source: received how={how!r}, expected 'factory' or 'pickle'")
+
+
+@dataclass(frozen=True)
+class ChildModel:
+    """How a timing process re-creates the eager model: the loader's ``eager`` argument, or why it cannot."""
+
+    kwargs: dict[str, Any] | None  # None: eager cannot be re-created in a child
+    text: str  # for the report: where the child's eager model comes from, or why there is none
+
+
+def child_model(model: nn.Module, spec: str | None, extra: dict[str, Any], directory: Path) -> ChildModel:
+    """Prepare the eager model for timing processes in ``directory`` (private to the search).
+
+    A factory reference (built-in name, ``module:function``, ``hf:`` folder) is rebuilt there and given the
+    search's weights (safetensors), as ``torchnitro.load`` rebuilds a non-standalone artifact. Without one,
+    the model object is pickled by this process into ``directory`` and loaded there with its own classes:
+    only a file this search wrote from the object it was handed is ever unpickled, and a model whose classes
+    a child cannot import (defined in ``__main__`` or a notebook) stays in this process."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if spec:
+        from safetensors.torch import save_model
+
+        path = directory / "eager.safetensors"
+        try:
+            save_model(model, str(path))
+        except Exception as exc:  # noqa: BLE001 - e.g. a tensor safetensors cannot hold: try the pickle
+            why = f"its weights could not be saved as safetensors ({type(exc).__name__})"
+        else:
+            return ChildModel({"how": "factory", "spec": spec, "extra": dict(extra or {}), "weights": str(path)},
+                              f"eager re-created from its factory {spec!r} and the search's weights")
+    else:
+        why = "the model has no factory reference"
+    in_main = sorted({type(m).__qualname__ for m in model.modules() if type(m).__module__ == "__main__"})
+    if in_main:
+        return ChildModel(None, f"{why}, and its class(es) {', '.join(in_main[:3])} are defined in the running "
+                                "script, which a child process does not import")
+    path = directory / "eager.pt"
+    try:
+        torch.save(model, path)
+    except Exception as exc:  # noqa: BLE001 - lambdas, open handles, ...
+        path.unlink(missing_ok=True)
+        return ChildModel(None, f"{why}, and the model object does not pickle ({type(exc).__name__}: {exc})"[:300])
+    return ChildModel({"how": "pickle", "path": str(path)}, f"eager re-created from a pickle of the model object ({why})")
+
+
+@dataclass
+class Placement:
+    """Where the final comparison times one variant: a child's loader arguments, or why this process."""
+
+    kwargs: dict[str, Any] | None = None  # load_variant's arguments (None: timed in this process)
+    why: str = ""  # the report's words: how the child loads it, or why it is timed here
+    needs_eager: bool = False  # the child re-creates the eager model (checked through eager's own child)
+    outputs: Path | None = None  # where the child writes its first outputs (eager: checked against this process)
+
+
+def place(recipe: Recipe, files: Any, eager: ChildModel, *, device: str, all_alone: bool) -> Placement:
+    """Where ``recipe``'s variant (``files``: its ``CandidateFiles``; None for eager) is timed."""
+    cls = type(recipe)
+    qual = f"{cls.__module__}:{cls.__qualname__}"
+    standalone = bool(files is not None and files.standalone)
+    if not (runs_alone(recipe, standalone) or (all_alone and device == "cpu")):
+        why = "on CUDA only own-runtime candidates are timed in their own process" if all_alone else \
+            "final_alone=False: eager and in-process candidates are timed in this process"
+        return Placement(None, f"timed in this process ({why})")
+    if files is None:  # eager
+        if eager.kwargs is None:
+            return Placement(None, f"timed in this process: {eager.text}")
+        return Placement({"recipe": None, "directory": None, "meta": {}, "eager": eager.kwargs},
+                         f"alone in its own process ({eager.text})", needs_eager=True)
+    if cls.__module__ == "__main__":
+        return Placement(None, "timed in this process: its recipe class is defined in the running script, which a "
+                               "child process does not import")
+    if standalone:
+        return Placement({"recipe": qual, "directory": str(files.dir), "meta": files.meta, "eager": None},
+                         "alone in its own process (loaded from its standalone artifact)")
+    if eager.kwargs is None:
+        return Placement(None, f"timed in this process: its artifact is rebuilt from the eager model, and {eager.text}")
+    return Placement({"recipe": qual, "directory": str(files.dir), "meta": files.meta, "eager": eager.kwargs},
+                     "alone in its own process (its artifact rebuilt from the re-created eager model)", needs_eager=True)
 
 
 def start_alone(recipe: Recipe, directory: Path, meta: dict[str, Any], inputs: Path, *, threads: int,
                 device: str) -> ChildTimer:
-    """Start the child process that times ``recipe``'s artifact in ``directory`` (returns at once)."""
+    """Start the child process that times ``recipe``'s standalone artifact in ``directory`` (returns at once)."""
     cls = type(recipe)
     return ChildTimer("torchnitro.autotune.fair:load_standalone",
                       {"recipe": f"{cls.__module__}:{cls.__qualname__}", "directory": str(directory), "meta": meta},
                       inputs, threads=threads, device=device, log=inputs.parent / f"_timing_{recipe.name}.log")
 
 
+def memory_fits(model: nn.Module, children: int) -> str | None:
+    """None when ``children`` timing processes that each hold a copy of ``model`` fit in available memory."""
+    need = children * (_CHILD_RUNTIME_BYTES + 2 * sum(t.numel() * t.element_size()
+                                                      for t in [*model.parameters(), *model.buffers()]))
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        avail = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None  # not Linux: no estimate, no limit
+    if need <= 0.7 * avail:
+        return None
+    return f"{children} processes holding a copy of the model need ~{need >> 20} MiB, {avail >> 20} MiB are available"
+
+
+def outputs_differ(path: Path, reference: Any, rel: float) -> str | None:
+    """None when the tensors a child wrote to ``path`` match ``reference`` (norm-relative error <= ``rel``)."""
+    ref = [t for t in torch.utils._pytree.tree_leaves(reference) if isinstance(t, torch.Tensor)]
+    try:
+        got = torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - missing or unreadable: the child never wrote them
+        return f"its outputs could not be read ({type(exc).__name__})"
+    if len(got) != len(ref) or any(a.shape != b.shape for a, b in zip(got, ref)):
+        return (f"its outputs have shapes {[tuple(a.shape) for a in got]}, this process's "
+                f"{[tuple(b.shape) for b in ref]}")
+    for i, (a, b) in enumerate(zip(got, ref)):
+        a, b = a.double(), b.detach().cpu().double()
+        err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+        if not err <= rel:  # NaN is a difference too
+            return f"its output {i} differs from this process's eager by {err:.2e} (norm-relative; allowed {rel:g})"
+    return None
+
+
 @dataclass(frozen=True)
 class EagerCheck:
     """Eager alone against eager inside the comparison."""
 
-    alone_ms: float  # eager's search-time p50, measured before any candidate ran
+    alone_ms: float  # eager alone: a solo run of its own process before the comparison, or its search-time p50
     inside_ms: float  # eager's p50 inside the comparison
     band: float  # allowed relative difference
+    where: str = ""  # how eager alone was measured, for the report
 
     @property
     def drift(self) -> float:
@@ -69,15 +232,105 @@ class EagerCheck:
         return abs(self.drift) <= self.band
 
     def text(self) -> str:
-        return (f"eager p50 alone {self.alone_ms:.3f} ms, inside the comparison {self.inside_ms:.3f} ms "
+        return (f"eager p50 alone{' ' + self.where if self.where else ''} {self.alone_ms:.3f} ms, inside the comparison "
+                f"{self.inside_ms:.3f} ms "
                 f"({self.drift:+.1%}; allowed ±{self.band:.1%})")
 
 
-def check_eager(alone_ms: float, alone_cv: float | None, inside: Timing) -> EagerCheck:
+def check_eager(alone_ms: float, alone_cv: float | None, inside: Timing, where: str = "") -> EagerCheck:
     """Compare eager's p50 inside the comparison with eager alone; the band is ``max(5%, 2 x cv)`` of eager
     alone, at most 25%."""
     if not alone_ms or alone_ms <= 0:
         from torchnitro.errors import InputError
 
         raise InputError(f"eager's p50 alone must be a positive number of ms; received {alone_ms!r}")
-    return EagerCheck(alone_ms, inside.median * 1e3, min(MAX_BAND, max(MIN_BAND, 2.0 * (alone_cv or 0.0))))
+    return EagerCheck(alone_ms, inside.median * 1e3, min(MAX_BAND, max(MIN_BAND, 2.0 * (alone_cv or 0.0))), where)
+
+
+@dataclass
+class AllocatorTrial:
+    """The chosen variant in a fresh process with glibc's defaults against one with ``ALLOCATOR_SETTING``."""
+
+    default_ms: float
+    tuned_ms: float
+    ratio: float  # default / tuned (> 1: the setting made it faster)
+    noise: float
+    keep: bool  # faster by MIN_ALLOCATOR_GAIN and beyond the noise: recorded in the artifact
+    setting: dict[str, str] = field(default_factory=lambda: dict(ALLOCATOR_SETTING))
+
+    def text(self) -> str:
+        env = " ".join(f"{k}={v}" for k, v in self.setting.items())
+        verdict = "kept in the artifact (meta 'environment'; torchnitro.load and serve apply it)" if self.keep \
+            else f"not kept (needs >= {MIN_ALLOCATOR_GAIN:.2f}x beyond the noise)"
+        return (f"allocator setting {env}: the chosen variant alone in a fresh process {self.default_ms:.3f} ms with "
+                f"glibc's defaults, {self.tuned_ms:.3f} ms with it ({self.ratio:.2f}x ±{self.noise:.2f}); {verdict}")
+
+
+def tune_allocator(timer: ChildTimer, tc: TimingConfig) -> AllocatorTrial:
+    """Time ``timer``'s variant against the same variant in a fresh process started with ``ALLOCATOR_SETTING``,
+    interleaved. Raises ``RecipeError`` when the second process fails (the caller notes it and goes on)."""
+    tuned = timer.again(ALLOCATOR_SETTING)
+    try:
+        tuned.wait_ready()
+        res = compare({"default": timer, "tuned": tuned}, tc)
+    finally:
+        tuned.close()
+    est = paired_ratio(res["default"], res["tuned"])
+    keep = est.ratio >= MIN_ALLOCATOR_GAIN and est.beats_noise
+    return AllocatorTrial(res["default"].median * 1e3, res["tuned"].median * 1e3, est.ratio, est.noise, keep)
+
+
+
+def start_children(places: dict[str, Placement], inputs: Path, work: Path, *, threads: int,
+                   device: str) -> dict[str, ChildTimer]:
+    """Start one timing process per placed variant (all at once: they load side by side, before anything is
+    timed). Eager's child also writes its first outputs, for ``ready_children`` to check."""
+    timers = {}
+    for name, p in places.items():
+        if p.kwargs is None:
+            continue
+        if p.kwargs["recipe"] is None:
+            p.outputs = work / f"_outputs_{name}.pt"
+        timers[name] = ChildTimer("torchnitro.autotune.fair:load_variant", p.kwargs, inputs, threads=threads,
+                                  device=device, log=work / f"_timing_{name}.log", outputs=p.outputs)
+    return timers
+
+
+def ready_children(timers: dict[str, ChildTimer], places: dict[str, Placement], eager: str,
+                   eager_outputs: Callable[[], Any], rel: float) -> dict[str, str]:
+    """Wait for every child; returns name -> why it is timed in this process after all (its timer closed and
+    removed from ``timers``). When eager's child fails or its outputs differ from ``eager_outputs()`` (this
+    process's eager on the first timing set), every child that re-created the eager model is dropped too."""
+    fallen: dict[str, str] = {}
+
+    def drop(name: str, why: str) -> None:
+        timers.pop(name).close()
+        fallen[name] = why
+
+    if eager in timers:
+        try:
+            timers[eager].wait_ready()
+            why = outputs_differ(places[eager].outputs, eager_outputs(), rel)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - RecipeError from the child, or this process's eager failing
+            why = str(exc)
+        if why is not None:
+            drop(eager, f"timed in this process: eager re-created in a child failed ({why})"[:300])
+            for name in [n for n in timers if places[n].needs_eager]:
+                drop(name, "timed in this process: the eager model it is rebuilt from could not be re-created "
+                           "in a child (see eager's row)")
+    for name in list(timers):
+        try:
+            timers[name].wait_ready()
+        except Exception as exc:  # noqa: BLE001 - the child failed to load or start
+            drop(name, f"timed in this process: its own timing process failed ({exc})"[:300])
+    return fallen
+
+
+def apply_recorded_allocator(directory: str | Path) -> dict[str, str]:
+    """Apply the allocator setting an artifact records (meta ``environment``) before anything is loaded from it,
+    so processes started from here on (serve's workers) read it at their start. Returns what ``mallopt`` set
+    in this process. Raises ``ArtifactError`` for a damaged artifact, as loading it would."""
+    from torchnitro.autotune.artifact import read_manifest
+    from torchnitro.bench.environment import apply_allocator
+
+    return apply_allocator(read_manifest(directory).get("meta", {}).get("environment") or {})

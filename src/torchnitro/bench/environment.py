@@ -3,17 +3,39 @@
 The C allocator's history moves eager latency (issue 14: MobileNetV3 138 ms with glibc's defaults,
 66.5 ms with ``MALLOC_MMAP_THRESHOLD_=268435456``), and thread variables decide how many cores each
 runtime takes; a number means little without the settings it was measured under.
+
+The allocator setting is also a knob (``ALLOCATOR_SETTING``): the optimizer times its chosen variant
+in a fresh process with and without it and records it in the artifact when it helped
+(``autotune.fair.tune_allocator``). glibc reads ``MALLOC_*`` variables once, when a process starts;
+``apply_allocator`` therefore does two things in a running process: it sets the same thresholds
+with ``mallopt()`` (glibc's call for changing them at run time; allocations from then on follow
+them) and puts the variables into ``os.environ``, so every process started from here on (serve's
+worker processes) reads them at its start. To have them from a process's very first allocation,
+start it with them set: ``MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=536870912 torchnitro serve DIR``.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import platform
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
-__all__ = ["timing_environment", "describe_environment"]
+__all__ = ["timing_environment", "describe_environment", "ALLOCATOR_SETTING", "allocator_untunable",
+           "apply_allocator"]
+
+# glibc's mmap threshold 256 MiB and trim threshold 512 MiB: freed blocks stay in the heap for the next call
+# instead of going back to the kernel and faulting in again (encoder eager 1.32x in a fresh process,
+# results/timing_fairness.md; the mmap threshold alone did nothing there)
+ALLOCATOR_SETTING: dict[str, str] = {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "536870912"}
+# glibc environment variable -> mallopt() parameter (malloc.h: M_TRIM_THRESHOLD -1, M_TOP_PAD -2,
+# M_MMAP_THRESHOLD -3, M_MMAP_MAX -4, M_ARENA_MAX -8)
+_MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3,
+            "MALLOC_MMAP_MAX_": -4, "MALLOC_ARENA_MAX": -8}
 
 _PREFIXES = ("MALLOC_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "ORT_", "OV_")
 _ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
@@ -47,3 +69,43 @@ def describe_environment(env: dict[str, str] | None = None) -> str:
         alloc += " (default thresholds)"
     threads = f"torch threads {env.pop('torch_threads')} (inter-op {env.pop('torch_interop_threads')})"
     return ", ".join([f"allocator {alloc}", threads] + [f"{k}={v}" for k, v in env.items()])
+
+
+def allocator_untunable() -> str | None:
+    """Why the glibc allocator setting cannot be tried in processes started from here, or None."""
+    if platform.libc_ver()[0] != "glibc":
+        return "the C library is not glibc (the MALLOC_* thresholds are glibc's)"
+    other = _loaded_allocators()
+    if other or os.environ.get("LD_PRELOAD"):
+        return f"another allocator is in use ({', '.join(other) or 'LD_PRELOAD=' + os.environ['LD_PRELOAD']})"
+    preset = sorted(k for k in os.environ if k.startswith("MALLOC_"))
+    if preset:
+        return f"{', '.join(preset)} already set in this environment (every process started from here inherits it)"
+    return None
+
+
+def _mallopt(param: int, value: int) -> bool:
+    path = ctypes.util.find_library("c")
+    if platform.libc_ver()[0] != "glibc" or path is None:
+        return False
+    return bool(ctypes.CDLL(path).mallopt(ctypes.c_int(param), ctypes.c_int(value)))
+
+
+def apply_allocator(setting: Mapping[str, str]) -> dict[str, str]:
+    """Put a recorded allocator setting into effect in this process (``mallopt``) and in every process
+    started from it (``os.environ``; see the module docstring). Returns the variables applied with
+    ``mallopt`` here; a variable already set in the environment is left as the user set it."""
+    bad = {k: v for k, v in setting.items() if k not in _MALLOPT or not str(v).isdigit() or int(v) >= 2**31}
+    if bad:
+        from torchnitro.errors import InputError
+
+        raise InputError(f"allocator setting: received {bad}; expected variables among {sorted(_MALLOPT)} with "
+                         "non-negative integer values below 2**31 (bytes or counts, as glibc reads them)")
+    applied = {}
+    for key, value in setting.items():
+        if key in os.environ:  # the user's own choice wins
+            continue
+        os.environ[key] = str(value)
+        if _mallopt(_MALLOPT[key], int(value)):
+            applied[key] = str(value)
+    return applied

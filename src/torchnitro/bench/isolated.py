@@ -1,4 +1,4 @@
-"""Timing a function alone in its own process, alternated with work timed in this one.
+"""Timing a function alone in its own process, alternated with work timed in this one or in other such processes.
 
 A runtime with its own thread pool (ONNX Runtime, OpenVINO) keeps its threads spinning after a call
 and takes the cores from whatever this process times next; a function that will be deployed alone
@@ -7,7 +7,8 @@ function from a loader named ``"module:function"`` (plus JSON keyword arguments)
 a tensor file (``torch.load(weights_only=True)``: nothing the user wrote is unpickled), calls it once
 and reports ready; start-up is never timed. Then each ``timer(k)`` asks the child for one sample of
 ``k`` calls, timed by the child on its own clock, and returns seconds per call: ``bench.compare``
-takes such a timer in place of a function, so rounds alternate this process and the child (A B A B).
+takes such a timer in place of a function, so rounds alternate this process and the child, or several
+children (A B A B), while this process only waits.
 
 While this process waits for the child it sleeps in ``read``; the child sleeps in ``readline`` while
 this process times. A short settle pause on each switch lets spinning pools of the side that just
@@ -77,13 +78,18 @@ class ChildTimer:
 
     def __init__(self, loader: str, kwargs: dict[str, Any], inputs: Path, *, threads: int, device: str = "cpu",
                  settle_s: float | None = None, timeout_s: float = 120.0, log: Path | None = None,
-                 env: dict[str, str] | None = None):
-        spec = {"loader": loader, "kwargs": kwargs, "inputs": str(inputs), "threads": threads, "device": device}
+                 env: dict[str, str] | None = None, outputs: Path | None = None):
+        """``env``: extra environment of the child (e.g. ``MALLOC_MMAP_THRESHOLD_``, read once, when it starts);
+        ``outputs``: a file the child writes its first call's outputs to (the tensors of the first input set,
+        in ``torch.utils._pytree`` leaf order) before it reports ready, for the caller to check what it times."""
+        spec = {"loader": loader, "kwargs": kwargs, "inputs": str(inputs), "threads": threads, "device": device,
+                "outputs": str(outputs) if outputs else None}
+        self.spec, self.extra_env = spec, dict(env or {})
         self.settle_s = SETTLE_S if settle_s is None else settle_s
         self.timeout_s = timeout_s
         self.samples = 0
         self.failed: str | None = None  # why the child stopped answering, once it has
-        env = {**os.environ, **(env or {})}  # e.g. MALLOC_MMAP_THRESHOLD_: read once, when the child starts
+        env = {**os.environ, **self.extra_env}
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         self.log = log or inputs.with_suffix(f".{os.getpid()}.{id(self)}.log")
         self._err = open(self.log, "wb")
@@ -92,6 +98,13 @@ class ChildTimer:
                                      bufsize=0)  # unbuffered: select() sees every line
         self._stdin, self._stdout = cast(IO[bytes], self.proc.stdin), cast(IO[bytes], self.proc.stdout)  # both PIPE
         self._ready = False
+
+    def again(self, env: dict[str, str]) -> "ChildTimer":
+        """A fresh process timing the same function, with ``env`` added to this one's extra environment."""
+        sp = self.spec
+        return ChildTimer(sp["loader"], sp["kwargs"], Path(sp["inputs"]), threads=sp["threads"], device=sp["device"],
+                          settle_s=self.settle_s, timeout_s=self.timeout_s, env={**self.extra_env, **env},
+                          outputs=Path(sp["outputs"]) if sp["outputs"] else None)
 
     def wait_ready(self) -> None:
         """Block until the child has loaded the function and called it once (not timed)."""
@@ -182,6 +195,9 @@ def _child(spec: dict[str, Any]) -> None:
         with torch.inference_mode():
             call = lambda: [fn(*x) for x in sets]  # noqa: E731
             call()  # lazy initialisation is start-up, not timed
+            if spec.get("outputs"):
+                leaves = torch.utils._pytree.tree_leaves(fn(*sets[0]))
+                torch.save([t.detach().cpu() for t in leaves if isinstance(t, torch.Tensor)], spec["outputs"])
             sampler = _Sampler(call, _use_cuda(TimingConfig(device=spec["device"])))
             send("ready")
             for line in sys.stdin:

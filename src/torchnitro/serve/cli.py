@@ -115,6 +115,10 @@ def serve_command(
         priority_levels=priority_levels, adaptive=adaptive, latency_target_ms=latency_target_ms,
         max_body_bytes=max_body_bytes, trust_code=trust_code, grpc_port=grpc_port)
     mname = name or (Path(model).name if Path(model).is_dir() else model.rpartition(":")[2])
+    if Path(model).is_dir():  # the artifact's allocator setting, set before any worker process starts (read at start)
+        from torchnitro.autotune.fair import apply_recorded_allocator
+
+        apply_recorded_allocator(model)
     _start_server(model, mname, batching, scfg, ray, replicas)
 
 
