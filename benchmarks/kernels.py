@@ -437,10 +437,10 @@ def main(argv: list[str] | None = None) -> int:
         _plot(cases, results, name, gpu)
     except Exception as e:  # the tables are written; a plotting problem must not lose them
         print(f"plot failed: {type(e).__name__}: {e}", file=sys.stderr)
-    for t in targets:
-        print(t)
     if args.tuned:
         print("tuned configs:", json.dumps(tuned, indent=1) if tuned else "none exposed")
+    for t in targets:  # last, so that a log tail shows them
+        print(t)
     return 0
 
 
