@@ -390,3 +390,46 @@ def test_readiness_follows_the_pool():
         assert httpx.get(base + "/v2/models/affine/ready", timeout=10).json() == {"name": "affine", "ready": False}
         pool.ready = True
         assert httpx.get(base + "/v2/models/affine/ready", timeout=10).status_code == 200
+
+
+def test_a_client_that_hangs_up_is_withdrawn_by_its_connection_without_a_watcher_task(monkeypatch, tmp_path):
+    """On the server's own connections the protocol's ``connection_lost`` withdraws a waiting request
+    at once: no task per request awaiting ``http.disconnect`` (that fallback, for the app under another
+    server, is switched off here, so only the connection's callback can withdraw it)."""
+    from torchnitro.serve import fastpath
+
+    watchers: list[int] = []
+    monkeypatch.setattr(fastpath._ClientWatch, "_start", lambda self, *a: watchers.append(1))
+    gate = tmp_path / "gate"
+    monkeypatch.setenv("TORCHNITRO_TEST_GATE", str(gate))
+    with serving("torchnitro.serve.testing:gated_affine", "g", BatchingConfig(max_batch_size=1, max_wait_ms=0)) \
+            as (srv, base):
+        b = srv.models["g"].batcher
+
+        async def until(cond, what):
+            for _ in range(3000):
+                if cond():
+                    return
+                await asyncio.sleep(0.01)
+            pytest.fail(f"never happened: {what}")
+
+        async def scenario():
+            async with httpx.AsyncClient(base_url=base, timeout=30) as c:
+                blocker = asyncio.create_task(c.post("/v2/models/g/infer", json=req(1)))
+                await until(lambda: b.inflight == 1, "the first request reached the model")
+                data = json.dumps(req(2)).encode()
+                s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+                s.sendall(b"POST /v2/models/g/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+                await until(lambda: b.depth == 1, "the second request queued")
+                s.close()  # hangs up while queued
+                await until(lambda: b.depth == 0 and b.pending == 1, "the second request withdrawn")
+                gate.touch()
+                first = await blocker
+            return first
+
+        first = asyncio.run(asyncio.wait_for(scenario(), 60))
+        assert first.status_code == 200 and first.json()["outputs"][0]["data"] == expect(1)
+        assert metric(base, "torchnitro_requests_total", code="499") == 1
+        assert metric(base, "torchnitro_batch_size_count") == 1  # the withdrawn request never ran
+        assert watchers == []

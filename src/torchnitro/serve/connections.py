@@ -6,6 +6,11 @@ never, holds a descriptor forever: a few hundred such clients starve good ones u
 open-file limit. ``header_timeout_protocol`` closes a connection whose next request head has not
 arrived within ``header_timeout_s`` of the connection opening or of the previous response ending.
 Bodies have their own per-chunk timeout in the infer route (``fastpath``).
+
+The same protocol tells the infer route when a client goes away: while a request waits for its
+batch, the route sets ``CLIENT_GONE`` on uvicorn's request cycle (the object behind ``receive``) to a
+callback, and ``connection_lost`` calls it. That withdraws the request at once, with no task per
+request awaiting ``receive()`` for ``http.disconnect``.
 """
 
 from __future__ import annotations
@@ -14,9 +19,11 @@ import asyncio
 import resource
 from typing import Any
 
-__all__ = ["header_timeout_protocol", "default_max_connections"]
+__all__ = ["header_timeout_protocol", "default_max_connections", "CLIENT_GONE"]
 
 _FD_RESERVE = 64  # descriptors kept for worker pipes, shared memory, logs and the listener
+# attribute of uvicorn's request cycle: a callback for when its client goes away (fastpath sets it)
+CLIENT_GONE = "_torchnitro_client_gone"
 
 
 def default_max_connections() -> int:
@@ -64,6 +71,10 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            cycle = self.cycle
             super().connection_lost(exc)
+            gone = getattr(cycle, CLIENT_GONE, None)
+            if gone is not None and cycle.disconnected:  # lost before its response was complete
+                gone()
 
     return HeaderTimeoutProtocol

@@ -17,8 +17,11 @@ per request: nothing will ever arrive, so the answer is 503 with ``Retry-After``
 ``ray_app.should_retry`` tells the client to resend (a fresh request, with its body).
 
 A client that disconnects while its request waits has the request withdrawn from the batcher (it
-is never computed if still queued): a small watcher awaits the ASGI ``http.disconnect`` message.
-It starts once the request has waited 10 ms, so the many fast answers under load need no task.
+is never computed if still queued). On torchnitro's own connections (``InferenceServer`` runs
+uvicorn with ``connections.header_timeout_protocol``: ``own_connections``) the protocol calls back
+when the connection is lost, at no cost per request. Elsewhere (the app under another server,
+Ray's proxy) a small task awaits the ASGI ``http.disconnect`` message, started once the request has
+waited 10 ms, so the many fast answers under load need no task.
 
 The binary tensor data extension (``Inference-Header-Content-Length``, ``serve.binary``) is read and
 written here too: binary inputs become numpy arrays without a JSON number in between, and binary
@@ -36,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 from torchnitro.errors import InputError, NitroError, ServeError
 from torchnitro.serve.access import UNAUTHORIZED, Refusal, bearer, find_model, not_accepting, token_ok
 from torchnitro.serve.binary import encode_response, read_request
+from torchnitro.serve.connections import CLIENT_GONE
 from torchnitro.serve.protocol import parse_infer_request
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -66,13 +70,56 @@ def _err(msg: str, status: int, headers: list[tuple[bytes, bytes]] | None = None
     return status, json.dumps({"error": msg}).encode(), headers or []
 
 
-async def _watch_disconnect(receive: Receive, cancel: Callable[[], None]) -> None:
-    """Withdraw the request when the client goes away (uvicorn answers ``receive`` only then)."""
-    while True:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            cancel()
-            return
+class _ClientWatch:
+    """Calls ``cancel`` (withdraws the waiting request) if the client goes away; ``gone`` says it did.
+
+    ``hooked``: ``receive`` belongs to a connection of ``connections.header_timeout_protocol``, whose
+    ``connection_lost`` calls back. Otherwise a task awaits ``receive()``'s ``http.disconnect``,
+    started only if the request is still waiting after ``_WATCH_AFTER_S`` (uvicorn remembers a
+    disconnect, so an earlier one is still seen).
+    """
+
+    __slots__ = ("gone", "_cancel", "_cycle", "_timer", "_task")
+
+    def __init__(self, receive: Receive, cancel: Callable[[], None], hooked: bool) -> None:
+        self.gone = False
+        self._cancel: Callable[[], None] | None = cancel
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task | None = None
+        cycle = getattr(receive, "__self__", None) if hooked else None
+        self._cycle = cycle if hasattr(cycle, "disconnected") else None
+        if self._cycle is not None:
+            setattr(self._cycle, CLIENT_GONE, self._client_gone)
+            if self._cycle.disconnected:  # it left before the callback was set
+                self._client_gone()
+        else:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_later(_WATCH_AFTER_S, self._start, receive, loop)
+
+    def _client_gone(self) -> None:
+        if self._cancel is not None:
+            self.gone = True
+            self._cancel()
+
+    def _start(self, receive: Receive, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        self._task = loop.create_task(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._client_gone()
+
+    def close(self) -> None:
+        """The request is answered: stop watching (and let go of the callback's request)."""
+        self._cancel = None
+        if self._cycle is not None:
+            setattr(self._cycle, CLIENT_GONE, None)
+            self._cycle = None
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()
 
 
 class InferPath:
@@ -81,6 +128,8 @@ class InferPath:
     def __init__(self, server: "InferenceServer", app: Any, *, behind_proxy: bool = False):
         self.server, self.app = server, app
         self.behind_proxy = behind_proxy  # the body comes through a proxy's channel, not a client's socket
+        # connections are header_timeout_protocol's, which reports lost clients (set by InferenceServer)
+        self.own_connections = False
         cfg = server.config
         self._token = bearer(cfg.auth_token)
         self._limit = cfg.max_body_bytes
@@ -188,17 +237,11 @@ class InferPath:
             return _err(str(exc), 400)
         except ServeError as exc:
             return _err(str(exc), exc.status_code, self._retry if exc.status_code == 429 else None)
-        # the disconnect watcher starts only if the answer takes longer than _WATCH_AFTER_S: fast
-        # answers (most, under load) then cost no task; uvicorn remembers a disconnect, so one
-        # that happened before the watcher started is still seen when it does
-        loop = asyncio.get_running_loop()
-        watch: list[asyncio.Task] = []
-        timer = loop.call_later(_WATCH_AFTER_S, lambda: watch.append(
-            loop.create_task(_watch_disconnect(receive, lambda: batcher.cancel(req)))))
+        watch = _ClientWatch(receive, lambda: batcher.cancel(req), self.own_connections)
         try:
             outputs = await batcher.wait(req)
         except asyncio.CancelledError:
-            if watch and watch[0].done() and not watch[0].cancelled():  # the client went away, not the server
+            if watch.gone:  # the client went away, not the server
                 return _err("client disconnected", 499)
             raise
         except ServeError as exc:
@@ -208,9 +251,7 @@ class InferPath:
         except Exception as exc:  # noqa: BLE001 - one failing batch answers its requests with 500
             return _err(f"the model failed on this batch: {type(exc).__name__}: {exc}", 500)
         finally:
-            timer.cancel()
-            if watch:
-                watch[0].cancel()
+            watch.close()
             req = None  # an error raised above keeps this frame (its traceback): it must not keep req's future
         data, json_length = encode_response(ep.signature, outputs, item)
         return 200, data, [] if json_length is None else [(_HEADER_LENGTH, str(json_length).encode())]

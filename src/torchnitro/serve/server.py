@@ -246,6 +246,7 @@ class InferenceServer:
                              http=header_timeout_protocol(c.header_timeout_s),
                              timeout_keep_alive=c.keep_alive_s, h11_max_incomplete_event_size=c.max_header_bytes,
                              limit_concurrency=c.max_connections or default_max_connections())
+        self.app.own_connections = True  # header_timeout_protocol reports lost clients to the infer route
         self._uvicorn = _Uvicorn(cfg, self)
         return self._uvicorn
 
