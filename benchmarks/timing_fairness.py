@@ -8,9 +8,15 @@ alternate between the processes; the parent only waits). Two checks per workload
 - each variant's p50 inside the optimizer's comparison is within 5% of its p50 alone;
 - the optimizer's reported speedup agrees with the isolated ratio (eager alone / variant alone) within 10%.
 
+The optimizer's comparison times eager and every finalist alone, each in its own fresh process that loads
+the variant as its artifact would (``autotune.fair``); the "alone" side here builds each variant from
+scratch in its own fresh process, so the two differ only in when they ran and in build vs load.
+
 A third table times eager alone in fresh processes under glibc allocator settings (the issue measured
 eager MobileNetV3 at 138 ms with glibc's defaults and 66.5 ms with ``MALLOC_MMAP_THRESHOLD_``): the
-setting a number was measured under is part of the number (``--no-allocator`` skips it).
+setting a number was measured under is part of the number (``--no-allocator`` skips it). Its last row
+applies the setting with ``mallopt`` after the process started, as ``torchnitro.load`` does
+(``bench.environment.apply_allocator``), against the variables read at start.
 
 Run (one benchmark at a time on a shared machine)::
 
@@ -40,7 +46,7 @@ from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.inputs import model_and_inputs
 from torchnitro.autotune.recipe import BuildContext, get_recipe
 from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir
-from torchnitro.bench.environment import describe_environment
+from torchnitro.bench.environment import ALLOCATOR_SETTING, apply_allocator, describe_environment
 from torchnitro.bench.isolated import ChildTimer, save_inputs
 from torchnitro.hardware import hardware_info
 
@@ -54,15 +60,20 @@ VARIANT_COLUMNS = ("workload", "variant", "family", "p50 in comparison ms", "p50
                    "timed in comparison")
 SPEEDUP_COLUMNS = ("workload", "variant", "reported speedup", "isolated ratio", "diff", "within 10%", "chosen")
 ALLOCATOR_COLUMNS = ("workload", "setting", "env", "eager p50 alone ms", "vs glibc defaults")
-MALLOC_SETTINGS = {  # name -> environment of a fresh process (glibc reads these once, at start-up)
-    "glibc defaults": {},
-    "mmap threshold 256 MiB": {"MALLOC_MMAP_THRESHOLD_": "268435456"},
-    "mmap + trim threshold 256/512 MiB": {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "536870912"},
+MALLOC_SETTINGS = {  # name -> (environment of a fresh process (glibc reads it once, at start-up), mallopt setting)
+    "glibc defaults": ({}, {}),
+    "mmap threshold 256 MiB": ({"MALLOC_MMAP_THRESHOLD_": "268435456"}, {}),
+    "mmap + trim threshold 256/512 MiB": (ALLOCATOR_SETTING, {}),
+    "same via mallopt after start (torchnitro.load)": ({}, ALLOCATOR_SETTING),
 }
 
 
-def build_variant(spec: str, batch: int, seq: int, recipe: str, workdir: str, threads: int) -> Callable[..., Any]:
-    """Child side (``ChildTimer`` loader): the built-in model, built into ``recipe``'s variant in this process."""
+def build_variant(spec: str, batch: int, seq: int, recipe: str, workdir: str, threads: int,
+                  mallopt: dict[str, str] | None = None) -> Callable[..., Any]:
+    """Child side (``ChildTimer`` loader): the built-in model, built into ``recipe``'s variant in this process
+    (after applying ``mallopt``, as ``torchnitro.load`` applies an artifact's allocator setting)."""
+    if mallopt:
+        apply_allocator(mallopt)
     model, inputs, info = model_and_inputs(spec, batch=batch or None, seq=seq or None)
     if recipe == "eager":
         return model
@@ -85,20 +96,22 @@ def _families(quick: bool) -> dict[str, str]:
 
 
 def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any, ...], threads: int,
-           tc: TimingConfig, work: Path, envs: dict[str, dict[str, str]] | None = None) -> dict[str, float]:
+           tc: TimingConfig, work: Path, envs: dict[str, tuple[dict[str, str], dict[str, str]]] | None = None
+           ) -> dict[str, float]:
     """p50 ms of each variant alone in its own fresh process (all started together, timed in rotation).
 
-    ``envs``: one process per entry instead, each running eager under that environment."""
+    ``envs``: one process per entry instead, each running eager under that (environment, mallopt setting)."""
     work.mkdir(parents=True, exist_ok=True)
     save_inputs([inputs], work / "inputs.pt")
-    jobs = {n: ("eager", env) for n, env in envs.items()} if envs is not None else {n: (n, {}) for n in names}
+    jobs = {n: ("eager", *env) for n, env in envs.items()} if envs is not None else {n: (n, {}, {}) for n in names}
     timers = {}
     try:
-        for n, (recipe, env) in jobs.items():
+        for n, (recipe, env, mallopt) in jobs.items():
             d = Path(tempfile.mkdtemp(dir=work))
             timers[n] = ChildTimer(f"{Path(__file__).stem}:build_variant",
                                    {"spec": spec, "batch": batch, "seq": seq, "recipe": recipe, "workdir": str(d),
-                                    "threads": threads}, work / "inputs.pt", threads=threads, timeout_s=600.0, env=env)
+                                    "threads": threads, "mallopt": mallopt}, work / "inputs.pt", threads=threads,
+                                   timeout_s=600.0, env=env)
         for t in timers.values():
             t.wait_ready()
         res = compare(timers, tc)
@@ -120,8 +133,8 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
         t0 = time.perf_counter()
         opt = optimize(model, inputs, cfg, info=info)
         rep = opt.report
-        notes.append(f"{name}: search {time.perf_counter() - t0:.0f} s, chosen {opt.recipe}; "
-                     + "; ".join(n for n in rep.notes if "eager p50 alone" in n or "redone" in n))
+        notes.append(f"{name}: search {time.perf_counter() - t0:.0f} s, chosen {opt.recipe}; " + "; ".join(
+            n for n in rep.notes if n.startswith(("eager p50 alone", "final comparison redone", "allocator setting"))))
         timed = [c.recipe for c in rep.candidates if c.interleaved]
         for c in rep.candidates:
             if c.recipe != "eager" and not c.interleaved:
@@ -133,14 +146,16 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
             by_env = _alone(spec, batch, seq, [], inputs, cfg.resolved_threads(), tc, Path(tmp) / "malloc",
                             MALLOC_SETTINGS)
             for setting, ms in by_env.items():
-                env = " ".join(f"{k}={v}" for k, v in MALLOC_SETTINGS[setting].items()) or "-"
+                env_vars, mallopt = MALLOC_SETTINGS[setting]
+                env = " ".join(f"{k}={v}" for k, v in env_vars.items()) or (
+                    "mallopt " + " ".join(f"{k}={v}" for k, v in mallopt.items()) if mallopt else "-")
                 allocator.add(workload=name, setting=setting, env=env, **{
                     "eager p50 alone ms": ms, "vs glibc defaults": by_env["glibc defaults"] / ms})
     fam_of = {v: k for k, v in families.items()} | {"eager": "eager"}
     for n in timed:
         c = rep.get(n)
         diff = c.p50_ms / alone[n] - 1
-        how = "own process" if c.alone else "this process"
+        how = "own process" if c.alone else "this process: " + _why_here(c.notes)
         variants.add(workload=name, variant=n, family=fam_of.get(n, n), **{
             "p50 in comparison ms": c.p50_ms, "p50 alone ms": alone[n], "diff": f"{diff:+.1%}",
             "within 5%": abs(diff) <= P50_GOAL, "timed in comparison": how + (", redone" if c.redone else "")})
@@ -149,6 +164,12 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
             d = c.speedup / iso - 1
             speedups.add(workload=name, variant=n, **{"reported speedup": c.speedup, "isolated ratio": iso,
                          "diff": f"{d:+.1%}", "within 10%": abs(d) <= SPEEDUP_GOAL, "chosen": n == opt.recipe})
+
+
+def _why_here(notes: str) -> str:
+    """The report row's reason for timing a variant in the search's process."""
+    _, _, why = notes.partition("final comparison: timed in this process")
+    return why.split(";")[0].strip(" :()")[:120] or "see the report"
 
 
 def _versions() -> dict[str, str]:

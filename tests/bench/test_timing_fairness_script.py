@@ -1,4 +1,5 @@
-"""benchmarks/timing_fairness.py runs end to end (one tiny workload, TorchScript only) and writes its tables."""
+"""benchmarks/timing_fairness.py runs end to end (one tiny workload, TorchScript only) and writes its tables;
+the optimizer's comparison timed eager and TorchScript each in its own process."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def test_timing_fairness_quick_writes_both_tables(tmp_path, monkeypatch):
     rows = data["variants"]["rows"]
     assert [r["variant"] for r in rows] == ["eager", "torchscript"]
     assert all(r["p50 in comparison ms"] > 0 and r["p50 alone ms"] > 0 for r in rows)
+    assert [r["timed in comparison"].split(",")[0] for r in rows] == ["own process", "own process"]  # eager too
     assert [r["variant"] for r in data["speedups"]["rows"]] == ["torchscript"]
     meta = data["variants"]["meta"]
     assert "torch" in meta["versions"] and meta["machine"] and "allocator" in meta["timing environment"]
@@ -30,3 +32,4 @@ def test_timing_fairness_quick_writes_both_tables(tmp_path, monkeypatch):
     assert "isolated ratio" in (tmp_path / "timing_fairness_quick.md").read_text()
     settings = [r["setting"] for r in data["allocator"]["rows"]]
     assert settings == list(tf.MALLOC_SETTINGS) and all(r["eager p50 alone ms"] > 0 for r in data["allocator"]["rows"])
+    assert data["allocator"]["rows"][-1]["env"].startswith("mallopt MALLOC_MMAP_THRESHOLD_=268435456")
