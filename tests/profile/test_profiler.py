@@ -112,7 +112,7 @@ def test_json_round_trip_and_report(train_profile, tmp_path):
     text = path.read_text()
     for sec in SECTIONS:
         assert f'id="{sec}"' in text
-    assert text.count("data:image/png;base64,") == 2
+    assert text.count("data:image/png;base64,") == 3  # categories, top ops, op durations
     assert "http://" not in text.replace("ui.perfetto.dev", "") and "https://" not in text  # self-contained
 
 

@@ -1,4 +1,4 @@
-"""report.html rendered by headless Chromium: it loads offline, every section and both plots are there."""
+"""report.html rendered by headless Chromium: it loads offline, every section and the three plots are there."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def test_report_renders_in_headless_chromium(tmp_path):
     assert dom.returncode == 0, dom.stderr[-2000:]
     for sec in SECTIONS:
         assert f'id="{sec}"' in dom.stdout
-    assert dom.stdout.count("<img") == 2 and "matmul" in dom.stdout
+    assert dom.stdout.count("<img") == 3 and "matmul" in dom.stdout and "trace analysis (" not in dom.stdout
+    assert "Trace analysis</h2>" in dom.stdout and "outermost ops on 1 thread" in dom.stdout
     shot = tmp_path / "report.png"
     res = _chromium([f"--screenshot={shot}", "--window-size=1200,1800", report.as_uri()], tmp_path)
     assert res.returncode == 0 and shot.exists(), res.stderr[-2000:]

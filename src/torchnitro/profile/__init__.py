@@ -18,8 +18,10 @@ from typing import Any
 from torchnitro.profile.categories import CATEGORIES, category_of
 from torchnitro.profile.profiler import ProfileConfig, make_step, profile
 from torchnitro.profile.result import OpStat, Profile
+from torchnitro.profile.trace import TraceAnalysis, TraceConfig, analyze_trace
 
-__all__ = ["profile", "Profile", "ProfileConfig", "OpStat", "CATEGORIES", "category_of", "make_step"]
+__all__ = ["profile", "Profile", "ProfileConfig", "OpStat", "CATEGORIES", "category_of", "make_step",
+           "analyze_trace", "TraceAnalysis", "TraceConfig"]
 
 
 class _CallableModule(types.ModuleType):

@@ -14,7 +14,7 @@ import typer
 
 from torchnitro.errors import InputError
 
-__all__ = ["register", "profile_command", "artifact_step"]
+__all__ = ["register", "profile_command", "artifact_step", "trace_command"]
 
 _MODEL_HELP = ("built-in name (encoder, lm, cnn, mlp, minilm), 'module:function', 'file.py:function', 'hf:/path' "
                "or an artifact directory from torchnitro optimize")
@@ -59,12 +59,20 @@ def profile_command(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="write report.html, trace.json, profile.json, PNGs"),
     no_peak: bool = typer.Option(False, "--no-peak", help="do not measure the GEMM peak (no MFU; saves ~2 s on CPU)"),
     as_json: bool = typer.Option(False, "--json", help="print profile.json instead of the summary"),
+    trace: List[Path] = typer.Option([], "--trace", help="analyse existing Chrome trace(s) from torch.profiler "
+                                     "(one per rank) instead of profiling a model"),
 ) -> None:
     """Where one step's time, FLOPs, memory and energy go: by category, top ops, MFU, findings."""
     from rich.console import Console
 
     from torchnitro.profile.profiler import ProfileConfig, profile
 
+    if trace:
+        if model is not None or out is not None:
+            raise InputError(f"--trace with --model/--out: received both; expected either traces to analyse or "
+                             "a model to profile")
+        trace_command(list(trace), as_json)
+        return
     if batch is not None and batch < 1 or seq is not None and seq < 1:
         raise InputError(f"--batch {batch} --seq {seq}: expected positive integers")
     cfg = ProfileConfig(warmup=warmup, steps=steps, measure_peak=not no_peak)
@@ -89,6 +97,24 @@ def profile_command(
     if out is not None:
         path = prof.save(out)
         Console(stderr=as_json).print(f"report: {path} (trace: {out / 'trace.json'})", highlight=False)
+
+
+def trace_command(paths: list[Path], as_json: bool) -> None:
+    """Print the trace analysis of each file (``--trace``), or all of them as one JSON list."""
+    import json
+
+    from rich.console import Console
+
+    from torchnitro.profile.trace import analyze_trace, trace_lines
+
+    found = [(p, analyze_trace(p)) for p in paths]
+    con = Console(soft_wrap=True)
+    if as_json:
+        con.print_json(json.dumps([{"trace": str(p), **a.to_dict()} for p, a in found], default=str))
+        return
+    for p, a in found:
+        con.print(f"[bold]{p}[/bold]", highlight=False)
+        con.print("\n".join(trace_lines(a)), markup=False, highlight=False)
 
 
 def register(app: typer.Typer) -> None:

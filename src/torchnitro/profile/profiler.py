@@ -371,9 +371,24 @@ def _build(events: Any, cfg: ProfileConfig, device: str, trace: str, acc: dict[s
                 flops=acc.get("flops"), flops_by_category=acc.get("flops_by_category", {}),
                 peak_flops=peak, peak_source=source, memory=acc.get("memory", {}), monitor=monitor,
                 environment=_environment(device), trace_path=trace)
+    p.trace_analysis = _analyze(trace)
     p.findings = findings(p)
     weakref.finalize(p, _remove, trace)  # the temp trace goes with the Profile; save() keeps a copy
     return p
+
+
+def _analyze(trace: str) -> dict[str, Any]:
+    """The trace analysis of the exported trace; a failure there is a warning, never a lost profile."""
+    import warnings
+
+    from torchnitro.profile.trace import analyze_trace
+
+    try:
+        return analyze_trace(trace).to_dict()
+    except Exception as exc:  # the profile itself is complete without it
+        warnings.warn(f"trace analysis of {trace} failed ({type(exc).__name__}: {exc}); the profile has none",
+                      stacklevel=3)
+        return {}
 
 
 def _remove(path: str) -> None:

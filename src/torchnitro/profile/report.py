@@ -1,4 +1,4 @@
-"""``Profile.save(dir)``: trace.json, profile.json, two PNG plots and a self-contained report.html.
+"""``Profile.save(dir)``: trace.json, profile.json, PNG plots and a self-contained report.html.
 
 The HTML has no external assets: CSS is inline and the plots are embedded as base64 PNG, so the
 file can be mailed or attached to a CI run and opened anywhere. The trace opens in Perfetto
@@ -18,10 +18,12 @@ from torchnitro.profile.categories import CATEGORIES, DESCRIPTIONS
 if TYPE_CHECKING:
     from torchnitro.profile.result import Profile
 
-__all__ = ["write_report", "render_html", "plot_categories", "plot_top_ops", "SECTIONS"]
+__all__ = ["write_report", "render_html", "plot_categories", "plot_top_ops", "plot_durations", "trace_html",
+           "SECTIONS"]
 
 # ids of the report's sections, in order (a test checks each is present)
-SECTIONS = ("overview", "categories", "top-ops", "flops", "memory", "monitoring", "findings", "environment")
+SECTIONS = ("overview", "categories", "top-ops", "flops", "memory", "monitoring", "trace-analysis", "findings",
+            "environment")
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:2em auto;max-width:1100px;color:#222}
@@ -75,6 +77,64 @@ def plot_top_ops(p: "Profile", path: Path, n: int = 12) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def plot_durations(t: dict[str, Any], path: Path) -> Path | None:
+    """Histogram of kernel (GPU) or outermost-op (CPU) durations over log2 buckets; None without any."""
+    hist = (t.get("durations") or {}).get("histogram")
+    if not hist or not hist.get("counts"):
+        return None
+    plt = _plt()
+    edges, counts = hist["edges_us"], hist["counts"]
+    labels = [f"<{edges[k + 1]:g}" if edges[k + 1] != float("inf") else f">={edges[k]:g}" for k in range(len(counts))]
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    ax.bar(range(len(counts)), counts, color="#4c72b0")
+    ax.set_xticks(range(len(counts)))
+    ax.set_xticklabels(labels, rotation=60, fontsize=7)
+    ax.set_xlabel("duration (us)")
+    ax.set_ylabel("count")
+    ax.set_title(f"{'kernel' if t.get('clock') == 'device' else 'op'} durations")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def trace_html(t: dict[str, Any], plot: str = "") -> str:
+    """The trace-analysis section's body: temporal / idle breakdown, overlap, launches, durations."""
+    if not t:
+        return "<p>No trace analysis (the trace could not be read).</p>"
+    unit = "stream" if t.get("clock") == "device" else "thread"
+    kinds = ("compute", "communication", "memory", "other", "idle")
+    temporal = _table(["rank", unit] + [f"{k} %" for k in kinds] + ["window ms"],
+                      [[r["rank"], r["stream"]] + [f"{100 * r[k] / (r['span'] or 1):.1f}" for k in kinds]
+                       + [f"{r['span'] / 1e3:.3f}"] for r in t.get("temporal", [])], set(range(2, 8)))
+    out = [f"<p>Rank {t.get('rank', 0)}, {_esc(t.get('clock'))} clock, window {t.get('span_us', 0) / 1e3:.3f} ms.</p>",
+           temporal]
+    if t.get("idle"):
+        out.append(_table(["stream", "idle ms", "host wait ms", "kernel wait ms", "other ms"],
+                          [[r["stream"], f"{r['idle_us'] / 1e3:.3f}", f"{r['host_wait_us'] / 1e3:.3f}",
+                            f"{r['kernel_wait_us'] / 1e3:.3f}", f"{r['other_us'] / 1e3:.3f}"] for r in t["idle"]],
+                          {1, 2, 3, 4}))
+    ov, ln = t.get("overlap"), t.get("launch")
+    if ov:
+        out.append(f"<p>Communication {ov['communication_us'] / 1e3:.3f} ms, {ov['percent']:.1f}% overlapped with "
+                   "compute.</p>")
+    if ln:
+        out.append(_table(["launch statistic", "value"], [[k, f"{v:.4g}" if isinstance(v, float) else v]
+                                                           for k, v in ln.items()]))
+    d = t.get("durations") or {}
+    if d:
+        out.append(plot)
+        out.append(_table(["share", "count", "total ms", "mean us", "p50 us", "p90 us", "max us", "name"],
+                          [[f"{r['share']:.1%}", r["count"], f"{r['total_us'] / 1e3:.3f}", f"{r['mean_us']:.1f}",
+                            f"{r['p50_us']:.1f}", f"{r['p90_us']:.1f}", f"{r['max_us']:.1f}", r["name"]]
+                           for r in d.get("by_name", [])], set(range(7))))
+    out += [f"<p class=muted>{_esc(n)}</p>" for n in t.get("notes", [])]
+    return "\n".join(out)
+
+
+def _esc(v: Any) -> str:
+    return html.escape(str(v))
 
 
 def _img(path: Path, alt: str) -> str:
@@ -132,6 +192,7 @@ The trace is <code>trace.json</code> beside this file (open it in ui.perfetto.de
 <section id="flops"><h2>FLOPs and MFU</h2>{flops}</section>
 <section id="memory"><h2>Memory</h2>{mem_html}</section>
 <section id="monitoring"><h2>Energy and device counters</h2><ul>{mon}</ul></section>
+<section id="trace-analysis"><h2>Trace analysis</h2>{trace_html(p.trace_analysis, plots_html.get("durations", ""))}</section>
 <section id="findings"><h2>Findings</h2><ul>{finds}</ul></section>
 <section id="environment"><h2>Environment</h2>{env}</section>
 </body></html>
@@ -147,6 +208,9 @@ def write_report(p: "Profile", directory: Path) -> Path:
     (directory / "profile.json").write_text(p.to_json())
     plots = {"categories": plot_categories(p, directory / "categories.png"),
              "top_ops": plot_top_ops(p, directory / "top_ops.png")}
+    durations = plot_durations(p.trace_analysis, directory / "durations.png")
+    if durations is not None:
+        plots["durations"] = durations
     out = directory / "report.html"
     out.write_text(render_html(p, plots))
     return out

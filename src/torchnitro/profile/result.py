@@ -54,6 +54,7 @@ class Profile:
     monitor: dict[str, Any] = field(default_factory=dict)  # energy / power / utilisation samplers
     environment: dict[str, str] = field(default_factory=dict)  # machine, versions, threads
     findings: list[str] = field(default_factory=list)
+    trace_analysis: dict[str, Any] = field(default_factory=dict)  # profile.trace.TraceAnalysis.to_dict(); {} if none
     trace_path: str | None = field(default=None, compare=False)  # exported Chrome trace (temp file until saved)
     version: int = FORMAT_VERSION
 
@@ -113,6 +114,10 @@ class Profile:
                     lines.append(f"  {k:<16}{v / 2**20:10.2f} MiB")
         for name, m in self.monitor.items():
             lines.append(f"{name}: {m.get('summary', m.get('unavailable', ''))}")
+        if self.trace_analysis:
+            from torchnitro.profile.trace import trace_lines
+
+            lines += [""] + trace_lines(self.trace_analysis)
         lines += ["", "findings:"] + [f"  - {f}" for f in (self.findings or ["none"])]
         return "\n".join(lines)
 
@@ -188,7 +193,27 @@ def findings(p: Profile) -> list[str]:
     if s.get("communication", 0) > 0.2:
         out.append(f"communication takes {s['communication']:.0%}: overlap it with compute (bucketed DDP, FSDP "
                    "prefetch) or reduce it (gradient accumulation)")
+    out += _trace_findings(p.trace_analysis)
     if p.mfu is not None and s.get("matmul", 0) > 0.5 and p.mfu < 0.3:
         out.append(f"matmul dominates ({s['matmul']:.0%}) but MFU is {p.mfu:.0%}: the GEMMs are small or "
                    "misaligned; pad dims to multiples of 64 or batch more work per step")
+    return out
+
+
+def _trace_findings(t: dict[str, Any]) -> list[str]:
+    """Rules on the trace analysis (GPU idle causes, short kernels, unoverlapped communication)."""
+    out = []
+    idle = (t.get("idle") or [{}])[0]
+    span = t.get("span_us") or 0.0
+    if span > 0 and idle.get("host_wait_us", 0) > 0.2 * span:
+        out.append(f"the GPU waited on the CPU for {idle['host_wait_us'] / span:.0%} of the kernel window (host "
+                   "wait): launch-bound; try the cuda-graphs or compile-reduce-overhead recipe")
+    launch = t.get("launch") or {}
+    if launch.get("kernels", 0) >= 20 and launch.get("short_share", 0) > 0.5:
+        out.append(f"{launch['short_share']:.0%} of kernels run shorter than their launch call: fuse them (compile "
+                   "recipe) or replay them as a CUDA graph")
+    ov = t.get("overlap") or {}
+    if span > 0 and ov.get("communication_us", 0) > 0.1 * span and ov.get("percent", 100) < 50:
+        out.append(f"only {ov['percent']:.0f}% of communication overlaps compute: bucket gradients (DDP) or "
+                   "prefetch (FSDP) so collectives run under compute")
     return out
