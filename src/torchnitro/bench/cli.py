@@ -61,7 +61,7 @@ def compare_command(
 
 @bench_app.command("run")
 def run_command(
-    suite: str = typer.Option("attention", "--suite", help="which suite (attention)"),
+    suite: str = typer.Option("attention", "--suite", help="which suite: attention, fused, train, models"),
     tier: str = typer.Option("micro,small,realistic", "--tier", help="comma-separated tiers: micro, small, "
                              "realistic, large, xlarge"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="result file (default: results/bench-SUITE-TIME.json)"),
