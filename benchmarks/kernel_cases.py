@@ -171,7 +171,8 @@ def tuned_configs() -> dict[str, object]:
     """Launch configs the kernels picked in this process, from whatever each kernel module exposes
     (``chosen_configs()`` / ``tuned_configs()`` functions, or ``_TUNED`` / ``_CHOSEN`` dicts)."""
     out: dict[str, object] = {}
-    for short in ("_triton", "flash_attention", "layer_norm", "rms_norm", "rope", "linear_gelu", "fused_linear_ce"):
+    for short in ("_triton", "flash_attention", "attention_policy", "layer_norm", "rms_norm", "rope", "linear_gelu",
+                  "fused_linear_ce"):
         try:
             mod = importlib.import_module(f"torchnitro.kernels.{short}")
         except Exception:

@@ -64,6 +64,9 @@ def doctor() -> None:
     for name, ver in hw.libraries.items():
         lt.add_row(name, ver or "[dim]not installed[/dim]")
     con.print(lt)
+    from torchnitro.kernels.attention_policy import policy_summary
+
+    con.print(policy_summary())
     try:
         from torchnitro.autotune.recipe import all_recipes
     except ImportError:

@@ -158,6 +158,50 @@ def test_patched_reference_lm_gradients_match(monkeypatch):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
 
 
+# (arch, sliding window, TORCHNITRO_ATTENTION, routes recorded, kernel launches)
+HF_ROUTES = [
+    ("Llama", None, None, ["sdpa"], 0),  # plain causal GQA: SDPA, as the unpatched model ran it
+    ("Llama", None, "flash", ["flash"], 1),
+    ("Mistral", 16, None, ["sdpa"], 0),  # a window wider than the sequence masks nothing: plain attention
+    ("Mistral", 4, None, [], 0),  # a window that masks comes with HF's mask: HF's SDPA path, not routed
+]
+
+
+@pytest.mark.parametrize("arch,window,forced,routes,launches", HF_ROUTES)
+def test_patched_hf_attention_routes_by_policy(arch, window, forced, routes, launches, monkeypatch):
+    from torchnitro.kernels import attention_policy
+    from torchnitro.kernels.flash_attention import FlashAttentionFunction
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "triton")
+    monkeypatch.setenv("TORCHNITRO_ATTENTION", forced or "auto")
+    attention_policy.reset_attention_routes()
+    calls, real = [], FlashAttentionFunction.apply
+    monkeypatch.setattr(FlashAttentionFunction, "apply", lambda *a: calls.append(a) or real(*a))
+    cfg_cls, model_cls = getattr(transformers, f"{arch}Config"), getattr(transformers, f"{arch}ForCausalLM")
+    cfg = cfg_cls(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, **({"sliding_window": window} if window else {}))
+    summary, before, after = _parity(model_cls(cfg), torch.randint(0, 64, (1, 10)))
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    got = [r["backend"] for r in attention_policy.attention_routes() if r["site"] == f"hf:{arch}Attention"]
+    attention_policy.reset_attention_routes()
+    assert got == routes and len(calls) == launches
+
+
+@pytest.mark.parametrize("forced", ["auto", "sdpa", "flash"])
+def test_hf_attention_window_without_mask_keeps_the_window(forced, monkeypatch):
+    from torchnitro.kernels import reference
+    from torchnitro.kernels._hf import hf_attention
+
+    monkeypatch.setenv("TORCHNITRO_KERNELS", "reference")
+    monkeypatch.setenv("TORCHNITRO_ATTENTION", forced)
+    module = torch.nn.Module().eval()
+    module.is_causal = True
+    q, k, v = torch.randn(1, 4, 9, 8), torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    out, _ = hf_attention(module, q, k, v, None, sliding_window=3)
+    torch.testing.assert_close(out, reference.flash_attention(q, k, v, True, 3).transpose(1, 2))
+
+
 @pytest.mark.gpu
 def test_patch_llama_bf16_gpu():
     model = _hf("llama").cuda().to(torch.bfloat16).eval()

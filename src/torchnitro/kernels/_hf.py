@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from torchnitro.kernels.attention_policy import route_attention, sdpa
 from torchnitro.kernels.cross_entropy import cross_entropy
 from torchnitro.kernels.flash_attention import flash_attention
 from torchnitro.kernels.rope import rope
@@ -26,7 +27,8 @@ _ROPE_CLASSES = {"LlamaAttention": None, "MistralAttention": "config", "Qwen2Att
 
 def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                  dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None, **kwargs: Any):
-    """HF attention-interface function: flash attention when no explicit mask is needed, else SDPA.
+    """HF attention-interface function: SDPA as HF runs it, or our flash kernel where the attention
+    policy (``kernels.attention_policy``) routes a call needing no explicit mask to it.
 
     query (B, H, Tq, D), key/value (B, Hkv, Tk, D); returns ((B, Tq, H, D), None).
     """
@@ -36,7 +38,7 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     tq, tk = query.shape[2], key.shape[2]
     simple = (attention_mask is None and not kwargs.get("output_attentions") and kwargs.get("softcap") is None
               and (dropout == 0.0 or not module.training) and kwargs.get("position_bias") is None
-              and (tq == tk or tq == 1))
+              and (tq == tk or tq == 1) and key.shape == value.shape)
     if not simple:  # padding masks, cache offsets, dropout: the exact SDPA path
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -44,7 +46,15 @@ def hf_attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, a
     if window is not None and tq != tk:  # decode step with a window: positions need the cache offset
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
-    out = flash_attention(query, key, value, causal=bool(causal) and tq > 1, window=window, scale=scaling)
+    causal = bool(causal) and tq > 1
+    route = route_attention(query, key, value, causal, window, scaling, site=f"hf:{type(module).__name__}")
+    if route.backend != "flash" and (window is None or window >= tk):  # nothing for a mask to do: HF's SDPA
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if route.backend != "flash":  # SDPA forced with a window that masks: SDPA with the window as a mask
+        out = sdpa(query, key, value, causal=causal, window=window, scale=scaling)
+    else:
+        out = flash_attention(query, key, value, causal=causal, window=window, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -60,7 +70,8 @@ def route_hf_attention(model: nn.Module) -> str | None:
     AttentionMaskInterface.register(HF_ATTENTION_NAME, sdpa_mask)  # padding masks still reach us (-> SDPA)
     before = cfg._attn_implementation
     model.set_attn_implementation(HF_ATTENTION_NAME)
-    return f"HF attn_implementation {before!r} -> {HF_ATTENTION_NAME!r} (flash attention; SDPA when a mask is needed)"
+    return (f"HF attn_implementation {before!r} -> {HF_ATTENTION_NAME!r} (SDPA, or flash attention where the "
+            "attention policy routes it; SDPA whenever a mask is needed)")
 
 
 def _llama_attention_forward(self: nn.Module, hidden_states: Tensor, position_embeddings: tuple[Tensor, Tensor],

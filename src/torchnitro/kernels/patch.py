@@ -7,12 +7,16 @@ transformers is not imported unless the model comes from it):
 - ``torch.nn.GELU`` and HF ``GELUActivation`` / ``NewGELUActivation`` -> fused GELU
 - HF gated MLPs (``gate_proj``/``up_proj``/``down_proj`` with SiLU) and ``nn.models`` ``_SwiGLU`` -> fused SwiGLU
 - HF BERT ``*Intermediate`` (Linear then GELU) and GPT-2 ``*MLP`` (Conv1D then GELU) -> fused Linear+GELU GEMM
-- ``nn.models`` attention (RoPE + SDPA) -> fused RoPE + flash attention
+- ``nn.models`` attention (RoPE + SDPA) -> fused RoPE + routed attention
 - HF attention (Llama, BERT, GPT-2, ...): the model's ``attn_implementation`` is set to ``"torchnitro"``,
-  a registered attention function that runs flash attention when no explicit mask is needed and
-  SDPA otherwise (padding masks, decoding with a cache offset, attention dropout in training)
+  a registered attention function that routes calls needing no explicit mask and SDPA otherwise
+  (padding masks, decoding with a cache offset, attention dropout in training)
 - HF Llama/Mistral/Qwen2 attention: RoPE on the fused kernel (per-instance ``forward``)
 - HF causal LMs: ``loss_function`` on the fused cross-entropy (per instance)
+
+"Routed" attention goes through :mod:`torchnitro.kernels.attention_policy`: torch SDPA (as the model had)
+unless the call needs a feature only our flash kernel has (sliding window) or a one-time measurement on
+this GPU shows ours faster; ``attention_policy.attention_report()`` lists each call site's route and why.
 
 Parameters are shared, not copied: ``model.state_dict()`` keys and values are unchanged.
 """
@@ -26,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from torchnitro.kernels._hf import patch_hf_causal_lm_loss, patch_hf_rope, route_hf_attention
-from torchnitro.kernels.flash_attention import flash_attention
+from torchnitro.kernels.attention_policy import attention as routed_attention
 from torchnitro.kernels.gelu import GELU
 from torchnitro.kernels.layer_norm import LayerNorm
 from torchnitro.kernels.linear_gelu import FusedLinearGELU, linear_gelu
@@ -43,7 +47,7 @@ class PatchSummary:
 
     replaced: Counter = field(default_factory=Counter)  # "LlamaRMSNorm -> RMSNorm" -> count
     modules: list[str] = field(default_factory=list)  # qualified names of swapped submodules
-    attention: str | None = None  # how attention was routed to flash attention, if it was
+    attention: str | None = None  # how attention calls were handed to the attention policy, if they were
     notes: list[str] = field(default_factory=list)  # what was recognised but left alone, and why
 
     @property
@@ -108,7 +112,7 @@ class _Conv1DGELU(nn.Module):
 
 
 class _FusedRefAttention(nn.Module):
-    """``nn.models`` causal self-attention with fused RoPE and flash attention (same weights)."""
+    """``nn.models`` causal self-attention with fused RoPE and routed attention (same weights)."""
 
     def __init__(self, attn: nn.Module):
         super().__init__()
@@ -119,11 +123,11 @@ class _FusedRefAttention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
         q, k, v = self._heads(self, x)  # (B, H, T, Dh), (B, Hkv, T, Dh) x2
-        y = flash_attention(rope(q, cos, sin), rope(k, cos, sin), v, causal=True)
+        y = routed_attention(rope(q, cos, sin), rope(k, cos, sin), v, causal=True, site="patch:nn.models attention")
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-def _replacement(name: str, m: nn.Module) -> nn.Module | None:
+def _replacement(name: str, m: nn.Module, attention: bool = True) -> nn.Module | None:
     cls = type(m).__name__
     if isinstance(m, nn.LayerNorm) and len(m.normalized_shape) == 1:
         return _norm_from(m, "layer")
@@ -145,7 +149,7 @@ def _replacement(name: str, m: nn.Module) -> nn.Module | None:
         nn.Module.__init__(new)
         new.w1, new.w3, new.w2 = m.w1, m.w3, m.w2
         return new
-    if cls == "_CausalSelfAttention" and hasattr(m, "cfg") and hasattr(m, "wq"):
+    if attention and cls == "_CausalSelfAttention" and hasattr(m, "cfg") and hasattr(m, "wq"):
         return _FusedRefAttention(m)
     return None
 
@@ -183,6 +187,8 @@ def count_patchable(model: nn.Module) -> int:
 def patch_(model: nn.Module, attention: bool = True) -> PatchSummary:
     """Replace the recognised submodules of ``model`` with fused ones, in place; returns a summary.
 
+    ``attention=False`` leaves attention modules and HF attention implementations as they are.
+
     Outputs stay equal to the unpatched model within floating-point tolerance. On CPU the fused
     modules run their PyTorch references, so patching is safe everywhere and fast on CUDA.
     """
@@ -198,7 +204,7 @@ def patch_(model: nn.Module, attention: bool = True) -> PatchSummary:
             summary.modules.append(name)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            new = _replacement(child_name, child)
+            new = _replacement(child_name, child, attention)
             if new is None:
                 continue
             new.train(child.training)
@@ -214,5 +220,9 @@ def patch_(model: nn.Module, attention: bool = True) -> PatchSummary:
         summary.notes.append("the LM head still materialises the logits HF returns; for training loops that only "
                              "need the loss, use kernels.fused_linear_cross_entropy(hidden, lm_head.weight, labels)")
     if attention:
-        summary.attention = route_hf_attention(model)
+        parts = [route_hf_attention(model)]
+        n = summary.replaced.get("_CausalSelfAttention -> FusedRefAttention", 0)
+        if n:
+            parts.append(f"{n} nn.models attention module(s) -> attention policy")
+        summary.attention = "; ".join(p for p in parts if p) or None
     return summary

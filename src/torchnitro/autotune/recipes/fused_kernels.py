@@ -1,4 +1,7 @@
-"""The ``fused-kernels`` recipe: swap norms, activations, gated MLPs and attention for Triton kernels.
+"""The ``fused-kernels`` recipe: swap norms, activations and gated MLPs for Triton kernels, and hand
+attention to the attention policy (``kernels.attention_policy``: torch SDPA unless the call needs a
+sliding window or a one-time measurement on this GPU shows our flash kernel faster), so the candidate
+never runs slower attention than the eager model.
 
 GPU only: on CPU the fused modules run their PyTorch references, so the candidate would be the
 eager model again. Numerics are EXACT up to float reassociation (same dtype, fp32 accumulation).
@@ -22,7 +25,8 @@ class FusedKernelsRecipe(Recipe):
     name = "fused-kernels"
     isolated_input = "model"  # rewrites modules of the model tree: needs the model object itself
     numeric_class = NumericClass.EXACT
-    description = "Triton RMSNorm/LayerNorm/GELU/SwiGLU/Linear+GELU/flash attention via kernels.patch_"
+    description = ("Triton RMSNorm/LayerNorm/GELU/SwiGLU/Linear+GELU via kernels.patch_; attention on SDPA or our "
+                   "flash kernel, whichever the attention policy measures faster")
     gpu_only = True
 
     def unavailable_reason(self, hw: HardwareInfo) -> str | None:
@@ -47,7 +51,9 @@ class FusedKernelsRecipe(Recipe):
 
         model = ctx.model.to(ctx.device)
         summary = patch_(model)
-        return Built(fn=model, meta={"replaced": dict(summary.replaced)},
+        from torchnitro.kernels.attention_policy import policy_summary
+
+        return Built(fn=model, meta={"replaced": dict(summary.replaced), "attention_policy": policy_summary()},
                      notes=f"{summary.total} modules fused" + (f"; {summary.attention}" if summary.attention else ""))
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
