@@ -7,15 +7,28 @@ import torch.nn.functional as F
 
 from torchnitro.nn.models import TransformerConfig, TransformerLM
 
-__all__ = ["MODEL", "tiny_lm", "tokens", "two_steps"]
+__all__ = ["MODEL", "tiny_lm", "tokens", "two_steps", "TWO", "FOUR", "PIPE_TWO", "PIPE_FOUR", "PIPE_LAYERS"]
 
 # GQA (2 kv heads for 4 query heads) so TP=2 splits both; hidden 128
 MODEL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
 
+# the scenarios one group of 2 and one of 4 real ranks run (tests/distributed/conftest.py); name -> ParallelConfig
+TWO = {"ddp": dict(dp_replicate=2), "ddp_fp16": dict(dp_replicate=2, comm_hook="fp16"),
+       "fsdp": dict(dp_shard=2), "fsdp_ckpt": dict(dp_shard=2, checkpointing="selective", prefetch=0),
+       "tp": dict(tp=2), "fsdp_bf16": dict(dp_shard=2, mixed_precision="bf16")}
+FOUR = {"hsdp": dict(dp_replicate=2, dp_shard=2), "fsdp_tp": dict(dp_shard=2, tp=2)}
+# pipelines of the PIPE_LAYERS-layer LM (tests/distributed/workers/pipeline.py); "ckpt": also save with DCP
+PIPE_LAYERS = 4
+PIPE_TWO = {"pp_gpipe": dict(pp=2, pp_schedule="gpipe", microbatches=4),
+            "pp_1f1b": dict(pp=2, pp_schedule="1f1b", microbatches=8, ckpt=True),
+            "pp_interleaved": dict(pp=2, pp_schedule="interleaved1f1b", stages_per_rank=2),
+            "pp_1f1b_ckpt": dict(pp=2, pp_schedule="1f1b", checkpointing="blocks")}
+PIPE_FOUR = {"pp_fsdp": dict(pp=2, dp_shard=2, pp_schedule="1f1b", microbatches=2)}
 
-def tiny_lm() -> TransformerLM:
+
+def tiny_lm(n_layers: int = MODEL["n_layers"]) -> TransformerLM:
     torch.manual_seed(0)
-    return TransformerLM(TransformerConfig(**MODEL))
+    return TransformerLM(TransformerConfig(**{**MODEL, "n_layers": n_layers}))
 
 
 def tokens(batch: int = 8, seq: int = 16) -> torch.Tensor:

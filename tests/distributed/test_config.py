@@ -28,7 +28,12 @@ def test_product_not_world_size():
 @pytest.mark.parametrize("kw, pattern", [
     (dict(tp=0), r"ParallelConfig.tp: received 0, expected an integer >= 1"),
     (dict(dp_shard=2.0), r"dp_shard: received 2.0"),
-    (dict(pp=2), r"pipeline parallelism is not implemented yet"),
+    (dict(pp=2, tp=2), r"pp=2 with tp=2: pipeline stages are not tensor-parallel yet"),
+    (dict(pp=2, dp_replicate=2), r"would put DDP over pipeline stages"),
+    (dict(pp=2, pp_schedule="interleaved1f1b"), r"stages_per_rank=1; set stages_per_rank >= 2"),
+    (dict(pp=2, stages_per_rank=2), r"pp_schedule='1f1b' runs one stage per pp rank"),
+    (dict(pp=2, pp_schedule="zb"), r"pp_schedule: received 'zb', expected one of gpipe, 1f1b, interleaved1f1b"),
+    (dict(pp=2, microbatches=-1), r"microbatches: received -1"),
     (dict(mixed_precision="fp8"), r"received 'fp8', expected one of fp32, bf16, fp16"),
     (dict(checkpointing="all"), r"checkpointing: received 'all'"),
     (dict(dp_shard=2, comm_hook="fp16"), r"applies to DDP only, but this config is 'fsdp'"),

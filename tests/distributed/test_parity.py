@@ -1,40 +1,26 @@
 """DDP, FSDP2, HSDP, TP and FSDP+TP on real gloo ranks against one process on the whole batch,
 and exact evaluation through the sharded loader on the same meshes.
 
-One group of ranks per world size runs every scenario in turn (a module fixture), so the suite pays
-for process start-up twice, not once per strategy. fp32: loss and every gradient within 1e-6
-(norm-relative, per tensor); the fp16-compressed DDP hook within fp16's precision.
+One group of ranks per world size runs every scenario in turn (the session fixture ``ranks`` of
+conftest.py), so the suite pays for process start-up twice, not once per strategy. fp32: loss and
+every gradient within 1e-6 (norm-relative, per tensor); the fp16-compressed DDP hook within fp16's
+precision. Pipelines run in the same groups; test_pipeline.py checks them.
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from tests.distributed.common import tiny_lm, tokens, two_steps
-from tests.distributed.spawn import run_ranks
+from tests.distributed.common import FOUR, TWO, tiny_lm, tokens, two_steps
 from torchnitro.distributed.parity import compare, full_tensors
 
-TWO = {"ddp": dict(dp_replicate=2), "ddp_fp16": dict(dp_replicate=2, comm_hook="fp16"),
-       "fsdp": dict(dp_shard=2), "fsdp_ckpt": dict(dp_shard=2, checkpointing="selective", prefetch=0),
-       "tp": dict(tp=2), "fsdp_bf16": dict(dp_shard=2, mixed_precision="bf16")}
-FOUR = {"hsdp": dict(dp_replicate=2, dp_shard=2), "fsdp_tp": dict(dp_shard=2, tp=2)}
 TOL = {"ddp_fp16": 2e-3, "fsdp_bf16": 3e-2}
 
 
 @pytest.fixture(scope="module")
 def reference():
     return two_steps(tiny_lm(), tokens(), grads=lambda m: full_tensors(m, grads=True))
-
-
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("parity")
-    run_ranks("parity.py", 2, str(out), json.dumps(list(TWO.items())))
-    run_ranks("parity.py", 4, str(out), json.dumps(list(FOUR.items())))
-    return out
 
 
 @pytest.mark.parametrize("name", [*TWO, *FOUR])

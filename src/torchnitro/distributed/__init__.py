@@ -21,8 +21,9 @@ from torchnitro.distributed.config import ParallelConfig
 from torchnitro.distributed.data import ShardedSampler, dp_sum, exact_mean, loader
 from torchnitro.distributed.mesh import dp_coords, init, shutdown
 from torchnitro.distributed.parallelize import parallelize, tp_plan
+from torchnitro.distributed.pipeline import Pipeline, pipeline
 from torchnitro.distributed.planner import RankState, rank_state_bytes
 
-__all__ = ["ParallelConfig", "init", "shutdown", "dp_coords", "parallelize", "tp_plan", "loader", "ShardedSampler",
+__all__ = ["ParallelConfig", "init", "shutdown", "dp_coords", "parallelize", "tp_plan", "pipeline", "Pipeline", "loader", "ShardedSampler",
            "dp_sum", "exact_mean", "save", "load", "latest_step", "ModelState", "PendingSave",
            "RankState", "rank_state_bytes"]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 
@@ -46,6 +46,11 @@ _async_group: dict[int, Any] = {}  # id(default group) -> the gloo group of back
 _pending: dict[str, "PendingSave"] = {}  # directory -> its unfinished async save
 
 
+# optimizer state and hyper-parameters keyed by parameter name, not by position in a param group: a pipeline
+# rank's optimizer holds some of the parameters only, so positional groups would not line up across layouts
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class ModelState(Stateful):
     """A model and its optimizer as one DCP entry, through ``get_state_dict``/``set_state_dict``,
     so FSDP/TP shards are saved as shards and fully-qualified names match across layouts."""
@@ -57,12 +62,12 @@ class ModelState(Stateful):
         return [self.optimizer] if self.optimizer is not None else []
 
     def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.model, self._optims())
+        model_sd, optim_sd = get_state_dict(self.model, self._optims(), options=_OPTIONS)
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self._optims(), model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
+                       optim_state_dict=state.get("optim", {}), options=_OPTIONS)
 
 
 def step_dir(directory: str | os.PathLike, step: int) -> Path:

@@ -11,7 +11,9 @@ dp_shard > 1                 FSDP2 ``fully_shard`` per block and on the root
 dp_replicate > 1, dp_shard>1 HSDP: ``fully_shard`` on the 2-D (replicate, shard) mesh
 dp_replicate > 1 only        DDP (bucket size and communication hook from the config)
 tp > 1                       tensor parallelism (``parallelize_module``), composable with FSDP/HSDP
-pp > 1                       pipeline parallelism: not implemented yet (a ConfigError says so)
+pp > 1                       pipeline parallelism (``torch.distributed.pipelining``): the layers are
+                             split into stages, ``pp_schedule`` runs ``microbatches`` through them;
+                             composes with FSDP/HSDP on each stage (not with DDP or TP yet)
 ===========================  =======================================================
 """
 
@@ -22,12 +24,13 @@ from typing import Any
 
 from torchnitro.errors import BackendUnavailableError, ConfigError
 
-__all__ = ["ParallelConfig", "MESH_DIMS", "PRECISIONS", "COMM_HOOKS", "CHECKPOINTING"]
+__all__ = ["ParallelConfig", "MESH_DIMS", "PRECISIONS", "COMM_HOOKS", "CHECKPOINTING", "PP_SCHEDULES"]
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # outermost first
 PRECISIONS = ("fp32", "bf16", "fp16")
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 CHECKPOINTING = ("none", "blocks", "selective")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 
 
 @dataclass
@@ -35,13 +38,16 @@ class ParallelConfig:
     dp_replicate: int = 1  # data-parallel replicas (DDP alone, or the outer dim of HSDP)
     dp_shard: int = 1  # FSDP2 shard degree (the inner dim of HSDP)
     tp: int = 1  # tensor-parallel degree; must divide the attention heads
-    pp: int = 1  # pipeline stages (not implemented yet: must be 1)
+    pp: int = 1  # pipeline-parallel ranks (each holds stages_per_rank stages of consecutive layers)
     mixed_precision: str = "fp32"  # fp32, bf16, fp16: FSDP2 param dtype (reductions stay fp32)
     checkpointing: str = "none"  # activation checkpointing per block: none, blocks, selective
     comm_hook: str = "none"  # DDP gradient compression: none, fp16, bf16 (NCCL only), powersgd
     bucket_cap_mb: float = 25.0  # DDP gradient bucket size (PyTorch's default)
     reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3); False: ZeRO-2
     prefetch: int = 1  # FSDP2: blocks to all-gather ahead in forward/backward (0 = PyTorch's implicit)
+    pp_schedule: str = "1f1b"  # gpipe, 1f1b, interleaved1f1b (the last needs stages_per_rank >= 2)
+    microbatches: int = 0  # micro-batches per pipeline step; 0: pp * stages_per_rank (fills the pipeline)
+    stages_per_rank: int = 1  # pipeline stages per pp rank ("virtual stages"; > 1 only with interleaved1f1b)
     timeout_s: float = 120.0  # process-group timeout: a dead peer is an error after this, not a 30-min hang
 
     @property
@@ -68,9 +74,8 @@ class ParallelConfig:
         _choice("mixed_precision", self.mixed_precision, PRECISIONS)
         _choice("checkpointing", self.checkpointing, CHECKPOINTING)
         _choice("comm_hook", self.comm_hook, COMM_HOOKS)
-        if self.pp > 1:
-            raise ConfigError(f"ParallelConfig.pp: received {self.pp}, but pipeline parallelism is not implemented "
-                              "yet (issue 18); use pp=1 and spread the ranks over dp_replicate, dp_shard and tp.")
+        _choice("pp_schedule", self.pp_schedule, PP_SCHEDULES)
+        self._check_pipeline()
         if self.comm_hook != "none" and self.strategy != "ddp":
             raise ConfigError(f"ParallelConfig.comm_hook={self.comm_hook!r} applies to DDP only, but this config "
                               f"is {self.strategy!r} (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}); "
@@ -81,6 +86,36 @@ class ParallelConfig:
                               f"dp_shard={self.dp_replicate} (FSDP2 + TP) or HSDP (dp_replicate and dp_shard > 1).")
         if self.timeout_s <= 0:
             raise ConfigError(f"ParallelConfig.timeout_s: received {self.timeout_s}, expected seconds > 0.")
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.microbatches or self.pp * self.stages_per_rank
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    def _check_pipeline(self) -> None:
+        for name in ("microbatches", "stages_per_rank"):
+            v, low = getattr(self, name), 0 if name == "microbatches" else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ConfigError(f"ParallelConfig.{name}: received {v!r}, expected an integer >= {low}.")
+        interleaved = self.pp_schedule == "interleaved1f1b"
+        if self.pp > 1 and interleaved and self.stages_per_rank < 2:
+            raise ConfigError(f"pp_schedule='interleaved1f1b' runs several stages on each pp rank, but stages_per_rank="
+                              f"{self.stages_per_rank}; set stages_per_rank >= 2, or use pp_schedule='1f1b'.")
+        if self.pp > 1 and not interleaved and self.stages_per_rank != 1:
+            raise ConfigError(f"pp_schedule={self.pp_schedule!r} runs one stage per pp rank, but stages_per_rank="
+                              f"{self.stages_per_rank}; set stages_per_rank=1, or use pp_schedule='interleaved1f1b'.")
+        if self.pp == 1:
+            return
+        if self.tp > 1:
+            raise ConfigError(f"pp={self.pp} with tp={self.tp}: pipeline stages are not tensor-parallel yet. Use one of "
+                              "them, and spread the other ranks over dp_shard/dp_replicate (FSDP/HSDP per stage).")
+        if self.strategy == "ddp":
+            raise ConfigError(f"pp={self.pp} with dp_replicate={self.dp_replicate} and dp_shard=1 would put DDP over "
+                              "pipeline stages, which is not supported; use dp_shard (FSDP2 per stage) or HSDP "
+                              "(dp_replicate and dp_shard > 1) for the data-parallel part.")
 
     def check_world(self, world_size: int) -> None:
         """The degrees must multiply to the number of processes that were launched."""
@@ -93,7 +128,13 @@ class ParallelConfig:
                 f"{self.world_size} ...).")
 
     def check_model(self, model_config: Any) -> None:
-        """TP splits attention by heads and the MLP by its hidden size: both must divide by ``tp``."""
+        """TP splits attention by heads and the MLP by its hidden size: both must divide by ``tp``; PP needs at
+        least one layer per stage."""
+        layers = getattr(model_config, "n_layers", None)
+        if self.pp > 1 and layers is not None and layers < self.n_stages:
+            raise ConfigError(f"pipeline parallelism splits the model's {layers} layers into pp * stages_per_rank = "
+                              f"{self.n_stages} stages, but a stage needs at least one layer. Use fewer stages "
+                              f"(pp * stages_per_rank <= {layers}) or a deeper model.")
         if self.tp == 1:
             return
         heads = getattr(model_config, "n_heads", None)

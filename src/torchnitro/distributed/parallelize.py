@@ -81,13 +81,16 @@ def _dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[dims] if len(dims) > 1 else mesh[dims[0]]
 
 
-def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh) -> None:
-    """FSDP2 (1-D shard mesh) or HSDP (2-D replicate x shard mesh) on every block and the root, in place."""
+def apply_fsdp(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh, blocks: list[nn.Module] | None = None) -> None:
+    """FSDP2 (1-D shard mesh) or HSDP (2-D replicate x shard mesh) on every block and the root, in place.
+
+    ``blocks``: the modules to shard one by one (default: the model's largest ``nn.ModuleList``).
+    """
     dp_mesh = _dp_mesh(mesh)
     dtype = _DTYPES[cfg.mixed_precision]
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 \
         else MixedPrecisionPolicy()
-    blocks = list(find_blocks(model))
+    blocks = list(find_blocks(model)) if blocks is None else blocks
     for block in blocks:
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     # the root reshards too (torchtitan does the same without PP): left gathered after a no_grad forward,
@@ -124,6 +127,10 @@ def parallelize(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh) -> nn.M
 
     TP, checkpointing and FSDP2/HSDP change ``model`` in place and return it; DDP returns its wrapper.
     """
+    if cfg.pp > 1:
+        raise ConfigError(f"parallelize() does not split a model into pipeline stages (pp={cfg.pp}); call "
+                          "torchnitro.distributed.pipeline(model, cfg, mesh), which applies checkpointing and "
+                          "FSDP/HSDP per stage and returns the stages with their schedule.")
     if cfg.tp > 1:
         apply_tp(model, cfg, mesh)
     if cfg.checkpointing != "none":

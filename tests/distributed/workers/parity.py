@@ -16,6 +16,7 @@ from tests.distributed.common import tiny_lm, tokens, two_steps  # noqa: E402
 from torchnitro import distributed as D  # noqa: E402
 from torchnitro.distributed.parity import full_tensors  # noqa: E402
 from torchnitro.distributed.train import clip_grad_norm_  # noqa: E402
+from tests.distributed.workers.pipeline import scenario as pipeline_scenario  # noqa: E402
 
 
 def _storage_bytes(tensors) -> int:
@@ -51,6 +52,9 @@ def _evaluate(mesh) -> tuple[float, int]:
 
 def main(out: Path, scenarios: list) -> None:
     for name, kwargs in scenarios:
+        if kwargs.get("pp", 1) > 1:  # pipeline compositions: their own step (the 4-layer LM), same ranks
+            pipeline_scenario(out, name, kwargs)
+            continue
         cfg = D.ParallelConfig(timeout_s=60, **kwargs)
         mesh = D.init(cfg)
         model = D.parallelize(tiny_lm(), cfg, mesh)
