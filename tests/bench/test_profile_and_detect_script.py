@@ -1,0 +1,78 @@
+"""benchmarks/profile_and_detect.py: the detector rows decided from recorded samples (no timing here)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from torchnitro.bench import ResultTable
+from torchnitro.errors import InputError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("profile_and_detect", ROOT / "benchmarks" / "profile_and_detect.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_implied_rate_counts_the_noise_that_would_cross_the_threshold():
+    pd = _script()
+    # a 3% change reaches 5% when the noise alone moved the ratio to >= 1.05 / 1.03 = 1.0194
+    assert pd.implied_rate([1.0, 1.02, 1.03, 0.99]) == 0.5
+    assert pd.implied_rate([1.0, 1.0]) == 0.0
+
+
+def test_peer_rules_on_known_samples():
+    pd = _script()
+    base = [1.0] * 10
+    assert pd._pytest_benchmark_fails(base, [1.06] * 10) is True  # mean grew 6% > 5%
+    assert pd._pytest_benchmark_fails(base, [1.04] * 10) is False
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(1, 0.01, 20), rng.normal(1.02, 0.01, 20)
+    assert pd._pyperf_slower(a, b) is True  # significant and larger: pyperf has no minimum effect
+    t = pd.Tally()
+    t.add(a, b, paired=False)
+    assert t.counts["ours"] == 0 and t.counts["pyperf compare_to"] == 1  # 2% is under our 5% threshold
+
+
+def _recorded(trials: int, seed: int = 0) -> dict:
+    """Interleaved rounds share a load factor (it cancels in pairs); back-to-back runs each get their own."""
+    rng = np.random.default_rng(seed)
+    rec = {"gemm": 8, "samples_per_run": 20}
+    for label, extra in (("A/A", 0.0), ("10% slower", 0.10), ("3% slower", 0.03)):
+        runs = {"interleaved": [], "back to back": []}
+        for _ in range(trials):
+            load = rng.uniform(1.0, 1.3, 20)  # (rounds,)
+            noise = rng.normal(1, 0.01, (2, 20))
+            runs["interleaved"].append([list(load * noise[0]), list(load * noise[1] * (1 + extra))])
+            runs["back to back"].append([list(rng.normal(1, 0.01, 20)), list(rng.normal(1 + extra, 0.01, 20))])
+        rec[label] = runs
+    return rec
+
+
+def test_recorded_samples_give_the_rows_and_the_paired_test_sees_through_round_load():
+    pd = _script()
+    table = ResultTable("t", ["check", "value", "goal", "met", "detail"])
+    pd.decide_real(table, _recorded(20))
+    inter_aa, inter_10, inter_3, b2b_aa, b2b_10, b2b_3 = table.rows
+    assert "interleaved" in inter_aa["check"] and inter_aa["check"].endswith("A/A")
+    assert inter_aa["value"] == "0/20 called slower (ours paired)" and inter_aa["met"] is True
+    assert inter_10["value"] == "20/20 called slower (ours paired)" and inter_10["met"] is True
+    # unpaired, the 30% round-to-round load swings hide part of the 10%
+    assert "ours 18/20, ours paired 20/20" in inter_10["detail"]
+    assert "back to back" in b2b_aa["check"] and b2b_aa["value"] == "0/20 called slower (ours)"
+    assert [r["met"] for r in (b2b_aa, b2b_10, b2b_3)] == [True, True, True]
+    assert b2b_3["goal"].startswith("<= ") and "implied 0.0%" in b2b_3["goal"]
+
+
+@pytest.mark.parametrize("bad", [{}, {"gemm": 8, "samples_per_run": 20, "A/A": {"interleaved": []}}])
+def test_recorded_file_without_the_runs_fails_clearly(bad):
+    pd = _script()
+    with pytest.raises(InputError, match="expected the samples file"):
+        pd.decide_real(ResultTable("t", ["check"]), bad)
