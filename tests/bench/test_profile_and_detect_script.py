@@ -28,11 +28,17 @@ def test_implied_rate_counts_the_noise_that_would_cross_the_threshold():
     assert pd.implied_rate([1.0, 1.0]) == 0.0
 
 
-def test_peer_rules_on_known_samples():
+def test_pytest_benchmark_rule_on_known_samples():
+    pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is in the bench extra, not installed here")
     pd = _script()
     base = [1.0] * 10
     assert pd._pytest_benchmark_fails(base, [1.06] * 10) is True  # mean grew 6% > 5%
     assert pd._pytest_benchmark_fails(base, [1.04] * 10) is False
+
+
+def test_pyperf_calls_a_small_significant_change_slower_and_we_do_not():
+    pytest.importorskip("pyperf", reason="pyperf is in the bench extra, not installed here")
+    pd = _script()
     rng = np.random.default_rng(0)
     a, b = rng.normal(1, 0.01, 20), rng.normal(1.02, 0.01, 20)
     assert pd._pyperf_slower(a, b) is True  # significant and larger: pyperf has no minimum effect
