@@ -1,5 +1,5 @@
 """The TPU path on JAX/XLA (optional extra ``torchnitro[xla]``): meshes, sharding rules, a sharded
-train step for a reference LM, layout padding, remat policies and compile-time memory planning.
+train step for a reference LM, Pallas flash attention, layout padding, remat policies and compile-time memory planning.
 
 Names resolve on first use (PEP 562): ``import torchnitro.xla`` does not import jax; using any
 name below does. See docs/xla.md for what exists and what does not yet.
@@ -36,12 +36,11 @@ _EXPORTS: dict[str, str] = {
     "save_checkpoint": "torchnitro.xla.checkpoint",
     "restore_checkpoint": "torchnitro.xla.checkpoint",
     "restore_train_state": "torchnitro.xla.checkpoint",
-    "REMAT_POLICIES": "torchnitro.xla.remat",
-    "save_checkpoint": "torchnitro.xla.checkpoint",
-    "restore_checkpoint": "torchnitro.xla.checkpoint",
-    "restore_train_state": "torchnitro.xla.checkpoint",
+    "flash_attention": "torchnitro.xla.flash",
+    "blockwise_attention": "torchnitro.xla.flash",
+    "sharded_flash_attention": "torchnitro.xla.flash",
 }
-_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout", "memory", "checkpoint")
+_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout", "memory", "checkpoint", "flash")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

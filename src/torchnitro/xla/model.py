@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from torchnitro.errors import ConfigError, ShapeError
+from torchnitro.xla.flash import ATTENTION_IMPLS, blockwise_attention, flash_attention
 from torchnitro.xla.remat import layer_policies, remat_block
 
-__all__ = ["LMConfig", "Constrain", "init_params", "logical_axes", "param_spec", "true_index", "forward", "loss_fn",
+__all__ = ["LMConfig", "Constrain", "Attend", "attention_fn", "init_params", "logical_axes", "param_spec", "true_index", "forward", "loss_fn",
            "from_torch_state_dict"]
 
 
@@ -37,6 +38,10 @@ Constrain = Callable[[jax.Array, tuple], jax.Array]
 
 def _no_constraint(x: jax.Array, axes: tuple) -> jax.Array:
     return x
+
+
+# causal attention on (B, H, T, Dh) q, k, v (K/V already repeated to H heads) -> (B, H, T, Dh)
+Attend = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 def _round_up(n: int, m: int) -> int:
@@ -59,12 +64,16 @@ class LMConfig:
     tie_embeddings: bool = True  # LM head is the embedding transposed
     pad_multiple: int = 1  # store vocab, width and MLP hidden rounded up to this (128: the TPU MXU tile)
     pad_heads_to: int = 1  # store the head count rounded up to this (e.g. the tensor-parallel degree)
+    attention: str = "plain"  # "plain" (materialises (B, H, T, T) scores), "blockwise" (jnp scan) or "flash" (Pallas)
+    attn_block: int = 128  # query/key block of blockwise and flash attention (128: one TPU MXU tile)
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
             raise ConfigError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.kv_heads:
             raise ConfigError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.kv_heads}")
+        if self.attention not in ATTENTION_IMPLS:
+            raise ConfigError(f"attention={self.attention!r}; expected one of {', '.join(ATTENTION_IMPLS)}")
         if self.pad_multiple < 1 or self.pad_heads_to < 1:
             raise ConfigError(f"pad_multiple={self.pad_multiple}, pad_heads_to={self.pad_heads_to}: expected >= 1")
         if self.pad_heads_to > 1 and self.kv_heads != self.n_heads and self.padded_heads != self.n_heads:
@@ -187,28 +196,41 @@ def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate((x1 * cos - x2 * sin, x2 * cos + x1 * sin), axis=-1)
 
 
-def _block(c: LMConfig, p: Mapping[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+def attention_fn(cfg: LMConfig) -> Attend | None:
+    """The unsharded attention of ``cfg.attention`` (None: the plain einsum path inside the block)."""
+    if cfg.attention == "plain":
+        return None
+    fn = flash_attention if cfg.attention == "flash" else blockwise_attention
+    return lambda q, k, v: fn(q, k, v, causal=True, block=cfg.attn_block)
+
+
+def _block(c: LMConfig, p: Mapping[str, jax.Array], x: jax.Array, cos: jax.Array, sin: jax.Array,
+           attend: Attend | None = None) -> jax.Array:
     h = _rms_norm(x, p["attn_norm"], c.dim, c.norm_eps)  # (B, T, D)
     q = _rope(jnp.einsum("btd,dhk->bthk", h, p["wq"]), cos, sin)  # (B, T, H, Dh)
     k = _rope(jnp.einsum("btd,dhk->bthk", h, p["wk"]), cos, sin)  # (B, T, Hkv, Dh)
     v = jnp.einsum("btd,dhk->bthk", h, p["wv"])
     rep = q.shape[2] // k.shape[2]  # GQA: query head i reads kv head i // rep (torch enable_gqa)
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    T = x.shape[1]
-    s = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(c.head_dim)  # (B, H, T, T)
-    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, jnp.finfo(s.dtype).min)
-    y = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(s, axis=-1), v)
+    if attend is None:
+        T = x.shape[1]
+        s = jnp.einsum("bthk,bshk->bhts", q, k) / math.sqrt(c.head_dim)  # (B, H, T, T)
+        s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, jnp.finfo(s.dtype).min)
+        y = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(s, axis=-1), v)
+    else:  # blockwise / flash: (B, H, T, Dh) in and out, no (T, T) scores kept
+        y = attend(*(t.transpose(0, 2, 1, 3) for t in (q, k, v))).transpose(0, 2, 1, 3)  # (B, T, H, Dh)
     x = x + jnp.einsum("bthk,hkd->btd", y, p["wo"])
     h = _rms_norm(x, p["mlp_norm"], c.dim, c.norm_eps)
     return x + (jax.nn.silu(h @ p["w1"]) * (h @ p["w3"])) @ p["w2"]
 
 
 def forward(params: Mapping[str, Any], tokens: jax.Array, cfg: LMConfig, remat: str | Sequence[str] = "none",
-            constrain: Constrain = _no_constraint) -> jax.Array:
+            constrain: Constrain = _no_constraint, attend: Attend | None = None) -> jax.Array:
     """tokens (B, T) int -> logits (B, T, padded_vocab); padded vocab entries are a large negative.
 
     ``constrain`` pins the residual stream and the logits to their logical axes (MaxText's activation
     rules), so the partitioner keeps the batch split instead of guessing from the weights.
+    ``attend`` overrides ``attention_fn(cfg)`` (the train step passes flash attention under shard_map).
     """
     if tokens.ndim != 2:
         raise ShapeError(f"tokens: received shape {tuple(tokens.shape)}, expected (batch, seq)")
@@ -220,8 +242,9 @@ def forward(params: Mapping[str, Any], tokens: jax.Array, cfg: LMConfig, remat: 
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     resid = ("activation_batch", "activation_length", "activation_embed")
     x = constrain(params["embed"][tokens], resid)  # (B, T, D)
+    attend = attend or attention_fn(cfg)
     for lp, pol in zip(params["layers"], layer_policies(remat, cfg.n_layers)):
-        x = constrain(remat_block(lambda p_, x_: _block(cfg, p_, x_, cos, sin), pol)(lp, x), resid)
+        x = constrain(remat_block(lambda p_, x_: _block(cfg, p_, x_, cos, sin, attend), pol)(lp, x), resid)
     x = _rms_norm(x, params["norm"], cfg.dim, cfg.norm_eps)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     logits = constrain(x @ head, ("activation_batch", "activation_length", "activation_vocab"))  # (B, T, Vp)
@@ -231,9 +254,10 @@ def forward(params: Mapping[str, Any], tokens: jax.Array, cfg: LMConfig, remat: 
 
 
 def loss_fn(params: Mapping[str, Any], batch: Mapping[str, jax.Array], cfg: LMConfig,
-            remat: str | Sequence[str] = "none", constrain: Constrain = _no_constraint) -> jax.Array:
+            remat: str | Sequence[str] = "none", constrain: Constrain = _no_constraint,
+            attend: Attend | None = None) -> jax.Array:
     """Mean next-token cross-entropy; batch = {"tokens": (B, T), "targets": (B, T)} int32."""
-    logits = forward(params, batch["tokens"], cfg, remat, constrain)
+    logits = forward(params, batch["tokens"], cfg, remat, constrain, attend)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1))
 
