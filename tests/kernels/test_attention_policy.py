@@ -141,6 +141,30 @@ def test_measurement_failure_keeps_sdpa(fake_timing):
     assert r.backend == "sdpa" and "our kernel failed" in r.reason and "out of shared memory" in r.reason
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_real_measurement_path_runs_both_backends(grad, kernel_calls, monkeypatch):
+    """The CUDA-only measurement code, run on CPU with a wall-clock stand-in for the CUDA-event timer."""
+    import time
+
+    def wall_ms(fn, reps):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / reps
+
+    monkeypatch.setattr(P, "_unmeasurable", lambda q: None)
+    monkeypatch.setattr(P, "_cuda_ms", wall_ms)
+    q, k, v = _qkv(B=1, H=2, Hkv=1, Tq=16, Tk=16, grad=grad)
+    out = P.attention(q, k, v, True, site="measured")
+    r = P.attention_routes()[0]
+    assert r["phase"] == ("fwd+bwd" if grad else "fwd") and r["ours_ms"] > 0 and r["sdpa_ms"] > 0, r
+    assert (r["backend"] == "flash") == (r["ours_ms"] <= (1 - P.MARGIN) * r["sdpa_ms"])
+    assert len(kernel_calls) >= 2  # our kernel ran during the measurement
+    assert all(t.grad is None for t in (q, k, v))  # timing did not touch the caller's tensors
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_interleaved_medians_alternate_and_take_the_median():
     order = []
     a, b = (lambda: "a"), (lambda: "b")
