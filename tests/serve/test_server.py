@@ -433,3 +433,32 @@ def test_a_client_that_hangs_up_is_withdrawn_by_its_connection_without_a_watcher
         assert metric(base, "torchnitro_requests_total", code="499") == 1
         assert metric(base, "torchnitro_batch_size_count") == 1  # the withdrawn request never ran
         assert watchers == []
+
+
+def test_a_busy_keep_alive_connection_stays_open_and_a_late_next_head_is_closed():
+    """The head timer is armed once and re-armed lazily: a connection that keeps sending requests for
+    several header timeouts, with short pauses, is never closed (the timer fires mostly during a pause
+    and must measure from that pause's start), and one whose next head is late after a response is."""
+    with serving("torchnitro.serve.testing:affine", "affine", header_timeout_s=0.3) as (srv, base):
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        data = json.dumps(req(1)).encode()
+        one = (b"POST /v2/models/affine/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+        answers, end = 0, time.monotonic() + 1.5  # five header timeouts of back-to-back requests
+        buf = b""
+        while time.monotonic() < end:
+            s.sendall(one)
+            while b"\r\n\r\n" not in buf or len(buf.split(b"\r\n\r\n", 1)[1]) < int(
+                    buf.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):
+                chunk = s.recv(65536)
+                assert chunk, f"the server closed a busy connection after {answers} answers"
+                buf += chunk
+            head, rest = buf.split(b"\r\n\r\n", 1)
+            assert head.startswith(b"HTTP/1.1 200")
+            buf = rest[int(head.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0]):]
+            answers += 1
+            time.sleep(0.05)  # mostly idle between requests, each gap well within the header timeout
+        s.sendall(b"POST /v2/models/affine/infer HTTP/1.1\r\nHost: x\r\n")  # a head that never ends
+        assert _read_all(s) == b""  # closed without an answer
+        s.close()
+        assert answers > 0

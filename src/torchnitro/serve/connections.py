@@ -44,21 +44,29 @@ def header_timeout_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
 
     class HeaderTimeoutProtocol(base):  # type: ignore[misc, valid-type]
         _head_timer: asyncio.TimerHandle | None = None
+        _head_wait: Any = None  # self.cycle when the wait for the next head began (a head replaces it)
+        _head_since = 0.0  # when that wait began
 
         def _arm(self) -> None:
-            self._disarm()
-            # a new request replaces self.cycle: if it is still the same one when the timer
-            # fires, no request head arrived in time
-            self._head_timer = self.loop.call_later(header_timeout_s, self._head_late, self.cycle)
+            # a timer per response (call_later + cancel) cost ~5 us of a ~120 us request (uvloop): one
+            # timer stays armed and, when it fires early, re-arms for what is left of the latest wait
+            self._head_wait, self._head_since = self.cycle, self.loop.time()
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(header_timeout_s, self._head_check)
 
         def _disarm(self) -> None:
             if self._head_timer is not None:
                 self._head_timer.cancel()
                 self._head_timer = None
 
-        def _head_late(self, cycle: Any) -> None:
+        def _head_check(self) -> None:
             self._head_timer = None
-            if self.cycle is cycle and not self.transport.is_closing():
+            if self.cycle is not self._head_wait or self.transport.is_closing():
+                return  # a head arrived: the end of its response starts the next wait
+            left = self._head_since + header_timeout_s - self.loop.time()
+            if left > 0:
+                self._head_timer = self.loop.call_later(left, self._head_check)
+            else:
                 self.transport.close()
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
