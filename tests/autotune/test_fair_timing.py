@@ -108,10 +108,10 @@ def test_eager_check_band_is_5_percent_or_twice_the_cv_at_most_25():
 
 
 def test_disturbed_eager_in_the_comparison_is_redone_and_reported(fake_recipes, fast_cfg, monkeypatch):
-    import torchnitro.autotune.search as search_mod
+    import torchnitro.autotune.final as final_mod
 
     fr = fake_recipes
-    real, calls = search_mod._compare_finalists, []
+    real, calls = final_mod._compare_finalists, []
 
     def disturbed_once(s, report, fns, tc):
         res = real(s, report, fns, tc)
@@ -121,7 +121,7 @@ def test_disturbed_eager_in_the_comparison_is_redone_and_reported(fake_recipes, 
             res["eager"] = Timing([x * 20 for x in e.samples], e.calls_per_sample, e.items_per_call)
         return res
 
-    monkeypatch.setattr(search_mod, "_compare_finalists", disturbed_once)
+    monkeypatch.setattr(final_mod, "_compare_finalists", disturbed_once)
     monkeypatch.setattr(fair, "SETTLE_S", 0.0)
     opt = torchnitro.optimize(fr.SlowModel(), fr.tiny_inputs(), fast_cfg(recipes=["test-faster"]))
     rep = opt.report
@@ -132,7 +132,7 @@ def test_disturbed_eager_in_the_comparison_is_redone_and_reported(fake_recipes, 
 
 
 def test_undisturbed_comparison_is_not_redone(fake_recipes, fast_cfg, monkeypatch):
-    import torchnitro.autotune.search as search_mod
+    import torchnitro.autotune.final as final_mod
 
     fr = fake_recipes
     calls: list[int] = []
@@ -142,7 +142,7 @@ def test_undisturbed_comparison_is_not_redone(fake_recipes, fast_cfg, monkeypatc
         alone = s.p50.get("eager") or 30.0
         return {n: Timing([alone / 1e3] * 4) if n == "eager" else Timing([alone / 3e3] * 4) for n in fns}
 
-    monkeypatch.setattr(search_mod, "_compare_finalists", matches_alone)
+    monkeypatch.setattr(final_mod, "_compare_finalists", matches_alone)
     opt = torchnitro.optimize(fr.SlowModel(), fr.tiny_inputs(), fast_cfg(recipes=["test-faster"]))
     assert len(calls) == 1
     assert not opt.report.get("eager").redone
@@ -243,9 +243,9 @@ def _finalist_calls(monkeypatch) -> list[int]:
     """Counts CountingSlowModel.forward calls made in this process while the final comparison runs."""
     import fake_standalone as fs
 
-    import torchnitro.autotune.search as search_mod
+    import torchnitro.autotune.final as final_mod
 
-    real, seen = search_mod._finalists, []
+    real, seen = final_mod.run_finalists, []
 
     def counted(s, report):
         fs.FORWARD_PIDS.clear()
@@ -254,7 +254,7 @@ def _finalist_calls(monkeypatch) -> list[int]:
         finally:
             seen.append(len(fs.FORWARD_PIDS))
 
-    monkeypatch.setattr(search_mod, "_finalists", counted)
+    monkeypatch.setattr(final_mod, "run_finalists", counted)
     return seen
 
 

@@ -6,7 +6,7 @@ import random
 
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.report import CandidateResult, Report, Status
-from torchnitro.autotune.search import pick_winner
+from torchnitro.autotune.final import pick_winner
 from torchnitro.bench.timing import Timing
 
 

@@ -54,16 +54,16 @@ def test_faster_exact_candidate_is_chosen_slower_never(fake_recipes, fast_cfg):
 
 
 def _noisy_search(fr, fast_cfg, monkeypatch):
-    import torchnitro.autotune.search as search_mod
+    import torchnitro.autotune.final as final_mod
 
-    real_compare = search_mod.compare
+    real_compare = final_mod.compare
 
     def compare_after_load_is_gone(*a, **kw):  # the load that hit the search-time samples has passed
         fr.NOISY["slow"] = False
         return real_compare(*a, **kw)
 
     fr.NOISY["slow"] = True
-    monkeypatch.setattr(search_mod, "compare", compare_after_load_is_gone)
+    monkeypatch.setattr(final_mod, "compare", compare_after_load_is_gone)
     cfg = fast_cfg(recipes=["test-decoy-a", "test-decoy-b", "test-noisy-start"], finalists=2, cache=False)
     return _run(fr, cfg, model=fr.SlowModel())
 
@@ -81,10 +81,10 @@ def test_finalists_screen_a_candidate_whose_early_sample_was_noisy(fake_recipes,
 
 def test_without_the_noise_band_the_noisy_winner_is_missed(fake_recipes, fast_cfg, monkeypatch):
     """The failure the screen exists for: top-k by one early sample finalises the two decoys."""
-    import torchnitro.autotune.search as search_mod
+    import torchnitro.autotune.final as final_mod
 
     fr = fake_recipes
-    monkeypatch.setattr(search_mod, "NOISE_BAND", 1.0)
+    monkeypatch.setattr(final_mod, "NOISE_BAND", 1.0)
     opt = _noisy_search(fr, fast_cfg, monkeypatch)
     assert opt.recipe in ("test-decoy-a", "test-decoy-b")
     assert not any("screened" in n for n in opt.report.notes)
@@ -92,7 +92,7 @@ def test_without_the_noise_band_the_noisy_winner_is_missed(fake_recipes, fast_cf
 
 def test_finalist_pool_band_and_cap():
     from torchnitro.autotune.report import CandidateResult
-    from torchnitro.autotune.search import NOISE_BAND, finalist_pool
+    from torchnitro.autotune.final import NOISE_BAND, finalist_pool
 
     ranked = [CandidateResult(f"r{i}", "exact", Status.VERIFIED, p50_ms=ms)
               for i, ms in enumerate([10, 12, 15, 19, 25, 100, 200])]
