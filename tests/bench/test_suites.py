@@ -5,11 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchnitro.bench import suites
 from torchnitro.bench.suites import SUITES, TIERS, register_suite, run_suite
 from torchnitro.bench.timing import TimingConfig
 
-_FAST = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, max_iters=3, min_time_s=0.0, max_time_s=1.0,
+_FAST = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, max_iters=3, min_time_s=0.0, max_time_s=600.0,
                      min_sample_s=0.0)
+
+
+@pytest.fixture(autouse=True)
+def _no_tier_limit(monkeypatch):
+    """Tier time limits are for real runs; here max_iters ends every run, whatever the machine's load."""
+    monkeypatch.setattr(suites, "TIER_LIMIT_S", {t: 1e6 for t in TIERS})
 
 
 @pytest.mark.parametrize("suite,cases", [
@@ -21,8 +28,7 @@ _FAST = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, max_iters=3, min_time_
 def test_suite_times_every_case_of_the_micro_tier(suite, cases):
     run = run_suite(suite, ["micro"], timing=_FAST)
     assert set(run.timings) == {f"{suite}/micro/{c}" for c in cases} and not run.skipped
-    # at most max_iters samples; fewer when the tier's time limit ends the run on a loaded machine
-    assert all(1 <= len(t.samples) <= 3 and min(t.samples) > 0 for t in run.timings.values())
+    assert all(len(t.samples) == 3 and min(t.samples) > 0 for t in run.timings.values())
 
 
 def test_fused_cases_compute_the_same_as_eager():
@@ -57,3 +63,17 @@ def test_a_case_that_raises_is_skipped_with_its_error_and_the_rest_is_timed():
 def test_train_tier_that_does_not_fit_is_skipped_before_building():
     run = run_suite("train", ["xlarge"], timing=_FAST, free_bytes=2**30)
     assert not run.timings and "more than half of the 1024 MiB free" in run.skipped["train/xlarge"]
+
+
+def test_a_case_cut_short_by_the_tier_limit_is_skipped_not_written(monkeypatch):
+    import time
+
+    register_suite("_test_slow", need=lambda s, d: 0)(lambda shape, dev: {"slow": lambda: time.sleep(0.02),
+                                                                          "fast": lambda: None})
+    monkeypatch.setattr(suites, "TIER_LIMIT_S", {t: 0.0 for t in TIERS})  # every run stops after one round
+    try:
+        run = run_suite("_test_slow", ["micro"], timing=_FAST)
+    finally:
+        del SUITES["_test_slow"]
+    assert not run.timings
+    assert "only 1 samples within the tier's 0 s limit; expected at least 3" in run.skipped["_test_slow/micro/slow"]

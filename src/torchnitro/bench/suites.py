@@ -20,6 +20,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from torchnitro.bench.results import MIN_SAMPLES
 from torchnitro.bench.timing import Timing, TimingConfig, compare
 from torchnitro.errors import InputError
 
@@ -238,7 +239,14 @@ def run_suite(suite: str, tiers: Sequence[str], *, device: str = "cpu", timing: 
             base = timing or TimingConfig(device=device)
             limit = TIER_LIMIT_S[tier] / (2 * len(fns))  # compare() may spend max_time_s per function
             res = compare(fns, dataclasses.replace(base, max_time_s=min(base.max_time_s, limit)))
-        out.timings.update({f"{suite}/{tier}/{name}": t for name, t in res.items()})
+        enough = min(base.min_iters, MIN_SAMPLES)  # a result file refuses cases with fewer
+        for name, t in res.items():
+            if len(t.samples) >= enough:
+                out.timings[f"{suite}/{tier}/{name}"] = t
+            else:
+                out.skipped[f"{suite}/{tier}/{name}"] = (
+                    f"only {len(t.samples)} samples within the tier's {TIER_LIMIT_S[tier]:g} s limit; expected at "
+                    f"least {enough} (a smaller tier, or a faster device)")
     return out
 
 
