@@ -223,15 +223,15 @@ def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: b
     ``trust_code=True`` lets the artifact run code (a ``.py`` model factory, a TorchScript archive);
     without it an artifact is loaded as data only (see ``torchnitro.autotune.artifact``).
     ``allocator``: apply the glibc allocator setting the optimizer measured to help this variant (meta
-    ``environment``), in this process and every process started from it (``bench.environment.apply_allocator``;
-    glibc reads the variables only at a process's start, so this process gets them through ``mallopt``).
+    ``environment``) to this process with ``mallopt`` (glibc reads the ``MALLOC_*`` variables only at a
+    process's start; ``torchnitro serve`` also sets them for its workers; ``bench.environment.apply_allocator``).
     """
     d = Path(directory)
     manifest, fn, eager = load_artifact(d, model, trust_code=trust_code)
     if allocator and manifest.get("meta", {}).get("environment"):
         from torchnitro.bench.environment import apply_allocator
 
-        apply_allocator(manifest["meta"]["environment"])
+        apply_allocator(manifest["meta"]["environment"], environ=False)
     report_path = d / "report.json"
     import json
 

@@ -38,9 +38,9 @@ from torchnitro.bench.ratio import paired_ratio
 from torchnitro.bench.timing import Timing, TimingConfig, compare
 
 __all__ = ["runs_alone", "start_alone", "load_standalone", "load_variant", "ChildModel", "child_model", "Placement",
-           "place", "memory_fits", "outputs_differ", "EagerCheck", "check_eager", "AllocatorTrial", "tune_allocator", "SETTLE_S",
-           "MIN_BAND", "MAX_BAND", "MIN_ALLOCATOR_GAIN",
-           "start_children", "ready_children", "apply_recorded_allocator"]
+           "place", "memory_fits", "outputs_differ", "start_children", "ready_children", "EagerCheck", "check_eager",
+           "AllocatorTrial", "tune_allocator", "apply_recorded_allocator", "SETTLE_S", "MIN_BAND", "MAX_BAND",
+           "MIN_ALLOCATOR_GAIN"]
 
 SETTLE_S = 2.0  # pause before redoing a comparison whose eager drifted (let a burst of other load pass)
 MIN_BAND = 0.05  # eager inside the comparison may differ from eager alone by this much, or 2 x its cv
@@ -134,7 +134,8 @@ def child_model(model: nn.Module, spec: str | None, extra: dict[str, Any], direc
     except Exception as exc:  # noqa: BLE001 - lambdas, open handles, ...
         path.unlink(missing_ok=True)
         return ChildModel(None, f"{why}, and the model object does not pickle ({type(exc).__name__}: {exc})"[:300])
-    return ChildModel({"how": "pickle", "path": str(path)}, f"eager re-created from a pickle of the model object ({why})")
+    return ChildModel({"how": "pickle", "path": str(path)},
+                      f"eager re-created from a pickle of the model object ({why})")
 
 
 @dataclass
@@ -170,7 +171,8 @@ def place(recipe: Recipe, files: Any, eager: ChildModel, *, device: str, all_alo
     if eager.kwargs is None:
         return Placement(None, f"timed in this process: its artifact is rebuilt from the eager model, and {eager.text}")
     return Placement({"recipe": qual, "directory": str(files.dir), "meta": files.meta, "eager": eager.kwargs},
-                     "alone in its own process (its artifact rebuilt from the re-created eager model)", needs_eager=True)
+                     "alone in its own process (its artifact rebuilt from the re-created eager model)",
+                     needs_eager=True)
 
 
 def start_alone(recipe: Recipe, directory: Path, meta: dict[str, Any], inputs: Path, *, threads: int,
@@ -232,8 +234,8 @@ class EagerCheck:
         return abs(self.drift) <= self.band
 
     def text(self) -> str:
-        return (f"eager p50 alone{' ' + self.where if self.where else ''} {self.alone_ms:.3f} ms, inside the comparison "
-                f"{self.inside_ms:.3f} ms "
+        where = f" {self.where}" if self.where else ""
+        return (f"eager p50 alone{where} {self.alone_ms:.3f} ms, inside the comparison {self.inside_ms:.3f} ms "
                 f"({self.drift:+.1%}; allowed ±{self.band:.1%})")
 
 

@@ -10,7 +10,8 @@ in a fresh process with and without it and records it in the artifact when it he
 ``apply_allocator`` therefore does two things in a running process: it sets the same thresholds
 with ``mallopt()`` (glibc's call for changing them at run time; allocations from then on follow
 them) and puts the variables into ``os.environ``, so every process started from here on (serve's
-worker processes) reads them at its start. To have them from a process's very first allocation,
+worker processes) reads them at its start (``torchnitro.load`` does only the first: it changes no
+environment; ``torchnitro serve`` does both). To have them from a process's very first allocation,
 start it with them set: ``MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=536870912 torchnitro serve DIR``.
 """
 
@@ -91,10 +92,10 @@ def _mallopt(param: int, value: int) -> bool:
     return bool(ctypes.CDLL(path).mallopt(ctypes.c_int(param), ctypes.c_int(value)))
 
 
-def apply_allocator(setting: Mapping[str, str]) -> dict[str, str]:
-    """Put a recorded allocator setting into effect in this process (``mallopt``) and in every process
-    started from it (``os.environ``; see the module docstring). Returns the variables applied with
-    ``mallopt`` here; a variable already set in the environment is left as the user set it."""
+def apply_allocator(setting: Mapping[str, str], *, environ: bool = True) -> dict[str, str]:
+    """Put a recorded allocator setting into effect in this process (``mallopt``) and, with ``environ``, in
+    every process started from it (``os.environ``; see the module docstring). Returns the variables applied
+    with ``mallopt`` here; a variable already set in the environment is left as the user set it."""
     bad = {k: v for k, v in setting.items() if k not in _MALLOPT or not str(v).isdigit() or int(v) >= 2**31}
     if bad:
         from torchnitro.errors import InputError
@@ -105,7 +106,8 @@ def apply_allocator(setting: Mapping[str, str]) -> dict[str, str]:
     for key, value in setting.items():
         if key in os.environ:  # the user's own choice wins
             continue
-        os.environ[key] = str(value)
+        if environ:
+            os.environ[key] = str(value)
         if _mallopt(_MALLOPT[key], int(value)):
             applied[key] = str(value)
     return applied
