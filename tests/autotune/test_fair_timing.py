@@ -324,6 +324,27 @@ def test_model_defined_in_the_running_script_stays_in_this_process(faster):
     assert p.kwargs is None and p.why.startswith("timed in this process") and "running script" in p.why
 
 
+def test_a_child_that_cannot_start_is_timed_here_and_nothing_rebuilt_from_an_unchecked_eager_runs_alone(
+        tmp_path, monkeypatch):
+    import fake_standalone as fs
+
+    def no_process(*a, **kw):
+        raise OSError("Resource temporarily unavailable")
+
+    places = {"eager": fair.Placement({"recipe": None}, "alone (eager)", needs_eager=True),
+              "rebuilt": fair.Placement({"recipe": "m:R"}, "alone (rebuilt)", needs_eager=True),
+              "standalone": fair.Placement({"recipe": "m:S"}, "alone (standalone)")}
+    monkeypatch.setattr(fair, "ChildTimer", no_process)
+    assert fair.start_children({"eager": places["eager"]}, tmp_path / "in.pt", tmp_path, threads=1,
+                               device="cpu") == {}
+    assert places["eager"].kwargs is None and "could not start (Resource temporarily" in places["eager"].why
+    timers = {"rebuilt": fs.FakeChild(1e-3, 1e-3), "standalone": fs.FakeChild(1e-3, 1e-3)}
+    rebuilt = timers["rebuilt"]
+    fallen = fair.ready_children(timers, places, "eager", lambda: None, 1e-4)
+    assert list(timers) == ["standalone"] and rebuilt.closed
+    assert "could not be re-created in a child" in fallen["rebuilt"] and "standalone" not in fallen
+
+
 def test_outputs_differ_names_shape_value_and_nan_differences(tmp_path):
     ref = (torch.ones(2, 3), {"b": torch.arange(4.0)})
     path = tmp_path / "out.pt"

@@ -286,15 +286,19 @@ def tune_allocator(timer: ChildTimer, tc: TimingConfig) -> AllocatorTrial:
 def start_children(places: dict[str, Placement], inputs: Path, work: Path, *, threads: int,
                    device: str) -> dict[str, ChildTimer]:
     """Start one timing process per placed variant (all at once: they load side by side, before anything is
-    timed). Eager's child also writes its first outputs, for ``ready_children`` to check."""
+    timed). Eager's child also writes its first outputs, for ``ready_children`` to check. A process that cannot
+    be started leaves its placement saying so (timed in this process)."""
     timers = {}
     for name, p in places.items():
         if p.kwargs is None:
             continue
         if p.kwargs["recipe"] is None:
             p.outputs = work / f"_outputs_{name}.pt"
-        timers[name] = ChildTimer("torchnitro.autotune.fair:load_variant", p.kwargs, inputs, threads=threads,
-                                  device=device, log=work / f"_timing_{name}.log", outputs=p.outputs)
+        try:
+            timers[name] = ChildTimer("torchnitro.autotune.fair:load_variant", p.kwargs, inputs, threads=threads,
+                                      device=device, log=work / f"_timing_{name}.log", outputs=p.outputs)
+        except OSError as exc:  # no process could be started (memory, process limit): timed here
+            p.kwargs, p.why = None, f"timed in this process: its timing process could not start ({exc})"[:300]
     return timers
 
 
@@ -317,9 +321,10 @@ def ready_children(timers: dict[str, ChildTimer], places: dict[str, Placement], 
             why = str(exc)
         if why is not None:
             drop(eager, f"timed in this process: eager re-created in a child failed ({why})"[:300])
-            for name in [n for n in timers if places[n].needs_eager]:
-                drop(name, "timed in this process: the eager model it is rebuilt from could not be re-created "
-                           "in a child (see eager's row)")
+    if eager not in timers:  # the re-created eager was not checked: nothing rebuilt from it is trusted
+        for name in [n for n in timers if places[n].needs_eager]:
+            drop(name, "timed in this process: the eager model it is rebuilt from could not be re-created "
+                       "in a child (see eager's row)")
     for name in list(timers):
         try:
             timers[name].wait_ready()

@@ -69,7 +69,11 @@ def _places(s: _Search, cands: list[CandidateResult]) -> dict[str, fair.Placemen
     """Where the comparison times eager and each of ``cands`` (``autotune.fair``), eager first."""
     cfg, device = s.cfg, s.device.type
     if cfg.final_alone and device == "cpu":
-        eager = fair.child_model(s.model, s.info.spec, s.info.extra, Path(s.tmp.name) / "_final")
+        try:
+            eager = fair.child_model(s.model, s.info.spec, s.info.extra, Path(s.tmp.name) / "_final")
+        except Exception as exc:  # noqa: BLE001 - e.g. a full disk: time here, say why
+            eager = fair.ChildModel(None, f"preparing the eager model for a child failed ({type(exc).__name__}: "
+                                          f"{exc})"[:200])
     else:
         eager = fair.ChildModel(None, "")
     places = {EAGER: fair.place(get_recipe(EAGER), None, eager, device=device, all_alone=cfg.final_alone)}
