@@ -28,7 +28,8 @@ _EXPORTS: dict[str, str] = {
     "pad_report": "torchnitro.xla.layout",
     "PaddingReport": "torchnitro.xla.layout",
     "plan_memory": "torchnitro.xla.memory",
-    "estimate_memory": "torchnitro.xla.memory",
+    "estimate_memory": "torchnitro.xla.estimate",
+    "MemoryEstimate": "torchnitro.xla.estimate",
     "MemoryPlan": "torchnitro.xla.memory",
     "find_batch_size": "torchnitro.xla.memory",
     "find_lm_batch_size": "torchnitro.xla.memory",
@@ -36,11 +37,12 @@ _EXPORTS: dict[str, str] = {
     "save_checkpoint": "torchnitro.xla.checkpoint",
     "restore_checkpoint": "torchnitro.xla.checkpoint",
     "restore_train_state": "torchnitro.xla.checkpoint",
+    "XlaOptions": "torchnitro.xla.options",
     "flash_attention": "torchnitro.xla.flash",
     "blockwise_attention": "torchnitro.xla.flash",
     "sharded_flash_attention": "torchnitro.xla.flash",
 }
-_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout", "memory", "checkpoint", "flash")
+_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout", "memory", "checkpoint", "flash", "estimate", "options")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

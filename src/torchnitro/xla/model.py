@@ -28,7 +28,8 @@ from torchnitro.errors import ConfigError, ShapeError
 from torchnitro.xla.flash import ATTENTION_IMPLS, blockwise_attention, flash_attention
 from torchnitro.xla.remat import layer_policies, remat_block
 
-__all__ = ["LMConfig", "Constrain", "Attend", "attention_fn", "init_params", "logical_axes", "param_spec", "true_index", "forward", "loss_fn",
+__all__ = ["LMConfig", "Constrain", "Attend", "attention_fn", "init_params", "logical_axes", "param_spec", "true_index",
+           "forward", "loss_fn",
            "from_torch_state_dict"]
 
 
