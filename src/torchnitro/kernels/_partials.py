@@ -7,7 +7,7 @@ launch here sums them column-wise and writes each result in its parameter's dtyp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel)
     import triton.language as tl
     from triton.language import constexpr
 
-__all__ = ["sum_partials"]
+__all__ = ["sum_partials", "partials_launcher"]
 
 _BLOCK_P, _BLOCK_C = 32, 32  # 128 programs at C = 4096: most SMs share the read
 
@@ -57,3 +57,9 @@ def sum_partials(a: Tensor, a_dtype: torch.dtype, b: Tensor | None = None, b_dty
     _kernel[(cdiv(C, _BLOCK_C),)](a, b if b is not None else a, oa, ob if ob is not None else oa, P, C,
                                   HAS_B=b is not None, BLOCK_P=_BLOCK_P, BLOCK_C=_BLOCK_C, num_warps=4)
     return oa, ob
+
+
+def partials_launcher(C: int, has_b: bool) -> tuple[Any, dict[str, Any]]:
+    """(launch, kwargs) of the column-sum for partial rows of ``C``, for a caller's launch plan:
+    ``launch(a, b or a, out_a, out_b or out_a, P, C, **kwargs)`` with P >= 1."""
+    return _kernel[(cdiv(C, _BLOCK_C),)], {"HAS_B": has_b, "BLOCK_P": _BLOCK_P, "BLOCK_C": _BLOCK_C, "num_warps": 4}

@@ -11,6 +11,10 @@ is timed once per key (kernel, shape bucket, dtype, device) with CUDA events on 
 the winner cached in-process (:func:`tuned_configs` shows what was picked). On CPU, under the
 interpreter, while a CUDA graph is being captured, or with ``TORCHNITRO_KERNEL_TUNE=0`` the first
 candidate (the fixed default) is used and nothing is timed.
+
+Host time matters: at 4096 x 4096 a norm kernel runs in tens of microseconds, about what the Python
+around it costs, so the launchers keep a per-shape launch plan (:func:`cached_plan`): once a config
+is final, a call is one dict lookup, the allocations and the launch (benchmarks/host_overhead.py).
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ import sys
 import threading
 from typing import Any, Callable, Hashable, Sequence
 
-__all__ = ["triton_importable", "interpreting", "LazyKernel", "jit", "cdiv", "next_pow2", "num_programs",
-           "row_config", "tuning_enabled", "pick_config", "tuned_configs", "clear_tuned_configs",
-           "TUNE_MIN_SIZE", "TUNE_MARGIN"]
+__all__ = ["triton_importable", "interpreting", "getenv", "LazyKernel", "jit", "cdiv", "next_pow2", "num_programs",
+           "row_config", "tuning_enabled", "pick_config", "tuned_configs", "clear_tuned_configs", "cached_plan",
+           "store_plan", "TUNE_MIN_SIZE", "TUNE_MARGIN"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,9 +40,37 @@ def triton_importable() -> bool:
     return True
 
 
+_ENV_DATA: Any = getattr(os.environ, "_data", None)  # CPython's raw mapping behind os.environ (encoded keys)
+_ENV_KEYS: dict[str, Any] = {}
+_ENV_VALUES: dict[Any, str] = {}  # raw -> decoded; bounded by the distinct values these few variables take
+_TRUE = ("1", "true", "yes", "on")
+
+
+def getenv(name: str) -> str | None:
+    """``os.environ.get(name)`` for checks made on every launch, without the mapping's encode/decode
+    round trip (a microsecond or more per read on a slow host). ``os.environ[...] = ...`` and
+    ``del os.environ[...]`` (and pytest's monkeypatch) update the raw mapping, so this sees them; where
+    that mapping is laid out differently it is the plain ``os.environ.get``."""
+    encodekey = getattr(os.environ, "encodekey", None)
+    decodevalue = getattr(os.environ, "decodevalue", None)
+    if not isinstance(_ENV_DATA, dict) or encodekey is None or decodevalue is None:
+        return os.environ.get(name)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = encodekey(name)
+    raw = _ENV_DATA.get(key)
+    if raw is None:
+        return None
+    value = _ENV_VALUES.get(raw)
+    if value is None:
+        value = _ENV_VALUES[raw] = decodevalue(raw)
+    return value
+
+
 def interpreting() -> bool:
     """True when ``TRITON_INTERPRET=1``: Triton kernels run on CPU tensors through the interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+    value = getenv("TRITON_INTERPRET")
+    return value is not None and value.strip().lower() in _TRUE
 
 
 def cdiv(a: int, b: int) -> int:
@@ -82,8 +114,16 @@ def num_programs(device: Any, cap: int = 8) -> int:
     import torch
 
     if getattr(device, "type", str(device)) == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        index = getattr(device, "index", None)
+        return _sm_count(torch.cuda.current_device() if index is None else index)
     return cap
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:  # the device-property query costs microseconds on every call otherwise
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def row_config(n_cols: int, elem_size: int = 4) -> tuple[int, int]:
@@ -104,7 +144,7 @@ def tuning_enabled(device: Any) -> bool:
     """Whether :func:`pick_config` may time candidates on ``device``: a CUDA device, not interpreting,
     ``TORCHNITRO_KERNEL_TUNE`` not set to 0, no CUDA graph capture in progress (it cannot sync) and no
     torch.compile trace (fake tensors cannot be timed)."""
-    if os.environ.get("TORCHNITRO_KERNEL_TUNE", "1").strip().lower() in ("0", "false", "no", "off"):
+    if (getenv("TORCHNITRO_KERNEL_TUNE") or "1").strip().lower() in ("0", "false", "no", "off"):
         return False
     if interpreting() or (getattr(device, "type", None) or str(device).split(":")[0]) != "cuda":
         return False
@@ -199,14 +239,38 @@ def _cfg_name(cfg: dict[str, Any]) -> str:
     return ",".join(f"{k}={v}" for k, v in cfg.items())
 
 
+_PLANS: dict[Hashable, Any] = {}  # (op, exact sizes, dtype, device, flags, interpreting) -> a launcher's plan
+_MAX_PLANS = 4096  # distinct shapes kept; past it the cache starts over (shapes that vary per step)
+
+
+def cached_plan(key: Hashable) -> Any:
+    """The launch plan stored under ``key`` by :func:`store_plan`, or None."""
+    return _PLANS.get(key)
+
+
+def store_plan(key: Hashable, plan: Any, tune_key: Hashable, device: Any, size: int | None) -> Any:
+    """Keep ``plan`` (whatever a launcher needs to launch again: launch callables, kwargs, grid) under
+    ``key`` once the config it was built from is final: measured and cached under ``tune_key`` by
+    :func:`pick_config`, too small to be timed, or on a device that is never timed (CPU, interpreter).
+    A default used only because timing was impossible then (CUDA graph capture, a torch.compile
+    trace, ``TORCHNITRO_KERNEL_TUNE=0``) is not kept, so a later call can still measure. Returns ``plan``."""
+    dev_type = getattr(device, "type", None) or str(device).split(":")[0]
+    if tune_key in _TUNED or (size is not None and size < TUNE_MIN_SIZE) or dev_type != "cuda" or interpreting():
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    return plan
+
+
 def tuned_configs() -> dict[str, dict[str, Any]]:
     """What :func:`pick_config` chose in this process: ``str(key) -> {"config": ..., "ms": {candidate: ms}}``."""
     return {str(k): {"config": dict(v["config"]), "ms": dict(v["ms"])} for k, v in list(_TUNED.items())}
 
 
 def clear_tuned_configs() -> None:
-    """Forget every pick (the next call of each kernel measures again)."""
+    """Forget every pick and launch plan (the next call of each kernel measures again)."""
     _TUNED.clear()
+    _PLANS.clear()
 
 
 _STDLIB_CACHE: dict[int, Any] = {}
@@ -261,8 +325,9 @@ class LazyKernel:
         self._built: dict[bool, Any] = {}
         functools.update_wrapper(self, fn)
 
-    def _kernel(self) -> Any:
-        mode = interpreting()
+    def _kernel(self, mode: bool | None = None) -> Any:
+        if mode is None:
+            mode = interpreting()
         k = self._built.get(mode)
         if k is None:
             import triton
@@ -274,8 +339,10 @@ class LazyKernel:
         return k
 
     def __getitem__(self, grid: Any) -> Callable[..., Any]:
-        kernel = self._kernel()
-        if not interpreting():
+        """A launcher for ``grid`` in the mode in force now; it may be kept and called again (launch plans)."""
+        mode = interpreting()
+        kernel = self._kernel(mode)
+        if not mode:
             return kernel[grid]
         fixed = (self.interpret_kwargs if self.interpret_kwargs is not None else self.configs()[0].kwargs) \
             if self.configs else {}

@@ -13,13 +13,12 @@ is how the test suite checks the kernels on machines without a GPU.
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
 from torchnitro.errors import BackendUnavailableError, ConfigError
-from torchnitro.kernels._triton import interpreting, triton_importable
+from torchnitro.kernels._triton import getenv, interpreting, triton_importable
 
 __all__ = ["BACKENDS", "MAX_ROW_COLS", "requested_backend", "select_backend", "use_triton", "use_triton_rows",
            "backend_report"]
@@ -32,13 +31,21 @@ _warned: set[str] = set()
 
 def requested_backend() -> str:
     """The value of ``TORCHNITRO_KERNELS`` (``auto`` when unset), validated."""
-    value = os.environ.get("TORCHNITRO_KERNELS", "auto").strip().lower() or "auto"
+    raw = getenv("TORCHNITRO_KERNELS")  # read on every op call: the cheap read, then a memo of the parse
+    hit = _PARSED.get(raw)
+    if hit is not None:
+        return hit
+    value = (raw or "auto").strip().lower() or "auto"
     if value not in BACKENDS:
         raise ConfigError(
             f"TORCHNITRO_KERNELS={value!r} is not a known backend; expected one of {list(BACKENDS)}; "
             "unset it to let torchnitro choose"
         )
+    _PARSED[raw] = value
     return value
+
+
+_PARSED: dict[str | None, str] = {}  # raw TORCHNITRO_KERNELS value -> validated backend
 
 
 def _triton_blocker(device: torch.device) -> str | None:
@@ -75,11 +82,25 @@ def select_backend(*tensors: torch.Tensor | None, op: str = "op") -> str:
 
 
 def use_triton(*tensors: torch.Tensor | None, op: str = "op") -> bool:
+    if tensors and _fast_triton(tensors[0]):
+        return True
     return select_backend(*tensors, op=op) == "triton"
+
+
+_TRITON_DEVICES = ("cuda",)  # device types on which the fast check picks Triton
+
+
+def _fast_triton(x: torch.Tensor | None) -> bool:
+    """The common case in a few attribute lookups: a CUDA tensor, no reference forced, triton imports
+    (anything else takes ``select_backend``, which warns or raises as documented)."""
+    return (isinstance(x, torch.Tensor) and x.device.type in _TRITON_DEVICES and requested_backend() != "reference"
+            and triton_importable())
 
 
 def use_triton_rows(x: torch.Tensor, n_cols: int, op: str) -> bool:
     """``use_triton`` for one-row-per-program kernels, which handle rows up to ``MAX_ROW_COLS``."""
+    if n_cols <= MAX_ROW_COLS and _fast_triton(x):
+        return True
     if not use_triton(x, op=op):
         return False
     if n_cols <= MAX_ROW_COLS:

@@ -4,8 +4,9 @@
 Backward with x_hat = (x - mean) * rstd and g = dy * w:
     dx = rstd * (g - x_hat * mean(g * x_hat) - mean(g));  dw = sum dy * x_hat;  db = sum dy
 Forward: ROWS rows per program. Backward: persistent programs (PER_SM per SM) each accumulate dw/db
-partials in fp32 over their rows, then one launch sums the partials (``_partials.sum_partials``).
-The launch config of each is picked by measurement on the first CUDA call (``_triton.pick_config``).
+partials in fp32 over their rows, then one launch sums the partials (``_partials``).
+The launch config of each is picked by measurement on the first CUDA call (``_triton.pick_config``);
+after that a call is a plan lookup, the allocations and the launches.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from torch import Tensor, nn
 
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float, check_last_dim
-from torchnitro.kernels._partials import sum_partials
-from torchnitro.kernels._triton import LazyKernel, cdiv, next_pow2, num_programs, pick_config, row_config
+from torchnitro.kernels._partials import partials_launcher
+from torchnitro.kernels._triton import (LazyKernel, cached_plan, cdiv, interpreting, next_pow2, num_programs, pick_config,
+                                        row_config, store_plan)
 from torchnitro.kernels.dispatch import use_triton_rows
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
@@ -158,28 +160,79 @@ def bwd_candidates(C: int) -> tuple[dict[str, int], ...]:
     return tuple(out)
 
 
+def _rows(t: Tensor, C: int) -> Tensor:
+    """``t`` as contiguous (N, C) rows; ``t`` itself when it already is (a reshape costs microseconds)."""
+    if t.dim() != 2:
+        t = t.reshape(-1, C)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _like(t2: Tensor, like: Tensor) -> Tensor:
+    return t2 if t2.dim() == like.dim() else t2.view(like.shape)
+
+
+def _fwd_plan(cfg: dict[str, int], N: int, C: int) -> tuple:
+    """(launch, kwargs) of the forward for ``cfg``."""
+    return _fwd[(cdiv(N, cfg["ROWS"]),)], {"BLOCK": row_config(C)[0], **cfg}
+
+
 def layer_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
                        config: dict[str, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (y, mean, rstd); mean and rstd are fp32 (N,). ``config`` forces one of
     :func:`fwd_candidates` (default: picked by measurement on CUDA, see ``_triton.pick_config``)."""
     C = x.shape[-1]
-    x2 = x.reshape(-1, C).contiguous()
+    x2 = _rows(x, C)
     N = x2.shape[0]
     y2 = torch.empty_like(x2)
     mean = torch.empty(N, device=x.device, dtype=torch.float32)
-    rstd = torch.empty_like(mean)
-    block, _ = row_config(C)
+    rstd = torch.empty(N, device=x.device, dtype=torch.float32)
     if N:
-        def run(cfg: dict[str, int]) -> None:
-            _fwd[(cdiv(N, cfg["ROWS"]),)](
-                x2, weight if weight is not None else x2, bias if bias is not None else x2, y2, mean, rstd,
-                N, C, eps, HAS_W=weight is not None, HAS_B=bias is not None, BLOCK=block, **cfg)
+        has_w, has_b = weight is not None, bias is not None
+        args = (x2, weight if has_w else x2, bias if has_b else x2, y2, mean, rstd, N, C, eps)
+        key = ("layer_norm_fwd", N, C, x.dtype, x.device, has_w, has_b, interpreting())
+        plan = cached_plan(key) if config is None else None
+        if plan is None:
+            tune_key = ("layer_norm_fwd", C, next_pow2(N), x.dtype, has_w, has_b, str(x.device))
 
-        if config is None:
-            key = ("layer_norm_fwd", C, next_pow2(N), x.dtype, weight is not None, bias is not None, str(x.device))
-            config = pick_config(key, fwd_candidates(C), run, x.device, N * C)
-        run(config)
-    return y2.view(x.shape), mean, rstd
+            def run(cfg: dict[str, int]) -> None:
+                launch, kw = _fwd_plan(cfg, N, C)
+                launch(*args, HAS_W=has_w, HAS_B=has_b, **kw)
+
+            if config is None:
+                plan = store_plan(key, _fwd_plan(pick_config(tune_key, fwd_candidates(C), run, x.device, N * C), N, C),
+                                  tune_key, x.device, N * C)
+            else:
+                plan = _fwd_plan(config, N, C)
+        launch, kw = plan
+        launch(*args, HAS_W=has_w, HAS_B=has_b, **kw)
+    return _like(y2, x), mean, rstd
+
+
+def _bwd_plan(cfg: dict[str, int], N: int, C: int, device: torch.device) -> tuple:
+    """(launch, kwargs, P, sum launch, sum kwargs) of the backward for ``cfg``: P persistent programs,
+    then the column sums of their dw and db partials."""
+    P = max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * num_programs(device)))
+    kw = {k: v for k, v in cfg.items() if k not in ("PER_SM", "PREFETCH")}
+    kernel = _bwd
+    if cfg.get("PREFETCH"):
+        kernel = _bwd_prefetch
+        del kw["ROWS"]
+    kw["BLOCK"] = row_config(C)[0]
+    return (kernel[(P,)], kw, P) + partials_launcher(C, True)
+
+
+def _run_bwd(plan: tuple, args: tuple, has_w: bool, w_dtype: torch.dtype, b_dtype: torch.dtype
+             ) -> tuple[Tensor, Tensor]:
+    launch, kw, P, sum_launch, sum_kw = plan
+    x2 = args[1]
+    C = args[-1]
+    dw_part = torch.empty(P, C, device=x2.device, dtype=torch.float32)  # sized by the config
+    db_part = torch.empty(P, C, device=x2.device, dtype=torch.float32)
+    dw = torch.empty(C, device=x2.device, dtype=w_dtype)
+    db = torch.empty(C, device=x2.device, dtype=b_dtype)
+    launch(*args[:6], dw_part, db_part, *args[6:], HAS_W=has_w, **kw)
+    sum_launch(dw_part, db_part, dw, db, P, C, **sum_kw)
+    return dw, db
 
 
 def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tensor, rstd: Tensor,
@@ -188,37 +241,32 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tens
     """Returns (dx, dw, db): dw in ``weight``'s dtype (fp32 without weight), db in ``bias_dtype``
     (fp32 when None). ``config`` forces one of :func:`bwd_candidates`."""
     C = x.shape[-1]
-    x2 = x.reshape(-1, C).contiguous()
+    x2 = _rows(x, C)
     N = x2.shape[0]
-    dy2 = dy.reshape(-1, C).contiguous()
+    dy2 = _rows(dy, C)
     dx2 = torch.empty_like(x2)
-    block, _ = row_config(C)
-    n_sm = num_programs(x.device)
-    cands = bwd_candidates(C)
+    has_w = weight is not None
+    w_dtype, b_dtype = weight.dtype if has_w else torch.float32, bias_dtype or torch.float32
+    if not N:
+        return (_like(dx2, x), torch.zeros(C, device=x.device, dtype=w_dtype),
+                torch.zeros(C, device=x.device, dtype=b_dtype))
+    # kernel arguments but the partials (inserted by _run_bwd): dy, x, w, mean, rstd, dx, | dw, db, | n_rows, C
+    args = (dy2, x2, weight if has_w else x2, mean, rstd, dx2, N, C)
+    key = ("layer_norm_bwd", N, C, x.dtype, x.device, has_w, interpreting())
+    plan = cached_plan(key) if config is None else None
+    if plan is None:
+        tune_key = ("layer_norm_bwd", C, next_pow2(N), x.dtype, has_w, str(x.device))
 
-    def programs(cfg: dict[str, int]) -> int:
-        return max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * n_sm))
+        def run(cfg: dict[str, int]) -> tuple[Tensor, Tensor]:  # timed whole: P changes the second stage
+            return _run_bwd(_bwd_plan(cfg, N, C, x.device), args, has_w, w_dtype, b_dtype)
 
-    def run(cfg: dict[str, int]) -> tuple[Tensor, Tensor | None]:  # timed whole: P changes the second stage
-        kw = {k: v for k, v in cfg.items() if k not in ("PER_SM", "PREFETCH")}
-        kernel = _bwd
-        if cfg.get("PREFETCH"):
-            kernel = _bwd_prefetch
-            del kw["ROWS"]
-        P = programs(cfg) if N else 0
-        dw_part = torch.empty(P, C, device=x.device, dtype=torch.float32)  # sized by the config
-        db_part = torch.empty_like(dw_part)
-        if N:
-            kernel[(P,)](dy2, x2, weight if weight is not None else x2, mean, rstd, dx2, dw_part, db_part,
-                       N, C, HAS_W=weight is not None, BLOCK=block, **kw)
-        return sum_partials(dw_part, weight.dtype if weight is not None else torch.float32,
-                            db_part, bias_dtype or torch.float32)
-
-    if config is None:
-        key = ("layer_norm_bwd", C, next_pow2(N), x.dtype, weight is not None, str(x.device))
-        config = pick_config(key, cands, run, x.device, N * C)
-    dw, db = run(config)
-    return dx2.view(x.shape), dw, db
+        if config is None:
+            config = pick_config(tune_key, bwd_candidates(C), run, x.device, N * C)
+            plan = store_plan(key, _bwd_plan(config, N, C, x.device), tune_key, x.device, N * C)
+        else:
+            plan = _bwd_plan(config, N, C, x.device)
+    dw, db = _run_bwd(plan, args, has_w, w_dtype, b_dtype)
+    return _like(dx2, x), dw, db
 
 
 class LayerNormFunction(torch.autograd.Function):

@@ -5,8 +5,8 @@ Backward, with h_hat = h * rstd and g = dy * w:
     dh = rstd * (g - h_hat * mean(g * h_hat)) (+ dh from the residual stream);  dw = sum_rows dy * h_hat
 ROWS rows per program forward; the backward runs PER_SM persistent programs per SM, each accumulating
 its rows' dw in fp32 registers and writing one partial row (Liger-Kernel's layout), then one launch
-sums the partials (``_partials.sum_partials``). Launch configs are picked by measurement on the first
-CUDA call (``_triton.pick_config``).
+sums the partials (``_partials``). Launch configs are picked by measurement on the first CUDA call
+(``_triton.pick_config``); after that a call is a plan lookup, the allocations and the launches.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from torch import Tensor, nn
 
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float, check_last_dim, check_same_shape
-from torchnitro.kernels._partials import sum_partials
-from torchnitro.kernels._triton import LazyKernel, cdiv, next_pow2, num_programs, pick_config, row_config
+from torchnitro.kernels._partials import partials_launcher
+from torchnitro.kernels._triton import (LazyKernel, cached_plan, cdiv, interpreting, next_pow2, num_programs, pick_config,
+                                        row_config, store_plan)
 from torchnitro.kernels.dispatch import use_triton_rows
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
@@ -146,29 +147,81 @@ def bwd_candidates(C: int) -> tuple[dict[str, int], ...]:
     return tuple(out)
 
 
+def _rows(t: Tensor, C: int) -> Tensor:
+    """``t`` as contiguous (N, C) rows; ``t`` itself when it already is (a reshape costs microseconds)."""
+    if t.dim() != 2:
+        t = t.reshape(-1, C)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _like(t2: Tensor, like: Tensor) -> Tensor:
+    return t2 if t2.dim() == like.dim() else t2.view(like.shape)
+
+
+def _fwd_plan(cfg: dict[str, int], N: int, C: int) -> tuple:
+    """(launch, kwargs) of the forward for ``cfg``."""
+    return _fwd[(cdiv(N, cfg["ROWS"]),)], {"BLOCK": row_config(C)[0], **cfg}
+
+
 def rms_norm_forward(x: Tensor, weight: Tensor | None, eps: float, residual: Tensor | None = None,
                      config: dict[str, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (y, h, rstd): h is x + residual (x itself without residual), rstd is fp32 (N,).
     ``config`` forces one of :func:`fwd_candidates` (default: picked by measurement on CUDA)."""
     C = x.shape[-1]
-    x2 = x.reshape(-1, C).contiguous()
+    x2 = _rows(x, C)
     N = x2.shape[0]
-    r2 = residual.reshape(-1, C).contiguous() if residual is not None else None
+    r2 = _rows(residual, C) if residual is not None else None
     h2 = torch.empty_like(x2) if r2 is not None else x2
     y2 = torch.empty_like(x2)
     rstd = torch.empty(N, device=x.device, dtype=torch.float32)
-    block, _ = row_config(C)
     if N:
-        def run(cfg: dict[str, int]) -> None:
-            _fwd[(cdiv(N, cfg["ROWS"]),)](
-                x2, r2 if r2 is not None else x2, h2, weight if weight is not None else x2, y2, rstd, N, C, eps,
-                HAS_RES=r2 is not None, HAS_W=weight is not None, BLOCK=block, **cfg)
+        has_r, has_w = r2 is not None, weight is not None
+        args = (x2, r2 if has_r else x2, h2, weight if has_w else x2, y2, rstd, N, C, eps)
+        key = ("rms_norm_fwd", N, C, x.dtype, x.device, has_r, has_w, interpreting())
+        plan = cached_plan(key) if config is None else None
+        if plan is None:
+            tune_key = ("rms_norm_fwd", C, next_pow2(N), x.dtype, has_r, has_w, str(x.device))
 
-        if config is None:
-            key = ("rms_norm_fwd", C, next_pow2(N), x.dtype, r2 is not None, weight is not None, str(x.device))
-            config = pick_config(key, fwd_candidates(C), run, x.device, N * C)
-        run(config)
-    return y2.view(x.shape), h2.view(x.shape), rstd
+            def run(cfg: dict[str, int]) -> None:
+                launch, kw = _fwd_plan(cfg, N, C)
+                launch(*args, HAS_RES=has_r, HAS_W=has_w, **kw)
+
+            if config is None:
+                plan = store_plan(key, _fwd_plan(pick_config(tune_key, fwd_candidates(C), run, x.device, N * C), N, C),
+                                  tune_key, x.device, N * C)
+            else:
+                plan = _fwd_plan(config, N, C)
+        launch, kw = plan
+        launch(*args, HAS_RES=has_r, HAS_W=has_w, **kw)
+    return _like(y2, x), _like(h2, x), rstd
+
+
+def _bwd_plan(cfg: dict[str, int], N: int, C: int, device: torch.device, has_w: bool) -> tuple:
+    """(launch, kwargs, P, sum launch, sum kwargs) of the backward for ``cfg``: P persistent programs,
+    then the column sum of their dw partials."""
+    P = max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * num_programs(device)))
+    kw = {k: v for k, v in cfg.items() if k not in ("PER_SM", "PREFETCH")}
+    kernel = _bwd
+    if cfg.get("PREFETCH"):
+        kernel = _bwd_prefetch
+        del kw["ROWS"]
+    kw["BLOCK"] = row_config(C)[0]
+    sum_launch, sum_kw = partials_launcher(C, False) if has_w else (None, None)
+    return kernel[(P,)], kw, P, sum_launch, sum_kw
+
+
+def _run_bwd(plan: tuple, args: tuple, weight: Tensor | None, has_dh: bool) -> Tensor | None:
+    launch, kw, P, sum_launch, sum_kw = plan
+    C = args[-1]
+    dw_part = dw = None
+    if weight is not None:
+        dw_part = torch.empty(P, C, device=weight.device, dtype=torch.float32)
+        dw = torch.empty(C, device=weight.device, dtype=weight.dtype)
+    launch(*args[:6], dw_part if dw_part is not None else args[4], *args[6:], HAS_DH=has_dh, HAS_W=weight is not None,
+           **kw)
+    if dw_part is not None:
+        sum_launch(dw_part, dw_part, dw, dw, P, C, **sum_kw)
+    return dw
 
 
 def rms_norm_backward(dy: Tensor, dh_out: Tensor | None, h: Tensor, weight: Tensor | None, rstd: Tensor,
@@ -176,37 +229,32 @@ def rms_norm_backward(dy: Tensor, dh_out: Tensor | None, h: Tensor, weight: Tens
     """Returns (dx, dw); ``dh_out`` is the gradient flowing into the residual-stream output h.
     ``config`` forces one of :func:`bwd_candidates`."""
     C = h.shape[-1]
-    h2 = h.reshape(-1, C)
+    h2 = _rows(h, C)
     N = h2.shape[0]
-    dy2 = dy.reshape(-1, C).contiguous()
-    dh2 = dh_out.reshape(-1, C).contiguous() if dh_out is not None else None
+    dy2 = _rows(dy, C)
+    dh2 = _rows(dh_out, C) if dh_out is not None else None
     dx2 = torch.empty_like(h2)
-    block, _ = row_config(C)
-    n_sm = num_programs(h.device)
-    cands = bwd_candidates(C)
+    if not N:
+        dw = torch.zeros(C, device=h.device, dtype=weight.dtype) if weight is not None else None
+        return _like(dx2, h), dw
+    has_dh, has_w = dh2 is not None, weight is not None
+    # kernel arguments but dw_ptr (inserted by _run_bwd): dy, dh, h, w, rstd, dx, | dw, | n_rows, C
+    args = (dy2, dh2 if has_dh else dy2, h2, weight if has_w else h2, rstd, dx2, N, C)
+    key = ("rms_norm_bwd", N, C, h.dtype, h.device, has_dh, has_w, interpreting())
+    plan = cached_plan(key) if config is None else None
+    if plan is None:
+        tune_key = ("rms_norm_bwd", C, next_pow2(N), h.dtype, has_dh, has_w, str(h.device))
 
-    def programs(cfg: dict[str, int]) -> int:
-        return max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * n_sm))
+        def run(cfg: dict[str, int]) -> Tensor | None:  # timed whole: P changes the second stage
+            return _run_bwd(_bwd_plan(cfg, N, C, h.device, has_w), args, weight, has_dh)
 
-    def run(cfg: dict[str, int]) -> Tensor | None:  # timed whole: P changes the second stage
-        kw = {k: v for k, v in cfg.items() if k not in ("PER_SM", "PREFETCH")}
-        kernel = _bwd
-        if cfg.get("PREFETCH"):
-            kernel = _bwd_prefetch
-            del kw["ROWS"]
-        P = programs(cfg) if N else 0
-        dw_part = torch.empty(P, C, device=h.device, dtype=torch.float32) if weight is not None else None
-        if N:
-            kernel[(P,)](dy2, dh2 if dh2 is not None else dy2, h2, weight if weight is not None else h2, rstd,
-                       dx2, dw_part if dw_part is not None else rstd, N, C,
-                       HAS_DH=dh2 is not None, HAS_W=weight is not None, BLOCK=block, **kw)
-        return sum_partials(dw_part, weight.dtype)[0] if weight is not None and dw_part is not None else None
-
-    if config is None:
-        key = ("rms_norm_bwd", C, next_pow2(N), h.dtype, dh2 is not None, weight is not None, str(h.device))
-        config = pick_config(key, cands, run, h.device, N * C)
-    dw = run(config)
-    return dx2.view(h.shape), dw
+        if config is None:
+            config = pick_config(tune_key, bwd_candidates(C), run, h.device, N * C)
+            plan = store_plan(key, _bwd_plan(config, N, C, h.device, has_w), tune_key, h.device, N * C)
+        else:
+            plan = _bwd_plan(config, N, C, h.device, has_w)
+    dw = _run_bwd(plan, args, weight, has_dh)
+    return _like(dx2, h), dw
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -4,7 +4,7 @@ For x = (x1, x2) split at D/2 and angle theta_{t,i}:
     y1 = x1 cos - x2 sin,   y2 = x2 cos + x1 sin
 The backward is the rotation by -theta, so one kernel with a sign serves both directions, and one
 launch rotates q and k together (``apply_rope``); its tile shape is picked by measurement on the
-first CUDA call (``_triton.pick_config``).
+first CUDA call (``_triton.pick_config``), after which a call is a plan lookup, two allocations and the launch.
 q/k may be strided views (B, H, T, D) (e.g. after ``transpose(1, 2)``); only D must be contiguous.
 """
 
@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torchnitro.errors import ShapeError
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float
-from torchnitro.kernels._triton import LazyKernel, cdiv, next_pow2, pick_config
+from torchnitro.kernels._triton import LazyKernel, cached_plan, cdiv, interpreting, next_pow2, pick_config, store_plan
 from torchnitro.kernels.dispatch import use_triton
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
@@ -87,7 +87,10 @@ _MAX_GRID_Z = 65535
 
 def _tables(cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, int, int]:
     """Contiguous fp32 tables with (batch stride, time stride); batch stride 0 when shared."""
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    if cos.dtype is not torch.float32 or not cos.is_contiguous():
+        cos = cos.float().contiguous()
+    if sin.dtype is not torch.float32 or not sin.is_contiguous():
+        sin = sin.float().contiguous()
     if cos.dim() == 2:
         return cos, sin, 0, cos.stride(0)
     return cos, sin, (cos.stride(0) if cos.shape[0] > 1 else 0), cos.stride(1)
@@ -115,19 +118,33 @@ def rope_qk_forward(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, sign:
     kk, kko = (k, ko) if k is not None else (q, qo)
     if B * T * D == 0 or HQ + HK == 0:
         return qo, ko
-    block = next_pow2(D // 2)
+    sq, sk = q.stride(), kk.stride()
+    args = (q, kk, qo, kko, c, s, T, HQ, HK)  # then NQG (from the config), the strides, HALF
+    rest = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], scb, sct, D // 2)
+    key = ("rope", B, HQ, HK, T, D, q.dtype, q.device, sign, interpreting())
+    plan = cached_plan(key) if config is None else None
+    if plan is None:
+        tune_key = ("rope", D, HQ, HK, next_pow2(B * T), q.dtype, str(q.device))
 
-    def run(cfg: dict[str, int]) -> None:
-        nqg, nkg = cdiv(HQ, cfg["HEADS"]), cdiv(HK, cfg["HEADS"])
-        _kernel[(cdiv(T, cfg["BLOCK_T"]), nqg + nkg, B)](
-            q, kk, qo, kko, c, s, T, HQ, HK, nqg, q.stride(0), q.stride(1), q.stride(2),
-            kk.stride(0), kk.stride(1), kk.stride(2), scb, sct, D // 2, SIGN=sign, BLOCK=block, **cfg)
+        def run(cfg: dict[str, int]) -> None:
+            launch, nqg, kw = _plan(cfg, B, HQ, HK, T, D, sign)
+            launch(*args, nqg, *rest, **kw)
 
-    if config is None:
-        key = ("rope", D, HQ, HK, next_pow2(B * T), q.dtype, str(q.device))
-        config = pick_config(key, candidates(D), run, q.device, B * T * D * (HQ + HK))
-    run(config)
+        if config is None:
+            size = B * T * D * (HQ + HK)
+            plan = store_plan(key, _plan(pick_config(tune_key, candidates(D), run, q.device, size), B, HQ, HK, T, D,
+                                         sign), tune_key, q.device, size)
+        else:
+            plan = _plan(config, B, HQ, HK, T, D, sign)
+    launch, nqg, kw = plan
+    launch(*args, nqg, *rest, **kw)
     return qo, ko
+
+
+def _plan(cfg: dict[str, int], B: int, HQ: int, HK: int, T: int, D: int, sign: int) -> tuple:
+    """(launch, q's head groups, kwargs) for ``cfg``: programs (t block, head group, batch)."""
+    nqg, nkg = cdiv(HQ, cfg["HEADS"]), cdiv(HK, cfg["HEADS"])
+    return _kernel[(cdiv(T, cfg["BLOCK_T"]), nqg + nkg, B)], nqg, {"SIGN": sign, "BLOCK": next_pow2(D // 2), **cfg}
 
 
 def rope_forward(x: Tensor, cos: Tensor, sin: Tensor, sign: int = 1) -> Tensor:
