@@ -169,3 +169,18 @@ def test_fused_linear_cross_entropy_peak_memory_gpu(grad_exists):
     extra = torch.cuda.max_memory_allocated() - base
     budget = 2 * (V * D + N * D + chunk * V) + (8 << 20)
     assert extra <= budget, f"peak {extra / 2**20:.1f} MiB above the inputs; budget {budget / 2**20:.1f} MiB"
+
+
+def test_flce_chunk_policy_keeps_the_block_below_liger_for_large_inputs():
+    """x(8192, 4096) W(128256, 4096) bf16: the logit block is below Liger's (256 rows, its rule: the next power of
+    two of N / ceil(V / D)) and stays >= 192 rows; small inputs keep the 192-row floor; never more rows than N."""
+    from torchnitro.kernels.cross_entropy import _chunk_size
+
+    N, V, D = 8192, 128256, 4096
+    liger_rows = 1 << (-(-N // -(-V // D)) - 1).bit_length()
+    assert liger_rows == 256
+    rows = _chunk_size(N, V, D, 2)
+    assert 192 <= rows < liger_rows and rows % 16 == 0
+    assert _chunk_size(2048, V, D, 2) == 192
+    assert _chunk_size(16384, V, D, 2) < 512  # Liger: 512 rows
+    assert _chunk_size(5, V, D, 2) == 5

@@ -251,18 +251,35 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         return dx, dw, None, db, None, None, None, None, None
 
 
-_MIN_BLOCK_BYTES = 256 << 20  # a logit block this large keeps the chunk GEMMs tall enough to run near peak
+_MIN_ROWS = 192  # ~the rows per chunk at which a chunk's (V, D) traffic hides under its GEMM FLOPs (_chunk_size)
+_BLOCK_SHARE = 15 / 16  # logit block <= this share of the input's bytes, when that leaves >= _MIN_ROWS rows
+_ROW_MULTIPLE = 16  # chunk rows stay a multiple of the GEMM tile granularity
 
 
 def _chunk_size(N: int, V: int, D: int = 4096, itemsize: int = 2) -> int:
-    """Rows per chunk: the logit block is as large as the input or 256 MiB, whichever is larger.
+    """Rows per chunk: the logit block (rows, V) stays below the input's size, but not under 192 rows.
 
-    Liger's rule (block = input size) gives 64-row chunks for N=2048, V=128k: each chunk then re-reads
-    the whole (V, D) weight three times for skinny GEMMs, which is slower than the unfused op.
+    Two costs pull apart. Peak memory beyond dW and dx is the (rows, V) logit block, so fewer rows
+    is leaner. But every chunk moves the whole (V, D) weight three times whatever its row count (W
+    read by the logits GEMM and by the dx GEMM, dW read and written by the accumulating GEMM: about
+    4 V D itemsize bytes) for 6 rows V D FLOPs, i.e. 0.75 rows FLOP/byte at bf16. H100/H200 bf16
+    tensor cores need roughly 150-200 FLOP/byte to stay busy (a roofline estimate, not a measurement),
+    so below ~200 rows a chunk waits on memory and the op slows about in proportion to the number of
+    chunks.
+
+    Policy: rows = the largest multiple of 16 whose block is at most 15/16 of the input's bytes
+    (N D itemsize), but at least 192. Liger-Kernel sizes its block to about the input's size (rows
+    rounded up to a power of two), so for a large input this keeps the peak below Liger's at about
+    the same GEMM efficiency: N=8192, V=128k, D=4096 gives 240 rows (58.7 MiB block) where Liger
+    uses 256 (62.6 MiB) and the previous rule here 1024 (250 MiB); expected cost versus 1024 rows:
+    35 instead of 8 passes over (V, D), mostly hidden under the GEMMs. For a small input the floor
+    wins: N=2048 gives 192 rows (47 MiB) where Liger uses 64 (16 MiB), a peak ~31 MiB above
+    Liger's (beside ~1 GiB of dW) for a third of its (V, D) traffic. These are expectations; the
+    times come from benchmarks/kernels.py on a GPU.
     """
-    block = max(N * D * itemsize, _MIN_BLOCK_BYTES)
-    rows = max(1, block // max(1, V * itemsize))
-    return max(1, min(N, 1 << (rows.bit_length() - 1)))
+    rows = int(N * D * _BLOCK_SHARE) // max(1, V)
+    rows -= rows % _ROW_MULTIPLE
+    return max(1, min(N, max(rows, _MIN_ROWS)))
 
 
 def fused_linear_cross_entropy(x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
