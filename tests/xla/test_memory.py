@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -10,7 +11,10 @@ jax = pytest.importorskip("jax", reason="jax is not installed: pip install 'torc
 
 from torchnitro.errors import BudgetError, ConfigError  # noqa: E402
 from torchnitro.xla.memory import GIB, CompiledMemory, find_batch_size, find_lm_batch_size, plan_memory  # noqa: E402
-from torchnitro.xla.model import LMConfig  # noqa: E402
+import optax  # noqa: E402
+
+from torchnitro.xla.estimate import layer_residual_bytes, tpu_array_bytes  # noqa: E402
+from torchnitro.xla.model import LMConfig, param_spec  # noqa: E402
 
 CFG = LMConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, max_seq_len=128)
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
@@ -43,8 +47,31 @@ def test_tpu_compile_orders_remat_policies_and_reports_hbm():
     plan = temps["none"]
     assert plan.hbm == 95 * GIB  # v5p: one device per chip (megacore), 95 GiB each
     assert plan.fits is True
-    # TPU layouts tile the two minor dims (8, 128): small heads and norms cost more than their logical bytes
-    assert plan.compiled.argument > plan.estimate.argument
+    # TPU layouts tile the two minor dims (8, 128): the estimate counts the tiles, not the logical bytes
+    assert plan.compiled.argument == pytest.approx(plan.estimate.argument, rel=0.01)
+    logical = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(
+        (param_spec(CFG), jax.eval_shape(optax.adamw(1e-3).init, param_spec(CFG))))) // 8
+    assert plan.compiled.argument > 1.2 * logical
+
+
+@pytest.mark.parametrize("shape,itemsize,want", [
+    ((32, 4, 64), 4, 4 * 32 * 128 * 4),  # XLA tiles (32, 64): the 4-sized dim stays outermost
+    ((2048, 32), 4, 2048 * 128 * 4 // 4),  # 2048 is the minor dim: (32 -> 32, 2048) rows of 128
+    ((256,), 4, 256 * 4), ((100,), 4, 128 * 4), ((), 4, 4), ((5, 3), 2, 8 * 128 * 2)])
+def test_tpu_array_bytes_counts_tiles_of_the_cheapest_minor_pair(shape, itemsize, want):
+    assert tpu_array_bytes(shape, itemsize) == want
+
+
+def test_saved_residuals_follow_the_remat_policy_and_flash_drops_the_scores():
+    host = {p: layer_residual_bytes(CFG, p, 2, 128, tpu=False) for p in ("none", "dots_saveable", "nothing_saveable")}
+    assert host["none"] > host["dots_saveable"] > host["nothing_saveable"] == 2 * 128 * 128 * 4  # the block input
+    # plain attention keeps (B, H, T, T) probabilities; the flash kernel keeps q, k, v, o and a float per row
+    flash = layer_residual_bytes(dataclasses.replace(CFG, attention="flash"), "dots_saveable", 2, 128, tpu=False)
+    scores = 2 * CFG.n_heads * 128 * 128 * 4
+    assert flash < host["dots_saveable"] - scores // 2
+    # on a TPU the saved matmul outputs are bf16: about half, plus the fp32 block input
+    tpu = layer_residual_bytes(CFG, "dots_saveable", 2, 128, tpu=True)
+    assert tpu == pytest.approx((host["dots_saveable"] - host["nothing_saveable"]) / 2 + host["nothing_saveable"])
 
 
 def _fake_peak(calls):

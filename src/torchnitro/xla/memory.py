@@ -3,9 +3,9 @@
 ``plan_memory`` lowers the real train step with ShapeDtypeStructs (nothing is allocated) and
 compiles it for the host devices or, through ``libtpu``, for a TPU topology on this CPU; the
 executable's ``memory_analysis()`` gives per-device argument, output, alias and temp bytes, i.e.
-XLA's own plan of the device memory. ``estimate_memory`` is the analytic counterpart (parameters,
-optimizer state, batch, gradients, activations saved by the remat policy), so the two can be
-compared; ``find_batch_size`` searches the largest batch whose compiled peak fits a budget.
+XLA's own plan of the device memory. ``torchnitro.xla.estimate`` is the analytic counterpart
+(TPU-tiled arguments, residuals saved per remat policy, loss-head buffers, FSDP gathers), so the two
+can be compared; ``find_batch_size`` searches the largest batch whose compiled peak fits a budget.
 """
 
 from __future__ import annotations
@@ -19,14 +19,12 @@ import optax
 from jax.sharding import Mesh
 
 from torchnitro.errors import BudgetError, ConfigError
+from torchnitro.xla.estimate import MemoryEstimate, estimate_memory
 from torchnitro.xla.lm import batch_spec, lm_train_step
 from torchnitro.xla.mesh import TPU_HBM_GIB, MeshConfig, make_mesh, parse_target
 from torchnitro.xla.model import LMConfig, param_spec
-from torchnitro.xla.remat import layer_policies
-from torchnitro.xla.train import TrainStep
 
-__all__ = ["CompiledMemory", "MemoryEstimate", "MemoryPlan", "plan_memory", "estimate_memory", "find_batch_size",
-           "find_lm_batch_size", "hbm_per_device"]
+__all__ = ["CompiledMemory", "MemoryPlan", "plan_memory", "find_batch_size", "find_lm_batch_size", "hbm_per_device"]
 
 GIB = 1024**3
 
@@ -45,25 +43,6 @@ class CompiledMemory:
     def peak(self) -> int:
         """Live bytes at the step's peak as XLA plans them: inputs + fresh outputs + scratch."""
         return self.argument + self.output - self.alias + self.temp
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """The analytic per-device model of the same step."""
-
-    params: int  # parameter shards
-    opt_state: int  # optimizer-state shards (moments follow their parameter's sharding)
-    batch: int  # token and target shards
-    grads: int  # one gradient per parameter shard (temp)
-    activations: int  # residuals kept for the backward pass, by remat policy (temp)
-
-    @property
-    def argument(self) -> int:
-        return self.params + self.opt_state + self.batch
-
-    @property
-    def peak(self) -> int:
-        return self.argument + self.grads + self.activations
 
 
 @dataclass(frozen=True)
@@ -96,59 +75,6 @@ def hbm_per_device(target: str, devices: Sequence[Any]) -> int:
     t = parse_target(target)
     chips = math.prod(int(p) for p in t.topology.split("x"))
     return int(TPU_HBM_GIB[t.generation] * GIB * chips / len(devices))
-
-
-def _local_bytes(spec: Any, sharding: Any) -> int:
-    """Bytes of one device's shard of an array with this sharding."""
-    shard = sharding.shard_shape(spec.shape)
-    return math.prod(shard) * spec.dtype.itemsize
-
-
-def _tree_bytes(specs: Any, shardings: Any) -> int:
-    return sum(_local_bytes(s, sh) for s, sh in zip(jax.tree.leaves(specs), jax.tree.leaves(shardings)))
-
-
-def _activation_bytes(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: int,
-                      remat: str | Sequence[str]) -> int:
-    """Residuals one layer keeps for the backward pass, summed over layers, per device (fp32).
-
-    Per token: "none" keeps every intermediate of the block (about 6 width-sized vectors,
-    q/k/v and their RoPE'd copies, the attention output, 4 MLP-hidden vectors) plus the two
-    (T, T) score/probability rows per head; dots_saveable keeps only matmul outputs (q, k, v, the
-    attention output and score matmuls, w1/w3 outputs, the block outputs); nothing_saveable keeps
-    the block input only; while the backward pass recomputes a block, that block's dropped
-    intermediates are live. The logits and their softmax are live once, outside the layers.
-    """
-    m = step.mesh.shape
-    b = batch_size // (m.get("data", 1) * m.get("fsdp", 1))  # local sequences
-    tp = m.get("tensor", 1)
-    D, hd = cfg.padded_dim, cfg.head_dim
-    H, K, F = cfg.padded_heads // tp, max(cfg.padded_kv_heads // tp, 1), cfg.padded_hidden // tp
-    qkv = (H + 2 * K) * hd
-    per_token = {
-        "none": 6 * D + 2 * qkv + H * hd + 4 * F + 2 * H * seq_len,
-        "dots_saveable": 2 * D + qkv + H * hd + 2 * F + 2 * H * seq_len,
-        "dots_with_no_batch_dims_saveable": 2 * D + qkv + H * hd + 2 * F,
-        "nothing_saveable": D,
-        "full": D,
-    }
-    policies = layer_policies(remat, cfg.n_layers)
-    layers = sum(per_token[p] for p in policies)
-    # the backward pass recomputes one rematerialised block at a time: its dropped intermediates are live once
-    recompute = max(per_token["none"] - per_token[p] for p in policies)
-    logits = 2 * cfg.padded_vocab // tp  # logits and log-softmax
-    return 4 * b * seq_len * (layers + recompute + logits)
-
-
-def estimate_memory(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: int,
-                    remat: str | Sequence[str] = "none") -> MemoryEstimate:
-    """The analytic per-device estimate for ``step`` (built by lm_train_step) at this batch shape."""
-    params = param_spec(cfg)
-    opt = jax.eval_shape(step.optimizer.init, params)
-    p = _tree_bytes(params, step.param_shardings)
-    return MemoryEstimate(params=p, opt_state=_tree_bytes(opt, step.opt_shardings),
-                          batch=_tree_bytes(batch_spec(batch_size, seq_len), step.batch_shardings), grads=p,
-                          activations=_activation_bytes(cfg, step, batch_size, seq_len, remat))
 
 
 def _mesh(mesh: str | MeshConfig, target: str) -> Mesh:
