@@ -36,6 +36,7 @@ class Case:
     params: list = field(default_factory=list)  # extra leaves whose .grad is reset between runs (models)
     best_of: tuple[str, ...] = ()  # providers folded into a synthetic "<prefix>_best" row (min per phase)
     ratios: dict[str, str] = field(default_factory=dict)  # extra column -> reference provider (ref_ms / ms)
+    issue21: bool = False  # an issue-21 shape (``--issue21`` keeps only these; targets say which shape)
 
 
 def failing(reason: str) -> Callable[..., torch.Tensor]:
@@ -61,17 +62,18 @@ def _sdpa(backend: str) -> Callable[..., torch.Tensor]:
     return fn
 
 
-def attention_cases(dev: str, t: Callable, tiny: bool, quick: bool, flash: Callable, ref: Callable) -> list[Case]:
-    """Ours vs each SDPA backend separately (+ "sdpa_best"), plain and causal, and a causal T sweep.
+def attention_cases(dev: str, t: Callable, tiny: bool, flash: Callable, ref: Callable, batch: int = 4,
+                    shapes: list[tuple[bool, int]] | None = None) -> list[Case]:
+    """Ours vs each SDPA backend separately (+ "sdpa_best") at ``batch``, for each (causal, T) of
+    ``shapes`` (default: plain and causal at T=4096, with eager beside them).
 
     FLOPs: forward 4*B*H*T*T*D (QK^T and PV), halved for causal; backward 2.5x forward."""
-    Ba, Ha, Ta, Da = (1, 2, 32, 16) if tiny else (4 if not quick else 1, 16, 4096, 128)
-    shapes = [(False, Ta), (True, Ta)] + ([] if (tiny or quick) else [(True, T2) for T2 in (1024, 2048, 8192)])
+    Ba, Ha, Ta, Da = (1, 2, 32, 16) if tiny else (batch, 16, 4096, 128)
     cases = []
-    for causal, T in shapes:
+    for causal, T in shapes or [(False, Ta), (True, Ta)]:
         fl = 4 * Ba * Ha * T * T * Da * (0.5 if causal else 1.0)
         prov = {"torchnitro": lambda q, k, v, c=causal: flash(q, k, v, causal=c)}
-        if T == Ta:
+        if shapes is None:
             prov["eager"] = lambda q, k, v, c=causal: ref(q, k, v, causal=c)
         for name, backend in SDPA_BACKENDS.items():  # on CPU (smoke) the ones without a CPU kernel record why
             prov[name] = lambda q, k, v, c=causal, f=_sdpa(backend): f(q, k, v, c)

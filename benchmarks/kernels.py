@@ -1,8 +1,9 @@
 """Fused-kernel benchmark (CUDA GPU): torchnitro kernels vs eager, torch.compile, every SDPA backend,
 Liger-Kernel and torchao, all in one run with one timer.
 
-    python benchmarks/kernels.py              # full sizes (H100-class GPU)
-    python benchmarks/kernels.py --quick      # smaller shapes, no torch.compile provider
+    python benchmarks/kernels.py              # the issue-21 shapes, then the larger ones (H100-class GPU)
+    python benchmarks/kernels.py --issue21    # the FP8 block and the issue-21 shapes only
+    python benchmarks/kernels.py --quick      # the issue-21 shapes (other ops at 1/4), no torch.compile provider
     python benchmarks/kernels.py --ops flash,fp8_train,layer_norm   # a subset (substrings of op names)
     python benchmarks/kernels.py --tuned      # also print the launch configs the kernels picked
     python benchmarks/kernels.py --smoke      # CPU: run every case once on tiny shapes, no timing
@@ -14,7 +15,17 @@ attention and GEMMs report TFLOP/s. Attention is timed against each SDPA backend
 flash, memory-efficient; one this GPU lacks records its reason) plus "sdpa_best", the fastest per
 phase. The FP8 row is a compiled Llama-3-8B block train step: bf16 vs ours vs torchao float8.
 A provider that fails writes its error into its row; the others still run. The issue-21 targets
-are checked at the end.
+are checked at the end, per shape.
+
+Shapes (``--sizes``): first the issue-21 rows (norms (4096, 4096); RoPE q(1,32,4096,128)
+k(1,8,4096,128); attention (1,16,4096,128) plain and causal; linear+CE x(2048, 4096) W(128256, 4096);
+linear+bias+GELU (2048, 4096) x (16384, 4096)), then the same ops at the larger shapes of earlier
+runs (norms 16384 rows, RoPE and attention batch 4, linear+CE and GELU 8192 rows), then the other
+ops, and last the causal attention length sweep.
+
+``host_ms`` is the host's time to enqueue one call (fwd+bwd, or fwd for forward-only rows) on an
+idle GPU, median of a few: when it approaches the device time, Python, not the GPU, limits the op
+(benchmarks/host_overhead.py breaks it down without a GPU).
 
 Output: results/kernels_<gpu>[_<tag>].{json,md,png} (``--tag``). Earlier results are never
 overwritten: if that name is taken, the UTC date and time are appended
@@ -29,6 +40,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import time
 from typing import Callable
@@ -95,31 +107,86 @@ def _liger(name: str) -> Callable | None:
     return None
 
 
-def build_cases(dev: str, dt: torch.dtype, quick: bool, smoke: bool, use_compile: bool) -> list[Case]:
+ISSUE21 = {  # the issue-21 shapes (rows x hidden, RoPE batch, attention batch, linear+CE rows, GELU rows)
+    "norm_rows": 4096, "rope_batch": 1, "attn_batch": 1, "flce_rows": 2048, "gelu_rows": 2048,
+}
+LARGE = {"norm_rows": 16384, "rope_batch": 4, "attn_batch": 4, "flce_rows": 8192, "gelu_rows": 8192}
+
+
+def build_cases(dev: str, dt: torch.dtype, quick: bool, smoke: bool, use_compile: bool,
+                sizes: str = "all") -> list[Case]:
+    """Every case; ``sizes``: "all" (the issue-21 shapes, then the larger ones), "issue21" (the FP8 block
+    and the issue-21 shapes only) or "large" (the larger shapes only, the layout before the issue-21 rows)."""
     s = 1 if smoke else (4 if quick else 1)
     tiny = smoke
-    esz = torch.finfo(dt).bits // 8
-    N, C = (8, 64) if tiny else (16384 // s, 4096)  # rows x hidden for norms
-    Ng, Hg = (8, 96) if tiny else (16384 // s, 14336)  # rows x MLP hidden for GLU/GELU
     # the compiled FP8 block first: its compiles are the slowest part, and a run cut off by a time limit
-    # keeps the rows it finished (the table is re-saved after every case)
+    # keeps the rows it finished (the table is re-saved after every case); the issue-21 rows next
     cases: list[Case] = [fp8_train_case(dev, dt, tiny, compile_models=not smoke)]
+    cases[0].issue21 = True
 
     def t(*shape, grad=True, scale=1.0, dtype=dt):
         return (torch.randn(*shape, device=dev) * scale).to(dtype).requires_grad_(grad)
 
-    def add(op, shape, make, ours, ref, liger=None, **kw):
+    def add(op, shape, make, ours, ref, liger=None, **kw) -> Case:
         prov = {"torchnitro": ours, "eager": ref}
         if use_compile:
             prov["compile"] = torch.compile(ref, dynamic=False)
         if liger is not None:
             prov["liger"] = liger
         cases.append(Case(op, shape, make, prov, **kw))
+        return cases[-1]
 
+    sets = {"all": (ISSUE21, LARGE), "issue21": (ISSUE21,), "large": (LARGE,)}[sizes]
+    if quick or smoke:  # the quick shapes are the issue-21 ones; tiny shapes once
+        sets = (ISSUE21,)
+    for size in sets:
+        first = len(cases)
+        _target_cases(add, t, dev, dt, tiny, size)
+        cases += attention_cases(dev, t, tiny, K.flash_attention, R.flash_attention, batch=size["attn_batch"])
+        for c in cases[first:]:
+            c.issue21 = size is ISSUE21
+    if sizes == "issue21":
+        return cases
+    _other_cases(add, t, dev, dt, tiny, s)
+    cases.append(_lm_step_case(dev, dt, tiny, quick, use_compile))
+    if not (tiny or quick):  # last: the causal length sweep at the larger batch
+        cases += attention_cases(dev, t, tiny, K.flash_attention, R.flash_attention, batch=LARGE["attn_batch"],
+                                 shapes=[(True, T2) for T2 in (1024, 2048, 8192)])
+    return cases
+
+
+def _target_cases(add: Callable, t: Callable, dev: str, dt: torch.dtype, tiny: bool, size: dict) -> None:
+    """The ops with issue-21 targets at one size set: norms, RoPE, linear+CE, linear+bias+GELU."""
+    esz = torch.finfo(dt).bits // 8
+    N, C = (8, 64) if tiny else (size["norm_rows"], 4096)  # rows x hidden for norms
     add("rms_norm", f"({N}, {C})", lambda: [t(N, C), t(C)], lambda x, w: K.rms_norm(x, w, 1e-6),
         lambda x, w: R.rms_norm(x, w, 1e-6), _liger("rms_norm"), bytes_fwd=2 * N * C * esz, bytes_bwd=3 * N * C * esz)
     add("layer_norm", f"({N}, {C})", lambda: [t(N, C), t(C), t(C)], K.layer_norm, R.layer_norm,
         _liger("layer_norm"), bytes_fwd=2 * N * C * esz, bytes_bwd=3 * N * C * esz)
+    B, H, Hk, T, D = (1, 2, 1, 16, 16) if tiny else (size["rope_batch"], 32, 8, 4096, 128)
+    cos, sin = (x.to(dev) for x in _rope_tables(T, D))
+    add("rope(q,k)", f"q({B},{H},{T},{D}) k({B},{Hk},{T},{D})", lambda: [t(B, H, T, D), t(B, Hk, T, D)],
+        lambda q, k: K.apply_rope(q, k, cos, sin), lambda q, k: (R.rope(q, cos, sin), R.rope(k, cos, sin)),
+        (lambda q, k, f=_liger("rope"): f(q, k, cos, sin)) if _liger("rope") else None,
+        bytes_fwd=2 * B * (H + Hk) * T * D * esz, bytes_bwd=2 * B * (H + Hk) * T * D * esz)
+    V = 100 if tiny else 128256
+    Nf, Df = (8, 32) if tiny else (size["flce_rows"], 4096)
+    tgt_f = torch.randint(0, V, (Nf,), device=dev)
+    add("linear+cross_entropy", f"x({Nf}, {Df}) W({V}, {Df})", lambda: [t(Nf, Df), t(V, Df, scale=0.02)],
+        lambda x, w: K.fused_linear_cross_entropy(x, w, tgt_f),
+        lambda x, w: R.fused_linear_cross_entropy(x, w, tgt_f),
+        (lambda x, w, f=_liger("flce"): f(x, w, tgt_f)) if _liger("flce") else None,
+        flops_fwd=2 * Nf * Df * V, flops_bwd=4 * Nf * Df * V)
+    M, Kd, Nn = (8, 32, 48) if tiny else (size["gelu_rows"], 4096, 16384)
+    gelu = add("linear+bias+gelu", f"({M}, {Kd}) x ({Nn}, {Kd})", lambda: [t(M, Kd), t(Nn, Kd, scale=0.02), t(Nn)],
+               K.linear_gelu, R.linear_gelu, None, flops_fwd=2 * M * Kd * Nn, flops_bwd=4 * M * Kd * Nn)
+    gelu.providers.update(linear_gelu_variants())  # e.g. a cuBLASLt-epilogue variant, when exported
+
+
+def _other_cases(add: Callable, t: Callable, dev: str, dt: torch.dtype, tiny: bool, s: int) -> None:
+    """Fused ops without an issue-21 target, at one size."""
+    esz = torch.finfo(dt).bits // 8
+    Ng, Hg = (8, 96) if tiny else (16384 // s, 14336)  # rows x MLP hidden for GLU/GELU
     add("gelu", f"({Ng}, {Hg})", lambda: [t(Ng, Hg)], K.gelu, R.gelu, None,
         bytes_fwd=2 * Ng * Hg * esz, bytes_bwd=3 * Ng * Hg * esz)
     add("swiglu", f"({Ng}, {Hg})", lambda: [t(Ng, Hg), t(Ng, Hg)], K.swiglu, R.swiglu, _liger("swiglu"),
@@ -129,36 +196,16 @@ def build_cases(dev: str, dt: torch.dtype, quick: bool, smoke: bool, use_compile
     Ns, Cs = (8, 40) if tiny else (32768 // s, 8192)
     add("softmax", f"({Ns}, {Cs})", lambda: [t(Ns, Cs, scale=3.0)], K.softmax, R.softmax, _liger("softmax"),
         bytes_fwd=2 * Ns * Cs * esz, bytes_bwd=3 * Ns * Cs * esz)
-    B, H, Hk, T, D = (1, 2, 1, 16, 16) if tiny else (4 // s or 1, 32, 8, 4096, 128)
-    cos, sin = (x.to(dev) for x in _rope_tables(T, D))
-    add("rope(q,k)", f"q({B},{H},{T},{D}) k({B},{Hk},{T},{D})", lambda: [t(B, H, T, D), t(B, Hk, T, D)],
-        lambda q, k: K.apply_rope(q, k, cos, sin), lambda q, k: (R.rope(q, cos, sin), R.rope(k, cos, sin)),
-        (lambda q, k, f=_liger("rope"): f(q, k, cos, sin)) if _liger("rope") else None,
-        bytes_fwd=2 * B * (H + Hk) * T * D * esz, bytes_bwd=2 * B * (H + Hk) * T * D * esz)
     Nv, V = (8, 100) if tiny else (8192 // s, 128256)
     tgt = torch.randint(0, V, (Nv,), device=dev)
     add("cross_entropy", f"({Nv}, {V})", lambda: [t(Nv, V)], lambda z: K.cross_entropy(z, tgt),
         lambda z: R.cross_entropy(z, tgt), (lambda z, f=_liger("cross_entropy"): f(z, tgt)) if _liger("cross_entropy")
         else None, bytes_fwd=Nv * V * esz, bytes_bwd=2 * Nv * V * esz)
-    Nf, Df = (8, 32) if tiny else (8192 // s, 4096)
-    tgt_f = torch.randint(0, V, (Nf,), device=dev)
-    add("linear+cross_entropy", f"x({Nf}, {Df}) W({V}, {Df})", lambda: [t(Nf, Df), t(V, Df, scale=0.02)],
-        lambda x, w: K.fused_linear_cross_entropy(x, w, tgt_f),
-        lambda x, w: R.fused_linear_cross_entropy(x, w, tgt_f),
-        (lambda x, w, f=_liger("flce"): f(x, w, tgt_f)) if _liger("flce") else None,
-        flops_fwd=2 * Nf * Df * V, flops_bwd=4 * Nf * Df * V)
-    M, Kd, Nn = (8, 32, 48) if tiny else (8192 // s, 4096, 16384)
-    add("linear+bias+gelu", f"({M}, {Kd}) x ({Nn}, {Kd})", lambda: [t(M, Kd), t(Nn, Kd, scale=0.02), t(Nn)],
-        K.linear_gelu, R.linear_gelu, None, flops_fwd=2 * M * Kd * Nn, flops_bwd=4 * M * Kd * Nn)
-    cases[-1].providers.update(linear_gelu_variants())  # e.g. a cuBLASLt-epilogue variant, when exported
-    cases += attention_cases(dev, t, tiny, quick, K.flash_attention, R.flash_attention)
-    cases.append(_lm_step_case(dev, dt, tiny, quick, use_compile))
     Nq, Cq = (8, 64) if tiny else (16384 // s, 8192)
     for per_row in (False, True):
         add(f"fp8_quantize({'row' if per_row else 'tensor'})", f"({Nq}, {Cq})", lambda: [t(Nq, Cq, grad=False)],
             lambda x, p=per_row: K.fp8_quantize(x, per_row=p)[0], lambda x, p=per_row: R.fp8_quantize(x, per_row=p)[0],
             None, bytes_fwd=Nq * Cq * (esz + 1), backward=False)
-    return cases
 
 
 def _lm_step_case(dev: str, dt: torch.dtype, tiny: bool, quick: bool, use_compile: bool) -> Case:
@@ -220,6 +267,21 @@ def _cpu_bench(fn: Callable, grad_to_none: list | None = None) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def host_ms(fn: Callable, leaves: list, device_ms: float) -> float:
+    """Median wall time of ``fn()`` started on an idle device without waiting for it: the host's share
+    of a call (a call that syncs inside shows its device time too). Fewer repeats for slow calls."""
+    times = []
+    for _ in range(20 if device_ms < 5 else 5):
+        for x in leaves:
+            x.grad = None
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    _sync()  # the last call's grads stay, as after do_bench (the peak-memory pass starts from them)
+    return statistics.median(times) * 1e3
+
+
 def time_case(case: Case, name: str, fn: Callable, do_bench: Callable) -> dict:
     inputs = case.make()
     leaves = [x for x in inputs if x.requires_grad] + case.params
@@ -247,11 +309,14 @@ def time_case(case: Case, name: str, fn: Callable, do_bench: Callable) -> dict:
         except Exception as e:
             row["bwd_error"] = f"{type(e).__name__}: {e}"[:100]
         row["fwdbwd_ms"] = do_bench(lambda: _fwd_bwd(fn, inputs, grads), grad_to_none=leaves)
+        row["host_ms"] = host_ms(lambda: _fwd_bwd(fn, inputs, grads), leaves, row["fwdbwd_ms"])
         if "bwd_error" in row:  # e.g. a compiled backward with donated buffers runs once per graph
             row["bwd_ms"] = row["fwdbwd_ms"] - row["fwd_ms"]
             row["note"] = "bwd = fwdbwd - fwd: " + ("a compiled backward runs once per graph" if "donated" in
                                                    row.pop("bwd_error") else "bwd alone failed")
         del outs
+    else:
+        row["host_ms"] = host_ms(lambda: fn(*inputs), [], row["fwd_ms"])
     del y
     if torch.cuda.is_available():  # peak memory: CUDA only (the CPU smoke run skips it)
         torch.cuda.synchronize()
@@ -299,7 +364,7 @@ def smoke(cases: list[Case]) -> int:
 
     with tempfile.TemporaryDirectory() as d:  # the whole pipeline once more: timing rows, ratios, targets, files
         table = ResultTable("smoke", COLUMNS)
-        res = run_cases(cases, _cpu_bench, 1.0, table)
+        res = run_cases(cases, _cpu_bench, 1.0, table, trace="rms_norm", trace_prefix=os.path.join(d, "trace"))
         table.save("kernels_smoke", d)
         _plot(cases, res, "kernels_smoke", "cpu", d)
         rows_with_error = sum(1 for r in table.rows if "(" in str(r["provider"]) and "winners" not in str(r))
@@ -310,7 +375,7 @@ def smoke(cases: list[Case]) -> int:
     return 1 if failed else 0
 
 
-COLUMNS = ["op", "shape", "provider", "fwd_ms", "bwd_ms", "fwdbwd_ms", "peak_mb", "GB/s", "%copy_bw", "TFLOP/s",
+COLUMNS = ["op", "shape", "provider", "fwd_ms", "bwd_ms", "fwdbwd_ms", "host_ms", "peak_mb", "GB/s", "%copy_bw", "TFLOP/s",
            "bwd_TFLOP/s", "x_eager", "x_liger", "x_sdpa_best_fwd", "x_sdpa_best", "x_bf16", "x_torchao",
            "first_call_s"]
 
@@ -346,9 +411,42 @@ def _ratios(c: Case, results: dict) -> None:
                 r["x_sdpa_best_fwd"] = ref["fwd_ms"] / r["fwd_ms"]
 
 
+def trace_case(case: Case, name: str, fn: Callable, path: str) -> str:
+    """torch.profiler over 5 fwd+bwd (after 2 untimed) of one provider: the chrome trace goes to ``path``;
+    returns the top events by self CPU time with their device time (where host and GPU time go)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = case.make()
+    leaves = [x for x in inputs if x.requires_grad] + case.params
+    outs = _outputs(fn(*inputs))
+    grads = [torch.randn_like(o) for o in outs]
+    del outs
+
+    def step():
+        for x in leaves:
+            x.grad = None
+        if grads:
+            _fwd_bwd(fn, inputs, grads)
+        else:
+            fn(*inputs)
+
+    for _ in range(2):
+        step()
+    _sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for _ in range(5):
+            step()
+        _sync()
+    prof.export_chrome_trace(path)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+
+
 def run_cases(cases: list[Case], do_bench: Callable, bw: float, table: ResultTable,
-              after_case: Callable[[], None] = lambda: None) -> dict:
-    """Time every provider of every case, derive GB/s, TFLOP/s and speedups, fill ``table``."""
+              after_case: Callable[[], None] = lambda: None, trace: str = "", trace_prefix: str = "") -> dict:
+    """Time every provider of every case, derive GB/s, TFLOP/s and speedups, fill ``table``. Cases whose op
+    contains one of the comma-separated ``trace`` substrings are also profiled (``trace_case``), one chrome
+    trace per provider at ``<trace_prefix>_<op>_<shape>_<provider>.json``."""
     from rich.progress import track
 
     results: dict[tuple[str, str, str], dict] = {}
@@ -356,6 +454,10 @@ def run_cases(cases: list[Case], do_bench: Callable, bw: float, table: ResultTab
         for name, fn in c.providers.items():
             try:
                 results[(c.op, c.shape, name)] = r = time_case(c, name, fn, do_bench)
+                if trace and any(o and o in c.op for o in trace.split(",")):
+                    tag = re.sub(r"[^A-Za-z0-9]+", "_", f"{c.op}_{c.shape}_{name}").strip("_")
+                    print(f"profile {c.op} {c.shape} {name}:\n" + trace_case(c, name, fn, f"{trace_prefix}_{tag}.json"),
+                          flush=True)
             except Exception as e:  # one failing provider (OOM, missing op, no backend) must not stop the run
                 results[(c.op, c.shape, name)] = r = {"error": f"{type(e).__name__}: {e}"[:160]}
                 for x in c.params:
@@ -404,10 +506,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the torch.compile provider of single ops (the FP8 block is always compiled)")
     ap.add_argument("--tag", default="", help="suffix of the result file names (kernels_<gpu>_<tag>)")
     ap.add_argument("--tuned", action="store_true", help="print the launch configs the kernels picked")
+    ap.add_argument("--sizes", default="all", choices=["all", "issue21", "large"],
+                    help="all: the issue-21 shapes, then the larger ones (default); issue21: the FP8 block and the "
+                         "issue-21 shapes only; large: the larger shapes only")
+    ap.add_argument("--issue21", action="store_true", help="same as --sizes issue21")
+    ap.add_argument("--trace", default="", help="comma-separated op substrings: also profile those cases (torch.profiler "
+                    "table printed, chrome trace in results/<name>_trace_*.json)")
     args = ap.parse_args(argv)
+    if args.issue21:
+        args.sizes = "issue21"
     dt = getattr(torch, args.dtype)
     if args.smoke:
-        return smoke([c for c in build_cases("cpu", torch.float32, True, True, False)
+        return smoke([c for c in build_cases("cpu", torch.float32, True, True, False, args.sizes)
                       if not args.ops or any(o in c.op for o in args.ops.split(","))])
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU (none is visible). On CPU the fused ops run their PyTorch "
@@ -419,14 +529,17 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     name = _result_name(gpu, args.tag)
     bw = copy_bandwidth(do_bench)
-    cases = [c for c in build_cases("cuda", dt, args.quick, False, not (args.quick or args.no_compile))
+    cases = [c for c in build_cases("cuda", dt, args.quick, False, not (args.quick or args.no_compile), args.sizes)
              if not args.ops or any(o in c.op for o in args.ops.split(","))]
     table = ResultTable(f"Fused kernels on {gpu} ({args.dtype})", COLUMNS,
                         meta={**provenance("benchmarks/kernels.py", argv, device="cuda"), "gpu": gpu,
                               "copy_bw_GBps": round(bw, 1), "dtype": args.dtype, "timer": "triton.testing.do_bench",
                               "peers": _peer_versions()})
     print(f"writing results/{name}.{{json,md,png}} (re-saved after every case)", flush=True)
-    results = run_cases(cases, do_bench, bw, table, after_case=lambda: table.save(name))
+    from torchnitro.bench import results_dir
+
+    results = run_cases(cases, do_bench, bw, table, after_case=lambda: table.save(name), trace=args.trace,
+                        trace_prefix=str(results_dir() / f"{name}_trace"))
     table.print()
     targets = check_targets(cases, results)
     table.meta["targets"] = "; ".join(targets) or "none measured"
@@ -480,18 +593,20 @@ def check_targets(cases: list[Case], res: dict) -> list[str]:
         elif c.op == "linear+cross_entropy":
             t_o, t_e, t_l = g("torchnitro", "fwdbwd_ms"), g("eager", "fwdbwd_ms"), g("liger", "fwdbwd_ms")
             m_o, m_e, m_l = g("torchnitro", "peak_mb"), g("eager", "peak_mb"), g("liger", "peak_mb")
-            _check(out, "fused linear+CE time vs eager", t_o / t_e if t_o and t_e else None, "<=", 1.15)
-            _check(out, "fused linear+CE peak memory vs eager", m_o / m_e if m_o and m_e else None, "<=", 0.35)
-            _check(out, "fused linear+CE time vs Liger", t_o / t_l if t_o and t_l else None, "<=", 1.0)
-            _check(out, "fused linear+CE peak memory vs Liger", m_o / m_l if m_o and m_l else None, "<=", 1.0)
+            lbl = f"fused linear+CE {c.shape}"
+            _check(out, f"{lbl} time vs eager", t_o / t_e if t_o and t_e else None, "<=", 1.15)
+            _check(out, f"{lbl} peak memory vs eager", m_o / m_e if m_o and m_e else None, "<=", 0.35)
+            _check(out, f"{lbl} time vs Liger", t_o / t_l if t_o and t_l else None, "<=", 1.0)
+            _check(out, f"{lbl} peak memory vs Liger", m_o / m_l if m_o and m_l else None, "<=", 1.0)
         elif c.op in ("layer_norm", "rms_norm", "rope(q,k)"):
             bw_goal, liger_goal = {"layer_norm": (85, 1.1), "rms_norm": (85, 1.2), "rope(q,k)": (80, 1.1)}[c.op]
-            _check(out, f"{c.op} fwd % of copy bandwidth", g("torchnitro", "%copy_bw"), ">=", bw_goal, "{:.0f}%")
-            _check(out, f"{c.op} fwd+bwd vs Liger", g("torchnitro", "x_liger"), ">=", liger_goal)
+            lbl = f"{c.op} {c.shape}"
+            _check(out, f"{lbl} fwd % of copy bandwidth", g("torchnitro", "%copy_bw"), ">=", bw_goal, "{:.0f}%")
+            _check(out, f"{lbl} fwd+bwd vs Liger", g("torchnitro", "x_liger"), ">=", liger_goal)
         elif c.op == "linear+bias+gelu":
             for p in (p for p in c.providers if p.startswith("torchnitro")):
                 phase = "fwd (forward-only variant)" if g(p, "note") == "forward only" else "fwd+bwd"
-                _check(out, f"linear+bias+gelu {p} {phase} vs eager", g(p, "x_eager"), ">=", 1.0)
+                _check(out, f"linear+bias+gelu {c.shape} {p} {phase} vs eager", g(p, "x_eager"), ">=", 1.0)
     out.append("HRR bind >= 75% of copy bandwidth: checked by benchmarks/hrr.py")
     return out
 
