@@ -3,6 +3,7 @@ Liger-Kernel and torchao, all in one run with one timer.
 
     python benchmarks/kernels.py              # the issue-21 shapes, then the larger ones (H100-class GPU)
     python benchmarks/kernels.py --issue21    # the FP8 block and the issue-21 shapes only
+    python benchmarks/kernels.py --sweep      # also the causal attention length sweep
     python benchmarks/kernels.py --quick      # the issue-21 shapes (other ops at 1/4), no torch.compile provider
     python benchmarks/kernels.py --ops flash,fp8_train,layer_norm   # a subset (substrings of op names)
     python benchmarks/kernels.py --tuned      # also print the launch configs the kernels picked
@@ -21,7 +22,8 @@ Shapes (``--sizes``): first the issue-21 rows (norms (4096, 4096); RoPE q(1,32,4
 k(1,8,4096,128); attention (1,16,4096,128) plain and causal; linear+CE x(2048, 4096) W(128256, 4096);
 linear+bias+GELU (2048, 4096) x (16384, 4096)), then the same ops at the larger shapes of earlier
 runs (norms 16384 rows, RoPE and attention batch 4, linear+CE and GELU 8192 rows), then the other
-ops, and last the causal attention length sweep.
+ops; ``--sweep`` adds the causal attention length sweep last (kept out of the default to bound the
+run: the issue-21 rows add roughly a third to the earlier ~185 s of the suite's op subset, an estimate).
 
 ``host_ms`` is the host's time to enqueue one call (fwd+bwd, or fwd for forward-only rows) on an
 idle GPU, median of a few: when it approaches the device time, Python, not the GPU, limits the op
@@ -114,9 +116,10 @@ LARGE = {"norm_rows": 16384, "rope_batch": 4, "attn_batch": 4, "flce_rows": 8192
 
 
 def build_cases(dev: str, dt: torch.dtype, quick: bool, smoke: bool, use_compile: bool,
-                sizes: str = "all") -> list[Case]:
+                sizes: str = "all", sweep: bool = False) -> list[Case]:
     """Every case; ``sizes``: "all" (the issue-21 shapes, then the larger ones), "issue21" (the FP8 block
-    and the issue-21 shapes only) or "large" (the larger shapes only, the layout before the issue-21 rows)."""
+    and the issue-21 shapes only) or "large" (the larger shapes only). ``sweep`` adds the causal
+    attention length sweep (T = 1024, 2048, 8192 at batch 4) at the end."""
     s = 1 if smoke else (4 if quick else 1)
     tiny = smoke
     # the compiled FP8 block first: its compiles are the slowest part, and a run cut off by a time limit
@@ -149,7 +152,7 @@ def build_cases(dev: str, dt: torch.dtype, quick: bool, smoke: bool, use_compile
         return cases
     _other_cases(add, t, dev, dt, tiny, s)
     cases.append(_lm_step_case(dev, dt, tiny, quick, use_compile))
-    if not (tiny or quick):  # last: the causal length sweep at the larger batch
+    if sweep and not (tiny or quick):  # last: the causal length sweep at the larger batch
         cases += attention_cases(dev, t, tiny, K.flash_attention, R.flash_attention, batch=LARGE["attn_batch"],
                                  shapes=[(True, T2) for T2 in (1024, 2048, 8192)])
     return cases
@@ -510,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="all: the issue-21 shapes, then the larger ones (default); issue21: the FP8 block and the "
                          "issue-21 shapes only; large: the larger shapes only")
     ap.add_argument("--issue21", action="store_true", help="same as --sizes issue21")
+    ap.add_argument("--sweep", action="store_true", help="also the causal attention length sweep (T=1024..8192, batch 4)")
     ap.add_argument("--trace", default="", help="comma-separated op substrings: also profile those cases (torch.profiler "
                     "table printed, chrome trace in results/<name>_trace_*.json)")
     args = ap.parse_args(argv)
@@ -529,7 +533,8 @@ def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.get_device_name()
     name = _result_name(gpu, args.tag)
     bw = copy_bandwidth(do_bench)
-    cases = [c for c in build_cases("cuda", dt, args.quick, False, not (args.quick or args.no_compile), args.sizes)
+    cases = [c for c in build_cases("cuda", dt, args.quick, False, not (args.quick or args.no_compile), args.sizes,
+                                 args.sweep)
              if not args.ops or any(o in c.op for o in args.ops.split(","))]
     table = ResultTable(f"Fused kernels on {gpu} ({args.dtype})", COLUMNS,
                         meta={**provenance("benchmarks/kernels.py", argv, device="cuda"), "gpu": gpu,

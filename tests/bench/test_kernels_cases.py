@@ -37,7 +37,7 @@ def _rows(cases):
 
 
 def test_default_run_starts_with_the_issue21_rows_then_the_larger_shapes(kernels_script):
-    cases = kernels_script.build_cases("cpu", torch.bfloat16, False, False, False)
+    cases = kernels_script.build_cases("cpu", torch.bfloat16, False, False, False, "all", True)
     rows = _rows(cases)
     assert rows[0][0].startswith("fp8_train") and cases[0].issue21
     assert rows[1:1 + len(ISSUE21)] == ISSUE21
@@ -48,6 +48,9 @@ def test_default_run_starts_with_the_issue21_rows_then_the_larger_shapes(kernels
         assert big in later
     assert len(set(rows)) == len(rows)  # results are keyed by (op, shape, provider): no duplicates
     assert not any(c.issue21 for c in cases[1 + len(ISSUE21):])
+    assert rows[-1] == ("flash_attention causal", "(4,16,8192,128)")  # the length sweep last, with --sweep only
+    assert ("flash_attention causal", "(4,16,8192,128)") not in _rows(
+        kernels_script.build_cases("cpu", torch.bfloat16, False, False, False))
 
 
 def test_issue21_preset_keeps_only_those_rows(kernels_script):
