@@ -32,7 +32,7 @@ _state = {"debug": False}
 
 _SUBSYSTEM_CLIS = ("torchnitro.autotune.cli", "torchnitro.serve.cli", "torchnitro.memory.cli",
                    "torchnitro.kernels.cli", "torchnitro.hrr.cli", "torchnitro.profile.cli",
-                   "torchnitro.bench.cli", "torchnitro.distributed.cli")
+                   "torchnitro.bench.cli", "torchnitro.distributed.cli", "torchnitro.xla.cli")
 
 
 @app.callback()

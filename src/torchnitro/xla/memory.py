@@ -23,8 +23,10 @@ from torchnitro.xla.estimate import MemoryEstimate, estimate_memory
 from torchnitro.xla.lm import batch_spec, lm_train_step
 from torchnitro.xla.mesh import TPU_HBM_GIB, MeshConfig, make_mesh, parse_target
 from torchnitro.xla.model import LMConfig, param_spec
+from torchnitro.xla.train import TrainStep
 
-__all__ = ["CompiledMemory", "MemoryPlan", "plan_memory", "find_batch_size", "find_lm_batch_size", "hbm_per_device"]
+__all__ = ["CompiledMemory", "MemoryPlan", "plan_memory", "plan_lm_cell", "find_batch_size", "find_lm_batch_size",
+           "hbm_per_device"]
 
 GIB = 1024**3
 
@@ -81,10 +83,8 @@ def _mesh(mesh: str | MeshConfig, target: str) -> Mesh:
     return make_mesh(mesh, target=None if target == "host" else target)
 
 
-def plan_memory(cfg: LMConfig, batch_size: int, seq_len: int, *, mesh: str | MeshConfig = "1x-1x1",
-                rules: str = "fsdp", remat: str | Sequence[str] = "none", target: str = "host",
-                optimizer: optax.GradientTransformation | None = None) -> MemoryPlan:
-    """Compile the LM's sharded train step for ``target`` (no execution) and report its memory per device."""
+def _lm_step(cfg: LMConfig, batch_size: int, seq_len: int, mesh: str | MeshConfig, rules: str,
+             remat: str | Sequence[str], target: str, opt: optax.GradientTransformation) -> TrainStep:
     if seq_len > cfg.max_seq_len:
         raise ConfigError(f"seq_len={seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
     m = _mesh(mesh, target)
@@ -92,8 +92,19 @@ def plan_memory(cfg: LMConfig, batch_size: int, seq_len: int, *, mesh: str | Mes
     if batch_size % dp:
         raise ConfigError(f"batch_size={batch_size} does not divide over the {dp} data-parallel devices of mesh "
                           f"{dict(m.shape)}; use a multiple of {dp}")
+    return lm_train_step(cfg, opt, m, rules, batch_size, seq_len, remat=remat)
+
+
+def _hbm(target: str, step: TrainStep) -> int | None:
+    return None if target == "host" else hbm_per_device(target, list(step.mesh.devices.flat))
+
+
+def plan_memory(cfg: LMConfig, batch_size: int, seq_len: int, *, mesh: str | MeshConfig = "1x-1x1",
+                rules: str = "fsdp", remat: str | Sequence[str] = "none", target: str = "host",
+                optimizer: optax.GradientTransformation | None = None) -> MemoryPlan:
+    """Compile the LM's sharded train step for ``target`` (no execution) and report its memory per device."""
     opt = optimizer or optax.adamw(1e-3)
-    step = lm_train_step(cfg, opt, m, rules, batch_size, seq_len, remat=remat)
+    step = _lm_step(cfg, batch_size, seq_len, mesh, rules, remat, target, opt)
     params = param_spec(cfg)
     compiled = step.lower(params, jax.eval_shape(opt.init, params), batch_spec(batch_size, seq_len)).compile()
     ma = compiled.memory_analysis()
@@ -101,11 +112,27 @@ def plan_memory(cfg: LMConfig, batch_size: int, seq_len: int, *, mesh: str | Mes
                         ma.temp_size_in_bytes, ma.generated_code_size_in_bytes)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax returned one dict per program
-    return MemoryPlan(target=target, mesh=dict(m.shape), rules=rules,
+    return MemoryPlan(target=target, mesh=dict(step.mesh.shape), rules=rules,
                       remat=remat if isinstance(remat, str) else "per-layer", batch_size=batch_size, seq_len=seq_len,
                       compiled=cm, estimate=estimate_memory(cfg, step, batch_size, seq_len, remat),
-                      hbm=None if target == "host" else hbm_per_device(target, list(m.devices.flat)),
-                      flops=(cost or {}).get("flops"))
+                      hbm=_hbm(target, step), flops=(cost or {}).get("flops"))
+
+
+def plan_lm_cell(cfg: LMConfig, batch_size: int, seq_len: int, *, mesh: str | MeshConfig = "1x-1x1",
+                 rules: str = "fsdp", remat: str = "none", target: str = "host",
+                 compile: bool = True) -> dict[str, Any]:
+    """One row of ``torchnitro xla plan``: compiled bytes (when ``compile``) and the estimate, per device."""
+    if not compile:
+        step = _lm_step(cfg, batch_size, seq_len, mesh, rules, remat, target, optax.adamw(1e-3))
+        est = estimate_memory(cfg, step, batch_size, seq_len, remat)
+        hbm = _hbm(target, step)
+        return dict(remat=remat, batch=batch_size, est_argument=est.argument, est_temp=est.temp,
+                    est_peak=est.peak, hbm=hbm, fits=None if hbm is None else est.peak <= hbm)
+    p = plan_memory(cfg, batch_size, seq_len, mesh=mesh, rules=rules, remat=remat, target=target)
+    c, e = p.compiled, p.estimate
+    return dict(remat=remat, batch=batch_size, argument=c.argument, temp=c.temp, peak=c.peak,
+                est_argument=e.argument, est_temp=e.temp, est_peak=e.peak, error=p.estimate_error, hbm=p.hbm,
+                fits=p.fits, flops=p.flops)
 
 
 def find_batch_size(peak_bytes: Callable[[int], int], budget: int, *, multiple: int = 1,
