@@ -20,7 +20,7 @@ import typer
 
 from torchnitro.errors import ConfigError
 
-__all__ = ["register", "train_configs", "launch_command", "train_command"]
+__all__ = ["register", "train_configs", "launch_command", "train_command", "plan_command", "parse_quantity"]
 
 _TRAIN_FLAGS = ("data", "steps", "seq", "batch", "grad_accum", "lr", "ckpt", "ckpt_every", "log_every", "dim",
                 "n_layers", "n_heads")
@@ -111,6 +111,61 @@ def train_command(
         raise typer.Exit(code)
 
 
+_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15, "ki": 2**10, "mi": 2**20, "gi": 2**30,
+          "ti": 2**40}
+
+
+def parse_quantity(text: str, unit: str) -> float:
+    """``"80GB"`` -> 8e10 bytes, ``"900GB/s"`` -> 9e11 bytes/s, ``"400Gb/s"`` -> 5e10 bytes/s (b: bits),
+    ``"989T"`` -> 9.89e14 (``unit`` names what is parsed, for the error)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9+-]+)?)\s*([kKmMgGtTpP]i?)?([bB])?(/s)?\s*", text)
+    if not m:
+        raise ConfigError(f"{unit}: received {text!r}, expected a number with an optional unit such as 80GB, "
+                          "900GB/s or 400Gb/s (b: bits, B: bytes).")
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "").lower()]
+    return value / 8 if m.group(3) == "b" else value
+
+
+def plan_command(
+    model: str = typer.Option("llama3-8b", "--model", help="lm, llama3-8b, llama3-70b"),
+    gpus: int = typer.Option(8, "--gpus", help="ranks in the job"),
+    gpus_per_node: int = typer.Option(8, "--gpus-per-node"),
+    gpu_mem: str = typer.Option("80GB", "--gpu-mem", help="memory per GPU"),
+    flops: str = typer.Option("989T", "--flops", help="peak FLOP/s per GPU in the compute dtype (H100: 989T bf16)"),
+    efficiency: float = typer.Option(0.5, "--efficiency", help="share of peak the compute reaches (measured MFU)"),
+    nvlink: str = typer.Option("900GB/s", "--nvlink", help="intra-node bandwidth per GPU, both directions"),
+    ib: str = typer.Option("400Gb/s", "--ib", help="inter-node bandwidth per GPU, one direction"),
+    batch: int = typer.Option(0, "--batch", help="global batch in sequences (default: 2 per GPU)"),
+    seq: int = typer.Option(8192, "--seq"),
+    top: int = typer.Option(15, "--top", help="rows to show"),
+    json_out: Optional[str] = typer.Option(None, "--json", help="write every row to this JSON file"),
+) -> None:
+    """Rank the parallel layouts of a model on a cluster: memory per rank and step time (simulated)."""
+    from rich.console import Console
+
+    from torchnitro.distributed.comm import Cluster, Link
+    from torchnitro.distributed.plan import MODELS, explain, plan_parallel, plan_table
+    from torchnitro.nn.models import TransformerConfig
+
+    if model not in MODELS:
+        raise ConfigError(f"plan-parallel --model: received {model!r}, expected one of {', '.join(MODELS)}.")
+    cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu_mem=parse_quantity(gpu_mem, "--gpu-mem"),
+                      flops=parse_quantity(flops, "--flops"), efficiency=efficiency,
+                      intra=Link(parse_quantity(nvlink, "--nvlink") / 2, 5e-6), inter=Link(parse_quantity(ib, "--ib"), 15e-6))
+    rows = plan_parallel(TransformerConfig(**MODELS[model]), cluster, batch=batch or 2 * gpus, seq=seq)
+    console = Console()
+    console.print(plan_table(rows, cluster, top=top))
+    console.print(explain(rows, cluster))
+    if json_out:
+        data = [{"layout": r.name, "config": asdict(r.cfg), "memory": asdict(r.memory), "time": asdict(r.time),
+                 "tokens_per_s_per_gpu": r.tokens_per_s_per_gpu, "mfu": r.mfu, "fits": r.fits} for r in rows]
+        with open(json_out, "w") as f:
+            json.dump({"simulated": True, "model": model, "cluster": asdict(cluster), "rows": data}, f, indent=1)
+
+
 def register(app: typer.Typer) -> None:
     app.command("launch", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch_command)
     app.command("train")(train_command)
+    app.command("plan-parallel")(plan_command)
