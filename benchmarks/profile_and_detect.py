@@ -210,7 +210,7 @@ def record_real(trials: int, quick: bool) -> dict[str, Any]:
     cfg = TimingConfig(warmup=2, warmup_s=0.0, min_iters=20, max_iters=20, min_time_s=0.0, min_sample_s=2e-3)
     out: dict[str, Any] = {"gemm": n, "samples_per_run": 20, "unit": "us per call", "load average at start": _load()}
 
-    def us(samples: Sequence[float]) -> list[float]:  # ns resolution in a file a tenth the size of full floats
+    def us(samples: Sequence[float]) -> list[float]:  # ns resolution, about half the characters of full floats
         return [round(x * 1e6, 3) for x in samples]
 
     for label, extra in _SLOWDOWNS.items():
