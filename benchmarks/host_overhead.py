@@ -26,7 +26,10 @@ Method (the same for both sides):
   best sample of each: on a shared, loaded machine noise only ever adds time);
 - phases as in benchmarks/kernels.py: fwd (inputs require grad, graph built), bwd
   (``torch.autograd.backward(..., retain_graph=True)``, leaf grads reset to None inside the timed call),
-  fwd+bwd; timed with ``torchnitro.bench.timing.compare`` (interleaved rounds, perf_counter);
+  fwd+bwd; timed as this thread's CPU time (``time.thread_time_ns``; on CPU tensors autograd runs the
+  backward on the calling thread), not wall time, because on a shared machine wall time also counts
+  the other processes; samples of k calls, providers interleaved round by round (rotating order),
+  warm-up first; median, p90 and min of the per-call samples;
 - ATen ops per call are counted with a TorchDispatchMode: allocations (empty*) and other non-view ops
   (each a kernel launch on CUDA, e.g. Liger's ``sum`` + ``to`` of the dW partials).
 
@@ -40,9 +43,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import math
 import os
 import pstats
+import statistics
 import sys
+import time
 from collections import Counter
 from typing import Any, Callable, Iterator
 
@@ -55,7 +61,7 @@ torch.set_num_threads(1)  # small ATen ops stand for CUDA launches: no intra-op 
 
 from torchnitro.bench import ResultTable  # noqa: E402
 from torchnitro.bench.provenance import provenance  # noqa: E402
-from torchnitro.bench.timing import TimingConfig, compare  # noqa: E402
+from torchnitro.bench.timing import percentile  # noqa: E402
 
 ROWS = 16  # rows (norms) and positions (RoPE): the host path is the same for 4096 of them
 _LAUNCHES = Counter()
@@ -165,6 +171,47 @@ def phases(fn: Callable[..., Any], inputs: list[torch.Tensor]) -> dict[str, Call
     return {"fwd": lambda: fn(*inputs), "bwd": bwd, "fwd+bwd": fwdbwd}
 
 
+class CpuTiming:
+    """Per-call thread CPU times (seconds), one per sample."""
+
+    def __init__(self, samples: list[float]):
+        self.samples = samples
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+    @property
+    def p90(self) -> float:
+        return percentile(self.samples, 90)
+
+    @property
+    def cv(self) -> float:
+        m = statistics.fmean(self.samples)
+        return statistics.pstdev(self.samples) / m if m > 0 else math.inf
+
+
+def cpu_compare(fns: dict[str, Callable[[], Any]], rounds: int, calls: int, warmup: int = 50) -> dict[str, CpuTiming]:
+    """Thread CPU time per call of each function, ``rounds`` samples of ``calls`` calls, interleaved."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    names = list(fns)
+    samples: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[n]
+            t0 = time.thread_time_ns()
+            for _ in range(calls):
+                fn()
+            samples[n].append((time.thread_time_ns() - t0) / 1e9 / calls)
+    return {n: CpuTiming(v) for n, v in samples.items()}
+
+
 def count(call: Callable[[], Any]) -> tuple[int, int, int, str]:
     """(Triton launches, allocations, other non-view ATen ops, their names) of one call."""
     _LAUNCHES.clear()
@@ -195,24 +242,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="short timing (harness check)")
     ap.add_argument("--profile", default="", help="cProfile our fwd+bwd of this op instead of the table")
     ap.add_argument("--name", default="host_overhead_cpu", help="results/<name>.{md,json}")
+    ap.add_argument("--note", default="", help="a line for the table's metadata (e.g. which code was measured)")
     args = ap.parse_args(argv)
     if args.profile:
         profile(args.profile)
         return 0
-    cfg = TimingConfig(device="cpu", warmup=20, min_iters=15, min_time_s=1.0, min_sample_s=5e-3)
-    if args.quick:
-        cfg = cfg.quick()
+    rounds, calls_per_sample = (3, 5) if args.quick else (41, 50)
     cols = ["op", "shape", "phase", "provider", "host_us", "min_us", "p90_us", "cv", "x_liger", "x_liger_min",
             "triton_launches", "allocs", "aten_ops", "ops"]
     lig = _liger_ops()
-    table = ResultTable("Host time per call, Triton launches stubbed, small CPU tensors (bfloat16)", cols, meta={
+    table = ResultTable("Host CPU time per call, Triton launches stubbed, small CPU tensors (bfloat16)", cols, meta={
         **provenance("benchmarks/host_overhead.py", argv), "method": "see the script's docstring",
-        "liger": "liger-kernel " + _version("liger-kernel") if isinstance(lig, dict) else f"not available ({lig})"})
+        "liger": "liger-kernel " + _version("liger-kernel") if isinstance(lig, dict) else f"not available ({lig})",
+        "torchnitro imported from": os.path.dirname(__import__("torchnitro").__file__),
+        **({"note": args.note} if args.note else {})})
     with stubbed():
         for op, shape, make, prov in cases():
             calls = {name: phases(fn, make()) for name, fn in prov.items()}
             for ph in ("fwd", "bwd", "fwd+bwd"):
-                res = compare({name: c[ph] for name, c in calls.items()}, cfg)
+                res = cpu_compare({name: c[ph] for name, c in calls.items()}, rounds, calls_per_sample)
                 for name in prov:
                     t = res[name]
                     launches, allocs, other, names = count(calls[name][ph])
