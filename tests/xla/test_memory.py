@@ -13,7 +13,7 @@ from torchnitro.errors import BudgetError, ConfigError  # noqa: E402
 from torchnitro.xla.memory import GIB, CompiledMemory, find_batch_size, find_lm_batch_size, plan_memory  # noqa: E402
 import optax  # noqa: E402
 
-from torchnitro.xla.estimate import layer_residual_bytes, tpu_array_bytes  # noqa: E402
+from torchnitro.xla.estimate import MemoryEstimate, layer_residual_bytes, tpu_array_bytes  # noqa: E402
 from torchnitro.xla.model import LMConfig, param_spec  # noqa: E402
 
 CFG = LMConfig(vocab_size=512, dim=128, n_layers=2, n_heads=4, max_seq_len=128)
@@ -72,6 +72,12 @@ def test_saved_residuals_follow_the_remat_policy_and_flash_drops_the_scores():
     # on a TPU the saved matmul outputs are bf16: about half, plus the fp32 block input
     tpu = layer_residual_bytes(CFG, "dots_saveable", 2, 128, tpu=True)
     assert tpu == pytest.approx((host["dots_saveable"] - host["nothing_saveable"]) / 2 + host["nothing_saveable"])
+
+
+def test_estimate_temp_is_the_largest_phase_not_the_sum():
+    e = MemoryEstimate(params=1, opt_state=2, batch=3, saved=10, head=5, gathered=12, backward=4)
+    assert e.temp == 15 and e.peak == 6 + 15  # saved + head beats saved + backward and the FSDP gathers
+    assert MemoryEstimate(1, 2, 3, saved=10, head=5, gathered=40, backward=4).temp == 40
 
 
 def _fake_peak(calls):

@@ -42,7 +42,8 @@ _EXPORTS: dict[str, str] = {
     "blockwise_attention": "torchnitro.xla.flash",
     "sharded_flash_attention": "torchnitro.xla.flash",
 }
-_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout", "memory", "checkpoint", "flash", "estimate", "options")
+_SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout", "memory", "checkpoint", "flash", "estimate",
+               "options", "cli")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

@@ -104,7 +104,8 @@ def plan(model: str = typer.Option("lm", help=f"model preset: {', '.join(MODEL_P
     con.print(t)
     if json_out:
         with open(json_out, "w") as f:
-            json.dump(dict(model=dataclasses.asdict(cfg), target=target, mesh=mesh, rules=rules, rows=rows), f, indent=1)
+            json.dump(dict(model=dataclasses.asdict(cfg), target=target, mesh=mesh, rules=rules, rows=rows), f,
+                      indent=1)
 
 
 def register(app: typer.Typer) -> None:

@@ -7,14 +7,17 @@ term-by-term comparison):
 * **arguments** = parameter + optimizer-state + batch shards. On a TPU each array is stored in
   (8, 128) tiles of its two minor dims (XLA picks which two; we take the cheapest pair), a rank-1
   array in 128-element rows, so a 64-wide head dim costs twice its bytes. Exact to <0.5% on v5p.
-* **temp** = the larger of two phases, not their sum (XLA reuses freed scratch):
+* **temp** = the largest of three phases, not their sum (XLA reuses freed scratch):
   - *loss head*: every layer's saved residuals + the loss head's vocab-sized fp32 buffers
     (logits, their gradient, and a bf16 copy of it for the two MXU matmuls: 2.5x the logits; 1.5x
     when the vocab is split over the tensor axis, where the softmax is reduced piecewise) + a bf16
     copy of the gathered embedding (FSDP);
   - *weights*: FSDP's all-gathered layer weights and their unsharded gradients before the
     reduce-scatter (XLA's collective combiners gather and scatter all layers at once), 2.5x the
-    gathered layer bytes (fp32 weights and grads, bf16 copies of some), plus the gathered embedding.
+    gathered layer bytes (fp32 weights and grads, bf16 copies of some), plus the gathered embedding;
+  - *block backward*: every layer's saved residuals + the intermediates a rematerialised block
+    recomputes (what ``none`` would have kept, less what the policy kept; fp32) + the gathered
+    layer weights (FSDP).
 * **saved residuals per layer** come from JAX's partial evaluation of the block
   (``saved_residuals``) at the device-local shapes, for the remat policy: dots_saveable keeps the
   matmul outputs, nothing_saveable the block input; flash attention keeps q, k, v, o and one
@@ -88,6 +91,7 @@ class MemoryEstimate:
     saved: int  # residuals every layer keeps for the backward pass, by remat policy
     head: int  # the loss head's vocab-sized fp32 buffers (and the gathered embedding's bf16 copy)
     gathered: int  # FSDP: gathered weights + unsharded gradients (0 without an fsdp split)
+    backward: int  # one rematerialised block's recomputed intermediates + the gathered layer weights (FSDP)
 
     @property
     def argument(self) -> int:
@@ -95,7 +99,7 @@ class MemoryEstimate:
 
     @property
     def temp(self) -> int:
-        return max(self.saved + self.head, self.gathered)
+        return max(self.saved + self.head, self.saved + self.backward, self.gathered)
 
     @property
     def peak(self) -> int:
@@ -156,6 +160,12 @@ def estimate_memory(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: in
     p = _tree_bytes(params, step.param_shardings, tpu)
     layers_full = _tree_bytes(params["layers"], step.param_shardings["layers"], tpu=False) * fsdp  # fsdp undone
     gathered = int(GATHER_BUFFERS * layers_full) + embed if fsdp > 1 else 0
+    # a block under remat recomputes its forward inside the backward: everything "none" would keep, less what
+    # the policy kept, is live for that block (fp32: JAX's count without the TPU bf16 discount)
+    full = layer_residual_bytes(cfg, "none", seqs, seq_len, tp, tpu=False)
+    recompute = max((full - layer_residual_bytes(cfg, p, seqs, seq_len, tp, tpu=False)
+                     for p in per_policy if p != "none"), default=0)
+    backward = recompute + (layers_full if fsdp > 1 else 0)
     return MemoryEstimate(params=p, opt_state=_tree_bytes(opt, step.opt_shardings, tpu),
                           batch=_tree_bytes(batch_spec(batch_size, seq_len), step.batch_shardings, tpu),
-                          saved=saved, head=head, gathered=gathered)
+                          saved=saved, head=head, gathered=gathered, backward=backward)
