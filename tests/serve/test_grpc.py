@@ -269,3 +269,40 @@ def test_raw_inputs_reach_validation_as_arrays_not_lists():
     data = request_to_body(_raw_request(x))["inputs"][0]["data"]
     assert isinstance(data, np.ndarray) and data.dtype == np.float32 and data.flags.writeable
     np.testing.assert_array_equal(data, x.reshape(-1))
+
+
+def test_failed_requests_are_freed_without_the_cycle_collector():
+    """A request the model raised on is answered INTERNAL; then nothing may hold it except a reference
+    cycle (error -> traceback -> the RPC's frame -> request -> future -> error) that only the cyclic
+    GC would free. The server runs in this process, so switching the collector off holds any cycle."""
+    import gc
+    import time
+
+    from torchnitro.serve.queue import Request
+    from torchnitro.serve.testing import RAISE
+
+    with serving("torchnitro.serve.testing:picky_affine", "picky") as (srv, client, _):
+        def infer(v: float) -> pb.ModelInferRequest:
+            req = pb.ModelInferRequest(model_name="picky")
+            req.inputs.add(name="x", datatype="FP32", shape=[1, 4])
+            req.raw_input_contents.append(np.full((1, 4), v, "<f4").tobytes())
+            return req
+
+        gc.collect()
+        gc.disable()
+        try:
+            for v in (1.0, RAISE, 2.0, RAISE):
+                if v == RAISE:
+                    with pytest.raises(grpc.RpcError) as err:
+                        client.ModelInfer(infer(v))
+                    assert err.value.code() == grpc.StatusCode.INTERNAL
+                else:
+                    client.ModelInfer(infer(v))
+            for _ in range(500):  # the RPC's coroutine may finish just after its answer went out
+                live = sum(type(o) is Request for o in gc.get_objects())
+                if live == 0:
+                    break
+                time.sleep(0.01)
+        finally:
+            gc.enable()
+    assert live == 0

@@ -178,7 +178,7 @@ class DynamicBatcher:
         if self.observer is not None:
             self.observer.on_pending(len(self._pending))
         if deadline is not None:
-            loop.call_later(timeout_ms / 1e3, self._expire, req)
+            req.timer = loop.call_later(timeout_ms / 1e3, self._expire, req)
         if self.adaptive is not None:
             self.adaptive.on_arrival(now, rows)
         self._observe_depth()
@@ -217,6 +217,9 @@ class DynamicBatcher:
         if req.finished:
             return
         req.finished = True
+        if req.timer is not None:  # answered before its deadline: the loop must not keep it until then
+            req.timer.cancel()
+            req.timer = None
         fut = req.future
         if fut.done():  # cancelled together with the task that awaited it
             pass

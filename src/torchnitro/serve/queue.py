@@ -27,6 +27,8 @@ class Request:
     started: float | None = None  # when its batch was first handed to the function
     finished: bool = False  # answered (result, error or cancel) and accounted for
     queued: bool = False  # counted in the queue's totals; only RequestQueue sets or clears it
+    # its deadline timer, cancelled once it is answered: the timer holds the request (and its inputs)
+    timer: asyncio.TimerHandle | None = field(default=None, repr=False)
     seq: int = field(default_factory=lambda: next(_ids))
 
     @property
