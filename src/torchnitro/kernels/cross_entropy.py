@@ -185,7 +185,9 @@ def _flce_chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
     need_x, need_w, need_b = need
     dx = torch.empty_like(x) if need_x else None
     acc = accum_dtype or weight.dtype  # weight dtype (Liger's choice) keeps dW at the size of W
-    dw = torch.zeros(V, D, device=x.device, dtype=acc) if need_w else None
+    # the first chunk writes dW instead of adding to it: no (V, D) zero fill and one (V, D) read fewer
+    dw = (torch.empty(V, D, device=x.device, dtype=acc) if N else torch.zeros(V, D, device=x.device, dtype=acc)
+          ) if need_w else None
     db = torch.zeros(V, device=x.device, dtype=acc) if need_b else None
     total = torch.zeros((), device=x.device, dtype=torch.float32)
     scale = _mean_factor(target, ignore_index, reduction)  # device scalar: no host sync per step
@@ -202,8 +204,13 @@ def _flce_chunks(x: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None,
                 torch.mm(logits, weight, out=dx[s:s + chunk_size])  # rows of a contiguous dx: a valid out=
             if dw is not None:
                 if dw.dtype == logits.dtype:
-                    dw.addmm_(logits.t(), xc)
-                else:  # fp32 accumulation of low-precision chunks: one (V, D) temporary per chunk
+                    if s == 0:
+                        torch.mm(logits.t(), xc, out=dw)
+                    else:
+                        dw.addmm_(logits.t(), xc)
+                elif s == 0:  # fp32 accumulation of low-precision chunks: one (V, D) temporary per chunk
+                    dw.copy_(logits.t() @ xc)
+                else:
                     dw += (logits.t() @ xc).to(dw.dtype)
             if db is not None:
                 db += logits.sum(0, dtype=torch.float32).to(db.dtype)
