@@ -616,24 +616,41 @@ def check_targets(cases: list[Case], res: dict) -> list[str]:
     return out
 
 
+def _plot_ms(row: dict) -> float | None:
+    """The time a plot bar compares: fwd+bwd where measured, else forward; None when the row has neither."""
+    for key in ("fwdbwd_ms", "fwd_ms"):
+        v = row.get(key)
+        if isinstance(v, (int, float)) and v > 0 and not math.isnan(v):
+            return float(v)
+    return None
+
+
 def _plot(cases: list[Case], res: dict, name: str, gpu: str, directory: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    provs = ["torchnitro", "compile", "liger", "sdpa_best"]
-    fig, ax = plt.subplots(figsize=(12, 5))
-    width = 0.2
+    provs = ["torchnitro", "compile", "liger", "torchao", "sdpa_best"]
+    rows = []  # (label, {provider: speedup over the case's baseline}) for cases with a baseline and a bar
+    for c in cases:
+        ms = {p: _plot_ms(res.get((c.op, c.shape, p), {})) for p in provs + ["eager", "bf16"]}
+        base = next((b for b in ("eager", "bf16", "sdpa_best") if ms[b]), None)
+        bars = {p: ms[base] / ms[p] for p in provs if base and p != base and ms[p]}
+        if bars:
+            label = c.op if sum(d.op == c.op for d in cases) == 1 else f"{c.op} {c.shape}"
+            rows.append((f"{label}\n(vs {base})", bars))
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(rows) + 2), 5.5))
+    width = 0.8 / len(provs)
     for i, p in enumerate(provs):
-        ys = [res.get((c.op, c.shape, p), {}).get("x_eager", math.nan) for c in cases]
-        ax.bar([j + i * width for j in range(len(cases))], ys, width, label=p)
+        ax.bar([j + (i - (len(provs) - 1) / 2) * width for j in range(len(rows))],
+               [bars.get(p, math.nan) for _, bars in rows], width, label=p)
     ax.axhline(1.0, color="k", lw=0.8)
-    labels = [c.op if sum(d.op == c.op for d in cases) == 1 else f"{c.op} {c.shape}" for c in cases]
-    ax.set_xticks([j + 1.5 * width for j in range(len(cases))], labels, rotation=40, ha="right")
-    ax.set_ylabel("speedup vs eager (fwd+bwd)")
+    ax.set_xticks(range(len(rows)), [label for label, _ in rows], rotation=40, ha="right", fontsize=8)
+    ax.set_ylabel("speedup vs the row's baseline (fwd+bwd, else fwd)")
     ax.set_title(f"torchnitro fused kernels, {gpu}")
     ax.legend()
+    fig.tight_layout()
     save_plot(fig, name, directory)
 
 
