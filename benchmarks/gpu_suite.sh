@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_suite.sh [OUTDIR]
 #
 # Runs, each stage time-boxed so one slow stage cannot starve the rest (default list, <= 8 min in all:
-# 445 s of stage limits plus ~20 s of wheel install and environment report):
+# 465 s of stage limits plus ~20 s of wheel install and environment report):
 #   tests        the GPU-marked tests (pytest -m gpu -n 8)                                      <= 120 s
 #   kernels      benchmarks/kernels.py at full size on the issue-21 ops: norms, RoPE, fused
 #                linear+CE, linear+bias+GELU, attention vs every SDPA backend, compiled FP8 block <= 220 s
@@ -13,6 +13,8 @@
 #   hrr          benchmarks/hrr.py --device cuda (bind/unbind/superpose/cleanup)               <= 45 s
 # Also known, not in the default list: memory (benchmarks/memory.py --quick), optimize (torchnitro
 # optimize on the built-in lm). Pick with STAGES="tests kernels ..."; limits with T_<STAGE>=seconds.
+# The tests stage keeps going past modules that cannot be collected on the GPU image (serve tests need
+# starlette, ray and tritonclient, which the image lacks); TEST_PATHS narrows it (default: tests).
 # Result tables go to OUTDIR/results (TORCHNITRO_RESULTS), logs to OUTDIR/logs; each stage's log
 # tail is printed, and everything is re-packed into OUTDIR/gpu_suite.tgz after every stage, so a
 # cut-off run still returns what it finished.
@@ -24,7 +26,7 @@ mkdir -p "$OUTDIR/results" "$OUTDIR/logs"
 export TORCHNITRO_RESULTS="$OUTDIR/results" PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHNITRO_CACHE_DIR=/tmp/torchnitro-cache COLUMNS=${COLUMNS:-240}  # wide rich tables in the logs
 PY=${PY:-python3}
-T_TESTS=${T_TESTS:-120} T_KERNELS=${T_KERNELS:-220} T_RECIPES=${T_RECIPES:-60} T_HRR=${T_HRR:-45}
+T_TESTS=${T_TESTS:-120} T_KERNELS=${T_KERNELS:-240} T_RECIPES=${T_RECIPES:-60} T_HRR=${T_HRR:-45}
 T_MEMORY=${T_MEMORY:-80} T_OPT=${T_OPT:-90}
 # STAGES picks and orders the stages; KERNEL_ARGS sets the kernel benchmark's arguments. The default is
 # full size on the issue-21 ops, without the torch.compile provider of single ops (its compiles do not
@@ -61,7 +63,7 @@ PT_TIMEOUT=""
 $PY -c "import pytest_timeout" 2>/dev/null && PT_TIMEOUT="--timeout 100"
 for st in $STAGES; do
   case $st in
-    tests) stage tests "$T_TESTS" $PY -m pytest -q -m gpu $XDIST -p no:cacheprovider $PT_TIMEOUT tests ;;
+    tests) stage tests "$T_TESTS" $PY -m pytest -q -m gpu $XDIST -p no:cacheprovider $PT_TIMEOUT --continue-on-collection-errors ${TEST_PATHS:-tests} ;;
     kernels) TAIL=${TAIL_KERNELS:-80} stage kernels "$T_KERNELS" $PY benchmarks/kernels.py $KERNEL_ARGS ;;
     gpu_recipes)
       if [ -f benchmarks/gpu_recipes.py ]; then stage gpu_recipes "$T_RECIPES" $PY benchmarks/gpu_recipes.py
