@@ -13,7 +13,8 @@ What each strategy runs (as torch 2.x does it for ``TransformerLM``):
   all-gather moves the parameter dtype, the reduce-scatter fp32 (the reduce dtype).
 - HSDP: the same over ``dp_shard``, then an all-reduce of each group's gradient shard over ``dp_replicate``.
 - DDP: all-reduces of the gradient buckets over ``dp_replicate`` (all parameters once; fp16/bf16 hooks
-  halve the bytes); buckets of ``bucket_cap_mb`` with PyTorch's 1 MiB first bucket.
+  halve the bytes); buckets of ``bucket_cap_mb`` with PyTorch's 1 MiB first bucket; a broadcast of the
+  module buffers (RoPE tables) before each forward.
 - TP: per block two all-reduces of the (B, T, D) activations in forward (after ``wo`` and ``w2``,
   rowwise) and one per column-wise projection in backward (q, k, v, gate, up: their input gradient).
 - PP: per micro-batch, a send of (b, T, D) activations out of every stage but the last and of their
@@ -94,7 +95,7 @@ def collective_time(c: Collective, link: Link) -> float:
         one = link.alpha_s + c.bytes / link.bandwidth
     elif c.kind == "all_reduce":
         one = 2 * (n - 1) * link.alpha_s + 2 * (n - 1) / n * c.bytes / link.bandwidth
-    elif c.kind in ("all_gather", "reduce_scatter"):
+    elif c.kind in ("all_gather", "reduce_scatter", "broadcast"):  # broadcast: pipelined ring, the same cost
         one = (n - 1) * link.alpha_s + (n - 1) / n * c.bytes / link.bandwidth
     else:
         raise InputError(f"collective_time: received kind {c.kind!r}, expected send, all_reduce, all_gather or "
@@ -170,6 +171,9 @@ def collectives(model_config, cfg: ParallelConfig, *, batch: int, seq: int, dtyp
                 out.append(Collective("all_reduce", "dp_replicate", cfg.dp_replicate, elems // n * 4, 1,
                                       "backward", name))
     elif cfg.strategy == "ddp":
+        # DDP re-broadcasts module buffers before every forward (broadcast_buffers=True): here the RoPE cos/sin
+        rope = 2 * model_config.max_seq_len * (model_config.head_dim // 2) * 4
+        out.append(Collective("broadcast", "dp_replicate", cfg.dp_replicate, rope, 1, "forward", "module buffers"))
         scale = 2 if cfg.comm_hook in ("fp16", "bf16") else e
         for size in _ddp_buckets(model_config, cfg, e):
             out.append(Collective("all_reduce", "dp_replicate", cfg.dp_replicate, size // e * scale, 1, "backward",
