@@ -153,7 +153,8 @@ def plan_command(
         raise ConfigError(f"plan-parallel --model: received {model!r}, expected one of {', '.join(MODELS)}.")
     cluster = Cluster(gpus=gpus, gpus_per_node=gpus_per_node, gpu_mem=parse_quantity(gpu_mem, "--gpu-mem"),
                       flops=parse_quantity(flops, "--flops"), efficiency=efficiency,
-                      intra=Link(parse_quantity(nvlink, "--nvlink") / 2, 5e-6), inter=Link(parse_quantity(ib, "--ib"), 15e-6))
+                      intra=Link(parse_quantity(nvlink, "--nvlink") / 2, 5e-6),  # both directions -> one
+                      inter=Link(parse_quantity(ib, "--ib"), 15e-6))
     rows = plan_parallel(TransformerConfig(**MODELS[model]), cluster, batch=batch or 2 * gpus, seq=seq)
     console = Console()
     console.print(plan_table(rows, cluster, top=top))

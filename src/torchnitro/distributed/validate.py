@@ -46,7 +46,7 @@ class LayoutCheck:
     predicted: RankState  # planner.rank_state_bytes
     comm_counted: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)  # (kind, dim) -> (calls, bytes)
     comm_predicted: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
-    placements: dict[str, str] = field(default_factory=dict)  # parameter -> "shape local_shape placements"
+    placements: dict[str, str] = field(default_factory=dict)  # parameter -> "shape|local shape|placements"
 
     @property
     def memory_error(self) -> float:
@@ -106,9 +106,9 @@ def _placements(model) -> dict[str, str]:
     out = {}
     for name, p in model.named_parameters():
         if hasattr(p, "placements"):
-            out[name.removeprefix("module.")] = f"{tuple(p.shape)} {tuple(p.to_local().shape)} {p.placements}"
+            out[name.removeprefix("module.")] = f"{tuple(p.shape)}|{tuple(p.to_local().shape)}|{p.placements}"
         else:
-            out[name.removeprefix("module.")] = f"{tuple(p.shape)} {tuple(p.shape)} local"
+            out[name.removeprefix("module.")] = f"{tuple(p.shape)}|{tuple(p.shape)}|local"
     return out
 
 

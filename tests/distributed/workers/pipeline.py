@@ -1,7 +1,8 @@
 """Rank program: for each (name, ParallelConfig kwargs) given as JSON, pipeline the 4-layer tiny LM, run one
 step on this data-parallel rank's slice of the batch, take an SGD step, run a second step for its loss, and
 (rank 0) save the global losses, every full gradient of step 1 (merged over the pp ranks) and the largest
-difference between the two copies of a tied weight to OUT/name.pt. With ``"ckpt": true`` in the kwargs, the state after the SGD step is also saved with DCP to OUT/name-ckpt.
+difference between the two copies of a tied weight to OUT/name.pt. With ``"ckpt": true`` in the kwargs, the
+state after the SGD step is also saved with DCP to OUT/name-ckpt.
 The parity worker runs ``scenario`` for its configs with pp > 1, in the same group of ranks."""
 
 from __future__ import annotations
