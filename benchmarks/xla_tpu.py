@@ -132,7 +132,7 @@ def _reestimate(path: str) -> tuple[dict, list[dict]]:
                          target=None if r["target"] == "host" else r["target"])
         step = lm_train_step(cfg, optax.adamw(1e-3), mesh, r["rules"], r["batch"], r["seq"], remat=r["remat"])
         e = estimate_memory(cfg, step, r["batch"], r["seq"], r["remat"])
-        rows.append({**r, "est_argument": e.argument, "est_saved": e.saved, "est_head": e.head,
+        rows.append({**r, "attention": cfg.attention, "est_argument": e.argument, "est_saved": e.saved, "est_head": e.head,
                      "est_gathered": e.gathered, "est_backward": e.backward, "est_temp": e.temp, "est_peak": e.peak,
                      "est_error": e.peak / r["peak"] - 1})
     return data, rows

@@ -69,9 +69,8 @@ def test_saved_residuals_follow_the_remat_policy_and_flash_drops_the_scores():
     flash = layer_residual_bytes(dataclasses.replace(CFG, attention="flash"), "dots_saveable", 2, 128, tpu=False)
     scores = 2 * CFG.n_heads * 128 * 128 * 4
     assert flash < host["dots_saveable"] - scores // 2
-    # on a TPU the saved matmul outputs are bf16: about half, plus the fp32 block input
-    tpu = layer_residual_bytes(CFG, "dots_saveable", 2, 128, tpu=True)
-    assert tpu == pytest.approx((host["dots_saveable"] - host["nothing_saveable"]) / 2 + host["nothing_saveable"])
+    # on a TPU, "none" counts as dots_saveable: XLA's fusion recomputes the elementwise residuals
+    assert layer_residual_bytes(CFG, "none", 2, 128, tpu=True) == host["dots_saveable"]
 
 
 def test_estimate_temp_is_the_largest_phase_not_the_sum():

@@ -21,9 +21,8 @@ term-by-term comparison):
 * **saved residuals per layer** come from JAX's partial evaluation of the block
   (``saved_residuals``) at the device-local shapes, for the remat policy: dots_saveable keeps the
   matmul outputs, nothing_saveable the block input; flash attention keeps q, k, v, o and one
-  float per row instead of (B, H, T, T) scores. With plain attention on a TPU the saved matmul
-  outputs are stored as bf16 (they only feed DEFAULT-precision matmuls, which run in bf16 on the
-  MXU); the block input stays fp32. For ``none`` on a TPU we count dots_saveable's set:
+  float per row instead of (B, H, T, T) scores, all fp32 as JAX saves them. For ``none`` on a TPU
+  we count dots_saveable's set:
   XLA's TPU fusion recomputes the elementwise residuals ``none`` would keep (measured: compiled
   temp of none and dots_saveable within a few percent of each other).
 
@@ -135,11 +134,7 @@ def layer_residual_bytes(cfg: LMConfig, policy: str, seqs: int, seq_len: int, tp
     for s, what in saved_residuals(fn, lp, x):
         if what.startswith(("from the argument p_", "from a constant", "from a literal")):
             continue  # a weight (counted as an argument) or the RoPE table (shared by all layers, small)
-        n = math.prod(s.shape) * s.dtype.itemsize
-        # plain attention on a TPU: matmul outputs feed only DEFAULT-precision (bf16) matmuls in the backward,
-        # and XLA stores them as bf16; the block input stays fp32 (the residual-stream add needs it)
-        bf16 = tpu and cfg.attention == "plain" and not what.startswith("from the argument")
-        total += n // 2 if bf16 and s.dtype == jnp.float32 else n
+        total += math.prod(s.shape) * s.dtype.itemsize
     return total
 
 
@@ -161,7 +156,7 @@ def estimate_memory(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: in
     layers_full = _tree_bytes(params["layers"], step.param_shardings["layers"], tpu=False) * fsdp  # fsdp undone
     gathered = int(GATHER_BUFFERS * layers_full) + embed if fsdp > 1 else 0
     # a block under remat recomputes its forward inside the backward: everything "none" would keep, less what
-    # the policy kept, is live for that block (fp32: JAX's count without the TPU bf16 discount)
+    # the policy kept, is live for that block
     full = layer_residual_bytes(cfg, "none", seqs, seq_len, tp, tpu=False)
     recompute = max((full - layer_residual_bytes(cfg, p, seqs, seq_len, tp, tpu=False)
                      for p in per_policy if p != "none"), default=0)
