@@ -26,6 +26,7 @@ from torch import nn
 from torchnitro.autotune.failure import Failure, clean_line
 from torchnitro.autotune.limits import CandidateTimeout, time_limit
 from torchnitro.autotune.recipe import Program, Recipe
+from torchnitro.autotune.recipes._layout import FlatProgram, flat_call, input_layout, is_flat
 from torchnitro.autotune.recipes._util import output_kind, restructure
 from torchnitro.autotune.verify import flatten_outputs
 from torchnitro.errors import RecipeError
@@ -47,47 +48,64 @@ class _FlatOutputs(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.train(model.training)  # an exporter may trace dropout by the root's mode
 
     def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
         return tuple(t for _, t in flatten_outputs(self.model(*inputs)))
 
 
 class _Restructured(nn.Module):
-    """A loaded flat program returning eager's output structure (dicts by name, as ONNX runners do)."""
+    """A loaded flat program called like the model: structured inputs flattened by the saved layout
+    (a feature dict), eager's output structure rebuilt (dicts by name, as ONNX runners do)."""
 
-    def __init__(self, module: nn.Module, kind: dict[str, Any]):
+    def __init__(self, module: nn.Module, kind: dict[str, Any] | None, layout: Any = None):
         super().__init__()
-        self.module, self.kind = module, kind
+        self.module, self.kind, self.layout = module, kind, layout
 
     def forward(self, *inputs: Any) -> Any:
-        out = self.module(*inputs)
+        out = self.module(*flat_call(self.layout, inputs))
+        if self.kind is None:
+            return out
         return restructure(self.kind, list(out) if isinstance(out, (tuple, list)) else [out])
+
+
+def _flat_model(model: nn.Module, inputs: tuple[Any, ...],
+                dynamic_dims: dict[int, list[int]]) -> tuple[nn.Module, tuple[Any, ...], dict[int, list[int]], dict]:
+    """What is exported: the model itself (tensor inputs, tensor output), else ``FlatProgram`` / ``_FlatOutputs``
+    with flat tensors in and out; the flat inputs, their dynamic dims, and the program's meta."""
+    if is_flat(inputs):
+        out = model(*inputs)
+        if isinstance(out, torch.Tensor) or not flatten_outputs(out):
+            # nothing to flatten (a tensor keeps the model's own names; an output holding no tensor is
+            # exported as it is, so the exporters name what they cannot take)
+            return model, inputs, dynamic_dims, {}
+        return _FlatOutputs(model), inputs, dynamic_dims, {"output_kind": output_kind(out)}
+    layout, out = input_layout(model, inputs)
+    return (FlatProgram(model, layout), tuple(layout.take(inputs)), layout.dynamic_dims(inputs, dynamic_dims),
+            {"output_kind": output_kind(out), "input_layout": layout.to_meta()})
 
 
 def _export(model: nn.Module, inputs: tuple[Any, ...], dynamic_dims: dict[int, list[int]], directory: Path) -> Program:
     from torch.export import Dim
 
-    shapes = tuple({d: Dim.AUTO for d in dynamic_dims.get(i, [])} if isinstance(x, torch.Tensor) else None
-                   for i, x in enumerate(inputs))
+    module, flat, dims, meta = _flat_model(model, inputs, dynamic_dims)
+    shapes = tuple({d: Dim.AUTO for d in dims.get(i, [])} if isinstance(x, torch.Tensor) else None
+                   for i, x in enumerate(flat))
     try:
-        out = model(*inputs)
         path = directory / "model.pt2"
-        if isinstance(out, torch.Tensor):  # nothing to flatten: the program keeps the model's own names
-            torch.export.save(torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False), str(path))
-            return Program("exported", path)
-        # forward(*inputs): the shapes of the packed positional inputs are one nested tuple
-        ep = torch.export.export(_FlatOutputs(model), inputs, dynamic_shapes=(shapes,), strict=False)
+        # a wrapper's forward(*inputs): the shapes of the packed positional inputs are one nested tuple
+        ep = torch.export.export(module, flat, dynamic_shapes=shapes if module is model else (shapes,), strict=False)
         torch.export.save(ep, str(path))
-        return Program("exported", path, {"output_kind": output_kind(out)})
+        return Program("exported", path, meta)
     except Exception as exc:  # noqa: BLE001 - TorchScript next
         export_error = _first_line(exc)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            traced = torch.jit.trace(model, inputs, check_trace=False, strict=False)
+            traced = torch.jit.trace(module, flat, check_trace=False, strict=False)
         path = directory / "model.ts"
         torch.jit.save(traced, str(path))
-        return Program("torchscript", path, {"export_error": export_error})
+        return Program("torchscript", path, {**meta, "export_error": export_error})
     except Exception as exc:  # noqa: BLE001 - both named in the reason
         raise RecipeError(f"the model could not be exported for the isolated process (torch.export: {export_error}; "
                           f"TorchScript: {_first_line(exc)})") from exc
@@ -114,11 +132,12 @@ def load_program(program: Program) -> nn.Module | None:
     """The module a child's ``ctx.model`` is: the exported or traced program; None for ONNX."""
     if program.kind == "exported":
         module = torch.export.load(str(program.path)).module()
-        kind = program.meta.get("output_kind")
-        return _Restructured(module, kind) if kind is not None else module
-    if program.kind == "torchscript":
-        return torch.jit.load(str(program.path)).eval()
-    return None
+    elif program.kind == "torchscript":
+        module = torch.jit.load(str(program.path)).eval()
+    else:
+        return None
+    kind, layout = program.meta.get("output_kind"), program.meta.get("input_layout")
+    return module if kind is None and layout is None else _Restructured(module, kind, layout)
 
 
 def isolation(r: Recipe, isolate_all: bool) -> tuple[bool, str | None]:

@@ -20,7 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from torchnitro.autotune.failure import clean_line
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
+from torchnitro.autotune.recipes._layout import FlatProgram, flat_call, input_layout, is_flat
 from torchnitro.autotune.recipes._util import output_kind, restructure
 from torchnitro.bench.isolated import process_is_shared
 from torchnitro.bench.timing import Timing, TimingConfig, measure
@@ -30,9 +32,18 @@ __all__ = ["OnnxRuntime", "OnnxRuntimeInt8", "export_onnx", "OrtRunner", "choose
 
 
 def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_dims: dict[int, list[int]]) -> dict[str, Any]:
-    """Export with dynamic axes; TorchScript-based exporter first (fast), dynamo exporter as fallback."""
-    with torch.no_grad():
-        out = model(*inputs)
+    """Export with dynamic axes; TorchScript-based exporter first (fast), dynamo exporter as fallback.
+
+    Structured inputs (a feature dict, ``_layout``) are exported as their flat tensors, and the meta's
+    ``input_layout`` tells the runner how to flatten a call; tensor inputs are exported as they are."""
+    layout = None
+    if is_flat(inputs):
+        with torch.no_grad():
+            out = model(*inputs)
+    else:
+        layout, out = input_layout(model, inputs)
+        dynamic_dims = layout.dynamic_dims(inputs, dynamic_dims)
+        model, inputs = FlatProgram(model, layout), tuple(layout.take(inputs))
     kind = output_kind(out)
     in_names = [f"input_{i}" for i in range(len(inputs))]
     out_names = [f"output_{i}" for i in range(len(kind["names"]))]
@@ -45,7 +56,7 @@ def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_d
                               dynamic_axes=axes or None, opset_version=17, do_constant_folding=True)
             exporter = "torchscript"
         except Exception as exc:  # noqa: BLE001 - try the other exporter
-            errors.append(f"torchscript exporter: {type(exc).__name__}: {exc}"[:300])
+            errors.append(clean_line(f"torchscript exporter: {type(exc).__name__}: {exc}", limit=300))
             from torch.export import Dim
 
             shapes = tuple({d: Dim.AUTO for d in dynamic_dims.get(i, [])} for i in range(len(inputs)))
@@ -53,10 +64,13 @@ def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_d
                 torch.onnx.export(model, inputs, str(path), dynamo=True, input_names=in_names,
                                   output_names=out_names, dynamic_shapes=shapes, external_data=False)
             except Exception as exc2:
-                errors.append(f"dynamo exporter: {type(exc2).__name__}: {exc2}"[:300])
+                errors.append(clean_line(f"dynamo exporter: {type(exc2).__name__}: {exc2}", limit=300))
                 raise RuntimeError("ONNX export failed: " + " | ".join(errors)) from exc2
             exporter = "dynamo"
-    return {"output_kind": kind, "input_names": in_names, "exporter": exporter}
+    meta = {"output_kind": kind, "input_names": in_names, "exporter": exporter}
+    if layout is not None:
+        meta["input_layout"] = layout.to_meta()
+    return meta
 
 
 class OrtRunner:
@@ -81,12 +95,15 @@ class OrtRunner:
         if not torch.cuda.is_available():
             providers = ["CPUExecutionProvider"]
         self.session = ort.InferenceSession(str(path), so, providers=providers)
-        self.input_names = [i.name for i in self.session.get_inputs()]
+        graph_inputs = [i.name for i in self.session.get_inputs()]
+        # by the export's names: an input the graph does not read may have been dropped from it
+        self.input_names = [n if n in graph_inputs else None for n in meta.get("input_names", graph_inputs)]
         self.kind = meta["output_kind"]
+        self.layout = meta.get("input_layout")  # structured inputs: how a call is flattened
 
     def __call__(self, *xs: Any) -> Any:
         feed = {n: (x.detach().cpu().numpy() if isinstance(x, Tensor) else np.asarray(x))
-                for n, x in zip(self.input_names, xs)}
+                for n, x in zip(self.input_names, flat_call(self.layout, xs)) if n is not None}
         outs = self.session.run(None, feed)
         return restructure(self.kind, [torch.from_numpy(np.ascontiguousarray(o)) for o in outs])
 
