@@ -1,22 +1,42 @@
-"""Distributed benchmark, first section: how long a DCP checkpoint save blocks training, sync vs async,
-and host memory over repeated async saves (issue 18's async-checkpoint goal).
+"""Distributed benchmark. Sections (``--section``, default all):
 
-    flock /tmp/torchnitro-bench.lock python benchmarks/distributed.py [--quick] [--saves 20]
+- ``checkpoint``: how long a DCP checkpoint save blocks training, sync vs async, and host memory over
+  repeated async saves (issue 18's async-checkpoint goal).
+- ``planner``: the planner against real steps, one rank at a time on the fake process group (CPU, one
+  process per check): per-rank parameter + gradient + AdamW-state bytes measured from the storages vs
+  ``rank_state_bytes``, and the bytes of every collective of one step counted by ``CommCounter`` vs
+  ``comm.collectives``, for 16 layouts (DP, FSDP, HSDP, TP, PP and mixes) at their first and last rank.
+  Writes results/distributed_planner.{json,md}.
+- ``resume``: kill-and-resume trials. ``torchnitro train --nproc 2 --dp-shard 2 --max-restarts 2`` on the
+  byte-level LM; at a random logged step a random rank gets SIGKILL; torchrun restarts the group, which
+  resumes from the last published checkpoint. Per trial: did it finish on its own, are the per-step losses
+  (the last record of each step) bit-identical to one uninterrupted run, seconds from the kill to the
+  first step logged by the restarted group, steps lost. Writes results/distributed_resume.{json,md}.
+- ``scaling``: simulated tokens/s per GPU of Llama-3-8B under FSDP from 8 to 128 H100s (plan-parallel's
+  model, nothing measured), and its weak-scaling efficiency. Writes results/distributed_scaling.{json,md}.
+
+    flock /tmp/torchnitro-bench.lock python benchmarks/distributed.py [--quick] [--saves 20] [--section planner]
 
 One process (world 1, in-memory store); the state is a TransformerLM and its AdamW state. Each save
 is followed by one training step, as in a loop; "blocks" is the time save() takes to return (sync: the
 whole write; async: the copy to host memory), "wait" the time the next PendingSave.wait() still
 blocks. RSS is sampled after every async save; growth is last vs the 5th sample. Writes
-results/distributed_<device>.{json,md}. Kill-and-resume trials, the planner and scaling come later.
+results/distributed_<device>.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -70,13 +90,8 @@ def _run(state, step, saves: int, async_: bool, directory: str) -> dict:
             "rss_growth": rss[-1] / base - 1, "rss_last_mib": rss[-1] / 2**20}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="tiny model, 6 saves: a smoke run")
-    ap.add_argument("--saves", type=int, default=20)
-    args = ap.parse_args()
+def checkpoint_section(args, meta) -> None:
     saves = 6 if args.quick else args.saves
-    meta = provenance("benchmarks/distributed.py", device="cpu")
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
     init(ParallelConfig())
@@ -97,11 +112,229 @@ def main() -> None:
                      "next wait (median s)": round(r["wait_median_s"], 4),
                      "RSS growth (last vs 5th)": f"{r['rss_growth']:+.1%}"})
     table.meta.update(params=n, saves=saves, raw=rows, quick=args.quick)
+    _emit(table, "distributed_cpu_quick" if args.quick else "distributed_cpu")
+
+
+# 100 vocab rows, 160 MLP rows, GQA 8/4 heads: uneven FSDP shards and TP splits of every kind
+PLAN_MODEL = dict(vocab_size=100, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=160, max_seq_len=32)
+PLAN_LAYOUTS = [
+    dict(dp_replicate=4), dict(dp_shard=4), dict(dp_shard=8, mixed_precision="bf16"),
+    dict(dp_shard=8, reshard_after_forward=False), dict(dp_replicate=2, dp_shard=4), dict(tp=2), dict(tp=4),
+    dict(dp_shard=2, tp=2), dict(dp_replicate=2, dp_shard=2, tp=2), dict(dp_shard=32),
+    dict(dp_replicate=4, dp_shard=4, tp=2), dict(dp_shard=4, checkpointing="selective"), dict(pp=2),
+    dict(pp=2, pp_schedule="interleaved1f1b", stages_per_rank=2), dict(pp=2, dp_shard=4),
+    dict(pp=2, dp_replicate=2, dp_shard=2), dict(pp=4, dp_shard=8),
+]
+
+
+def planner_section(args, meta) -> None:
+    from rich.progress import track
+
+    from torchnitro.distributed.plan import layout_name
+    from torchnitro.distributed.validate import check_layout_isolated
+    from torchnitro.nn.models import TransformerConfig
+
+    mc = TransformerConfig(**PLAN_MODEL)
+    layouts = PLAN_LAYOUTS[:4] if args.quick else PLAN_LAYOUTS
+    jobs = [(kw, r) for kw in layouts for r in sorted({0, ParallelConfig(**kw).world_size - 1})]
+    table = ResultTable("Planner vs measured, one rank per check on the fake process group (CPU)",
+                        ["layout", "ranks", "rank", "state bytes measured", "state bytes planned", "memory error",
+                         "collective bytes counted", "collective bytes planned", "worst collective error",
+                         "calls counted / planned"], meta=meta)
+    worst_mem, worst_comm, failures = 0.0, 0.0, []
+    for kw, rank in track(jobs, description="planner checks"):
+        cfg = ParallelConfig(**kw)
+        try:
+            c = check_layout_isolated(mc, cfg, rank=rank)
+        except Exception as e:  # one failing layout must not take the table down
+            failures.append(f"{layout_name(cfg)} rank {rank}: {str(e)[-300:]}")
+            continue
+        worst_mem = max(worst_mem, c.memory_error)
+        pipelined = cfg.pp > 1
+        if not pipelined:
+            worst_comm = max(worst_comm, c.comm_error)
+        counted = sum(b for _, b in c.comm_counted.values())
+        planned = sum(b for _, b in c.comm_predicted.values())
+        calls = f"{sum(n for n, _ in c.comm_counted.values())} / {sum(n for n, _ in c.comm_predicted.values())}"
+        table.add(**{"layout": layout_name(cfg), "ranks": cfg.world_size, "rank": rank,
+                     "state bytes measured": c.measured.total, "state bytes planned": c.predicted.total,
+                     "memory error": f"{c.memory_error:.2%}",
+                     "collective bytes counted": "n/a (pipeline)" if pipelined else counted,
+                     "collective bytes planned": "n/a (pipeline)" if pipelined else planned,
+                     "worst collective error": "n/a" if pipelined else f"{c.comm_error:.2%}",
+                     "calls counted / planned": "n/a" if pipelined else calls})
+    table.meta.update(model=PLAN_MODEL, layouts=len(layouts), checks=len(jobs), failures=failures,
+                      worst_memory_error=worst_mem, worst_collective_error=worst_comm,
+                      goal="memory within 5%, bytes per collective within 1%",
+                      note="pipeline layouts: state bytes only; their schedule's sends carry no data on the fake "
+                           "backend, so their collectives are not counted here")
+    _emit(table, "distributed_planner_quick" if args.quick else "distributed_planner")
+    print(f"worst memory error {worst_mem:.2%}, worst collective-bytes error {worst_comm:.2%}, "
+          f"{len(failures)} failed checks")
+
+
+def scaling_section(args, meta) -> None:
+    from torchnitro.distributed.comm import Cluster
+    from torchnitro.distributed.plan import MODELS, flops_per_rank, step_time
+    from torchnitro.nn.models import TransformerConfig
+
+    mc = TransformerConfig(**MODELS["llama3-8b"])
+    table = ResultTable("SIMULATED: Llama-3-8B, FSDP (bf16 compute, fp32 reduce), seq 8192, 1 sequence per GPU, "
+                        "selective checkpointing, H100 (989 TFLOP/s at 50%, NVLink 450 GB/s, IB 50 GB/s per GPU)",
+                        ["GPUs", "step ms (simulated)", "exposed comm ms (simulated)", "tokens/s/GPU (simulated)",
+                         "MFU (simulated)", "weak scaling vs 8 (simulated)"], meta=meta)
+    base = None
+    for gpus in (8, 16, 32, 64, 128):
+        cfg = ParallelConfig(dp_shard=gpus, mixed_precision="bf16", checkpointing="selective")
+        cl = Cluster(gpus=gpus)
+        t = step_time(mc, cfg, cl, batch=gpus, seq=8192, dtype="fp32")
+        _, useful = flops_per_rank(mc, cfg, batch=gpus, seq=8192)
+        tps = 8192 / t.total_s
+        base = base or tps
+        table.add(**{"GPUs": gpus, "step ms (simulated)": round(t.total_s * 1e3, 1),
+                     "exposed comm ms (simulated)": round((t.total_s - t.compute_s) * 1e3, 1),
+                     "tokens/s/GPU (simulated)": round(tps), "MFU (simulated)": f"{tps * useful / cl.flops:.1%}",
+                     "weak scaling vs 8 (simulated)": f"{tps / base:.1%}"})
+    table.meta.update(simulated=True, note="plan-parallel's model only; torchtitan's published table is not "
+                                            "reproduced here, and nothing in this table ran on a GPU")
+    _emit(table, "distributed_scaling")
+
+
+RESUME_ARGS = ["--nproc", "2", "--dp-shard", "2", "--steps", "30", "--seq", "64", "--batch", "8", "--dim", "96",
+               "--layers", "3", "--heads", "4", "--log-every", "1", "--ckpt-every", "5"]
+
+
+def _train_cmd(ckpt: str, restarts: int, data: str = "DATA") -> list[str]:
+    return [sys.executable, "-m", "torchnitro.cli", "train", *RESUME_ARGS, "--data", data, "--ckpt", ckpt,
+            "--max-restarts", str(restarts)]
+
+
+def _log(ckpt: str) -> list[dict]:
+    path = Path(ckpt) / "log.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:  # a line being written
+            pass
+    return out
+
+
+def _losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records}  # the last record of each step wins
+
+
+def _workers(proc: subprocess.Popen) -> dict[int, int]:
+    """{rank: pid} of the train workers under the launcher."""
+    out = {}
+    for c in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            env = c.environ()
+            # the workers, not torchrun's agent (whose command line names the module too)
+            if "torchnitro.distributed.train" in " ".join(c.cmdline()) and "RANK" in env:
+                out[int(env["RANK"])] = c.pid
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+            continue
+    return out
+
+
+def _trial(ckpt: str, data: str, rng: random.Random, reference: dict[int, float], timeout: float) -> dict:
+    steps = int(RESUME_ARGS[RESUME_ARGS.index("--steps") + 1])
+    kill_at = rng.randint(3, steps - 3)
+    proc = subprocess.Popen(_train_cmd(ckpt, 2, data), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    t_kill = t_resumed = None
+    victim = last_before = None
+    deadline = time.monotonic() + timeout
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            recs = _log(ckpt)
+            if t_kill is None and recs and recs[-1]["step"] >= kill_at:
+                ranks = _workers(proc)
+                if len(ranks) == 2:
+                    victim = rng.choice(sorted(ranks))
+                    last_before = recs[-1]["step"]
+                    os.kill(ranks[victim], signal.SIGKILL)
+                    t_kill = time.monotonic()
+            elif t_kill is not None and t_resumed is None and any(r.get("restart", 0) > 0 for r in recs):
+                t_resumed = time.monotonic()
+                first = next(r for r in recs if r.get("restart", 0) > 0)
+            time.sleep(0.02)
+        finished = proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        finished = False
+    got = _losses(_log(ckpt))
+    identical = finished and got == reference
+    return {"kill_at_step": last_before, "killed_rank": victim, "finished": finished, "identical": identical,
+            "kill_to_first_resumed_step_s": (t_resumed - t_kill) if t_resumed and t_kill else None,
+            "steps_lost": (last_before - (first["step"] - 1)) if t_resumed and last_before else None}
+
+
+def resume_section(args, meta) -> None:
+    from rich.progress import track
+
+    trials = 2 if args.quick else args.trials
+    import shutil
+
+    with tempfile.TemporaryDirectory() as d:
+        # a frozen copy of real text (this package's sources): the live tree may change between runs
+        data = str(Path(d) / "data")
+        shutil.copytree(Path(__file__).resolve().parents[1] / "src" / "torchnitro" / "distributed", data)
+        ref_dir = str(Path(d) / "reference")
+        subprocess.run(_train_cmd(ref_dir, 0, data), check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       timeout=600)
+        reference = _losses(_log(ref_dir))
+        rng = random.Random(0)
+        rows = [_trial(str(Path(d) / f"trial{i}"), data, rng, reference, timeout=300)
+                for i in track(range(trials), description="kill-and-resume trials")]
+    table = ResultTable(f"Kill -9 of a random rank at a random step, torchnitro train --nproc 2 (CPU, gloo), "
+                        f"{trials} trials", ["trial", "killed rank", "killed after step", "finished on its own",
+                                             "losses identical", "kill -> first resumed step (s)", "steps lost"],
+                        meta=meta)
+    for i, r in enumerate(rows):
+        t = r["kill_to_first_resumed_step_s"]
+        table.add(**{"trial": i, "killed rank": r["killed_rank"], "killed after step": r["kill_at_step"],
+                     "finished on its own": r["finished"], "losses identical": r["identical"],
+                     "kill -> first resumed step (s)": round(t, 2) if t is not None else None,
+                     "steps lost": r["steps_lost"]})
+    times = [r["kill_to_first_resumed_step_s"] for r in rows if r["kill_to_first_resumed_step_s"] is not None]
+    summary = {"trials": trials, "finished": sum(r["finished"] for r in rows),
+               "identical": sum(r["identical"] for r in rows),
+               "kill_to_resumed_median_s": statistics.median(times) if times else None,
+               "kill_to_resumed_max_s": max(times) if times else None, "command": " ".join(_train_cmd("CKPT", 2)[1:]),
+               "goal": "20 of 20 resume with identical losses; kill to first resumed step <= 10 s on CPU"}
+    table.meta.update(summary=summary, raw=rows, reference_losses=reference)
+    _emit(table, "distributed_resume_quick" if args.quick else "distributed_resume")
+    print(json.dumps(summary))
+
+
+def _emit(table, name: str) -> None:
     from rich.console import Console
 
     Console().print(table.rich())
-    paths = table.save("distributed_cpu_quick" if args.quick else "distributed_cpu")
+    paths = table.save(name)
     print("wrote " + ", ".join(str(p) for p in paths))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="tiny model, 6 saves, 4 planner layouts: a smoke run")
+    ap.add_argument("--saves", type=int, default=20)
+    ap.add_argument("--section", choices=("all", "checkpoint", "planner", "scaling", "resume"), default="all")
+    ap.add_argument("--trials", type=int, default=20, help="kill-and-resume trials")
+    args = ap.parse_args()
+    meta = provenance("benchmarks/distributed.py", device="cpu")
+    if args.section in ("all", "checkpoint"):
+        checkpoint_section(args, meta)
+    if args.section in ("all", "planner"):
+        planner_section(args, dict(meta))
+    if args.section in ("all", "scaling"):
+        scaling_section(args, dict(meta))
+    if args.section in ("all", "resume"):
+        resume_section(args, dict(meta))
 
 
 if __name__ == "__main__":

@@ -11,13 +11,15 @@ corpus windows, read ``global_batch`` at a time), so a run resumed from a checkp
 sees exactly the batches an uninterrupted run sees from step ``k`` on, and with the model, optimizer
 and schedule restored its losses are identical. A step is ``grad_accum`` micro-batches, clipped,
 then one AdamW update with linear warm-up and cosine decay. Rank 0 appends one JSON line per logged
-step (loss, tokens/s, MFU when ``peak_flops`` is given, peak memory of the rank) to ``log``.
+step (loss, tokens/s, MFU when ``peak_flops`` is given, peak memory of the rank, torchrun's restart
+count) to ``log``.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -201,7 +203,7 @@ def _record(step: int, local_loss: torch.Tensor, mesh: Any, size: int, t0: float
         import resource
         mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS of this rank (Linux: KiB)
     return {"step": step, "loss": loss, "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_mem_bytes_rank": mem,
-            "world": world}
+            "world": world, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))}
 
 
 def main(argv: list[str] | None = None) -> None:
