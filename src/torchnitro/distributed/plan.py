@@ -93,6 +93,10 @@ def layout_name(cfg: ParallelConfig) -> str:
     if cfg.pp > 1:
         v = "" if cfg.stages_per_rank == 1 else f" v{cfg.stages_per_rank}"
         name += f" ({cfg.pp_schedule}{v}, m{cfg.n_microbatches})"
+    if cfg.strategy in ("fsdp", "hsdp") and cfg.mixed_precision != "fp32":
+        name += f" {cfg.mixed_precision}"
+    if cfg.strategy in ("fsdp", "hsdp") and not cfg.reshard_after_forward:
+        name += " no-reshard"
     if cfg.checkpointing != "none":
         name += f" ac:{cfg.checkpointing}"
     return name
