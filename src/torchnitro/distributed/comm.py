@@ -41,7 +41,7 @@ from torchnitro.distributed.config import MESH_DIMS, ParallelConfig
 from torchnitro.errors import InputError
 
 __all__ = ["Link", "Cluster", "Collective", "collectives", "collective_time", "link_of", "fsdp_groups",
-           "CommCounter", "DTYPE_BYTES"]
+           "CommCounter", "DTYPE_BYTES", "padded_elements"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _FIRST_BUCKET = 1024 * 1024  # DDP's first gradient bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
@@ -122,7 +122,7 @@ def fsdp_groups(model_config, cfg: ParallelConfig, pp_rank: int = 0) -> list[tup
     return out
 
 
-def _padded(shapes: list[tuple[int, ...]], n: int) -> int:
+def padded_elements(shapes: list[tuple[int, ...]], n: int) -> int:
     """Elements of ``n`` padded FSDP shards of these tensors (dim 0 cut in ``ceil(rows / n)``)."""
     return n * sum(math.ceil(sh[0] / n) * math.prod(sh[1:]) for sh in shapes)
 
@@ -162,7 +162,7 @@ def collectives(model_config, cfg: ParallelConfig, *, batch: int, seq: int, dtyp
         n, pe = cfg.dp_shard, DTYPE_BYTES[cfg.mixed_precision] if cfg.mixed_precision != "fp32" else e
         # gathers per micro-batch; the reduce-scatter only after the last one (PP runs the others without sync)
         for name, shapes in fsdp_groups(model_config, cfg, pp_rank):
-            elems = _padded(shapes, n)
+            elems = padded_elements(shapes, n)
             out.append(Collective("all_gather", "dp_shard", n, elems * pe, mb, "forward", name))
             if cfg.reshard_after_forward:
                 out.append(Collective("all_gather", "dp_shard", n, elems * pe, mb, "backward", name))

@@ -26,7 +26,7 @@ divide by ``cfg.n_microbatches``). FSDP/HSDP per stage average over data-paralle
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -147,7 +147,6 @@ class Pipeline:
     tied_group: dist.ProcessGroup | None = None  # set when the embedding and head share a weight
     is_first: bool = False
     is_last: bool = False
-    losses: list = field(default_factory=list)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward and backward of one batch through the pipeline; returns its mean loss on every pp rank.

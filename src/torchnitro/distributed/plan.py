@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, replace
 
 from torchnitro.distributed.comm import Cluster, collective_time, collectives, fsdp_groups, link_of
-from torchnitro.distributed.comm import DTYPE_BYTES, _padded
+from torchnitro.distributed.comm import DTYPE_BYTES, padded_elements
 from torchnitro.distributed.config import ParallelConfig
 from torchnitro.distributed.planner import rank_state_bytes, stage_shapes
 from torchnitro.errors import ConfigError, InputError
@@ -143,7 +143,7 @@ def rank_memory(model_config, cfg: ParallelConfig, *, batch: int, seq: int, dtyp
     buffers = 0
     if cfg.strategy in ("fsdp", "hsdp"):
         pe = DTYPE_BYTES[cfg.mixed_precision] if cfg.mixed_precision != "fp32" else DTYPE_BYTES[dtype]
-        groups = [_padded(shapes, cfg.dp_shard) for _, shapes in fsdp_groups(model_config, cfg, pp_rank)]
+        groups = [padded_elements(shapes, cfg.dp_shard) for _, shapes in fsdp_groups(model_config, cfg, pp_rank)]
         buffers = (1 + cfg.prefetch) * max(groups) * pe + max(groups) * 4
     elif cfg.strategy == "ddp":
         buffers = state.gradients

@@ -26,7 +26,7 @@ import torch
 from torchnitro.distributed.config import ParallelConfig
 from torchnitro.distributed.parallelize import LM_TP_SPLIT
 from torchnitro.errors import InputError
-from torchnitro.memory.planner import gradient_term, optimizer_state_term, parameter_terms, step_shape
+from torchnitro.memory.planner import optimizer_state_term, parameter_terms, step_shape
 from torchnitro.nn.models import TransformerConfig, TransformerLM
 
 __all__ = ["RankState", "tp_local_shapes", "stage_shapes", "rank_state_bytes"]
