@@ -163,9 +163,13 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(dict(model=dataclasses.asdict(cfg), rows=rows, padding=pad), f, indent=1)
+    md = _md(rows, pad, cfg)
+    if args.reestimate:
+        md += (f"\nCompiled columns from an earlier run ({os.path.basename(args.reestimate)}); the estimate columns "
+               "recomputed by the current model with `--reestimate`.\n")
     with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-        f.write(_md(rows, pad, cfg))
-    print(_md(rows, pad, cfg))
+        f.write(md)
+    print(md)
 
 
 if __name__ == "__main__":
