@@ -30,7 +30,8 @@ from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
 from torchnitro.autotune.recipes._unpad import PackedLayer
 from torchnitro.autotune.recipes.hf_encoders import UnpaddedEncoder, encoders_reason, unpad_encoders_
 from torchnitro.autotune.recipes.int8_mixed import (build_mixed_int8, int8_unavailable_reason, linear_names,
-                                                   load_engine, load_full_range, load_scales, quantize_linears)
+                                                   load_engine, load_full_range, load_outliers, load_scales,
+                                                   quantize_linears)
 from torchnitro.autotune.recipes.onednn_int8 import Int8LinearBase
 
 __all__ = ["UnpaddedBert", "fold_smoothing", "bert_inapplicable_reason", "unpad_model", "UnpaddedBertRecipe",
@@ -60,29 +61,37 @@ def _scale_ln(ln: nn.LayerNorm, s: Tensor) -> None:
         ln.bias.div_(s)
 
 
+def _own(holder: nn.Module, attr: str) -> nn.Module:
+    """``holder.attr`` replaced by a private copy, which is returned: an in-place encoder shares its
+    LayerNorms and Linears with the original HF module it falls back to, which must stay unscaled."""
+    mod = copy.deepcopy(getattr(holder, attr))
+    setattr(holder, attr, mod)
+    return mod
+
+
 def _fold_one(m: UnpaddedEncoder, left: dict[str, Tensor], prefix: str) -> None:
-    prev_ln = m.ln_emb
+    prev = (m, "ln_emb")  # the LayerNorm feeding the next qkv: (holder, attribute)
     for i, layer in enumerate(m.layers):
         d = layer.out.in_features
         s = left.pop(f"{prefix}layers.{i}.out", None)
         if s is not None:
             with torch.no_grad():
-                layer.qkv.weight[2 * d:] /= s[:, None]  # V rows: ctx comes out divided by s
+                layer.qkv.weight[2 * d:] /= s[:, None]  # V rows: ctx comes out divided by s (qkv is private)
                 layer.qkv.bias[2 * d:] /= s
-                layer.out.weight *= s  # columns: out(ctx / s) with W * s == out(ctx)
+                _own(layer, "out").weight *= s  # columns: out(ctx / s) with W * s == out(ctx)
         s = left.pop(f"{prefix}layers.{i}.qkv", None)
         if s is not None:
-            _scale_ln(prev_ln, s)
+            _scale_ln(_own(*prev), s)
             with torch.no_grad():
                 layer.qkv.weight *= s
             layer.res_in = s  # the previous LayerNorm now emits x / s; only this layer reads it
         s = left.pop(f"{prefix}layers.{i}.ffn_in", None)
         if s is not None:
-            _scale_ln(layer.ln1, s)
+            _scale_ln(_own(layer, "ln1"), s)
             with torch.no_grad():
-                layer.ffn_in.weight *= s
+                _own(layer, "ffn_in").weight *= s
             layer.res_mid = s
-        prev_ln = layer.ln2
+        prev = (layer, "ln2")
 
 
 def fold_smoothing(base: nn.Module, scales: dict[str, Tensor]) -> tuple[nn.Module, dict[str, Tensor]]:
@@ -91,29 +100,42 @@ def fold_smoothing(base: nn.Module, scales: dict[str, Tensor]) -> tuple[nn.Modul
     qkv (attention is linear in V), qkv's and ffn_in's into the LayerNorm that feeds them (its
     residual becomes ``addcmul``). Returns the copy and the scales still to apply at run time.
 
-    Only ``UnpaddedBert`` is folded: an in-place ``UnpaddedEncoder`` shares its LayerNorms and output
-    Linears with the original module it falls back to, so its scales stay at run time."""
+    An in-place ``UnpaddedEncoder`` shares its LayerNorms and Linears with the original module it
+    falls back to; each one a scale is folded into is first replaced by a private copy (LayerNorms:
+    a few KB; a Linear is quantised right after, so its fp32 copy is dropped), so the fallback stays exact."""
     m = copy.deepcopy(base)
     left = dict(scales)
-    for name, sub in m.named_modules():
-        if isinstance(sub, UnpaddedBert):
+    for name, sub in list(m.named_modules()):
+        if isinstance(sub, UnpaddedEncoder):
             _fold_one(sub, left, f"{name}." if name else "")
     return m, left
 
 
 def _int8(base: nn.Module, names: list[str], scales: dict[str, Tensor], full_range: bool,
-          engine: str = "fbgemm") -> nn.Module:
+          engine: str = "fbgemm", outliers: dict[str, Tensor] | None = None, bf16_rest: bool = False) -> nn.Module:
     """``base`` with the Linears ``names`` in int8. ``onednn``: fused oneDNN kernels that smooth in the
     activation quantisation and take GELU / the residual add into the GEMM epilogue; ``fbgemm``:
     PyTorch's dynamic int8 Linear with the smoothing folded into the weights where exact."""
     from torchnitro.autotune.recipes.int8_mixed import SmoothedInt8Linear
 
     folded, left = fold_smoothing(base, scales)
-    q = quantize_linears(folded, names, left, full_range, engine)
+    q = quantize_linears(folded, names, left, full_range, engine, outliers)
     for layer in q.modules():
         if isinstance(layer, PackedLayer) and isinstance(layer.ffn_out, (SmoothedInt8Linear, Int8LinearBase)):
             layer.ffn_out.inplace = True  # its input is the GELU temporary
+    if bf16_rest:
+        from torchnitro.autotune.recipes.onednn_bf16 import bf16_compute_
+
+        bf16_compute_(q)
     return q
+
+
+def _bf16_rest_reason() -> str | None:
+    """None when the Linears an int8 plan keeps out of int8 can run in bf16 here (native bf16 oneDNN)."""
+    from torchnitro.autotune.recipes.onednn_bf16 import onednn_bf16_reason
+    from torchnitro.hardware import hardware_info
+
+    return onednn_bf16_reason() or (None if hardware_info().cpu_bf16 else "the CPU has no native bf16")
 
 
 def bert_inapplicable_reason(model: nn.Module) -> str | None:
@@ -167,9 +189,12 @@ class UnpaddedBertInt8(Recipe):
     name = "bert-unpad-int8"
     isolated_input = "model"  # rewrites modules of the model tree: needs the model object itself
     numeric_class = NumericClass.INT8
-    description = "padding-free BERT + SmoothQuant dynamic int8 Linears, gate-sensitive layers kept fp32"
+    description = ("padding-free BERT + SmoothQuant dynamic int8 Linears, gate-sensitive layers kept in bf16 (fp32 where "
+                   "the CPU has no native bf16)")
     order = 16
-    version = "4"  # 2: fused oneDNN int8 Linear; 3: encoders anywhere in the model; 4: per-token int8 (rowwise)
+    version = "5"  # 2: fused oneDNN int8 Linear; 3: encoders anywhere in the model; 4: per-token int8 (rowwise);
+    # 5: SmoothQuant folded into in-place encoders too; feature-dict models calibrated on varied lengths against
+    # copied references; the Linears the plan keeps out of int8 in bf16 where the CPU has it
 
     def unavailable_reason(self, hw: Any) -> str | None:
         return int8_unavailable_reason()
@@ -181,16 +206,25 @@ class UnpaddedBertInt8(Recipe):
 
     def build(self, ctx: BuildContext) -> Built:
         base = unpad_model(ctx.model)
+        rest = _bf16_rest_reason() is None  # Linears kept out of int8 computed in bf16, not fp32
         q, meta, engine = build_mixed_int8(
-            ctx, base, lambda plan, e: _int8(base, plan["int8"], plan["scales"], plan["full_range"], e))
+            ctx, base, lambda plan, e: _int8(base, plan["int8"], plan["scales"], plan["full_range"], e, plan["outliers"],
+                                             rest))
+        meta["bf16_rest"] = rest
+        n_out = sum(len(v) for v in meta["outliers"].values())
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
-                     notes=f"{len(meta['int8'])}/{len(linear_names(base))} Linear int8 ({engine}), fp32 kept: "
-                           f"{', '.join(meta['fp32']) or 'none'}; calibration cosine {meta['calib_cosine']:.4f}")
+                     notes=f"{len(meta['int8'])}/{len(linear_names(base))} Linear int8 ({engine}), "
+                           f"{'bf16' if rest else 'fp32'} kept: "
+                           f"{', '.join(meta['fp32']) or 'none'}; "
+                           + (f"{n_out} outlier input channels in fp32 in {len(meta['outliers'])} Linears; "
+                              if n_out else "")
+                           + f"calibration cosine {meta['calib_cosine']:.4f}")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         base = unpad_model(copy.deepcopy(self.require_model(model)).eval())
         return _int8(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"), load_full_range(meta),
-                     load_engine(meta, self.name))
+                     load_engine(meta, self.name), load_outliers(meta),
+                     bool(meta.get("bf16_rest")) and _bf16_rest_reason() is None)
 
 
 @register_recipe

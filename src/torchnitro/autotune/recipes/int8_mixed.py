@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
+from torchnitro.autotune.recipes._layout import tensor_leaves
 from torchnitro.autotune.recipes._util import is_hf_conv1d, is_linear, linear_view
 from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear, onednn_int8_reason
 from torchnitro.autotune.recipes.rowwise_int8 import RowwiseInt8Linear, rowwise_int8_reason
@@ -35,7 +36,8 @@ from torchnitro.hardware import HardwareInfo
 
 __all__ = ["MixedInt8", "row_cosine", "layer_sensitivity", "plan_mixed_int8", "quantize_linears", "linear_names",
            "int8_unavailable_reason", "int8_target", "calibration_inputs", "SmoothedInt8Linear", "activation_absmax",
-           "smooth_scales", "save_scales", "load_scales", "full_range_ok", "load_full_range"]
+           "smooth_scales", "save_scales", "load_scales", "full_range_ok", "load_full_range", "outlier_channels",
+           "load_outliers"]
 
 
 def int8_unavailable_reason() -> str | None:
@@ -67,6 +69,17 @@ def row_cosine(ref: Any, cand: Any) -> float:
         if keep.any():
             worst = min(worst, torch.nn.functional.cosine_similarity(r2[keep], c2[keep], dim=1).min().item())
     return worst
+
+
+def _kept(out: Any) -> list[Tensor]:
+    """The floating outputs copied: a model that returns the dict it was given (sentence-transformers)
+    writes its next call's outputs into the same object, which would then be compared with itself."""
+    return [t.detach().clone() for t in _flat(out)]
+
+
+def _references(model: nn.Module, calib: Sequence[tuple[Any, ...]]) -> list[list[Tensor]]:
+    with torch.inference_mode():
+        return [_kept(model(*x)) for x in calib]
 
 
 def calibration_cosine(model: nn.Module, calib: Sequence[tuple[Any, ...]], refs: Sequence[Any]) -> float:
@@ -174,14 +187,36 @@ def smooth_scales(model: nn.Module, amax: dict[str, Tensor], alpha: float) -> di
     return out
 
 
-def int8_module(lin: nn.Linear, scale: Tensor | None, full_range: bool = False, engine: str = "fbgemm") -> nn.Module:
+OUTLIER_RATIO = 8.0  # a channel whose calibration max |x| is this many times the median channel's is an outlier
+OUTLIER_FRACTION = 1 / 64  # at most this share of a layer's input channels (at least one) runs in fp32
+
+
+def outlier_channels(amax: dict[str, Tensor], ratio: float = OUTLIER_RATIO,
+                     fraction: float = OUTLIER_FRACTION) -> dict[str, Tensor]:
+    """Per Linear, the input channels whose calibration ``max |x|`` exceeds ``ratio`` times the median
+    channel's (largest first, at most ``fraction`` of the channels): computed in fp32 beside the int8
+    GEMM (``onednn_int8.Int8LinearBase``). Layers without such channels are left out."""
+    out = {}
+    for n, a in amax.items():
+        a = a.float().reshape(-1)
+        big = torch.nonzero(a > ratio * a.median().clamp(min=1e-12)).reshape(-1)
+        if big.numel():
+            keep = max(1, int(a.numel() * fraction))
+            big = big[a[big].argsort(descending=True)[:keep]]
+            out[n] = big.sort().values
+    return out
+
+
+def int8_module(lin: nn.Linear, scale: Tensor | None, full_range: bool = False, engine: str = "fbgemm",
+                outliers: Tensor | None = None) -> nn.Module:
     """``lin`` in int8, smoothed by ``scale``: ``rowwise`` (a scale per token row, see rowwise_int8),
     ``fbgemm`` (PyTorch's dynamic int8 Linear) or ``onednn`` (the fused oneDNN kernel, 8-bit
-    activations, see onednn_int8); the last two quantise activations per tensor."""
+    activations, see onednn_int8); the last two quantise activations per tensor. ``outliers``: input
+    channels kept in fp32 beside the int8 GEMM (``rowwise`` and ``onednn`` only; fbgemm ignores them)."""
     if engine == "rowwise":
-        return RowwiseInt8Linear(lin, scale)
+        return RowwiseInt8Linear(lin, scale, outliers)
     if engine == "onednn":
-        return OneDnnInt8Linear(lin, scale)
+        return OneDnnInt8Linear(lin, scale, outliers)
     if engine != "fbgemm":
         raise ValueError(f"int8 engine {engine!r}; expected one of {INT8_ENGINES}")
     return _quantized_module(lin, full_range) if scale is None else SmoothedInt8Linear(lin, scale, full_range)
@@ -222,7 +257,8 @@ def build_mixed_int8(ctx: BuildContext, model: nn.Module,
         skipped.append(f"{engine}: calibration cosine {cos:.4f} < {target:.4f}")
     save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
     meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": cos, "full_range": plan["full_range"],
-            "engine": engine}
+            "alpha": plan["alpha"],
+            "engine": engine, "outliers": {n: [int(i) for i in v] for n, v in plan["outliers"].items()}}
     return q, meta, f"{engine}: {'; '.join(skipped)}" if skipped else engine
 
 
@@ -239,24 +275,32 @@ def load_engine(meta: dict[str, Any], recipe: str) -> str:
 
 
 def quantize_linears(model: nn.Module, names: Sequence[str], scales: dict[str, Tensor] | None = None,
-                     full_range: bool = False, engine: str = "fbgemm") -> nn.Module:
+                     full_range: bool = False, engine: str = "fbgemm",
+                     outliers: dict[str, Tensor] | None = None) -> nn.Module:
     """A copy of ``model`` with the Linears ``names`` in dynamic int8 (per-channel weights), smoothed
-    with ``scales[name]`` where given; ``full_range``: 8-bit activations (VNNI CPUs only)."""
+    with ``scales[name]`` where given; ``full_range``: 8-bit activations (VNNI CPUs only);
+    ``outliers[name]``: input channels kept in fp32 (``outlier_channels``)."""
     q = copy.deepcopy(model).eval()
-    scales = scales or {}
+    scales, outliers = scales or {}, outliers or {}
     for n in names:
-        q.set_submodule(n, int8_module(q.get_submodule(n), scales.get(n), full_range, engine))
+        q.set_submodule(n, int8_module(q.get_submodule(n), scales.get(n), full_range, engine, outliers.get(n)))
     return q
+
+
+def load_outliers(meta: dict[str, Any]) -> dict[str, Tensor]:
+    """The artifact's fp32 outlier channels per Linear (none in artifacts made before they existed)."""
+    return {n: torch.tensor(v, dtype=torch.long) for n, v in (meta.get("outliers") or {}).items()}
 
 
 class _Swapper:
     """Swaps single Linears of a private copy between fp32 and int8 in place (no copy per trial)."""
 
     def __init__(self, model: nn.Module, names: Sequence[str], scales: dict[str, Tensor], full_range: bool,
-                 engine: str = "fbgemm"):
+                 engine: str = "fbgemm", outliers: dict[str, Tensor] | None = None):
         self.model = copy.deepcopy(model).eval()
         self.fp32 = {n: self.model.get_submodule(n) for n in names}
-        self.int8 = {n: int8_module(self.fp32[n], scales.get(n), full_range, engine) for n in names}
+        outliers = outliers or {}
+        self.int8 = {n: int8_module(self.fp32[n], scales.get(n), full_range, engine, outliers.get(n)) for n in names}
 
     def set(self, name: str, int8: bool) -> None:
         self.model.set_submodule(name, self.int8[name] if int8 else self.fp32[name])
@@ -279,32 +323,37 @@ def layer_sensitivity(model: nn.Module, calib: Sequence[tuple[Any, ...]], names:
                       scales: dict[str, Tensor] | None = None, full_range: bool = False) -> dict[str, float]:
     """Cosine loss (1 - worst row cosine) when only that Linear is int8; larger = more sensitive."""
     names = list(names) if names is not None else linear_names(model)
-    with torch.inference_mode():
-        refs = [model(*x) for x in calib]
+    refs = _references(model, calib)
     return _sens(_Swapper(model, names, scales or {}, full_range), names, calib, refs)
 
 
 def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: float, *,
                     names: Sequence[str] | None = None, alpha: float | None = 0.75,
                     max_fp32_fraction: float = 0.5, sensitivity_rows: int = 8,
-                    full_range: bool | None = None, engine: str = "fbgemm") -> dict[str, Any]:
+                    full_range: bool | None = None, engine: str = "fbgemm", outliers: bool = False) -> dict[str, Any]:
     """Pick the Linears to keep in fp32 so the worst calibration cosine is >= ``target``.
 
-    ``alpha`` is the SmoothQuant migration strength (None: no smoothing). Returns ``{"int8": [...],
+    ``alpha`` is the SmoothQuant migration strength (None: no smoothing; a strength picked per model on
+    the calibration sets did not carry over to other text: see ``outliers``). Returns ``{"int8": [...],
     "fp32": [...], "cosine": float, "sensitivity": {...}, "scales": {...}, "full_range": bool,
     "refs": [...]}`` (``refs``: the model's outputs on ``calib``); raises
     RecipeError when more than ``max_fp32_fraction`` of the layers would have to stay fp32.
     ``full_range`` (8-bit activations) defaults to whether this CPU has VNNI; ``engine``: the int8
-    Linear the plan is measured on (see ``int8_module``).
+    Linear the plan is measured on (see ``int8_module``); ``outliers``: keep each Linear's outlier input
+    channels in fp32 beside its int8 GEMM (``outlier_channels``; the ``onednn`` and ``rowwise`` engines),
+    returned as ``"outliers"``. Off by default: on all-MiniLM-L6-v2 they let every Linear pass calibration
+    on short sentences (0.9959) and the variant then scored 0.982 on real long text, where the plan
+    without them (two FFN down-projections kept fp32) holds 0.99 (results/optimize_user_models.md).
     """
     full_range = full_range_ok() if full_range is None else full_range
     names = list(names) if names is not None else linear_names(model)
     if not names:
         raise RecipeError("mixed int8: the model has no nn.Linear layers; expected at least one to quantise")
-    with torch.inference_mode():
-        refs = [model(*x) for x in calib]
-    scales = smooth_scales(model, activation_absmax(model, calib, names), alpha) if alpha is not None else {}
-    sw = _Swapper(model, names, scales, full_range, engine)
+    refs = _references(model, calib)
+    amax = activation_absmax(model, calib, names)
+    split = outlier_channels(amax) if outliers and engine in ("onednn", "rowwise") else {}
+    scales = smooth_scales(model, amax, alpha) if alpha is not None else {}
+    sw = _Swapper(model, names, scales, full_range, engine, split)
     for n in names:
         sw.set(n, True)
     cos = calibration_cosine(sw.model, calib, refs)
@@ -313,8 +362,7 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
         for n in names:
             sw.set(n, False)
         small = [_rows(x, sensitivity_rows) for x in calib]
-        with torch.inference_mode():
-            small_refs = [model(*x) for x in small]
+        small_refs = _references(model, small)
         sens = _sens(sw, names, small, small_refs)
         for n in names:
             sw.set(n, True)
@@ -326,7 +374,8 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
         if cos >= target:
             int8 = [n for n in names if n not in fp32]
             return {"int8": int8, "fp32": fp32, "cosine": cos, "sensitivity": sens, "full_range": full_range,
-                    "scales": {n: scales[n] for n in int8 if n in scales}, "refs": refs}
+                    "scales": {n: scales[n] for n in int8 if n in scales}, "refs": refs, "alpha": alpha,
+                    "outliers": {n: split[n] for n in int8 if n in split}}
         if len(fp32) + 1 > max_fp32_fraction * len(names):
             raise RecipeError(
                 f"mixed int8: with {len(fp32)}/{len(names)} layers kept in fp32 the calibration cosine is {cos:.5f}, "
@@ -357,14 +406,15 @@ def calibration_inputs(ctx: BuildContext, max_rows: int = 32) -> list[tuple[Any,
 
 
 def varied_calibration_inputs(ctx: BuildContext, extra: int = 2) -> list[tuple[Any, ...]]:
-    """``calibration_inputs`` plus, for text (a right-padded attention mask among the inputs), ``extra``
-    sets with other sentence lengths drawn from the example's own tokens (``inputs.random_like``, seeds
-    apart from the gate's): an int8 plan fitted to one batch of short sentences alone passed it at
-    0.9944 and failed longer held-out text at 0.986 (all-MiniLM-L6-v2, worst token row)."""
+    """``calibration_inputs`` plus, for text (a right-padded attention mask among the inputs, or in a
+    feature dict), ``extra`` sets with other sentence lengths drawn from the example's own tokens
+    (``inputs.random_like``, seeds apart from the gate's): an int8 plan fitted to one batch of short
+    sentences alone passed it at 0.9944 and failed longer held-out text at 0.986 (all-MiniLM-L6-v2,
+    worst token row)."""
     from torchnitro.autotune.inputs import _is_prefix_mask, random_like
 
     base = calibration_inputs(ctx)
-    if not any(isinstance(x, Tensor) and _is_prefix_mask(x) for x in base[0]):
+    if not any(_is_prefix_mask(x) for x in tensor_leaves(base[0])):  # a feature dict's mask too
         return base
     return base + [random_like(base[0], _CALIB_SEED + k) for k in range(extra)]
 
@@ -387,7 +437,8 @@ class MixedInt8(Recipe):
     numeric_class = NumericClass.INT8
     description = "dynamic int8 Linears (per-channel, VNNI) with the most gate-sensitive layers kept in fp32"
     order = 46
-    version = "4"  # 2: fused oneDNN int8 Linear; 3: HF Conv1D quantised as Linear; 4: per-token int8 (rowwise)
+    version = "5"  # 2: fused oneDNN int8 Linear; 3: HF Conv1D quantised as Linear; 4: per-token int8 (rowwise);
+    # 5: a model returning its input dict is planned against copied references, on varied lengths
 
     def unavailable_reason(self, hw: HardwareInfo) -> str | None:
         return int8_unavailable_reason()
@@ -403,7 +454,8 @@ class MixedInt8(Recipe):
         n_conv1d = sum(1 for m in ctx.model.modules() if is_hf_conv1d(m))
         model = linear_view(ctx.model)  # GPT-2's Conv1D as the Linear it is
         q, meta, engine = build_mixed_int8(
-            ctx, model, lambda plan, e: quantize_linears(model, plan["int8"], plan["scales"], plan["full_range"], e))
+            ctx, model, lambda plan, e: quantize_linears(model, plan["int8"], plan["scales"], plan["full_range"], e,
+                                                         plan["outliers"]))
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
                      notes=f"{len(meta['int8'])} Linear int8 ({engine}), {len(meta['fp32'])} kept fp32 "
                            f"(calibration cosine {meta['calib_cosine']:.4f})"
@@ -412,4 +464,4 @@ class MixedInt8(Recipe):
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         model = linear_view(self.require_model(model).eval())
         return quantize_linears(model, meta["int8"], load_scales(directory / "smooth_scales.safetensors"),
-                                load_full_range(meta), load_engine(meta, self.name))
+                                load_full_range(meta), load_engine(meta, self.name), load_outliers(meta))

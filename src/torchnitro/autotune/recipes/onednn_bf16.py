@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from torchnitro.autotune.recipes.onednn_int8 import SharesPackedWeight
 
-__all__ = ["OneDnnBf16Linear", "onednn_bf16_reason", "prepack_bf16_"]
+__all__ = ["OneDnnBf16Linear", "onednn_bf16_reason", "prepack_bf16_", "Bf16ComputeLinear", "bf16_compute_"]
 
 
 def onednn_bf16_reason() -> str | None:
@@ -60,6 +60,41 @@ class OneDnnBf16Linear(SharesPackedWeight, nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Bf16ComputeLinear(nn.Module):
+    """An fp32-in, fp32-out Linear computed by ``OneDnnBf16Linear`` (bf16 GEMM, fp32 accumulation, GELU in
+    its epilogue; a residual is added in fp32 after): for the few Linears of an int8 variant that int8
+    cannot keep within the gate, where bf16's rounding (8 bits of mantissa, against int8's 256 levels per
+    tensor) costs far less accuracy and half the time of fp32."""
+
+    fused_epilogue = True  # forward takes gelu= / add= (see _unpad.PackedLayer)
+
+    def __init__(self, lin: nn.Linear):
+        super().__init__()
+        self.lin = OneDnnBf16Linear(lin)
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+
+    def forward(self, x: Tensor, *, gelu: bool = False, add: Tensor | None = None) -> Tensor:
+        y = self.lin(x.to(torch.bfloat16), gelu=gelu).float()  # (..., out)
+        return y if add is None else y.add_(add.reshape(y.shape))
+
+
+def bf16_compute_(model: nn.Module) -> list[str]:
+    """Swap the fp32 ``nn.Linear`` parts of every ``PackedLayer`` in ``model`` (those an int8 plan kept in
+    fp32) for ``Bf16ComputeLinear``; returns their qualified names."""
+    from torchnitro.autotune.recipes._unpad import PackedLayer
+
+    done = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, PackedLayer):
+            continue
+        for part in _PARTS:
+            lin = getattr(layer, part)
+            if type(lin) is nn.Linear and lin.weight.dtype == torch.float32 and lin.weight.device.type == "cpu":
+                setattr(layer, part, Bf16ComputeLinear(lin))
+                done.append(f"{name}.{part}" if name else part)
+    return done
 
 
 _PARTS = ("qkv", "out", "ffn_in", "ffn_out")  # the Linears of _unpad.PackedLayer

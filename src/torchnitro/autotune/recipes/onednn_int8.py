@@ -75,13 +75,20 @@ class SharesPackedWeight:
 class Int8LinearBase(nn.Module):
     """What the int8 Linears here share: int8 weights per output channel (symmetric) smoothed by
     ``scale`` per input channel (SmoothQuant: they carry ``W * s``), fp32 bias, and the checks of a
-    ``forward(x, gelu=..., add=...)`` call."""
+    ``forward(x, gelu=..., add=...)`` call.
+
+    ``outliers``: input channels computed in fp32 beside the int8 GEMM (LLM.int8's decomposition,
+    Dettmers et al., 2022): a few channels whose activations are an order of magnitude above the rest
+    (MiniLM's FFN down-projections: one channel at 17-24 where the others stay under 6) set the per-tensor
+    activation scale and cost every other channel its resolution. Their columns leave the int8 weight
+    (so they do not set its per-channel scales either) and ``x[:, outliers] @ W[:, outliers].T`` is added
+    in fp32 (a ``(N, k)`` by ``(k, out)`` GEMM, k a few channels)."""
 
     fused_epilogue = True  # forward takes gelu= / add= (see _unpad.PackedLayer)
     inplace = False  # the caller passes a temporary: the smoothing multiply may overwrite it
     weight = None  # no fp32 weight; HF code that reads .weight for a dtype (T5's wo) then leaves its input as is
 
-    def __init__(self, lin: nn.Linear, scale: Tensor | None = None):
+    def __init__(self, lin: nn.Linear, scale: Tensor | None = None, outliers: Tensor | None = None):
         super().__init__()
         w = lin.weight.detach().float()
         k = lin.in_features
@@ -90,6 +97,14 @@ class Int8LinearBase(nn.Module):
             raise ValueError(f"{type(self).__name__}: smoothing scales must be finite and > 0 "
                              f"(got min {float(s.min())})")
         ws = w * s  # (out, in): the smoothed weights
+        idx = None if outliers is None or not outliers.numel() else outliers.detach().long().reshape(-1)
+        if idx is not None and (int(idx.min()) < 0 or int(idx.max()) >= k):
+            raise ValueError(f"{type(self).__name__}: outlier channels must lie in [0, {k}); received {idx.tolist()}")
+        self.register_buffer("out_idx", idx, persistent=False)  # (k_out,) or None
+        # (k_out, out) fp32 columns of the smoothed weight, or None
+        self.register_buffer("w_out", None if idx is None else ws[:, idx].t().contiguous(), persistent=False)
+        if idx is not None:
+            ws = ws.index_fill(1, idx, 0.0)
         self.register_buffer("w_scale", (ws.abs().amax(1) / 127.0).clamp(min=1e-12), persistent=False)  # (out,)
         self.wq_init = torch.round(ws / self.w_scale[:, None]).clamp(-127, 127).to(torch.int8)  # (out, in)
         self.smoothed = scale is not None
@@ -114,8 +129,21 @@ class Int8LinearBase(nn.Module):
             return x
         return x.mul_(self.inv_smooth) if self.inplace else x * self.inv_smooth
 
+    def _prepared(self, x2: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The smoothed rows for the int8 GEMM (outlier channels zeroed) and the outlier channels' fp32
+        product ``(N, out)`` (None without outliers). Never writes to the caller's tensor unless ``inplace``."""
+        owned = self.inplace or self.smoothed  # _smooth returns a new tensor unless in place
+        x2 = self._smooth(x2)
+        if self.out_idx is None:
+            return x2, None
+        part = x2.index_select(1, self.out_idx) @ self.w_out  # (N, k_out) @ (k_out, out)
+        x2 = x2 if owned else x2.clone()
+        return x2.index_fill_(1, self.out_idx, 0.0), part
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        k = 0 if self.out_idx is None else self.out_idx.numel()
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+                + (f", fp32 outlier channels={k}" if k else ""))
 
 
 class OneDnnInt8Linear(SharesPackedWeight, Int8LinearBase):
@@ -123,14 +151,14 @@ class OneDnnInt8Linear(SharesPackedWeight, Int8LinearBase):
     symmetric) and uint8 activations (per tensor, asymmetric, range taken from each call's input),
     smoothed by ``scale`` per input channel (SmoothQuant: the weights carry ``W * s``)."""
 
-    def __init__(self, lin: nn.Linear, scale: Tensor | None = None):
-        super().__init__(lin, scale)
+    def __init__(self, lin: nn.Linear, scale: Tensor | None = None, outliers: Tensor | None = None):
+        super().__init__(lin, scale, outliers)
         # opaque oneDNN layout: not a buffer (see __deepcopy__)
         self.packed = torch.ops.onednn.qlinear_prepack(self.__dict__.pop("wq_init"), None)
         self.register_buffer("w_zp", torch.zeros_like(self.w_scale, dtype=torch.int64), persistent=False)
 
     def _quantize(self, x: Tensor) -> tuple[Tensor, float, int]:
-        x = self._smooth(x)
+        """Already smoothed rows -> uint8 rows (per tensor, asymmetric), their scale and zero point."""
         lo, hi = torch.aminmax(x)
         lo_f, hi_f = min(float(lo), 0.0), max(float(hi), 0.0)  # the range must contain 0 (exact zero point)
         scale = max(hi_f - lo_f, 1e-8) / 255.0
@@ -140,13 +168,19 @@ class OneDnnInt8Linear(SharesPackedWeight, Int8LinearBase):
     def forward(self, x: Tensor, *, gelu: bool = False, add: Tensor | None = None) -> Tensor:
         """``W x + b``, then ``gelu`` (exact erf) or ``+ add`` (a (N, out) residual) in the GEMM epilogue."""
         lead = x.shape[:-1]
-        qx, sx, zx = self._quantize(self._rows(x, gelu, add))
+        x2, part = self._prepared(self._rows(x, gelu, add))
+        qx, sx, zx = self._quantize(x2)
+        if part is not None and not gelu:  # the outlier channels' product joins the residual
+            add = part if add is None else part.add_(add.reshape(part.shape))
         if add is not None:
             y = torch.ops.onednn.qlinear_pointwise.binary(
                 qx, sx, zx, self.packed, self.w_scale, self.w_zp, add.reshape(-1, self.out_features).contiguous(),
                 self.bias, 1.0, 0, torch.float32, 1.0, 0, "add", 1.0, "none", [], "none")
+        elif part is not None:  # oneDNN has no add-then-GELU epilogue: add, then GELU in place
+            y = torch.ops.onednn.qlinear_pointwise(qx, sx, zx, self.packed, self.w_scale, self.w_zp, self.bias, 1.0,
+                                                   0, torch.float32, "none", [], "none")
+            torch._C._nn.gelu_(y.add_(part))
         else:
             y = torch.ops.onednn.qlinear_pointwise(qx, sx, zx, self.packed, self.w_scale, self.w_zp, self.bias, 1.0,
                                                    0, torch.float32, "gelu" if gelu else "none", [], "none")
         return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
-

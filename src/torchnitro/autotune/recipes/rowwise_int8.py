@@ -55,17 +55,20 @@ class RowwiseInt8Linear(Int8LinearBase):
     """``y = W x + b`` (optionally ``gelu(.)`` or ``+ residual``) with int8 weights per output channel
     and int8 activations per row, smoothed by ``scale`` per input channel (the weights carry ``W * s``)."""
 
-    def __init__(self, lin: nn.Linear, scale: Tensor | None = None):
-        super().__init__(lin, scale)
+    def __init__(self, lin: nn.Linear, scale: Tensor | None = None, outliers: Tensor | None = None):
+        super().__init__(lin, scale, outliers)
         self.register_buffer("wq", self.__dict__.pop("wq_init"), persistent=False)  # (out, in) int8
 
     def forward(self, x: Tensor, *, gelu: bool = False, add: Tensor | None = None) -> Tensor:
         """``W x + b``, then ``gelu`` (exact erf) or ``+ add`` (a residual shaped like the output)."""
         lead = x.shape[:-1]
-        xq, xs = quantize_rows(self._smooth(self._rows(x, gelu, add)))  # (N, K) int8, (N, 1)
+        x2, part = self._prepared(self._rows(x, gelu, add))
+        xq, xs = quantize_rows(x2)  # (N, K) int8, (N, 1)
         y = torch._int_mm(xq, self.wq.t()).float()  # (N, out): the exact int32 dot products
         y.mul_(xs)
         y = torch.addcmul(self.bias, y, self.w_scale, out=y) if self.bias is not None else y.mul_(self.w_scale)
+        if part is not None:  # the fp32 outlier channels (see Int8LinearBase)
+            y.add_(part)
         if gelu:
             torch._C._nn.gelu_(y)
         elif add is not None:
