@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -172,6 +173,14 @@ def _why_here(notes: str) -> str:
     return why.split(";")[0].strip(" :()")[:120] or "see the report"
 
 
+def _load() -> str:
+    """The machine's 1/5/15-minute load averages (runnable processes; this machine has ``os.cpu_count()`` cores)."""
+    try:
+        return " / ".join(f"{x:.2f}" for x in os.getloadavg()) + f" ({os.cpu_count()} CPUs)"
+    except OSError:
+        return "unknown"
+
+
 def _versions() -> dict[str, str]:
     out = {"python": platform.python_version(), "torch": torch.__version__}
     for pkg in ("torchnitro", "onnxruntime", "onnx", "openvino"):
@@ -195,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python " + " ".join([f"benchmarks/{Path(__file__).name}"] + (argv if argv is not None
                                                                                       else sys.argv[1:])),
             "machine": f"{hw.cpu_name}, {hw.cpu_cores} cores", "versions": _versions(),
-            "timing environment": describe_environment(), "families": families}
+            "timing environment": describe_environment(), "families": families, "load average at start": _load()}
     variants = ResultTable("p50 inside the optimizer's comparison vs alone in a fresh process", VARIANT_COLUMNS,
                            meta=dict(meta))
     tables = {"variants": variants, "speedups": ResultTable("reported speedup vs isolated ratio", SPEEDUP_COLUMNS)}
@@ -213,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else results_dir()
     out.mkdir(parents=True, exist_ok=True)
     stem = "timing_fairness_quick" if args.quick else "timing_fairness"
+    variants.meta["load average at end"] = _load()  # other work on the machine moves every number here
     variants.meta["written"] = time.strftime("%Y-%m-%d %H:%M:%S")
     (out / f"{stem}.json").write_text(json.dumps({k: t.to_json() for k, t in tables.items()}, indent=2, default=str))
     (out / f"{stem}.md").write_text("\n".join(t.to_markdown() for t in tables.values()))

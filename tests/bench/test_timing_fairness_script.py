@@ -29,6 +29,7 @@ def test_timing_fairness_quick_writes_both_tables(tmp_path, monkeypatch):
     meta = data["variants"]["meta"]
     assert "torch" in meta["versions"] and meta["machine"] and "allocator" in meta["timing environment"]
     assert "--quick" in meta["command"]
+    assert "CPUs" in meta["load average at start"] and "CPUs" in meta["load average at end"]
     assert "isolated ratio" in (tmp_path / "timing_fairness_quick.md").read_text()
     settings = [r["setting"] for r in data["allocator"]["rows"]]
     assert settings == list(tf.MALLOC_SETTINGS) and all(r["eager p50 alone ms"] > 0 for r in data["allocator"]["rows"])
