@@ -30,8 +30,9 @@ __all__ = ["timing_environment", "describe_environment", "ALLOCATOR_SETTING", "a
            "apply_allocator"]
 
 # glibc's mmap threshold 256 MiB and trim threshold 512 MiB: freed blocks stay in the heap for the next call
-# instead of going back to the kernel and faulting in again (encoder eager 1.32x in a fresh process,
-# results/timing_fairness.md; the mmap threshold alone did nothing there)
+# instead of going back to the kernel and faulting in again (encoder eager in a fresh process: the allocator
+# table of results/timing_fairness.md; the first run, commit a00afff, had 1.32x with both, 1.00x with the
+# mmap threshold alone)
 ALLOCATOR_SETTING: dict[str, str] = {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "536870912"}
 # glibc environment variable -> mallopt() parameter (malloc.h: M_TRIM_THRESHOLD -1, M_TOP_PAD -2,
 # M_MMAP_THRESHOLD -3, M_MMAP_MAX -4, M_ARENA_MAX -8)
