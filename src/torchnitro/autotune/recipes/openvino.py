@@ -38,7 +38,7 @@ from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
 from torchnitro.autotune.recipes._layout import (FlatProgram, InputLayout, flat_call, input_layout, is_flat,
                                                  tensor_leaves)
 from torchnitro.autotune.recipes._util import output_kind, restructure
-from torchnitro.autotune.recipes.int8_mixed import calibration_inputs
+from torchnitro.autotune.recipes.int8_mixed import varied_calibration_inputs
 from torchnitro.autotune.recipes.onnx import _threads, export_onnx
 from torchnitro.errors import RecipeError
 from torchnitro.hardware import HardwareInfo
@@ -321,7 +321,8 @@ def _calibration_samples(ctx: BuildContext) -> list[list[np.ndarray]]:
     """The calibration batches as NNCF samples, each batch whole: NNCF's activation ranges then cover every
     row (one row per sample averages the per-sample ranges, which clipped held-out rows in our tests)."""
     layout = meta_layout(ctx)
-    return [[x.detach().cpu().contiguous().numpy() for x in flat_call(layout, xs)] for xs in calibration_inputs(ctx)]
+    return [[x.detach().cpu().contiguous().numpy() for x in flat_call(layout, xs)]
+            for xs in varied_calibration_inputs(ctx)]
 
 
 def meta_layout(ctx: BuildContext) -> Any:
