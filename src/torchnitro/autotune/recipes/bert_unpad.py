@@ -206,11 +206,11 @@ class UnpaddedBertInt8(Recipe):
 
     def build(self, ctx: BuildContext) -> Built:
         base = unpad_model(ctx.model)
-        rest = _bf16_rest_reason() is None  # Linears kept out of int8 computed in bf16, not fp32
+        kept = ("bf16", "fp32") if _bf16_rest_reason() is None else ("fp32",)  # for the Linears kept out of int8
         q, meta, engine = build_mixed_int8(
-            ctx, base, lambda plan, e: _int8(base, plan["int8"], plan["scales"], plan["full_range"], e, plan["outliers"],
-                                             rest))
-        meta["bf16_rest"] = rest
+            ctx, base, lambda plan, e, k="fp32": _int8(base, plan["int8"], plan["scales"], plan["full_range"], e,
+                                                       plan["outliers"], k == "bf16"), kept)
+        rest = meta["bf16_rest"] = meta["kept"] == "bf16"
         n_out = sum(len(v) for v in meta["outliers"].values())
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
                      notes=f"{len(meta['int8'])}/{len(linear_names(base))} Linear int8 ({engine}), "

@@ -230,13 +230,17 @@ def _engine_reasons() -> dict[str, str | None]:
     return {e: why[e] for e in INT8_ENGINES}
 
 
-def build_mixed_int8(ctx: BuildContext, model: nn.Module,
-                     make: Callable[[dict[str, Any], str], nn.Module]) -> tuple[nn.Module, dict[str, Any], str]:
+def build_mixed_int8(ctx: BuildContext, model: nn.Module, make: Callable[..., nn.Module],
+                     kept: Sequence[str] = ("fp32",)) -> tuple[nn.Module, dict[str, Any], str]:
     """The int8 recipes' build: for each engine of ``INT8_ENGINES`` that runs here, plan on ``model``
     with that engine's own Linears (which stay fp32, SmoothQuant scales) on length-varied calibration
     sets, ``make(plan, engine)``, and keep the first whose variant reaches the target there (oneDNN's
-    per-tensor rounding differs from per-token's and fbgemm's). Saves the scales in the workdir.
-    Returns (variant, artifact meta, "engine[: why not the engines before it]")."""
+    per-tensor rounding differs from per-token's and fbgemm's). ``kept``: the precisions tried in order
+    for the Linears the plan keeps out of int8, ``make(plan, engine, precision)`` (with more than one),
+    before the next engine: bf16 fallbacks cost all-MiniLM-L6-v2 on full-length text 0.002 of calibration
+    cosine, which put the oneDNN variant under the target and chose the much slower per-token engine.
+    Saves the scales in the workdir. Returns (variant, artifact meta with ``kept``, "engine[: why not the
+    engines before it]")."""
     calib, target = varied_calibration_inputs(ctx), int8_target(ctx)
     skipped: list[str] = []
     for engine, why in _engine_reasons().items():
@@ -250,14 +254,17 @@ def build_mixed_int8(ctx: BuildContext, model: nn.Module,
                 raise
             skipped.append(f"{engine}: {exc}")
             continue
-        q = make(plan, engine)
-        cos = calibration_cosine(q, calib, plan["refs"])
+        for k in (kept if plan["fp32"] else kept[-1:]):  # nothing kept out of int8: the precisions agree
+            q = make(plan, engine, k) if len(kept) > 1 else make(plan, engine)
+            cos = calibration_cosine(q, calib, plan["refs"])
+            if cos >= target:
+                break
         if cos >= target or engine == INT8_ENGINES[-1]:
             break
         skipped.append(f"{engine}: calibration cosine {cos:.4f} < {target:.4f}")
     save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
     meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": cos, "full_range": plan["full_range"],
-            "alpha": plan["alpha"],
+            "alpha": plan["alpha"], "kept": k,
             "engine": engine, "outliers": {n: [int(i) for i in v] for n, v in plan["outliers"].items()}}
     return q, meta, f"{engine}: {'; '.join(skipped)}" if skipped else engine
 
