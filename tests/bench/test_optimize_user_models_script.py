@@ -28,12 +28,13 @@ def test_quick_run_writes_the_minilm_and_coverage_tables(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "CASES", {"vit": dataclasses.replace(bench.CASES["vit"], recipes=["dynamic-int8"])})
     assert bench.main(["--quick", "--only", "minilm-short", "coverage", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "optimize_user_models_quick.json").read_text())
-    minilm, _, coverage = (t["rows"] for t in data.values())
+    minilm, _, coverage, goals = (t["rows"] for t in data.values())
     held_as = ["user wrapper (AutoModel)", "SentenceTransformer", "built-in SentenceEncoder"]
     assert [r["held as"] for r in minilm] == held_as
     assert all(r["emb cos (held-out)"] > 0.99 and r["ran"] >= 1 and r["failed"] == 0 for r in minilm)
     assert [r["model"] for r in coverage] == ["vit"] and coverage[0]["our fault"] == "none"
     assert coverage[0]["ran"] == "2/2"  # eager and dynamic-int8
+    assert goals and all(isinstance(r["met"], bool) for r in goals), goals
     meta = next(iter(data.values()))["meta"]
     assert "--quick" in meta["command"] and "transformers" in meta["versions"]
     assert (tmp_path / "optimize_user_models_quick.png").stat().st_size > 0
