@@ -154,11 +154,20 @@ class Soak:
             await c.close()
 
     def workers(self) -> list[psutil.Process]:
+        """The server's live worker processes; a child that cannot be read (a zombie, one that just
+        exited) is left out, not allowed to empty the whole list."""
         try:
-            return [p for p in psutil.Process(self.proc.pid).children()
-                    if "spawn_main" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE]
+            children = psutil.Process(self.proc.pid).children()
         except psutil.Error:
             return []
+        out = []
+        for p in children:
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE and "spawn_main" in " ".join(p.cmdline()):
+                    out.append(p)
+            except psutil.Error:
+                pass
+        return out
 
     async def chaos(self, end: float) -> None:
         port = int(self.url.rsplit(":", 1)[1])
@@ -167,6 +176,7 @@ class Soak:
             fault = self.rng.choice(["kill", "short stop", "long stop", "slow clients"])
             ws = self.workers()
             if fault != "slow clients" and not ws:
+                self.faults[f"{fault} (skipped: no worker process listed)"] += 1
                 continue  # both being replaced right now
             self.faults[fault] += 1
             try:
@@ -203,7 +213,12 @@ class Soak:
                         rec[key] = int(val.split()[0]) / 1024
         except OSError:
             pass
-        rec["workers"] = [round(w.memory_info().rss / 2**20) for w in self.workers()]
+        rec["workers"] = []
+        for w in self.workers():
+            try:
+                rec["workers"].append(round(w.memory_info().rss / 2**20))
+            except psutil.Error:
+                pass  # it exited since it was listed
         return rec
 
     async def sample_rss(self, end: float) -> None:
@@ -303,7 +318,9 @@ def main() -> None:
         table.add(what=f"requests: {kind}", count=sum(c.values()),
                   outcomes=", ".join(f"{k}: {v}" for k, v in c.items()))
     for fault, n in soak.faults.items():
-        table.add(what=f"fault: {fault}", count=n, outcomes="server kept answering" if not soak.violations else "")
+        injected = "(" not in fault  # "(skipped: ...)" and "(could not inject: ...)" were not
+        table.add(what=f"fault: {fault}", count=n,
+                  outcomes="not injected" if not injected else "server kept answering" if not soak.violations else "")
     table.add(what="worker restarts", count=int(idle.get("torchnitro_worker_restarts_total", 0)), outcomes="")
     table.add(what="RSS growth (server process)", count=None,
               outcomes=f"{growth:+.1%} (mean {first / 2**20:.0f} MiB in the first quarter, {last / 2**20:.0f} MiB "
