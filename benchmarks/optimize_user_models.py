@@ -196,6 +196,13 @@ def _counts(report: Any) -> tuple[int, int, list[str]]:
     return len(ran), len(failed), [f"{c.recipe}: {c.reason}" for c in failed]
 
 
+def _candidates(report: Any) -> list[dict[str, Any]]:
+    """Every candidate's status, speedup, gate cosine and reason (the results JSON keeps the whole search)."""
+    return [{"recipe": c.recipe, "status": c.status, "speedup": c.speedup, "noise": c.noise,
+             "min cosine": getattr(c, "min_cosine", None), "reason": (c.reason or "")[:300]}
+            for c in report.candidates]
+
+
 def _our_fault(report: Any) -> str:
     """The failed recipes counted against us (``fault_classes``: ours or unexplained), or 'none'."""
     bad = faults(report.candidates)
@@ -222,7 +229,7 @@ def run_minilm(kind: str, args: argparse.Namespace, which: list[str]) -> tuple[l
         row = {"inputs": kind, "real tokens": float(x[1].float().mean()), "held as": name, "chosen": om.recipe,
                "speedup": c.speedup, "noise": c.noise, "emb cos (held-out)": emb_cosine(om, model, held_out, call),
                "ran": ran, "failed": failed, "our fault": _our_fault(om.report), "search s": search_s,
-               "failed recipes": "; ".join(why)[:300]}
+               "failed recipes": "; ".join(why)[:300], "candidates": _candidates(om.report)}  # JSON only
         rows.append(row)
         _progress(f"minilm {kind} / {name}: {om.recipe} {c.speedup or 1.0:.2f}x in {search_s:.0f} s")
         if name.startswith("user wrapper"):
