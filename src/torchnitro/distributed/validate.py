@@ -211,4 +211,4 @@ if __name__ == "__main__":
     a = json.loads(sys.argv[1])
     result = check_layout(TransformerConfig(**a["model"]), ParallelConfig(**a["cfg"]), rank=a["rank"],
                           batch=a["batch"], seq=a["seq"])
-    print(json.dumps(_to_json(result)))
+    sys.stdout.write(json.dumps(_to_json(result)) + "\n")  # the parent reads the last JSON line of stdout
