@@ -11,7 +11,6 @@ after that a call is a plan lookup, the allocations and the launches.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,8 +19,9 @@ from torch import Tensor, nn
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float, check_last_dim
 from torchnitro.kernels._partials import partials_launcher
-from torchnitro.kernels._triton import (LazyKernel, cached_plan, cdiv, interpreting, next_pow2, num_programs, pick_config,
-                                        row_config, store_plan)
+from torchnitro.kernels._triton import (LazyKernel, as_rows, cached_plan, cdiv, interpreting, next_pow2,
+                                        norm_bwd_candidates, norm_fwd_candidates, num_programs, pick_config,
+                                        row_config, shaped_like, store_plan)
 from torchnitro.kernels.dispatch import use_triton_rows
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
@@ -135,40 +135,8 @@ _bwd = LazyKernel(_ln_bwd_kernel)
 _bwd_prefetch = LazyKernel(_ln_bwd_prefetch_kernel)
 
 
-@functools.lru_cache(maxsize=None)
-def fwd_candidates(C: int) -> tuple[dict[str, int], ...]:
-    """Forward launch configs :func:`pick_config` times (the first, one row per program, is the default)."""
-    _, w0 = row_config(C)
-    out = [{"ROWS": 1, "num_warps": w0}]
-    out += [{"ROWS": r, "num_warps": w} for r in (1, 2, 4) for w in (4, 8, 16) if (r, w) != (1, w0)]
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=None)
-def bwd_candidates(C: int) -> tuple[dict[str, int], ...]:
-    """Backward configs: PER_SM persistent programs per SM, ROWS rows per loop step (or PREFETCH: the
-    next row loaded during this one), num_warps (the first, one program per SM and one row per step, is the default)."""
-    _, w0 = row_config(C)
-    out = [{"PER_SM": 1, "ROWS": 1, "num_warps": w0}]
-    for per_sm, rows, warps in ((2, 1, 8), (4, 1, 8), (2, 1, 16), (4, 1, 16), (1, 2, 8), (2, 2, 8), (1, 2, 16),
-                                (2, 2, 16), (4, 1, 4), (8, 1, 4), (1, 1, 16), (1, 4, 16), (2, 4, 16)):
-        c = {"PER_SM": per_sm, "ROWS": rows, "num_warps": warps}
-        if c != out[0]:
-            out.append(c)
-    for per_sm, warps in ((1, 8), (2, 8), (1, 16), (2, 16)):  # next-row prefetch, one row per step
-        out.append({"PER_SM": per_sm, "ROWS": 1, "PREFETCH": 1, "num_warps": warps})
-    return tuple(out)
-
-
-def _rows(t: Tensor, C: int) -> Tensor:
-    """``t`` as contiguous (N, C) rows; ``t`` itself when it already is (a reshape costs microseconds)."""
-    if t.dim() != 2:
-        t = t.reshape(-1, C)
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def _like(t2: Tensor, like: Tensor) -> Tensor:
-    return t2 if t2.dim() == like.dim() else t2.view(like.shape)
+fwd_candidates, bwd_candidates = norm_fwd_candidates, norm_bwd_candidates  # launch configs pick_config times
+_rows, _like = as_rows, shaped_like
 
 
 def _fwd_plan(cfg: dict[str, int], N: int, C: int) -> tuple:
