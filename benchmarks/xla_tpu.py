@@ -39,8 +39,8 @@ def _row(cfg: LMConfig, target: str, mesh: str, rules: str, remat: str, b: int, 
     c, e = p.compiled, p.estimate
     row = dict(target=target, mesh=p.mesh, rules=rules, remat=remat, attention=cfg.attention, batch=b, seq=seq,
                argument=c.argument, output=c.output, alias=c.alias, temp=c.temp, peak=c.peak,
-               est_argument=e.argument, est_saved=e.saved, est_head=e.head, est_gathered=e.gathered,
-               est_backward=e.backward, est_temp=e.temp, est_peak=e.peak, est_error=p.estimate_error, hbm=p.hbm,
+               est_argument=e.argument, est_at_peak=e.at_peak, est_temp=e.temp, est_peak=e.peak,
+               est_error=p.estimate_error, hbm=p.hbm,
                flops=p.flops, compile_s=time.perf_counter() - t0)
     print(f"{target} {rules} {remat} {cfg.attention} B={b}: peak {c.peak / MIB:.1f} MiB, estimate "
           f"{e.peak / MIB:.1f} MiB ({100 * p.estimate_error:+.0f}%)", file=sys.stderr, flush=True)
@@ -67,6 +67,24 @@ def _padding(cfg: LMConfig) -> dict:
                 padded_tiled_estimate=padded.estimate.argument)
 
 
+def _kinds(k: dict) -> str:
+    return "; ".join(f"{k.get(n, 0) / MIB:.1f}" for n in ("weights", "dots", "other", "grads"))
+
+
+def _ordering(rows: list[dict], target: str) -> str:
+    """Whether compiled temp orders none > dots_saveable > nothing_saveable, per (rules, batch), plain attention."""
+    out = []
+    for rules in dict.fromkeys(r["rules"] for r in rows):
+        for b in sorted({r["batch"] for r in rows}):
+            t = {r["remat"]: r["temp"] for r in rows if r["target"] == target and r["rules"] == rules
+                 and r["batch"] == b and r["attention"] == "plain"}
+            if len(t) == 3:
+                ok = t["none"] > t["dots_saveable"] > t["nothing_saveable"]
+                out.append(f"{rules} B={b}: {t['none'] / MIB:.0f} / {t['dots_saveable'] / MIB:.0f} / "
+                           f"{t['nothing_saveable'] / MIB:.0f} MiB {'holds' if ok else 'does not hold'}")
+    return f"Remat ordering none > dots_saveable > nothing_saveable in compiled temp on {target}: " + "; ".join(out)
+
+
 def _logical_args(cfg: LMConfig) -> int:
     """Per-device argument bytes as logical shards (4 devices of v5e:2x2, FSDP), batch 8 x 64."""
     import jax
@@ -84,23 +102,28 @@ def _md(rows: list[dict], pad: dict, cfg: LMConfig) -> str:
     out = [f"# Compile-time memory per device, JAX LM {cfg.n_layers}x{cfg.dim} (vocab {cfg.vocab_size}, "
            f"{cfg.n_heads} heads), AdamW fp32", "",
            "Compiled: XLA's `memory_analysis()` (peak = arguments + outputs - aliased + temp). Estimate: "
-           "`torchnitro.xla.estimate` (arguments in TPU tiles; temp terms in MiB: saved residuals; loss head; "
-           "block backward; FSDP gathered weights and grads).", "",
+           "`torchnitro.xla.estimate` (arguments in TPU tiles; temp = the peak of the liveness walk over one "
+           "device's loss-and-gradient jaxpr, `torchnitro.xla.liveness`; in brackets what is live at that peak, "
+           "MiB: w = FSDP-gathered weights, d = matmul outputs, o = other materialised values, g = gradient "
+           "shards).", "",
            "| target | mesh | rules | remat | attention | batch | args MiB | est args | temp MiB | est temp "
-           "= max(saved + head, saved + backward, gathered) | peak MiB | estimate MiB | error |",
+           "(w; d; o; g) | peak MiB | estimate MiB | error |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         mesh = "x".join(str(v) for v in r["mesh"].values())
         out.append(f"| {r['target']} | {mesh} | {r['rules']} | {r['remat']} | {r['attention']} | {r['batch']} | "
                    f"{r['argument'] / MIB:.2f} | {r['est_argument'] / MIB:.2f} | {r['temp'] / MIB:.2f} | "
-                   f"{r['est_temp'] / MIB:.2f} ({r['est_saved'] / MIB:.1f}; {r['est_head'] / MIB:.1f}; "
-                   f"{r['est_backward'] / MIB:.1f}; {r['est_gathered'] / MIB:.1f}) | {r['peak'] / MIB:.2f} | "
+                   f"{r['est_temp'] / MIB:.2f} ({_kinds(r['est_at_peak'])}) | {r['peak'] / MIB:.2f} | "
                    f"{r['est_peak'] / MIB:.2f} | "
                    f"{100 * r['est_error']:+.0f}% |")
     for target in dict.fromkeys(r["target"] for r in rows):
         errs = [abs(r["est_error"]) for r in rows if r["target"] == target]
         out.append(f"\n{target}: {sum(e <= 0.10 for e in errs)} of {len(errs)} configurations within 10% "
-                   f"(max |error| {100 * max(errs):.0f}%)")
+                   f"(max |error| {100 * max(errs):.0f}%); misses: "
+                   + (", ".join(f"{r['rules']}/{r['remat']}/{r['attention']}/B={r['batch']} "
+                                f"{100 * r['est_error']:+.0f}%" for r in rows
+                                if r["target"] == target and abs(r["est_error"]) > 0.10) or "none"))
+        out.append(_ordering(rows, target))
     out += ["", "Layout padding on v5e:2x2 (argument bytes per device, logical -> compiled for the TPU):", "",
             f"- unpadded: {pad['logical_argument']:,} -> {pad['tpu_argument']:,} "
             f"({pad['tpu_argument'] / pad['logical_argument']:.2f}x)",
@@ -132,9 +155,9 @@ def _reestimate(path: str) -> tuple[dict, list[dict]]:
                          target=None if r["target"] == "host" else r["target"])
         step = lm_train_step(cfg, optax.adamw(1e-3), mesh, r["rules"], r["batch"], r["seq"], remat=r["remat"])
         e = estimate_memory(cfg, step, r["batch"], r["seq"], r["remat"])
-        rows.append({**r, "attention": cfg.attention, "est_argument": e.argument, "est_saved": e.saved, "est_head": e.head,
-                     "est_gathered": e.gathered, "est_backward": e.backward, "est_temp": e.temp, "est_peak": e.peak,
-                     "est_error": e.peak / r["peak"] - 1})
+        rows.append({k: v for k, v in r.items() if not k.startswith("est_")}
+                    | {"attention": cfg.attention, "est_argument": e.argument, "est_at_peak": e.at_peak,
+                       "est_temp": e.temp, "est_peak": e.peak, "est_error": e.peak / r["peak"] - 1})
     return data, rows
 
 

@@ -1,76 +1,39 @@
 """The analytic memory model of the LM train step, per device, to hold against XLA's compiled plan.
 
-Nothing is compiled: every term comes from shapes, shardings and JAX's own trace. The model, and
-what each term stands for in the TPU compile's ``memory_analysis()`` (results/xla_tpu.md has the
-term-by-term comparison):
+Nothing is compiled: every term comes from shapes, shardings and JAX's own trace.
 
 * **arguments** = parameter + optimizer-state + batch shards. On a TPU each array is stored in
   (8, 128) tiles of its two minor dims (XLA picks which two; we take the cheapest pair), a rank-1
   array in 128-element rows, so a 64-wide head dim costs twice its bytes. Exact to <0.5% on v5p.
-* **temp** = the largest of three phases, not their sum (XLA reuses freed scratch):
-  - *loss head*: every layer's saved residuals + the loss head's vocab-sized fp32 buffers
-    (logits, their gradient, and a bf16 copy of it for the two MXU matmuls: 2.5x the logits; 1.5x
-    when the vocab is split over the tensor axis, where the softmax is reduced piecewise) + a bf16
-    copy of the gathered embedding (FSDP);
-  - *weights*: FSDP's all-gathered layer weights and their unsharded gradients before the
-    reduce-scatter (XLA's collective combiners gather and scatter all layers at once), 2.5x the
-    gathered layer bytes (fp32 weights and grads, bf16 copies of some), plus the gathered embedding;
-  - *block backward*: every layer's saved residuals + the intermediates a rematerialised block
-    recomputes (what ``none`` would have kept, less what the policy kept; fp32) + the gathered
-    layer weights (FSDP).
-* **saved residuals per layer** come from JAX's partial evaluation of the block
-  (``saved_residuals``) at the device-local shapes, for the remat policy: dots_saveable keeps the
-  matmul outputs, nothing_saveable the block input; flash attention keeps q, k, v, o and one
-  float per row instead of (B, H, T, T) scores, all fp32 as JAX saves them. For ``none`` on a TPU
-  we count dots_saveable's set:
-  XLA's TPU fusion recomputes the elementwise residuals ``none`` would keep (measured: compiled
-  temp of none and dots_saveable within a few percent of each other).
+* **temp** = the peak of a liveness walk (``torchnitro.xla.liveness``) over one device's
+  loss-and-gradient program: the step traced at device-local shapes (batch split over data/fsdp,
+  heads, MLP hidden and vocab over tensor, weights as FSDP gathers them) under the remat policy,
+  with XLA's fusion rules deciding which values get a buffer. No fitted constants.
+* ``at_peak`` says what is live at that peak: FSDP-gathered weights, matmul outputs (``dots``,
+  mostly residuals saved for the backward), other materialised values (reductions, the embedding
+  gather and its scatter-add gradient, the stored residual stream) and gradient shards.
 
-The 2.5x / 1.5x / 2.5x buffer counts were read off the buffer assignment of v5p compiles of two
-width-256 LMs; they are the model's only fitted numbers. What the model cannot see is XLA's
-schedule: which phase peaks, and how far the combiners stretch live ranges.
+``layer_residual_bytes`` is JAX's own list of what one block saves for its backward under a
+policy (before XLA fuses anything); results/xla_tpu.md compares the walk with the compile.
 """
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
 
+from torchnitro.xla.liveness import Liveness, simulate, tpu_array_bytes
 from torchnitro.xla.lm import batch_spec
-from torchnitro.xla.model import LMConfig, _block, _layer_shapes, attention_fn, param_spec
-from torchnitro.xla.remat import layer_policies, remat_block
+from torchnitro.xla.model import LMConfig, _block, _layer_shapes, attention_fn, loss_fn, param_spec
+from torchnitro.xla.remat import remat_block
 from torchnitro.xla.train import TrainStep
 
-__all__ = ["MemoryEstimate", "estimate_memory", "tpu_array_bytes", "layer_residual_bytes",
-           "HEAD_BUFFERS", "HEAD_BUFFERS_SPLIT_VOCAB", "GATHER_BUFFERS"]
-
-HEAD_BUFFERS = 2.5  # fp32 logits + fp32 dlogits + bf16 dlogits, in units of the local fp32 logits
-HEAD_BUFFERS_SPLIT_VOCAB = 1.5  # the same with the vocab split over the tensor axis
-GATHER_BUFFERS = 2.5  # FSDP-gathered layer weights + unsharded grads (+ bf16 copies), in gathered fp32 weights
-
-
-def _round_up(n: int, m: int) -> int:
-    return -(-n // m) * m
-
-
-def tpu_array_bytes(shape: Sequence[int], itemsize: int) -> int:
-    """Bytes of an array in TPU HBM: two minor dims in (8, 128) tiles (cheapest pair), rank 1 in 128s."""
-    if len(shape) == 0:
-        return itemsize
-    if len(shape) == 1:
-        return _round_up(shape[0], 128) * itemsize
-    best = None
-    for minor, second in itertools.permutations(range(len(shape)), 2):
-        rest = math.prod(s for i, s in enumerate(shape) if i not in (minor, second))
-        b = rest * _round_up(shape[minor], 128) * _round_up(shape[second], 8) * itemsize
-        best = b if best is None else min(best, b)
-    return int(best)
-
+__all__ = ["MemoryEstimate", "estimate_memory", "simulated_temp", "tpu_array_bytes", "layer_residual_bytes"]
 
 def _tree_bytes(specs: Any, shardings: Any, tpu: bool) -> int:
     total = 0
@@ -87,18 +50,12 @@ class MemoryEstimate:
     params: int  # parameter shards as stored
     opt_state: int  # optimizer-state shards (moments follow their parameter's sharding)
     batch: int  # token and target shards
-    saved: int  # residuals every layer keeps for the backward pass, by remat policy
-    head: int  # the loss head's vocab-sized fp32 buffers (and the gathered embedding's bf16 copy)
-    gathered: int  # FSDP: gathered weights + unsharded gradients (0 without an fsdp split)
-    backward: int  # one rematerialised block's recomputed intermediates + the gathered layer weights (FSDP)
+    temp: int  # peak live scratch of the liveness walk
+    at_peak: dict[str, int] = field(default_factory=dict)  # what is live at that peak, by kind
 
     @property
     def argument(self) -> int:
         return self.params + self.opt_state + self.batch
-
-    @property
-    def temp(self) -> int:
-        return max(self.saved + self.head, self.saved + self.backward, self.gathered)
 
     @property
     def peak(self) -> int:
@@ -144,23 +101,55 @@ def estimate_memory(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: in
     tpu = step.mesh.devices.flat[0].platform == "tpu"
     params = param_spec(cfg)
     opt = jax.eval_shape(step.optimizer.init, params)
-    seqs, tp, fsdp, vocab = _local(step, cfg, batch_size)
-    per_policy = {p: layer_residual_bytes(cfg, p, seqs, seq_len, tp, tpu) for p in set(layer_policies(remat,
-                                                                                                       cfg.n_layers))}
-    saved = sum(per_policy[p] for p in layer_policies(remat, cfg.n_layers))
-    logits = seqs * seq_len * vocab * 4
-    embed = vocab * cfg.padded_dim * 4  # the embedding as gathered for the head matmul (fsdp undone)
-    k = HEAD_BUFFERS_SPLIT_VOCAB if vocab != cfg.padded_vocab else HEAD_BUFFERS
-    head = int(k * logits) + (embed // 2 if fsdp > 1 else 0)
-    p = _tree_bytes(params, step.param_shardings, tpu)
-    layers_full = _tree_bytes(params["layers"], step.param_shardings["layers"], tpu=False) * fsdp  # fsdp undone
-    gathered = int(GATHER_BUFFERS * layers_full) + embed if fsdp > 1 else 0
-    # a block under remat recomputes its forward inside the backward: everything "none" would keep, less what
-    # the policy kept, is live for that block
-    full = layer_residual_bytes(cfg, "none", seqs, seq_len, tp, tpu=False)
-    recompute = max((full - layer_residual_bytes(cfg, p, seqs, seq_len, tp, tpu=False)
-                     for p in per_policy if p != "none"), default=0)
-    backward = recompute + (layers_full if fsdp > 1 else 0)
-    return MemoryEstimate(params=p, opt_state=_tree_bytes(opt, step.opt_shardings, tpu),
+    walk = simulated_temp(cfg, step, batch_size, seq_len, remat)
+    return MemoryEstimate(params=_tree_bytes(params, step.param_shardings, tpu),
+                          opt_state=_tree_bytes(opt, step.opt_shardings, tpu),
                           batch=_tree_bytes(batch_spec(batch_size, seq_len), step.batch_shardings, tpu),
-                          saved=saved, head=head, gathered=gathered, backward=backward)
+                          temp=walk.peak, at_peak=dict(walk.at_peak))
+
+
+def _local_leaf(shape: tuple[int, ...], sharding: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape after the FSDP gather, i.e. split only by the tensor axis; the stored shard's shape)."""
+    spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+    mesh = sharding.mesh.shape
+    gathered = []
+    for s, ax in zip(shape, spec):
+        axes = (ax,) if isinstance(ax, str) else tuple(ax or ())
+        gathered.append(s // math.prod(mesh[a] for a in axes if a == "tensor"))
+    return tuple(gathered), tuple(sharding.shard_shape(shape))
+
+
+def simulated_temp(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: int,
+                   remat: str | Sequence[str] = "none") -> Liveness:
+    """torchnitro.xla.liveness's walk over one device's loss-and-gradient program for this step."""
+    tpu = step.mesh.devices.flat[0].platform == "tpu"
+    seqs, tp, fsdp, vocab = _local(step, cfg, batch_size)
+    params = param_spec(cfg)
+    leaves, tree = jax.tree.flatten(params)
+    shapes = [_local_leaf(s.shape, sh) for s, sh in zip(leaves, jax.tree.leaves(step.param_shardings))]
+    local = jax.tree.unflatten(tree, [jax.ShapeDtypeStruct(g, s.dtype) for (g, _), s in zip(shapes, leaves)])
+    toks = jax.ShapeDtypeStruct((seqs, seq_len), jnp.int32)
+    # the local vocab is a model of its own size (no padding mask: the split is over the padded vocab)
+    lcfg = dataclasses.replace(cfg, vocab_size=vocab, pad_multiple=1) if vocab != cfg.padded_vocab else cfg
+    lcfg = dataclasses.replace(lcfg, pad_heads_to=1) if tp > 1 else lcfg
+
+    def fn(p: Any, b: Any) -> Any:
+        return jax.value_and_grad(loss_fn)(p, b, lcfg, remat)
+
+    def kinds(i: int, shape: tuple[int, ...]) -> str:
+        if i < len(shapes) and math.prod(shapes[i][1]) < math.prod(shapes[i][0]):
+            return "weights"  # FSDP-split: gathered before its uses
+        return "arg"
+
+    def outputs(i: int, shape: tuple[int, ...]) -> tuple[str, int]:
+        if i == 0 or i > len(shapes):
+            return "", 0
+        g, s = shapes[i - 1]
+        if math.prod(s) < math.prod(g):  # reduce-scattered: the shard waits for the optimizer
+            return "grads", tpu_array_bytes(s, 4) if tpu else math.prod(s) * 4
+        return "", 0
+
+    # a vocab split over the tensor axis: the partitioner turns the target gather (and its scatter
+    # transpose) on the split dim into a masked select, elementwise
+    extra = frozenset({"scatter-add", "gather"}) if vocab != cfg.padded_vocab else frozenset()
+    return simulate(fn, (local, {"tokens": toks, "targets": toks}), kinds, tpu, outputs, extra)

@@ -1,0 +1,255 @@
+"""Temp memory of the LM train step by a liveness walk over its jaxpr at one device's shapes.
+
+The per-device program of the SPMD step is traced directly: the loss and its gradient with the
+batch split over the data-like axes, heads / MLP hidden / vocab split over the tensor axis and the
+weights as FSDP gathers them (whole along the fsdp-split dimension). Its jaxpr, with every call,
+``jax.checkpoint`` and custom-derivative body inlined, is a schedule: the forward, then the
+backward in reverse with the rematerialised forward of each block just before its backward. The
+walk takes that order as XLA's and asks, at every equation, which buffers are live.
+
+Which values get a buffer follows what XLA's fusion passes do:
+
+* outputs of matmuls, reductions, gathers/scatters, Pallas kernels and other non-elementwise ops
+  are *materialised*; elementwise ops, broadcasts, reshapes, slices and concatenations fuse into
+  their consumers and never get a buffer of their own. A fused value read at equation ``j``
+  keeps every materialised value it is computed from live until ``j`` (XLA recomputes the
+  elementwise chain inside the consumer instead of storing it; this is why ``none`` costs about
+  what ``dots_saveable`` does on a TPU);
+* on a TPU, a fused value feeding two or more matmuls is materialised once, in bf16: f32 matmuls
+  at default precision run on the MXU with bf16 operands, and XLA converts a shared operand once
+  rather than in each consumer (the bf16 copies of the logits' gradient in the buffer dumps);
+* FSDP: a weight split over ``fsdp`` is all-gathered before its first use and its gathered copy
+  lives until its last (XLA's CSE merges the backward's re-gather into the forward's); its
+  gradient is reduce-scattered as soon as it is complete, and the shard waits for the optimizer;
+  unsplit gradients wait whole. The optimizer update is elementwise into donated buffers: no temp.
+* buffer sizes are TPU-tiled (``tpu_array_bytes``) on a TPU target.
+
+Not modelled: XLA's scheduler reordering the walk, its heap fragmentation, collective buffers
+other than the gathered weights, and fixed scratch (results/xla_tpu.md lists what remains).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import jax
+from jax.extend import core as jcore
+
+__all__ = ["FUSIBLE", "INLINED", "Liveness", "simulate", "tpu_array_bytes"]
+
+# primitives XLA fuses into their consumers (loop fusion): no buffer of their own
+FUSIBLE = frozenset("""
+    abs add add_any and broadcast_in_dim ceil clamp concatenate convert_element_type copy copy_p cos div eq exp exp2
+    expand_dims expm1 floor ge gt imag integer_pow iota is_finite le log log1p logistic lt max min mul ne neg
+    not or pad pow real reduce_precision rem reshape rev round rsqrt select_n sign sin slice sqrt square
+    squeeze stop_gradient sub tan tanh transpose xor erf erf_inv cbrt nextafter shift_left
+    shift_right_logical shift_right_arithmetic population_count clz
+""".split())
+# call-like primitives whose body is inlined into the walk (a Pallas call or a loop stays one opaque op)
+INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
+                     "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})
+DOTS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+@dataclass
+class _Value:
+    shape: tuple[int, ...]
+    itemsize: int
+    roots: frozenset[int]  # the materialised values (ids) this value is read from
+    op: str  # producing primitive ("arg" for inputs)
+
+
+@dataclass(frozen=True)
+class _Eqn:
+    prim: str
+    ins: tuple[int, ...]  # value ids (literals dropped)
+    outs: tuple[int, ...]
+
+
+@dataclass
+class Liveness:
+    """Result of the walk: peak live temp bytes and what was live at the peak, by kind."""
+
+    peak: int  # bytes
+    at_peak: dict[str, int] = field(default_factory=dict)  # kind -> bytes live at the peak
+    peak_index: int = 0  # equation index of the peak
+    n_eqns: int = 0
+    live: list[tuple[str, tuple[int, ...], int, int, int, int]] = field(default_factory=list)  # at the peak:
+    # (kind/op, shape, itemsize, bytes, first equation, last equation)
+
+
+def _sub_jaxpr(e: Any) -> Any:
+    for k in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        j = e.params.get(k)
+        if j is not None:
+            return j
+    return None
+
+
+class _Flat:
+    """The jaxpr as one flat list of equations over integer value ids."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, _Value] = {}
+        self.eqns: list[_Eqn] = []
+
+    def new(self, aval: Any, op: str) -> int:
+        i = len(self.values)
+        shape = tuple(getattr(aval, "shape", ()))
+        dt = getattr(aval, "dtype", None)
+        self.values[i] = _Value(shape, dt.itemsize if dt is not None and hasattr(dt, "itemsize") else 4,
+                                frozenset(), op)
+        return i
+
+    def walk(self, jaxpr: Any, env: dict[Any, int]) -> None:
+        for e in jaxpr.eqns:
+            name = e.primitive.name
+            sub = _sub_jaxpr(e) if name in INLINED else None
+            ins = [env.get(v) for v in e.invars if not isinstance(v, jcore.Literal)]
+            if sub is not None:
+                inner = sub.jaxpr if hasattr(sub, "jaxpr") else sub
+                inner_env: dict[Any, int] = {}
+                outer = [v for v in e.invars]
+                for iv, ov in zip(inner.invars[len(inner.invars) - len(outer):], outer):
+                    if not isinstance(ov, jcore.Literal) and ov in env:
+                        inner_env[iv] = env[ov]
+                for cv in inner.constvars:
+                    inner_env[cv] = self.new(cv.aval, "const")
+                self.walk(inner, inner_env)
+                for ov, iv in zip(e.outvars, inner.outvars):
+                    if not isinstance(iv, jcore.Literal) and iv in inner_env:
+                        env[ov] = inner_env[iv]
+                    else:
+                        env[ov] = self.new(ov.aval, "const")
+                continue
+            outs = tuple(self.new(v.aval, name) for v in e.outvars)
+            for v, i in zip(e.outvars, outs):
+                env[v] = i
+            self.eqns.append(_Eqn(name, tuple(i for i in ins if i is not None), outs))
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def tpu_array_bytes(shape: Sequence[int], itemsize: int) -> int:
+    """Bytes of an array in TPU HBM: two minor dims in (8, 128) tiles (cheapest pair), rank 1 in 128s."""
+    if len(shape) == 0:
+        return itemsize
+    if len(shape) == 1:
+        return _round_up(shape[0], 128) * itemsize
+    best = None
+    for minor, second in itertools.permutations(range(len(shape)), 2):
+        rest = math.prod(s for i, s in enumerate(shape) if i not in (minor, second))
+        b = rest * _round_up(shape[minor], 128) * _round_up(shape[second], 8) * itemsize
+        best = b if best is None else min(best, b)
+    return int(best)
+
+
+def _bytes(shape: tuple[int, ...], itemsize: int, tpu: bool) -> int:
+    return tpu_array_bytes(shape, itemsize) if tpu else math.prod(shape) * itemsize
+
+
+def _roots(f: _Flat, fusible_extra: frozenset[str]) -> None:
+    """Fill in, for every value, the materialised values it is read from (itself when it gets a buffer)."""
+    vals = f.values
+    readers: dict[int, int] = {}
+    for e in f.eqns:
+        for i in set(e.ins):
+            readers[i] = readers.get(i, 0) + 1
+    for i, v in vals.items():  # inputs root themselves; constants (RoPE tables, masks) are not counted
+        v.roots = frozenset({i}) if v.op == "arg" else frozenset()
+    for e in f.eqns:
+        fused = e.prim in FUSIBLE or e.prim in fusible_extra
+        roots = frozenset().union(*(vals[i].roots for i in e.ins)) if fused else frozenset()
+        for o in e.outs:
+            # a fused join of two or more buffers that three or more equations read (the residual stream
+            # x + f(x): the next norm's reduction, its scaling and the next add) is stored once, not
+            # recomputed by every reader with all its inputs kept live
+            keep = not fused or (len(roots) >= 2 and readers.get(o, 0) >= 3)
+            vals[o].roots = frozenset({o}) if keep else roots
+
+
+def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], str], tpu: bool,
+             outputs: Callable[[int, tuple[int, ...]], tuple[str, int]] | None = None,
+             fusible_extra: frozenset[str] = frozenset()) -> Liveness:
+    """Walk ``jax.make_jaxpr(fn)(*args)`` and return the peak of live temp bytes.
+
+    ``kinds(i, shape)`` names flat input ``i``: "arg" for an argument (not temp) or another kind
+    for a buffer gathered just before its uses, once for the uses up to the first output's
+    equation (the forward) and once for those after it (the backward). ``outputs(i, shape)`` gives
+    (kind, bytes) of what waits until the end of the step once flat output ``i`` is complete (a
+    gradient shard), or ("", 0) for the output itself to wait. ``fusible_extra`` names primitives
+    to treat as fused in this program (e.g. a gather the partitioner turns into a masked select).
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    f = _Flat()
+    env: dict[Any, int] = {}
+    in_kind: dict[int, str] = {}
+    for n, v in enumerate(closed.jaxpr.invars):
+        env[v] = f.new(v.aval, "arg")
+        in_kind[env[v]] = kinds(n, tuple(v.aval.shape))
+    for v in closed.jaxpr.constvars:
+        env[v] = f.new(v.aval, "const")
+    f.walk(closed.jaxpr, env)
+    vals = f.values
+    _roots(f, fusible_extra)
+    n = len(f.eqns)
+    first_out = env.get(closed.jaxpr.outvars[0]) if not isinstance(closed.jaxpr.outvars[0], jcore.Literal) else None
+    bound = next((k for k, e in enumerate(f.eqns) if first_out in e.outs), n)  # forward | backward
+    ranges: dict[int, list[list[int]]] = {}  # buffer -> [first, last] equation of each live range
+    kind: dict[int, str] = {}
+    for idx, e in enumerate(f.eqns):
+        for o in e.outs:
+            if o in vals[o].roots:
+                ranges[o] = [[idx, idx]]
+                kind[o] = "dots" if e.prim in DOTS else "pallas" if e.prim == "pallas_call" else "other"
+        for i in e.ins:
+            for r in vals[i].roots:
+                if in_kind.get(r) == "arg" or vals[r].op == "const":
+                    continue
+                if r not in ranges:  # a gathered input: made just before its first use
+                    ranges[r], kind[r] = [[idx, idx]], in_kind.get(r, "other")
+                elif r in in_kind and ranges[r][-1][1] <= bound < idx:  # gathered again for the backward
+                    ranges[r].append([idx, idx])
+                ranges[r][-1][1] = idx
+    extra: list[tuple[int, int, str]] = []  # (from, bytes, kind) live until the end
+    for m, ov in enumerate(closed.jaxpr.outvars):
+        if isinstance(ov, jcore.Literal) or ov not in env:
+            continue
+        k, b = outputs(m, tuple(ov.aval.shape)) if outputs else ("", 0)
+        roots = vals[env[ov]].roots
+        if b:
+            extra.append((max((ranges[r][-1][1] for r in roots if r in ranges), default=0), b, k))
+        else:  # the output itself waits whole
+            for r in roots:
+                if r in ranges:
+                    ranges[r][-1][1] = n - 1
+                    kind[r] = "grads" if m else kind[r]
+    size = {r: _bytes(vals[r].shape, vals[r].itemsize, tpu) for r in ranges}
+    delta = [0] * (n + 1)
+    for r, rs in ranges.items():
+        for a, b in rs:
+            delta[a] += size[r]
+            delta[b + 1] -= size[r]
+    for a, b, _ in extra:
+        delta[a] += b
+    cur, peak, at = 0, 0, 0
+    for idx in range(n):
+        cur += delta[idx]
+        if cur > peak:
+            peak, at = cur, idx
+    by_kind: dict[str, int] = {}
+    live = []
+    for r, rs in ranges.items():
+        for a, b in rs:
+            if a <= at <= b:
+                by_kind[kind[r]] = by_kind.get(kind[r], 0) + size[r]
+                live.append((f"{kind[r]}/{vals[r].op}", vals[r].shape, vals[r].itemsize, size[r], a, b))
+    for a, b, k in extra:
+        if a <= at:
+            by_kind[k] = by_kind.get(k, 0) + b
+    return Liveness(peak=peak, at_peak=by_kind, peak_index=at, n_eqns=n, live=sorted(live, key=lambda t: -t[3]))
