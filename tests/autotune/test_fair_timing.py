@@ -309,7 +309,7 @@ def test_eager_that_cannot_be_recreated_in_a_child_is_timed_here_and_the_row_say
     assert any("in this process: eager, test-faster (each row says why)" in n for n in rep.notes)
 
 
-def test_model_defined_in_the_running_script_stays_in_this_process(faster):
+def test_model_defined_in_the_running_script_without_a_program_stays_in_this_process(faster):
     import fake_standalone as fs
 
     from torchnitro.autotune.recipe import get_recipe
@@ -322,6 +322,64 @@ def test_model_defined_in_the_running_script_stays_in_this_process(faster):
     assert cm.kwargs is None and "ScriptModel" in cm.text and "running script" in cm.text
     p = fair.place(get_recipe("eager"), None, cm, device="cpu", all_alone=True)
     assert p.kwargs is None and p.why.startswith("timed in this process") and "running script" in p.why
+    failed = fair.child_model(ScriptModel(), None, {}, __import__("pathlib").Path(os.devnull).parent / "unused",
+                              program=lambda: (_ for _ in ()).throw(RuntimeError("export broke")))
+    assert failed.kwargs is None and "export broke" in failed.text
+
+
+def test_model_defined_in_the_running_script_is_timed_alone_from_its_exported_program(tmp_path, faster):
+    """Issue 15's MiniLM wrapper: its class lives in the user's script, so eager used to be timed in the search's
+    process, beside the in-process candidates, while the OpenVINO variant ran alone; the search's 2.57x and the
+    side-by-side table's 2.01x disagreed. Eager now runs alone too, from the program the search exported."""
+    import fake_standalone as fs
+
+    from torchnitro.autotune.program import prepare_program
+    from torchnitro.autotune.recipe import get_recipe
+
+    class ScriptModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 4)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    ScriptModel.__module__ = "__main__"
+    model, x = ScriptModel().eval(), torch.randn(3, 8)
+    prog = prepare_program("exported", model, (x,), {0: [0]}, tmp_path / "prog")
+    cm = fair.child_model(model, None, {}, tmp_path, program=lambda: prog)
+    assert cm.kwargs is not None and cm.kwargs["how"] == "program" and not cm.rebuilds
+    assert "torch.export program" in cm.text and "running script" in cm.text
+    p = fair.place(get_recipe("eager"), None, cm, device="cpu", all_alone=True)
+    assert p.kwargs is not None and p.needs_eager and p.why.startswith("alone in its own process")
+    rebuilt = fair.place(get_recipe("test-faster"), fs_files(tmp_path), cm, device="cpu", all_alone=True)
+    assert rebuilt.kwargs is None and "eager model object, which a child cannot re-create" in rebuilt.why
+    fn = fair.load_variant(None, None, {}, cm.kwargs)  # what the child runs: no ScriptModel class needed
+    assert not any(type(m).__module__ == "__main__" for m in fn.modules())
+    torch.testing.assert_close(fn(x), model(x))
+
+
+def fs_files(tmp_path):
+    from torchnitro.autotune.recipe import CandidateFiles
+
+    return CandidateFiles(tmp_path, [], {}, False)
+
+
+def test_script_model_search_times_eager_alone_and_rebuilt_candidates_here(faster, fast_cfg, monkeypatch):
+    import fake_standalone as fs
+
+    class ScriptModel(fs.CountingSlowModel):
+        pass
+
+    ScriptModel.__module__ = "__main__"
+    opt = torchnitro.optimize(ScriptModel(), faster.tiny_inputs(),
+                              fast_cfg(recipes=["test-faster", "torchscript"], final_alone=True, min_speedup=0.5))
+    rep = opt.report
+    eager, rebuilt, ts = rep.get("eager"), rep.get("test-faster"), rep.get("torchscript")
+    assert eager.alone and eager.interleaved and "torch.export program" in eager.notes, eager.notes
+    assert not rebuilt.alone and rebuilt.interleaved and "cannot re-create" in rebuilt.notes
+    assert ts.alone and ts.interleaved
+    assert any(n.startswith("eager p50 alone (its own process") for n in rep.notes)
 
 
 def test_a_child_that_cannot_start_is_timed_here_and_nothing_rebuilt_from_an_unchecked_eager_runs_alone(

@@ -4,7 +4,10 @@
   the variant as a deployed artifact would (``load_variant``): a standalone artifact from its files
   (``Recipe.load(dir, meta, None)``: TorchScript, ONNX Runtime, OpenVINO), eager and every artifact that
   is rebuilt from the eager model from a re-created eager model (``ChildModel``: the model's factory and
-  the search's weights, else a pickle of the model object when its classes are importable). Rounds
+  the search's weights, else a pickle of the model object when its classes are importable, else, for a
+  model whose classes live in the running script or a notebook, the ``torch.export`` program the search
+  built from it in this process: eager itself is then timed in its own process, and only the artifacts
+  rebuilt from the model object stay here). Rounds
   alternate between the processes (A B A B); the search process only waits, so no runtime pool, warm
   arena or allocator history of the search's own process is in any number. A variant that cannot be
   loaded in a child (its recipe class defined in ``__main__``, a model with no factory that does not
@@ -91,7 +94,15 @@ def _eager_in_child(how: str, **kw: Any) -> nn.Module:
         return model.eval()
     if how == "pickle":  # written by the search process from the model object it was given (``child_model``)
         return torch.load(kw["path"], weights_only=False).eval()
-    raise ValueError(f"eager source: received how={how!r}, expected 'factory' or 'pickle'")
+    if how == "program":  # the search's torch.export program of the model: no class of the user's is imported
+        from torchnitro.autotune.program import load_program
+        from torchnitro.autotune.recipe import Program
+
+        module = load_program(Program(kw["kind"], Path(kw["path"]), dict(kw.get("meta") or {})))
+        if module is None:
+            raise ValueError(f"eager source: program kind {kw['kind']!r} has no module; expected 'exported'")
+        return module  # exported in eval mode; an exported module refuses .eval()
+    raise ValueError(f"eager source: received how={how!r}, expected 'factory', 'pickle' or 'program'")
 
 
 @dataclass(frozen=True)
@@ -100,16 +111,22 @@ class ChildModel:
 
     kwargs: dict[str, Any] | None  # None: eager cannot be re-created in a child
     text: str  # for the report: where the child's eager model comes from, or why there is none
+    rebuilds: bool = True  # artifacts rebuilt from the eager model can be loaded on it (not on a program)
 
 
-def child_model(model: nn.Module, spec: str | None, extra: dict[str, Any], directory: Path) -> ChildModel:
+def child_model(model: nn.Module, spec: str | None, extra: dict[str, Any], directory: Path,
+                program: Callable[[], Any] | None = None) -> ChildModel:
     """Prepare the eager model for timing processes in ``directory`` (private to the search).
 
     A factory reference (built-in name, ``module:function``, ``hf:`` folder) is rebuilt there and given the
     search's weights (safetensors), as ``torchnitro.load`` rebuilds a non-standalone artifact. Without one,
     the model object is pickled by this process into ``directory`` and loaded there with its own classes:
-    only a file this search wrote from the object it was handed is ever unpickled, and a model whose classes
-    a child cannot import (defined in ``__main__`` or a notebook) stays in this process."""
+    only a file this search wrote from the object it was handed is ever unpickled. A model whose classes a
+    child cannot import (defined in ``__main__`` or a notebook) or that does not pickle is re-created from
+    ``program()`` (the search's ``torch.export`` program of it, built here: a ``Program``, or anything else
+    when there is none): eager is then timed alone like every other variant, the same ATen ops without the
+    user's Python classes, and the child's first outputs are checked against eager here (``ready_children``).
+    Artifacts rebuilt from the model object are not loaded on a program (``rebuilds=False``)."""
     directory.mkdir(parents=True, exist_ok=True)
     if spec:
         from safetensors.torch import save_model
@@ -126,16 +143,39 @@ def child_model(model: nn.Module, spec: str | None, extra: dict[str, Any], direc
         why = "the model has no factory reference"
     in_main = sorted({type(m).__qualname__ for m in model.modules() if type(m).__module__ == "__main__"})
     if in_main:
-        return ChildModel(None, f"{why}, and its class(es) {', '.join(in_main[:3])} are defined in the running "
-                                "script, which a child process does not import")
+        why = (f"{why}, and its class(es) {', '.join(in_main[:3])} are defined in the running script, which a "
+               "child process does not import")
+        return _from_program(program, why)
     path = directory / "eager.pt"
     try:
         torch.save(model, path)
     except Exception as exc:  # noqa: BLE001 - lambdas, open handles, ...
         path.unlink(missing_ok=True)
-        return ChildModel(None, f"{why}, and the model object does not pickle ({type(exc).__name__}: {exc})"[:300])
+        why = f"{why}, and the model object does not pickle ({type(exc).__name__}: {exc})"[:300]
+        return _from_program(program, why)
     return ChildModel({"how": "pickle", "path": str(path)},
                       f"eager re-created from a pickle of the model object ({why})")
+
+
+def _from_program(program: Callable[[], Any] | None, why: str) -> ChildModel:
+    """Eager re-created from the search's ``torch.export`` program, or (none) the reason it stays here."""
+    from torchnitro.autotune.recipe import Program
+
+    got = None
+    if program is not None:
+        try:
+            got = program()
+        except Exception as exc:  # noqa: BLE001 - no program: eager is timed here, the row says why
+            got = f"{type(exc).__name__}: {exc}"
+    if program is None:
+        return ChildModel(None, f"{why}; no torch.export program of it was offered")
+    if isinstance(got, Program) and got.kind != "exported":  # a TorchScript trace runs another executor
+        return ChildModel(None, f"{why}; torch.export failed on it (a {got.kind} program is not eager)"[:300])
+    if not isinstance(got, Program):
+        return ChildModel(None, f"{why}; it has no torch.export program ({str(getattr(got, 'reason', got))[:120]})"[:300])
+    kw = {"how": "program", "kind": got.kind, "path": str(got.path), "meta": dict(got.meta)}
+    return ChildModel(kw, f"eager re-created from the search's torch.export program of the model ({why})"[:300],
+                      rebuilds=False)
 
 
 @dataclass
@@ -170,6 +210,9 @@ def place(recipe: Recipe, files: Any, eager: ChildModel, *, device: str, all_alo
                          "alone in its own process (loaded from its standalone artifact)")
     if eager.kwargs is None:
         return Placement(None, f"timed in this process: its artifact is rebuilt from the eager model, and {eager.text}")
+    if not eager.rebuilds:
+        return Placement(None, "timed in this process: its artifact is rebuilt from the eager model object, which a "
+                               "child cannot re-create (eager itself is timed alone from its torch.export program)")
     return Placement({"recipe": qual, "directory": str(files.dir), "meta": files.meta, "eager": eager.kwargs},
                      "alone in its own process (its artifact rebuilt from the re-created eager model)",
                      needs_eager=True)

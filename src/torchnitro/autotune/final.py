@@ -70,7 +70,9 @@ def _places(s: _Search, cands: list[CandidateResult]) -> dict[str, fair.Placemen
     cfg, device = s.cfg, s.device.type
     if cfg.final_alone and device == "cpu":
         try:
-            eager = fair.child_model(s.model, s.info.spec, s.info.extra, Path(s.tmp.name) / "_final")
+            limit = s.cfg.candidate_timeout_s  # usually prepared already, for an isolated candidate
+            eager = fair.child_model(s.model, s.info.spec, s.info.extra, Path(s.tmp.name) / "_final",
+                                     program=lambda: s.programs.get("exported", limit, limit)[0])
         except Exception as exc:  # noqa: BLE001 - e.g. a full disk: time here, say why
             eager = fair.ChildModel(None, f"preparing the eager model for a child failed ({type(exc).__name__}: "
                                           f"{exc})"[:200])
