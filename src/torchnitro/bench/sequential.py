@@ -1,0 +1,239 @@
+"""Sequential comparison: decide with the samples there are, or ask for more (up to a cap).
+
+``compare_samples`` decides once, on a fixed number of samples; when the noise is large it says
+``same`` for a real 10% slowdown because it could not show it. Here the comparison looks at the
+samples after each batch and returns one of four answers: ``slower`` / ``faster`` (shown), ``same``
+(shown: the whole interval lies within the threshold), or ``inconclusive`` (collect another batch of
+both and look again). At the last planned look (``looks``) inconclusive becomes ``same``.
+
+**The statistic.** Timing noise on a shared machine is one-sided: preemption, a descheduled thread
+of a parallel op or a cache flush only ever *add* time, so a run is a clean mode plus a heavy right
+tail (results/profile_and_detect.md). The comparison therefore uses a low quantile (``quantile``,
+0.1 by default) of each run: it estimates the clean mode, which moves with the code, while the
+median moves with the load. The ratio is Q_q(new) / Q_q(base).
+
+**The test.** A permutation test of |log Q_q(new) - log Q_q(base)|: exact under the null that both
+runs are draws from one distribution, whatever that distribution is. Unpaired runs permute the
+pooled samples; paired samples (``bench.compare`` rounds) swap base and new within each round, so
+the null keeps every round's load on both sides (exact when the order inside a round does not matter,
+as with drift that moves between rounds). The interval is a bootstrap of the ratio (over
+samples, or over rounds when paired).
+
+**Repeated looks.** Looking after every batch and stopping at the first significant result would
+raise the false-alarm rate with each look. The false-alarm budget ``alpha`` is spent over the
+planned looks (``alpha_spending``: by default equal parts, ``alpha / looks`` per look): by the
+union bound the chance of any false ``slower``/``faster`` over all looks is at most ``alpha``,
+whatever the dependence between looks. Stopping early for ``same`` only removes chances to reject,
+so it costs nothing. A case is ``slower`` only when the look's test rejects at its share of alpha,
+the interval excludes 1, *and* the ratio moved by at least ``threshold`` (as in ``compare_samples``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from torchnitro.errors import InputError
+
+__all__ = ["SequentialConfig", "Look", "SequentialVerdict", "look", "compare_sequential", "quantile_ratio_test",
+           "compare_interleaved_sequential"]
+
+
+@dataclass(frozen=True)
+class SequentialConfig:
+    looks: int = 4  # the cap: at most this many decisions (one per batch); the last one is final
+    alpha: float = 0.01  # false-alarm budget over all looks together (spent per look, module doc)
+    alpha_spending: tuple[float, ...] | None = None  # share of alpha per look (sums to 1); None: equal parts
+    threshold: float = 0.05  # smallest relative change of the low quantile that counts as a change
+    quantile: float = 0.1  # which quantile of each run is compared (low: the clean mode, module doc)
+    confidence: float = 0.95  # of the bootstrap interval of the ratio (and of the early "same")
+    n_perm: int = 1999  # permutations per look: p resolves down to 1 / (n_perm + 1)
+    n_boot: int = 2000  # bootstrap resamples per look
+    seed: int = 0  # permutation / bootstrap generator: the same samples give the same verdict
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.looks, int) or self.looks < 1:
+            raise InputError(f"SequentialConfig.looks: received {self.looks!r}; expected an integer >= 1")
+        if not 0 < self.alpha < 1 or not 0 < self.confidence < 1 or not 0 < self.quantile < 1:
+            raise InputError(f"SequentialConfig: alpha {self.alpha}, confidence {self.confidence}, quantile "
+                             f"{self.quantile}; expected each in (0, 1)")
+        if not self.threshold >= 0:
+            raise InputError(f"SequentialConfig.threshold: received {self.threshold}; expected a relative change "
+                             ">= 0, e.g. 0.05 for 5%")
+        s = self.alpha_spending
+        if s is not None and (len(s) != self.looks or any(not x >= 0 for x in s) or abs(sum(s) - 1) > 1e-9):
+            raise InputError(f"SequentialConfig.alpha_spending: received {s!r}; expected {self.looks} non-negative "
+                             "shares that sum to 1 (one per look)")
+        if self.n_perm < 1 / (self.alpha / self.looks) or self.n_boot < 100:
+            raise InputError(f"SequentialConfig: n_perm {self.n_perm} / n_boot {self.n_boot}; expected n_perm >= "
+                             f"looks / alpha = {math.ceil(self.looks / self.alpha)} (so a look can reject at all) "
+                             "and n_boot >= 100")
+
+    def alpha_at(self, k: int) -> float:
+        """The share of the false-alarm budget look ``k`` (1-based) may spend."""
+        if not 1 <= k <= self.looks:
+            raise InputError(f"look {k}: expected 1..{self.looks} (SequentialConfig.looks)")
+        share = self.alpha_spending[k - 1] if self.alpha_spending is not None else 1 / self.looks
+        return self.alpha * share
+
+
+@dataclass
+class Look:
+    """One decision on the samples collected so far."""
+
+    k: int  # 1-based
+    n_base: int
+    n_new: int
+    verdict: str  # slower | faster | same | inconclusive
+    ratio: float  # Q_q(new) / Q_q(base); > 1 is slower
+    ci_low: float
+    ci_high: float
+    p_value: float
+    alpha: float  # the share of the budget this look spent
+    reason: str
+
+
+@dataclass
+class SequentialVerdict:
+    case: str
+    verdict: str  # slower | faster | same (never inconclusive: the last look decides)
+    ratio: float
+    ci_low: float
+    ci_high: float
+    p_value: float
+    n_base: int
+    n_new: int
+    looks_used: int
+    reason: str
+    history: list[Look] = field(default_factory=list)
+    base: list[float] = field(default_factory=list, repr=False)  # every sample collected, in order
+    new: list[float] = field(default_factory=list, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("base"), d.pop("new")
+        return d
+
+
+def _check(case: str, base: Sequence[float], new: Sequence[float], paired: bool) -> tuple[np.ndarray, np.ndarray]:
+    a, b = np.asarray(base, float), np.asarray(new, float)
+    for label, s in (("base", a), ("new", b)):
+        if s.ndim != 1 or len(s) < 3 or not np.all(s > 0):
+            raise InputError(f"case {case!r}: {label} has {s.size} samples ({s.ravel()[:3].tolist()}...); expected at "
+                             "least 3 positive seconds-per-call values")
+    if paired and len(a) != len(b):
+        raise InputError(f"case {case!r}: {len(a)} base and {len(b)} new samples; paired samples come in equal "
+                         "numbers (one of each per round); pass paired=False for separate runs")
+    return a, b
+
+
+def quantile_ratio_test(base: Sequence[float], new: Sequence[float], *, quantile: float = 0.1, paired: bool = False,
+                        confidence: float = 0.95, n_perm: int = 1999, n_boot: int = 2000, seed: int = 0
+                        ) -> tuple[float, float, float, float]:
+    """(ratio, ci_low, ci_high, p): the ratio of the ``quantile`` of ``new`` over that of ``base``, its
+    bootstrap interval and the permutation p-value of "both come from one distribution" (module doc)."""
+    a, b = _check("", base, new, paired)
+    la, lb = np.log(a), np.log(b)
+    rng = np.random.default_rng(seed)
+
+    def stat(x: np.ndarray, y: np.ndarray) -> np.ndarray:  # rows of x, y: (R, n)
+        return np.quantile(y, quantile, axis=-1) - np.quantile(x, quantile, axis=-1)
+
+    obs = float(stat(la, lb))
+    if paired:  # swap base/new inside each round
+        swap = rng.random((n_perm, len(la))) < 0.5  # (n_perm, rounds)
+        pa, pb = np.where(swap, lb, la), np.where(swap, la, lb)
+        idx = rng.integers(0, len(la), (n_boot, len(la)))  # whole rounds
+        boot = stat(la[idx], lb[idx])
+    else:
+        pooled = np.concatenate([la, lb])
+        perm = pooled[np.argsort(rng.random((n_perm, len(pooled))), axis=1)]  # (n_perm, n1 + n2)
+        pa, pb = perm[:, :len(la)], perm[:, len(la):]
+        boot = stat(la[rng.integers(0, len(la), (n_boot, len(la)))], lb[rng.integers(0, len(lb), (n_boot, len(lb)))])
+    t = np.abs(stat(pa, pb))
+    p = (1 + int(np.sum(t >= abs(obs) * (1 - 1e-12) - 1e-15))) / (n_perm + 1)
+    q = (1 - confidence) / 2
+    return math.exp(obs), float(np.exp(np.quantile(boot, q))), float(np.exp(np.quantile(boot, 1 - q))), p
+
+
+def look(base: Sequence[float], new: Sequence[float], k: int, config: SequentialConfig | None = None, *,
+         paired: bool = False, case: str = "") -> Look:
+    """The decision at look ``k`` (1-based) of ``config.looks`` on all samples collected so far."""
+    cfg = config or SequentialConfig()
+    a, b = _check(case, base, new, paired)
+    alpha_k = cfg.alpha_at(k)
+    ratio, lo, hi, p = quantile_ratio_test(a, b, quantile=cfg.quantile, paired=paired, confidence=cfg.confidence,
+                                           n_perm=cfg.n_perm, n_boot=cfg.n_boot, seed=cfg.seed + k)
+    significant = p < alpha_k and (lo > 1 or hi < 1)
+    big = abs(ratio - 1) >= cfg.threshold
+    inside = 1 / (1 + cfg.threshold) < lo and hi < 1 + cfg.threshold
+    what = f"q{cfg.quantile:g} ratio {ratio:.3f} ({lo:.3f}-{hi:.3f}), p={p:.2g}"
+    if significant and big:
+        verdict = "slower" if ratio > 1 else "faster"
+        reason = f"{what} < {alpha_k:.2g} (look {k}/{cfg.looks}) and moved {ratio - 1:+.1%} >= {cfg.threshold:.0%}"
+    elif inside:
+        verdict, reason = "same", f"{what}: the interval lies within the {cfg.threshold:.0%} threshold"
+    elif k >= cfg.looks:
+        verdict = "same"
+        reason = f"{what}: " + (f"a real but small change (< {cfg.threshold:.0%})" if significant else
+                                f"not shown at the last look ({k}/{cfg.looks}, alpha {alpha_k:.2g})")
+    else:
+        verdict, reason = "inconclusive", f"{what}: neither shown nor ruled out at look {k}/{cfg.looks}; more samples"
+    return Look(k, len(a), len(b), verdict, ratio, lo, hi, p, alpha_k, reason)
+
+
+Batch = Callable[[], "tuple[Sequence[float], Sequence[float]]"]
+
+
+def compare_sequential(collect: Batch, config: SequentialConfig | None = None, *, paired: bool = False,
+                       case: str = "") -> SequentialVerdict:
+    """Call ``collect()`` for a batch of (base, new) samples, look, and repeat while inconclusive (at most
+    ``config.looks`` batches). Each batch should be one more run of both: interleaved rounds (``paired``)
+    or two back-to-back runs."""
+    cfg = config or SequentialConfig()
+    base: list[float] = []
+    new: list[float] = []
+    history: list[Look] = []
+    for k in range(1, cfg.looks + 1):
+        a, b = collect()
+        base += [float(x) for x in a]
+        new += [float(x) for x in b]
+        history.append(look(base, new, k, cfg, paired=paired, case=case))
+        if history[-1].verdict != "inconclusive":
+            break
+    last = history[-1]
+    return SequentialVerdict(case, last.verdict, last.ratio, last.ci_low, last.ci_high, last.p_value, len(base),
+                             len(new), len(history), last.reason, history, base, new)
+
+
+def compare_interleaved_sequential(fns: Mapping[str, Callable[[], Any]], baseline: str, timing: Any = None,
+                                   config: SequentialConfig | None = None) -> list[SequentialVerdict]:
+    """``bench.compare`` batches of interleaved rounds until every case is decided (or the cap): the
+    sequential counterpart of ``regress.compare_interleaved``, one verdict per non-baseline entry."""
+    from torchnitro.bench.timing import compare
+
+    if baseline not in fns or len(fns) < 2:
+        raise InputError(f"baseline {baseline!r} of {sorted(fns)}: expected one of at least two named functions")
+    cfg = config or SequentialConfig()
+    got: dict[str, list[float]] = {n: [] for n in fns}
+    history: dict[str, list[Look]] = {n: [] for n in fns if n != baseline}
+    open_cases = list(history)
+    out: dict[str, SequentialVerdict] = {}
+    for k in range(1, cfg.looks + 1):
+        res = compare({n: fns[n] for n in [baseline] + open_cases}, timing)
+        for n, t in res.items():
+            got[n] += list(t.samples)
+        for n in list(open_cases):  # every open case has every round so far, paired with the baseline's
+            lk = look(got[baseline], got[n], k, cfg, paired=True, case=n)
+            history[n].append(lk)
+            if lk.verdict != "inconclusive":
+                out[n] = SequentialVerdict(n, lk.verdict, lk.ratio, lk.ci_low, lk.ci_high, lk.p_value,
+                                           len(got[baseline]), len(got[n]), k, lk.reason, history[n],
+                                           list(got[baseline]), list(got[n]))
+                open_cases.remove(n)
+        if not open_cases:
+            break
+    return [out[n] for n in history]
