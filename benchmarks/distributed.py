@@ -245,8 +245,10 @@ def _trial(ckpt: str, data: str, rng: random.Random, reference: dict[int, float]
     kill_at = rng.randint(3, steps - 3)
     proc = subprocess.Popen(_train_cmd(ckpt, 2, data), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    t_kill = t_resumed = None
-    victim = last_before = None
+    t_kill = t_resumed = t_survivor_gone = None  # wall clock (time.time), comparable with the ranks' stamps
+    victim = last_before = survivor = None
+    old_pids: set[int] = set()
+    created: list[float] = []
     deadline = time.monotonic() + timeout
     try:
         while proc.poll() is None and time.monotonic() < deadline:
@@ -256,11 +258,19 @@ def _trial(ckpt: str, data: str, rng: random.Random, reference: dict[int, float]
                 if len(ranks) == 2:
                     victim = rng.choice(sorted(ranks))
                     last_before = recs[-1]["step"]
+                    old_pids = set(ranks.values())
+                    survivor = ranks[1 - victim]
                     os.kill(ranks[victim], signal.SIGKILL)
-                    t_kill = time.monotonic()
-            elif t_kill is not None and t_resumed is None and any(r.get("restart", 0) > 0 for r in recs):
-                t_resumed = time.monotonic()
-                first = next(r for r in recs if r.get("restart", 0) > 0)
+                    t_kill = time.time()
+            elif t_kill is not None and t_resumed is None:
+                if t_survivor_gone is None and not psutil.pid_exists(survivor):
+                    t_survivor_gone = time.time()
+                if not created:
+                    new = [pid for pid in _workers(proc).values() if pid not in old_pids]
+                    created = [psutil.Process(pid).create_time() for pid in new if psutil.pid_exists(pid)]
+                if any(r.get("restart", 0) > 0 for r in recs):
+                    t_resumed = time.time()
+                    first = next(r for r in recs if r.get("restart", 0) > 0)
             time.sleep(0.02)
         finished = proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0
     except subprocess.TimeoutExpired:
@@ -268,9 +278,34 @@ def _trial(ckpt: str, data: str, rng: random.Random, reference: dict[int, float]
         finished = False
     got = _losses(_log(ckpt))
     identical = finished and got == reference
-    return {"kill_at_step": last_before, "killed_rank": victim, "finished": finished, "identical": identical,
-            "kill_to_first_resumed_step_s": (t_resumed - t_kill) if t_resumed and t_kill else None,
-            "steps_lost": (last_before - (first["step"] - 1)) if t_resumed and last_before else None}
+    out = {"kill_at_step": last_before, "killed_rank": victim, "finished": finished, "identical": identical,
+           "kill_to_first_resumed_step_s": (t_resumed - t_kill) if t_resumed and t_kill else None,
+           "steps_lost": (last_before - (first["step"] - 1)) if t_resumed and last_before else None}
+    if t_resumed and t_kill:
+        out["phases_s"] = _phases(t_kill, t_survivor_gone, min(created) if created else None,
+                                  first.get("startup", {}), t_resumed)
+    return out
+
+
+# where the time from kill to the first resumed step goes, in order (each phase ends at the named moment)
+PHASES = (("survivor stopped", "torchrun notices the dead rank and stops the other"),
+          ("workers started", "rendezvous of the next round, new worker processes forked"),
+          ("imported", "python, torch and torchnitro imports"),
+          ("initialized", "process group and device mesh"),
+          ("loaded", "model built, parallelized, checkpoint loaded"),
+          ("logged", "first resumed step run and logged"),
+          ("seen", "the benchmark's poll of the log"))
+
+
+def _phases(t_kill: float, gone: float | None, created: float | None, startup: dict, seen: float) -> dict:
+    """Seconds of each phase of ``PHASES``; None where a moment was not observed."""
+    moments = [gone, created, startup.get("imported"), startup.get("initialized"), startup.get("loaded"),
+               startup.get("logged"), seen]
+    out, prev = {}, t_kill
+    for (name, _), t in zip(PHASES, moments):
+        out[name] = None if t is None or prev is None else round(t - prev, 3)
+        prev = t
+    return out
 
 
 def resume_section(args, meta) -> None:
@@ -306,6 +341,10 @@ def resume_section(args, meta) -> None:
                "kill_to_resumed_median_s": statistics.median(times) if times else None,
                "kill_to_resumed_max_s": max(times) if times else None, "command": " ".join(_train_cmd("CKPT", 2)[1:]),
                "goal": "20 of 20 resume with identical losses; kill to first resumed step <= 10 s on CPU"}
+    phased = [r["phases_s"] for r in rows if r.get("phases_s")]
+    summary["phase_medians_s"] = {name: statistics.median(v) if v else None for name, _ in PHASES
+                                  for v in [[p[name] for p in phased if p.get(name) is not None]]}
+    summary["phases"] = {name: what for name, what in PHASES}
     table.meta.update(summary=summary, raw=rows, reference_losses=reference)
     _emit(table, "distributed_resume_quick" if args.quick else "distributed_resume")
     print(json.dumps(summary))

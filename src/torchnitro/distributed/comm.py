@@ -2,7 +2,7 @@
 
 ``collectives(model_config, cfg, batch=..., seq=...)`` lists, for one rank, every collective of one
 optimizer step with the bytes of its full buffer (all-gather output, reduce-scatter input, all-reduce
-tensor, point-to-point message) -- the same quantity ``CommCounter`` counts from the ops a real step
+tensor, point-to-point message) -- the same quantity ``counter.CommCounter`` counts from the ops a real step
 dispatches, so the two can be compared exactly (benchmarks/distributed.py, tests/distributed).
 
 What each strategy runs (as torch 2.x does it for ``TransformerLM``):
@@ -31,17 +31,13 @@ dp_shard, tp``).
 from __future__ import annotations
 
 import math
-from collections import Counter
 from dataclasses import dataclass, field
-
-import torch
-from torch.distributed.tensor.debug import CommDebugMode
 
 from torchnitro.distributed.config import MESH_DIMS, ParallelConfig
 from torchnitro.errors import InputError
 
 __all__ = ["Link", "Cluster", "Collective", "collectives", "collective_time", "link_of", "fsdp_groups",
-           "CommCounter", "DTYPE_BYTES", "padded_elements"]
+           "DTYPE_BYTES", "padded_elements"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _FIRST_BUCKET = 1024 * 1024  # DDP's first gradient bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
@@ -197,70 +193,3 @@ def collectives(model_config, cfg: ParallelConfig, *, batch: int, seq: int, dtyp
                 model_config.vocab_size * model_config.dim
             out.append(Collective("all_reduce", "pp", 2, shard * 4, 1, "backward", "tied embedding/head gradient"))
     return out
-
-
-class CommCounter(CommDebugMode):
-    """Counts the collectives a block of code dispatches and the bytes of their full buffers, by group.
-
-    A ``CommDebugMode`` (torch.distributed.tensor.debug) that also reads each collective's tensors:
-    ``totals()`` -> {(kind, group name): (count, bytes)}. c10d ops (FSDP2, DDP) and functional
-    collectives (DTensor) are both seen; it works on gloo and on the fake process group.
-    """
-
-    _KINDS = {"_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
-              "all_gather_into_tensor": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
-              "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-              "allreduce_": "all_reduce", "all_reduce": "all_reduce", "allreduce_coalesced_": "all_reduce",
-              "all_reduce_coalesced": "all_reduce", "broadcast_": "broadcast", "broadcast": "broadcast"}
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes: Counter = Counter()
-        self.calls: Counter = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if out is not NotImplemented:
-            op = str(func._overloadpacket).rsplit(".", 1)[-1]
-            kind = self._KINDS.get(op)
-            if kind is not None:
-                key = (kind, _group_name(args))
-                self.bytes[key] += _buffer_bytes(op, args)
-                self.calls[key] += 1
-        return out
-
-    def totals(self) -> dict[tuple[str, str], tuple[int, int]]:
-        """{(kind, group name): (calls, bytes)}."""
-        return {k: (self.calls[k], self.bytes[k]) for k in self.calls}
-
-
-def _tensors(x) -> list[torch.Tensor]:
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for y in x for t in _tensors(y)]
-    return []
-
-
-def _buffer_bytes(op: str, args: tuple) -> int:
-    """The full buffer: all-gather output, reduce-scatter input, all-reduce/broadcast tensors."""
-    if op in ("_allgather_base_", "allgather_into_tensor_coalesced_", "_reduce_scatter_base_",
-              "reduce_scatter_tensor_coalesced_"):
-        ts = _tensors(args[0]) if "allgather" in op else _tensors(args[1])
-        return sum(t.nbytes for t in ts)
-    if op == "all_gather_into_tensor":  # functional: (input, group_size, group_name)
-        return args[0].nbytes * int(args[1])
-    return sum(t.nbytes for t in _tensors(args[0]))
-
-
-def _group_name(args: tuple) -> str:
-    from torch._C._distributed_c10d import ProcessGroup
-
-    for a in args:
-        if isinstance(a, torch.ScriptObject):
-            try:
-                return ProcessGroup.unbox(a).group_name
-            except RuntimeError:
-                continue
-    strings = [a for a in args if isinstance(a, str)]
-    return strings[-1] if strings else "?"

@@ -5,6 +5,8 @@
   port still held by an old store.
 - a short rendezvous timeout (``rdzv_timeout_s``): a node that never comes is an error in a minute.
   The process-group timeout is the script's: ``ParallelConfig.timeout_s`` in ``init``.
+- the agent polls its workers every 0.1 s (torch 2.13's default; set explicitly, it was 0.5 here): after a
+  rank dies, the rest of the group is stopped and restarted within a poll (results/distributed_resume.md).
 - ``--max-restarts K``: torchrun restarts every rank of the job up to K times when one fails; each
   attempt's workers meet at a new store on a new port (``launch_env``), not the agent's shared one.
 - ``python script.py ...`` and ``python -m module ...`` run under the launcher's own interpreter;
@@ -67,7 +69,7 @@ def torchrun_args(cfg: LaunchConfig, command: list[str]) -> list[str]:
     args = ["--nproc-per-node", str(cfg.nproc), "--nnodes", cfg.nnodes, "--max-restarts", str(cfg.max_restarts),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", cfg.rdzv_id or uuid.uuid4().hex,
             "--rdzv-conf", f"join_timeout={cfg.rdzv_timeout_s},read_timeout={cfg.rdzv_timeout_s}",
-            "--monitor-interval", "0.5"]
+            "--monitor-interval", "0.1"]  # the agent's poll of its workers: a dead rank is seen within 0.1 s
     if cfg.log_dir:
         args += ["--log-dir", cfg.log_dir]
     head, rest = command[0], command[1:]

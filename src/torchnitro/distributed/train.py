@@ -39,6 +39,8 @@ from torchnitro.distributed.parallelize import parallelize
 from torchnitro.errors import InputError
 from torchnitro.nn.models import TransformerConfig, TransformerLM
 
+_IMPORTED_AT = time.time()  # wall clock when this module (torch, torchnitro.distributed) finished importing
+
 __all__ = ["TrainConfig", "ByteCorpus", "train", "lr_at", "clip_grad_norm_", "main"]
 
 _SUFFIXES = (".py", ".txt", ".md", ".rst")
@@ -148,6 +150,7 @@ def train(cfg: TrainConfig, pcfg: ParallelConfig, on_log: Callable[[dict[str, An
           ) -> list[dict[str, Any]]:
     """Train (or resume) to ``cfg.steps``; returns the logged records (every rank gets the same list)."""
     mesh = init(pcfg)
+    startup = {"imported": _IMPORTED_AT, "initialized": time.time()}  # wall clock; the resume benchmark reads it
     rank, size = dp_coords(mesh)
     _check(cfg, size)
     corpus = ByteCorpus(cfg.data, cfg.seq, cfg.max_bytes)
@@ -159,6 +162,7 @@ def train(cfg: TrainConfig, pcfg: ParallelConfig, on_log: Callable[[dict[str, An
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     state = {"train": ModelState(model, opt)}
     start = (load(state, cfg.ckpt) if cfg.ckpt else None) or 0  # resume from the latest finished checkpoint
+    startup["loaded"] = time.time()
     log_path = Path(cfg.log or (Path(cfg.ckpt) / "log.jsonl" if cfg.ckpt else "")) if (cfg.log or cfg.ckpt) else None
     records, t0 = [], time.perf_counter()
     for step in range(start, cfg.steps):
@@ -178,6 +182,8 @@ def train(cfg: TrainConfig, pcfg: ParallelConfig, on_log: Callable[[dict[str, An
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps:
             records.append(_record(done, total, mesh, size, t0, start, cfg, n_params))
+            if len(records) == 1:  # this attempt's first record: when its start-up phases ended
+                records[-1]["startup"] = {**startup, "logged": time.time()}
             if log_path and dist.get_rank() == 0:
                 log_path.parent.mkdir(parents=True, exist_ok=True)
                 with log_path.open("a") as f:

@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchnitro.distributed.comm import CommCounter, collectives
+from torchnitro.distributed.comm import collectives
+from torchnitro.distributed.counter import CommCounter
 from torchnitro.distributed.config import ParallelConfig
 from torchnitro.distributed.planner import RankState, rank_state_bytes
 
