@@ -259,12 +259,36 @@ def _build_peer(name: str, model: nn.Module, x: tuple, held_out: list[tuple], d:
             token_cosine(built.fn, ref, held_out, _positional))
 
 
-def peer_rows(kind: str, keep: dict[str, Any], args: argparse.Namespace) -> list[dict]:
+def _eager_alone(model: nn.Module, x: tuple, work: Path, inputs: Path) -> tuple[Any, str]:
+    """Eager in its own fresh process, re-created as the search's final comparison re-creates it
+    (``autotune.fair.child_model``: the wrapper class lives in this script, so from its torch.export
+    program); returns the timer (or a closure here, when that fails) and how eager was timed."""
+    from torchnitro.autotune import fair
+    from torchnitro.autotune.program import prepare_program
+    from torchnitro.bench.isolated import ChildTimer
+
+    dims = {i: [0] for i in range(len(x))}
+    cm = fair.child_model(model, None, {}, work / "eager",
+                          program=lambda: prepare_program("exported", model, x, dims, work / "eager" / "program"))
+    if cm.kwargs is not None:
+        try:
+            timer = ChildTimer("torchnitro.autotune.fair:load_variant",
+                               {"recipe": None, "directory": None, "meta": {}, "eager": cm.kwargs}, inputs,
+                               threads=torch.get_num_threads(), device="cpu", log=work / "_eager.log")
+            timer.wait_ready()
+            return timer, f"alone in its own process ({cm.text})"
+        except Exception as exc:  # noqa: BLE001 - timed here instead; the table says so
+            cm = fair.ChildModel(None, f"its timing process failed ({exc})"[:200])
+    return (lambda: model(*x)), f"in the benchmark's process ({cm.text})"
+
+
+def peer_rows(kind: str, keep: dict[str, Any], args: argparse.Namespace) -> tuple[list[dict], str]:
     """Eager against the chosen variant and against each OpenVINO variant, one interleaved run per pair.
 
-    Pairs, not one run with all: one runtime process alive at a time, so nothing else holds threads
-    while eager runs here. The "eager ms" column shows eager inside each pair: pairs are comparable
-    only where it agrees (on a loaded 2-core machine a tiny model's eager varied 1-900 ms between runs)."""
+    Eager runs alone in its own fresh process, as in the search's final comparison (``_eager_alone``);
+    before, it ran in this process after four searches while the search timed it elsewhere, and the two
+    disagreed. Pairs, not one run with all: one runtime process alive at a time. The "eager ms" column shows
+    eager inside each pair: pairs are comparable only where it agrees. Returns the rows and how eager was timed."""
     om, model, x, held_out = keep["om"], keep["model"], keep["x"], keep["held"]
     work = Path(tempfile.mkdtemp(prefix="torchnitro-peer-"))
     inputs = work / "inputs.pt"
@@ -289,21 +313,26 @@ def peer_rows(kind: str, keep: dict[str, Any], args: argparse.Namespace) -> list
         variants[name] = lambda name=name, d=d, meta=meta: _alone(name, d, meta, inputs)
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3 if args.quick else 10,
                       min_time_s=0.05 if args.quick else 2.0, max_time_s=60.0)
-    for name, start in variants.items():
-        fn = start()
-        timed = fn if getattr(fn, "times_itself", False) else (lambda fn=fn: fn(*x))
-        try:
-            with torch.inference_mode():
-                res = compare({"eager": lambda: model(*x), name: timed}, tc, items_per_call=x[0].shape[0])
-        finally:
-            if getattr(fn, "times_itself", False):
-                fn.close()
-        est = paired_ratio(res["eager"], res[name])
-        rows.append({"inputs": kind, "variant": name, "eager ms": res["eager"].median * 1e3,
-                     "median ms": res[name].median * 1e3, "speedup": est.ratio, "noise": est.noise,
-                     "emb cos (held-out)": cos[name], "token cos (held-out)": tok[name]})
-        _progress(f"peer {kind}: {name} {est.text()} vs eager")
-    return rows
+    eager, eager_how = _eager_alone(model, x, work, inputs)
+    try:
+        for name, start in variants.items():
+            fn = start()
+            timed = fn if getattr(fn, "times_itself", False) else (lambda fn=fn: fn(*x))
+            try:
+                with torch.inference_mode():
+                    res = compare({"eager": eager, name: timed}, tc, items_per_call=x[0].shape[0])
+            finally:
+                if getattr(fn, "times_itself", False):
+                    fn.close()
+            est = paired_ratio(res["eager"], res[name])
+            rows.append({"inputs": kind, "variant": name, "eager ms": res["eager"].median * 1e3,
+                         "median ms": res[name].median * 1e3, "speedup": est.ratio, "noise": est.noise,
+                         "emb cos (held-out)": cos[name], "token cos (held-out)": tok[name]})
+            _progress(f"peer {kind}: {name} {est.text()} vs eager")
+    finally:
+        if getattr(eager, "times_itself", False):
+            eager.close()
+    return rows, eager_how
 
 
 # ---- the coverage set -------------------------------------------------------------------------------
@@ -443,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
                       packages=("torch", "transformers", "sentence-transformers", "onnxruntime", "openvino", "nncf"))
     others_at_start = others_running()
     minilm, peer, coverage = [], [], []
+    peer_meta: dict[str, str] = {}
     wrapper, st, builtin = holdings(args.quick)
     plan = {"short": [wrapper, st, builtin] if "minilm-short" in sections else [],
             "full": [wrapper] if "minilm-full" in sections or "peer" in sections else []}  # time: wrapper only
@@ -451,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
             rows, keep = run_minilm(kind, args, names)
             minilm += rows
             if "peer" in sections and kind == "full":  # the issue's peer goal is on full-length text
-                peer += peer_rows(kind, keep, args)
+                rows, peer_meta["eager timed"] = peer_rows(kind, keep, args)
+                peer += rows
     if "coverage" in sections:
         cov_args = copy.copy(args)
         if args.quick:
@@ -462,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     tables = [ResultTable("MiniLM held as users hold it (default config, budget "
                           f"{args.budget:.0f} s)", MINILM_COLUMNS, minilm, dict(meta)),
               ResultTable("Side by side with OpenVINO (each interleaved with eager; own runtimes timed alone)",
-                          PEER_COLUMNS, peer),
+                          PEER_COLUMNS, peer, peer_meta),
               ResultTable("Coverage set held as the HF class (default margins, recipe sweep, budget "
                           f"{COVERAGE_BUDGET_S:.0f} s)", COVERAGE_COLUMNS, coverage),
               ResultTable("Goals (issue 15) from the rows above", GOAL_COLUMNS, goal_rows(minilm, peer))]
