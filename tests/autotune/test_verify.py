@@ -183,6 +183,24 @@ def test_embeddings_and_token_logits_are_not_gated_on_top1_by_default():
     assert class_logits("input_ids", torch.randint(0, 100, (4, 10)).float()) == (False, False)  # ids handed back
 
 
+def test_named_outputs_that_are_not_logits_are_not_gated_on_top1():
+    """HF BERT/RoBERTa return pooler_output (B, H): a tanh-pooled embedding whose argmax flips between
+    near-equal entries, so every int8/bf16 recipe was rejected on 'top-1 class changed' and the coverage
+    search chose eager. Named outputs are logits only when named so; unnamed ones keep the shape rule."""
+    from torchnitro.autotune.verify import class_logits
+
+    pooled = torch.tanh(torch.randn(4, 10) * 5)
+    for name in ("pooler_output", "last_hidden_state", "sentence_embedding", "output.pooler_output", "hidden_0"):
+        assert class_logits(name, pooled) == (False, False), name
+    for name in ("output", "output_0", "output_1_0", "start_logits", "output.logits"):
+        assert class_logits(name, pooled) == (True, True), name
+    ref = [("last_hidden_state", torch.randn(4, 3, 10)), ("pooler_output", pooled)]
+    flipped = [(n, t.clone()) for n, t in ref]
+    flipped[1][1][0] = flipped[1][1][0].flip(-1)  # row 0's top-1 moves; cosine stays high over the batch
+    errs = compare_outputs(ref, flipped)
+    assert all(e.top1 is None for e in errs)
+
+
 def test_feature_dict_input_carries_its_mask():
     from torchnitro.autotune.verify import padding_masks
 

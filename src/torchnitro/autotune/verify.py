@@ -21,7 +21,9 @@ padded query is ignored by every mask-aware pooling and head, and padding-free v
 there. ``GateResult.note`` says how many rows were compared; ``compare_padding`` compares all.
 
 **Classifiers.** Outputs that look like class logits (``class_logits``: a 2-D ``(B, C)`` output named
-``logits``, or any 2-D ``(B, C)`` output whose rows are not unit vectors) also get top-1 and top-5
+``...logits``, or an unnamed 2-D ``(B, C)`` output, a plain tensor or a tuple entry, whose rows are not
+unit vectors; a named output whose name does not end in ``logits``, such as HF's ``pooler_output``, is an
+embedding, not class scores) also get top-1 and top-5
 agreement with eager; the tolerance key ``top1`` (default 1.0 for the lossy classes) is the share of
 rows whose top-1 class must not change, since a cosine of 0.999 can still flip a close call.
 Token-level logits ``(B, T, V)`` are reported, and gated only with ``classifier=True``.
@@ -34,6 +36,7 @@ fails).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -181,7 +184,12 @@ def class_logits(name: str, ref: Tensor, classifier: bool | None = None) -> tupl
         return False, False
     if classifier:
         return True, True
-    named = name.split(".")[-1].endswith("logits")
+    key = name.split(".")[-1]
+    named = key.endswith("logits")
+    if not named and re.sub(r"(_\d+)+$", "", key) != "output":
+        # a named output that is not logits (HF's pooler_output, last_hidden_state, an embedding): its argmax
+        # means nothing, and on a tanh-saturated pooler it flips between near-equal entries (coverage BERT)
+        return False, False
     if ref.dim() == 2:
         unit = bool(((ref.double().norm(dim=1) - 1).abs() < 1e-3).all())  # L2-normalised embeddings
         return named or not unit, named or not unit
