@@ -24,6 +24,7 @@ import torch
 
 from torchnitro import hrr
 from torchnitro.bench import ResultTable, TimingConfig, compare
+from torchnitro.bench.provenance import git_commit, package_versions
 from torchnitro.hrr import cuda_fft
 from torchnitro.hrr.fft_kernel import fft_bind
 
@@ -53,7 +54,9 @@ def main() -> int:
     gpu = torch.cuda.get_device_name()
     t = ResultTable(f"One-pass FFT bind kernel, launch sweep ({gpu})",
                     ["d", "batch", "variant", "median_us", "pct_of_copy_bw", "max_abs_err_vs_torch"],
-                    meta={"gpu": gpu, "command": "python benchmarks/hrr_fft_sweep.py " + " ".join(sys.argv[1:])})
+                    meta={"gpu": gpu, "command": "python benchmarks/hrr_fft_sweep.py " + " ".join(sys.argv[1:]),
+                          "versions": package_versions(("torch", "triton", "numpy")),
+                          "commit": git_commit()})
     cfg = TimingConfig(device="cuda", min_time_s=0.2, max_time_s=2.0)
     for d in args.dims:
         batch = max(1, args.batch * 1024 // d)  # the same bytes at every d

@@ -32,6 +32,7 @@ from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.inputs import model_and_inputs
 from torchnitro.autotune.recipes.int8_mixed import row_cosine
 from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir, save_plot
+from torchnitro.bench.provenance import provenance
 from torchnitro.hardware import hardware_info
 
 # name -> (model spec, batch, seq, budget_s, MiniLM embedding gate)
@@ -275,6 +276,10 @@ def _machine() -> str:
     return f"{hw.cpu_name}, {hw.cpu_cores} cores, flags {' '.join(hw.cpu_flags)}, torch {torch.__version__}"
 
 
+# the runtimes the recipes run on, for the results header
+_PACKAGES = ("torch", "numpy", "onnxruntime", "onnx", "openvino", "nncf", "transformers")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", choices=list(WORKLOADS), help="run only these workloads")
@@ -310,7 +315,8 @@ def main() -> None:
                                                         "full_search_s", "cached_rerun_s", "cached_chosen"),
                      [{k: s[k] for k in ("workload", "inputs", "chosen", "chosen_speedup", "full_search_s",
                                          "cached_rerun_s", "cached_chosen")} for s in summaries],
-                     meta={"targets": "full search <= 180 s, cached re-run <= 20 s"})
+                     meta={**provenance("benchmarks/optimize_cpu.py", packages=_PACKAGES),
+                           "targets": "full search <= 180 s, cached re-run <= 20 s"})
     d = results_dir()
     table.save("optimize_cpu")
     md = st.to_markdown() + "\n" + (extra.to_markdown() + "\n" if extra else "") + table.to_markdown()

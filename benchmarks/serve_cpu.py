@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from torchnitro.bench import ResultTable, TimingConfig, measure, save_plot
+from torchnitro.bench.provenance import git_commit, package_versions
 from torchnitro.serve.loadtest import HttpClient, LoadTarget, interleaved, v2_target
 
 SEQ = {"minilm": 32, "minilm-int8": 32, "mlp": 0}
@@ -429,6 +430,9 @@ def main() -> None:
                         meta={"machine": f"{hw.cpu_name}, {hw.cpu_cores} cores, no GPU",
                               "command": "flock /tmp/torchnitro-bench.lock python benchmarks/serve_cpu.py "
                                          + " ".join(sys.argv[1:]),
+                              "versions": package_versions(("torch", "numpy", "uvicorn", "starlette",
+                                                            "httpx", "orjson", "litserve")),
+                              "commit": git_commit(),
                               "workers": args.workers, "threads_per_worker": args.threads,
                               "rounds": args.rounds, "burst_s": args.burst, "concurrency": args.concurrency,
                               "litserve": getattr(ls, "__version__", "not installed") if ls else "not installed"})

@@ -26,6 +26,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # AOT only: no TPU to 
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
+from torchnitro.bench.provenance import provenance  # noqa: E402
 from torchnitro.xla.layout import pad_config  # noqa: E402
 from torchnitro.xla.memory import plan_memory  # noqa: E402
 from torchnitro.xla.model import LMConfig  # noqa: E402
@@ -187,6 +188,9 @@ def main() -> None:
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(dict(model=dataclasses.asdict(cfg), rows=rows, padding=pad), f, indent=1)
     md = _md(rows, pad, cfg)
+    title, rest = md.split("\n", 1)
+    head = provenance("benchmarks/xla_tpu.py", packages=("jax", "jaxlib", "libtpu", "optax", "orbax-checkpoint"))
+    md = title + "\n\n" + "".join(f"- {k}: {v}\n" for k, v in head.items()) + rest
     if args.reestimate:
         md += (f"\nCompiled columns from an earlier run ({os.path.basename(args.reestimate)}); the estimate columns "
                "recomputed by the current model with `--reestimate`.\n")
