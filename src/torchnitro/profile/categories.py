@@ -5,9 +5,10 @@ A step's time is split into the categories below. Ops are matched by their base 
 dropped); the first row of ``_TABLE`` whose pattern matches wins, so attention is listed before
 matmul (SDPA calls ``bmm`` inside) and anything unmatched is ``other``.
 
-``cpu_overhead`` is both the views/allocations that launch no compute and the time between ops
-(Python, dispatcher, autograd bookkeeping); ``device_idle`` is only reported on a GPU: step time in
-which no kernel ran.
+``cpu_overhead`` is the ops that launch no compute (views, allocations); ``unattributed`` is the
+step time outside every recorded op (Python, dispatch and autograd bookkeeping between ops, waiting),
+so the categories add up to the step on the CPU clock; ``device_idle`` is only reported on a GPU:
+step time in which no kernel ran.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ DESCRIPTIONS: dict[str, str] = {
     "copy": "copies and transfers (copy_, to, clone, contiguous, cat, memcpy)",
     "communication": "collectives and point-to-point (c10d, NCCL, gloo)",
     "other": "ops no row of the table matches (embedding, indexing, sorting, ...)",
-    "cpu_overhead": "views, allocations and time between ops (Python, dispatcher, autograd)",
+    "cpu_overhead": "ops that launch no compute (views, allocations, .item())",
+    "unattributed": "step time outside any recorded op (Python, dispatch between ops, waiting)",
     "device_idle": "step time in which the GPU ran no kernel (launch-bound or waiting on the host)",
 }
 CATEGORIES: tuple[str, ...] = tuple(DESCRIPTIONS)

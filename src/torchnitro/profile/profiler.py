@@ -7,15 +7,19 @@ How a profile is taken:
    Chrome/Perfetto trace is exported when the active window closes.
 2. The recorded events are split per step (the profiler's ``ProfilerStep#N`` ranges). The time of
    each *outermost* op (an aten op, collective or autograd node not nested in another one) goes to
-   its category (``profile.categories``); on CPU the rest of the step is ``cpu_overhead``. When GPU
+   its category (``profile.categories``); on CPU the rest of the step (Python, dispatch between ops,
+   waiting) is ``unattributed``, so the categories add up to the profiled step. When GPU
    kernels were recorded, kernel time is attributed to the op that launched them and step time with
    no kernel running is ``device_idle`` (kernels overlapping on several streams are scaled to the
    busy time, so categories still add up to the step).
 3. One extra step (not in the trace) runs under ``FlopCounterMode`` and ``torchnitro.memory.track``:
    FLOPs per step and by category, and the live-memory peak by category. SDPA on CPU and causal
    attention get their formulas from ``profile.flops`` (torch counts 0 and the full square).
-4. MFU divides the achieved FLOP/s by the GEMM peak that ``analyze.machine_roofline`` measures on
-   this device (or ``ProfileConfig.peak_flops``); with neither, MFU is reported as unavailable.
+4. MFU divides the achieved FLOP/s by a GEMM peak measured in the same run (``profile.peak``: the
+   best of plain-GEMM timings just before and just after the recorded steps, same dtype and threads),
+   or ``ProfileConfig.peak_flops``; with neither, MFU is reported as unavailable.
+5. A few unprofiled steps run right after the profiler closes, interleaved with the peak's GEMM
+   timings: the profiled step is reported beside them, so the profiler's own cost is visible.
 """
 
 from __future__ import annotations
@@ -52,13 +56,16 @@ class ProfileConfig:
     count_flops: bool = True  # one extra step under FlopCounterMode: FLOPs, achieved FLOP/s, MFU
     track_memory: bool = True  # the same extra step under torchnitro.memory.track: peak by category
     peak_flops: float | None = None  # FLOP/s for MFU; None: measure it when measure_peak
-    measure_peak: bool = True  # analyze.machine_roofline's measured GEMM peak (about 2 s on a CPU, cached)
+    measure_peak: bool = True  # time a plain GEMM around the recorded steps for the peak (profile.peak)
+    peak_timings: int = 4  # those GEMM timings, half before and half after the recorded steps
+    unprofiled_steps: int = 3  # plain steps timed right after the profiler: what the profiled step is checked against
     dtype: str = "float32"  # which measured peak MFU is taken against (the model's dtype when given one)
     top: int = 15  # ops listed in the summary
     monitor: bool = True  # sample energy (RAPL / NVML) while the recorded steps run, where readable
 
     def __post_init__(self) -> None:
-        for name, low in (("warmup", 0), ("steps", 1), ("wait", 0), ("top", 1)):
+        for name, low in (("warmup", 0), ("steps", 1), ("wait", 0), ("top", 1), ("peak_timings", 1),
+                          ("unprofiled_steps", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or v < low:
                 raise InputError(f"ProfileConfig.{name}: received {v!r}; expected an integer >= {low}")
@@ -182,7 +189,7 @@ def step_categories(step: _Step, device_clock: bool) -> dict[str, float]:
             used = busy
         cats["device_idle"] += max(0.0, dur - used)
     else:
-        cats["cpu_overhead"] += max(0.0, dur - used)
+        cats["unattributed"] += max(0.0, dur - used)
     scale = dur / sum(cats.values()) if sum(cats.values()) > dur > 0 else 1.0  # nested threads overlapping
     return {k: v * scale for k, v in cats.items()}
 
@@ -230,17 +237,32 @@ def _accounting(model: nn.Module | None, flops: bool, memory: bool) -> Iterator[
                          "source": "torchnitro.memory.track (live tensor bytes, one step)"}
 
 
-def _peak(cfg: ProfileConfig, device: str) -> tuple[float | None, str]:
-    if cfg.peak_flops is not None:
-        return cfg.peak_flops, "given"
-    if not cfg.measure_peak:
-        return None, "no peak given and measure_peak=False"
-    from torchnitro.autotune.analyze import machine_roofline
+def _probe(cfg: ProfileConfig, device: str) -> Any:
+    """A ``PeakProbe`` when the peak is to be measured here; a failure to time it is a warning, not a lost profile."""
+    if cfg.peak_flops is not None or not cfg.measure_peak or not cfg.count_flops:
+        return None
+    import warnings
 
-    peaks = machine_roofline(device).peak_flops
-    if cfg.dtype in peaks:
-        return peaks[cfg.dtype], f"measured {cfg.dtype} GEMM peak (analyze.machine_roofline)"
-    return None, f"no measured {cfg.dtype} GEMM peak on {device} (measured: {', '.join(peaks) or 'none'})"
+    from torchnitro.profile.peak import PeakProbe
+
+    try:
+        probe = PeakProbe(device, cfg.dtype)
+        probe.sample((cfg.peak_timings + 1) // 2)
+        return probe
+    except Exception as exc:  # e.g. a dtype this device has no GEMM for
+        warnings.warn(f"timing a {cfg.dtype} GEMM on {device} for the MFU peak failed ({type(exc).__name__}: "
+                      f"{exc}); MFU is unavailable", stacklevel=4)
+        return None
+
+
+def _peak(cfg: ProfileConfig, probe: Any, flops: int | None, times: list[float]) -> tuple[float | None, str, dict]:
+    if cfg.peak_flops is not None:
+        return cfg.peak_flops, "given", {}
+    if probe is None:
+        return None, ("no peak given and measure_peak=False" if not cfg.measure_peak else
+                      f"no {cfg.dtype} GEMM peak measured on this device"), {}
+    peak = probe.finish(flops, times)
+    return peak.best, peak.describe(), peak.to_dict()
 
 
 def _environment(device: str) -> dict[str, str]:
@@ -323,6 +345,7 @@ def _record(step: Callable[[], Any], model: nn.Module | None, cfg: ProfileConfig
         p.export_chrome_trace(trace)
 
     total = cfg.wait + cfg.warmup + cfg.steps
+    probe = _probe(cfg, device)  # half its GEMM timings now, half after the recorded steps
     sampler = monitors(device) if cfg.monitor else None
     try:
         with torch.profiler.profile(activities=acts, record_shapes=cfg.record_shapes,
@@ -340,15 +363,36 @@ def _record(step: Callable[[], Any], model: nn.Module | None, cfg: ProfileConfig
         monitor = sampler.stop(cfg.steps) if sampler is not None else {}
     if "events" not in got:
         raise InputError(f"torch.profiler recorded no active window over {total} steps; expected one")
+    plain = _unprofiled(step, cfg, device, probe)
     acc: dict[str, Any] = {}
     if cfg.count_flops or cfg.track_memory:
         with _accounting(model, cfg.count_flops, cfg.track_memory) as acc:
             _call(step, "the FLOP/memory counting step")
-    return _build(got["events"], cfg, device, trace, acc, monitor)
+    return _build(got["events"], cfg, device, trace, acc, monitor, plain, probe)
+
+
+def _unprofiled(step: Callable[[], Any], cfg: ProfileConfig, device: str, probe: Any) -> list[float]:
+    """Seconds of plain steps (same sync as the profiled ones), alternating with the peak's remaining timings."""
+    import time
+
+    from torchnitro.bench.timing import synchronize
+
+    out: list[float] = []
+    left = cfg.peak_timings // 2 if probe is not None else 0
+    for i in range(max(cfg.unprofiled_steps, left)):
+        if i < cfg.unprofiled_steps:
+            synchronize(device)
+            t = time.perf_counter()
+            _call(step, f"unprofiled step {i}")
+            synchronize(device)
+            out.append(time.perf_counter() - t)
+        if i < left:
+            probe.sample(1)
+    return out
 
 
 def _build(events: Any, cfg: ProfileConfig, device: str, trace: str, acc: dict[str, Any],
-           monitor: dict[str, Any]) -> Profile:
+           monitor: dict[str, Any], plain: list[float], probe: Any) -> Profile:
     device_clock = any(getattr(e.device_type, "name", "CPU") != "CPU" for e in events)
     steps = [s for s in _events_to_steps(events) if s.end_us > s.start_us][-cfg.steps:]
     if not steps:
@@ -358,7 +402,8 @@ def _build(events: Any, cfg: ProfileConfig, device: str, trace: str, acc: dict[s
     cats = {k: statistics.fmean(d.get(k, 0.0) for d in per_step) / 1e6 for k in names}
     times = [(s.end_us - s.start_us) / 1e6 for s in steps]
     step_s = statistics.fmean(times)
-    peak, source = _peak(cfg, device) if acc.get("flops") is not None else (None, "FLOPs not counted")
+    peak, source, peak_info = _peak(cfg, probe, acc.get("flops"), times) if acc.get("flops") is not None else \
+        (None, "FLOPs not counted", {})
     if device == "cuda":
         from torchnitro.hardware import hardware_info
 
@@ -369,7 +414,8 @@ def _build(events: Any, cfg: ProfileConfig, device: str, trace: str, acc: dict[s
                 step_time_s=step_s, step_times_s=times, categories=cats,
                 top_ops=_top_ops(events, device_clock, len(steps), step_s, cfg.top),
                 flops=acc.get("flops"), flops_by_category=acc.get("flops_by_category", {}),
-                peak_flops=peak, peak_source=source, memory=acc.get("memory", {}), monitor=monitor,
+                peak_flops=peak, peak_source=source, peak=peak_info, unprofiled_step_times_s=plain,
+                memory=acc.get("memory", {}), monitor=monitor,
                 environment=_environment(device), trace_path=trace)
     p.trace_analysis = _analyze(trace)
     p.findings = findings(p)

@@ -34,7 +34,7 @@ img{max-width:100%;border:1px solid #eee}.muted{color:#777}li{margin:.3em 0}code
 """
 _COLORS = {"matmul": "#4c72b0", "attention": "#8172b3", "norm": "#dd8452", "pointwise": "#55a868",
            "copy": "#c44e52", "communication": "#937860", "other": "#8c8c8c", "cpu_overhead": "#da8bc3",
-           "device_idle": "#cccccc"}
+           "unattributed": "#e5c494", "device_idle": "#cccccc"}
 
 
 def _plt() -> Any:
@@ -162,7 +162,9 @@ def render_html(p: "Profile", plots: dict[str, Path]) -> str:
     if p.flops is None:
         flops = "<p>FLOPs were not counted.</p>"
     else:
-        mfu = (f"{p.mfu:.1%} of {p.peak_flops / 1e9:.1f} GFLOP/s ({p.peak_source})"
+        rng = p.mfu_range
+        mfu = (f"{p.mfu:.1%} of {p.peak_flops / 1e9:.1f} GFLOP/s" + (f" ({rng[1]:.1%} against the median timing)"
+                                                                     if rng else "") + f"; peak: {p.peak_source}"
                if p.mfu is not None and p.peak_flops else f"unavailable ({p.peak_source})")
         flops = _table(["item", "value"], [["FLOPs per step", f"{p.flops / 1e9:.4f} GFLOP"],
                                            ["achieved", f"{(p.achieved_flops or 0) / 1e9:.2f} GFLOP/s"],
@@ -178,12 +180,16 @@ def render_html(p: "Profile", plots: dict[str, Path]) -> str:
     finds = "".join(f"<li>{e(f)}</li>" for f in p.findings) or "<li>none</li>"
     env = _table(["item", "value"], [[k, v] for k, v in p.environment.items()])
     plots_html = {k: _img(v, k) for k, v in plots.items()}
+    u = p.unprofiled_step_time_s
+    unprof = (f"; unprofiled {u * 1e3:.3f} ms (mean of {len(p.unprofiled_step_times_s)} plain steps right after), "
+              f"profiled / unprofiled {p.profiled_over_unprofiled:.3f} (medians)") if u is not None else ""
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>torchnitro step profile</title><style>{_CSS}</style></head>
 <body>
 <h1>torchnitro step profile</h1>
 <section id="overview"><p><b>{e(p.device)}</b>, {p.clock} clock: {p.steps} recorded steps after {p.warmup} warm-up,
-<b>{p.step_time_s * 1e3:.3f} ms</b> per step (min {min(p.step_times_s) * 1e3:.3f}, max {max(p.step_times_s) * 1e3:.3f}).
+<b>{p.step_time_s * 1e3:.3f} ms</b> per step (min {min(p.step_times_s) * 1e3:.3f}, max {max(p.step_times_s) * 1e3:.3f}){unprof}.
+The categories add up to {p.accounted:.1%} of the profiled step.
 The trace is <code>trace.json</code> beside this file (open it in ui.perfetto.dev).</p></section>
 <section id="categories"><h2>Time by category</h2>{plots_html.get("categories", "")}
 {_table(["category", "ms per step", "share", "GFLOP/s", "of peak", "holds"], cat_rows, {1, 2, 3, 4})}</section>

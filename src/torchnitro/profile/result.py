@@ -2,7 +2,7 @@
 
 Times are seconds per step (the mean over the recorded steps). ``clock`` says which clock the
 categories measure: ``"cpu"`` (no GPU work was recorded: op time on the host, the rest is
-``cpu_overhead``) or ``"device"`` (kernel time on the GPU attributed to the op that launched it, the
+``unattributed``) or ``"device"`` (kernel time on the GPU attributed to the op that launched it, the
 rest is ``device_idle``). Either way the categories add up to ``step_time_s``.
 """
 
@@ -50,6 +50,8 @@ class Profile:
     flops_by_category: dict[str, int] = field(default_factory=dict)
     peak_flops: float | None = None  # FLOP/s MFU is taken against; None: no peak known here
     peak_source: str = "none"  # where peak_flops came from
+    peak: dict[str, Any] = field(default_factory=dict)  # profile.peak.GemmPeak.to_dict(): timings, best, median
+    unprofiled_step_times_s: list[float] = field(default_factory=list)  # plain steps right after the profiler
     memory: dict[str, Any] = field(default_factory=dict)  # peak_bytes, by_category, source
     monitor: dict[str, Any] = field(default_factory=dict)  # energy / power / utilisation samplers
     environment: dict[str, str] = field(default_factory=dict)  # machine, versions, threads
@@ -76,6 +78,31 @@ class Profile:
         a = self.achieved_flops
         return a / self.peak_flops if a is not None and self.peak_flops else None
 
+    @property
+    def mfu_range(self) -> tuple[float, float] | None:
+        """MFU against the best and against the median peak timing: the range the peak's own noise allows."""
+        a, best, med = self.achieved_flops, self.peak.get("best"), self.peak.get("median")
+        return (a / best, a / med) if a is not None and best and med else None
+
+    @property
+    def unprofiled_step_time_s(self) -> float | None:
+        """Mean of the plain steps timed right after the profiler (None when none were run)."""
+        t = self.unprofiled_step_times_s
+        return sum(t) / len(t) if t else None
+
+    @property
+    def profiled_over_unprofiled(self) -> float | None:
+        """Median profiled step over median plain step: the profiler's cost on this step (1.0: none)."""
+        import statistics
+
+        t, u = self.step_times_s, self.unprofiled_step_times_s
+        return statistics.median(t) / statistics.median(u) if t and u and statistics.median(u) > 0 else None
+
+    @property
+    def accounted(self) -> float:
+        """Sum of the categories over the profiled step (1.0: every microsecond is in some category)."""
+        return sum(self.categories.values()) / self.step_time_s if self.step_time_s > 0 else 0.0
+
     def achieved_flops_by_category(self) -> dict[str, float]:
         """FLOP/s inside each category's own time (how well its kernels run)."""
         return {c: f / self.categories[c] for c, f in self.flops_by_category.items()
@@ -86,7 +113,12 @@ class Profile:
         """A plain-text report: time by category, top ops, FLOPs / MFU, memory, energy, findings."""
         ms = 1e3
         lines = [f"step profile on {self.device} ({self.clock} clock): {self.steps} steps after {self.warmup} "
-                 f"warm-up, {self.step_time_s * ms:.3f} ms per step", "", "time by category:"]
+                 f"warm-up, {self.step_time_s * ms:.3f} ms per step"]
+        if self.unprofiled_step_time_s is not None:
+            lines.append(f"unprofiled: {self.unprofiled_step_time_s * ms:.3f} ms per step (mean of "
+                         f"{len(self.unprofiled_step_times_s)} plain steps right after); profiled / unprofiled "
+                         f"{self.profiled_over_unprofiled:.3f} (medians)")
+        lines += ["", f"time by category (they add up to {self.accounted:.1%} of the profiled step):"]
         rate = self.achieved_flops_by_category()
         for c in CATEGORIES:
             if c in self.categories:
@@ -104,7 +136,9 @@ class Profile:
             lines.append(f"FLOPs per step: {self.flops / 1e9:.4f} GFLOP, achieved {(self.achieved_flops or 0) / 1e9:.2f} "
                          "GFLOP/s")
             if self.mfu is not None and self.peak_flops:
-                lines.append(f"MFU: {self.mfu:.1%} of {self.peak_flops / 1e9:.1f} GFLOP/s ({self.peak_source})")
+                rng = self.mfu_range
+                extra = f", {rng[1]:.1%} against the median timing" if rng else ""
+                lines.append(f"MFU: {self.mfu:.1%} of {self.peak_flops / 1e9:.1f} GFLOP/s{extra} ({self.peak_source})")
             else:
                 lines.append(f"MFU: unavailable ({self.peak_source})")
         if self.memory:
@@ -180,9 +214,15 @@ def findings(p: Profile) -> list[str]:
     if s.get("device_idle", 0) > 0.3:
         out.append(f"device idle {s['device_idle']:.0%} of the step between kernels: launch-bound; try the "
                    "cuda-graphs or compile-reduce-overhead recipe, or a larger batch")
-    if s.get("cpu_overhead", 0) > 0.3 and p.clock == "cpu":
-        out.append(f"{s['cpu_overhead']:.0%} of the step is outside any compute op (Python, dispatcher, views): "
-                   "ops are small; try the compile recipe or a larger batch")
+    host = s.get("cpu_overhead", 0) + s.get("unattributed", 0)
+    if host > 0.3 and p.clock == "cpu":
+        out.append(f"{host:.0%} of the step is outside any compute op ({s.get('unattributed', 0):.0%} between ops: "
+                   f"Python, dispatch, waiting; {s.get('cpu_overhead', 0):.0%} views/allocations): ops are small; "
+                   "try the compile recipe or a larger batch")
+    ratio = p.profiled_over_unprofiled
+    if ratio is not None and ratio > 1.10:
+        out.append(f"the profiled step is {ratio:.2f}x the unprofiled one: the profiler's per-op cost matters for "
+                   "this step (many small ops); trust the shares more than the absolute times")
     if s.get("norm", 0) > 0.15:
         out.append(f"normalisation takes {s['norm']:.0%}: try the fused-kernels recipe (fused RMSNorm / LayerNorm)")
     if s.get("pointwise", 0) > 0.3:
