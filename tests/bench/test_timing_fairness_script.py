@@ -25,8 +25,11 @@ def test_timing_fairness_quick_writes_both_tables(tmp_path, monkeypatch):
     assert [r["variant"] for r in rows] == ["eager", "torchscript"]
     assert all(r["p50 in comparison ms"] > 0 and r["p50 alone ms"] > 0 for r in rows)
     assert [r["timed in comparison"].split(",")[0] for r in rows] == ["own process", "own process"]  # eager too
+    # the alone side times the artifact the optimizer saved, as torchnitro.load runs it (not a rebuild)
+    assert [r["alone"] for r in rows] == ["built-in rebuilt from its factory", "artifact (torchnitro.load)"]
     assert [r["variant"] for r in data["speedups"]["rows"]] == ["torchscript"]
     meta = data["variants"]["meta"]
+    assert not any("rebuilt in its child" in n for n in meta["notes"]), meta["notes"]
     assert "torch" in meta["versions"] and meta["machine"] and "allocator" in meta["timing environment"]
     assert "--quick" in meta["command"]
     assert "CPUs" in meta["load average at start"] and "CPUs" in meta["load average at end"]
