@@ -107,11 +107,50 @@ def test_eager_check_band_is_5_percent_or_twice_the_cv_at_most_25():
         fair.check_eager(0.0, 0.01, t(1.0))
 
 
+class _ColdAfterSwitch:
+    """A timing process whose first call after another process ran is slow (caches and threads cold)."""
+
+    times_itself = True
+    last: list[object] = [None]
+
+    def __init__(self, warm_s: float):
+        self.warm_s, self.calls = warm_s, []
+
+    def __call__(self, k: int) -> float:
+        cold = _ColdAfterSwitch.last[0] is not self
+        _ColdAfterSwitch.last[0] = self
+        self.calls.append(k)
+        return (self.warm_s * 20 + self.warm_s * (k - 1)) / k if cold else self.warm_s
+
+
+def test_steady_samples_follow_an_untimed_call_so_rotation_does_not_time_the_switch():
+    cfg = TimingConfig(warmup=1, warmup_s=0.0, min_iters=5, min_time_s=0.0, max_time_s=60.0, device="cpu")
+    a, b = _ColdAfterSwitch(1e-2), _ColdAfterSwitch(2e-2)
+    plain = compare({"a": a, "b": b}, cfg)
+    assert plain["a"].median > 0.1  # every sample was the first call after the other process's
+    a, b = _ColdAfterSwitch(1e-2), _ColdAfterSwitch(2e-2)
+    steady = compare({"a": fair.Steady(a), "b": fair.Steady(b)}, cfg)
+    assert steady["a"].median == pytest.approx(1e-2) and steady["b"].median == pytest.approx(2e-2)
+    assert a.calls[:2] == [1, 1] and a.calls[2::2] == [1] * len(a.calls[2::2])  # an untimed call before each
+    calls: list[int] = []
+    here = fair.Steady(lambda: calls.append(1))  # in this process: one untimed call, then k timed
+    assert here(3) >= 0 and len(calls) == 4
+    a.failed = "the timing process exited"
+    assert fair.Steady(a).failed == "the timing process exited"  # the comparison reads a dead child through it
+
+
 def test_disturbed_eager_in_the_comparison_is_redone_and_reported(fake_recipes, fast_cfg, monkeypatch):
     import torchnitro.autotune.final as final_mod
 
     fr = fake_recipes
     real, calls = final_mod._compare_finalists, []
+    real_alone, alone_calls = final_mod._eager_alone, []
+
+    def eager_alone(*a, **kw):
+        alone_calls.append(1)
+        return real_alone(*a, **kw)
+
+    monkeypatch.setattr(final_mod, "_eager_alone", eager_alone)
 
     def disturbed_once(s, report, fns, tc):
         res = real(s, report, fns, tc)
@@ -125,7 +164,7 @@ def test_disturbed_eager_in_the_comparison_is_redone_and_reported(fake_recipes, 
     monkeypatch.setattr(fair, "SETTLE_S", 0.0)
     opt = torchnitro.optimize(fr.SlowModel(), fr.tiny_inputs(), fast_cfg(recipes=["test-faster"]))
     rep = opt.report
-    assert len(calls) == 2
+    assert len(calls) == 2 and len(alone_calls) == 2  # eager alone measured again for the redo
     assert any(n.startswith("final comparison redone") for n in rep.notes)
     assert rep.get("eager").redone and rep.get("test-faster").redone
     assert any("eager p50 alone" in n and "inside the comparison" in n for n in rep.notes)

@@ -14,10 +14,16 @@
   pickle, a child that fails to start, a re-created eager whose outputs differ) is timed in the search
   process, and its report row says why (``Placement.why``). On CUDA only own-runtime candidates
   (``isolate=True``) are timed in their own process.
+- On the CPU every timed sample follows one untimed call of the same variant in the same process
+  (``Steady``): in rotation a process can find its weights evicted from the shared cache by the others'
+  samples (the built-in encoder's 21 MiB against a 32 MiB L3) and its threads asleep, so a sample's first
+  call measured the switch, not the variant as a server runs it back to back; results/timing_fairness.md
+  shows the effect: eager solo 43 ms, the same eager in rotation 51-57 ms, whatever ran beside it.
 - Eager's p50 inside the comparison must match eager alone within ``max(5%, 2 x eager's cv)``, at most
-  25% (``check_eager``); otherwise the comparison is redone once after ``SETTLE_S`` and the report says so.
-  Eager alone is a short solo run of eager's own timing process just before the comparison (or, for eager
-  timed in this process, its search-time p50).
+  25% (``check_eager``); otherwise eager alone and the comparison are both measured again after ``SETTLE_S``
+  (the machine may have changed between them) and the report says so. Eager alone is a short solo run of
+  eager's own timing process just before the comparison (or, for eager timed in this process, its
+  search-time p50), sampled like the comparison (``Steady``).
 - The chosen variant is timed once more in a fresh process under glibc's ``ALLOCATOR_SETTING``
   (``tune_allocator``); the setting goes into the artifact's meta (``environment``) when it made that
   variant faster by more than the noise, and ``torchnitro.load`` / ``serve`` apply it
@@ -27,6 +33,7 @@
 from __future__ import annotations
 
 import importlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -40,7 +47,7 @@ from torchnitro.bench.isolated import ChildTimer
 from torchnitro.bench.ratio import paired_ratio
 from torchnitro.bench.timing import Timing, TimingConfig, compare
 
-__all__ = ["runs_alone", "start_alone", "load_standalone", "load_variant", "ChildModel", "child_model", "Placement",
+__all__ = ["Steady", "runs_alone", "start_alone", "load_standalone", "load_variant", "ChildModel", "child_model", "Placement",
            "place", "memory_fits", "outputs_differ", "start_children", "ready_children", "EagerCheck", "check_eager",
            "AllocatorTrial", "tune_allocator", "apply_recorded_allocator", "SETTLE_S", "MIN_BAND", "MAX_BAND",
            "MIN_ALLOCATOR_GAIN"]
@@ -50,6 +57,34 @@ MIN_BAND = 0.05  # eager inside the comparison may differ from eager alone by th
 MAX_BAND = 0.25  # ... but never more: past that, eager alone was too noisy to vouch for the comparison
 MIN_ALLOCATOR_GAIN = 1.03  # the allocator setting is kept when it is this much faster and beyond the noise
 _CHILD_RUNTIME_BYTES = 400 << 20  # an interpreter with torch imported, before the model
+
+
+class Steady:
+    """``timer(k)`` -> seconds per call of one sample of ``k`` calls taken right after one untimed call of
+    the same function (a ``ChildTimer``: in its own process), so each sample is the steady state a server
+    running only this variant sees, not the first call after another process had the cores and caches.
+    Other attributes (``failed``, ``close``, ``again``) are the wrapped timer's. CPU only (no device sync)."""
+
+    times_itself = True
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.inner = fn
+
+    def __call__(self, k: int) -> float:
+        fn = self.inner
+        if getattr(fn, "times_itself", False):
+            fn(1)  # untimed: the child's caches and thread pool take the sample's switch
+            return fn(k)
+        fn()
+        t0 = time.perf_counter_ns()
+        for _ in range(k):
+            fn()
+        return (time.perf_counter_ns() - t0) / 1e9 / k
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 def runs_alone(recipe: Recipe, standalone: bool) -> bool:
@@ -317,7 +352,7 @@ def tune_allocator(timer: ChildTimer, tc: TimingConfig) -> AllocatorTrial:
     tuned = timer.again(ALLOCATOR_SETTING)
     try:
         tuned.wait_ready()
-        res = compare({"default": timer, "tuned": tuned}, tc)
+        res = compare({"default": Steady(timer), "tuned": Steady(tuned)}, tc)
     finally:
         tuned.close()
     est = paired_ratio(res["default"], res["tuned"])

@@ -118,12 +118,23 @@ def _callables(s: _Search, report: Report, cands: list[CandidateResult],
         c = report.get(name)
         _note(c, "final comparison: " + fallen.get(name, places[name].why))
         if name in timers:
-            fns[name], c.alone = timers[name], True
+            fns[name], c.alone = _steady(s, timers[name]), True
             continue
         fn = _local(s, c)
         if fn is not None:
-            fns[name] = fn
+            fns[name] = _steady(s, fn)
     return fns
+
+
+def _steady(s: _Search, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """On the CPU each sample follows one untimed call (``fair.Steady``); CUDA keeps bench's event timing."""
+    return fair.Steady(fn) if s.device.type == "cpu" else fn
+
+
+def _child(fn: Callable[..., Any]) -> ChildTimer | None:
+    """The ``ChildTimer`` behind a comparison entry, or None (timed in this process)."""
+    inner = getattr(fn, "inner", fn) if isinstance(fn, fair.Steady) else fn
+    return inner if isinstance(inner, ChildTimer) else None
 
 
 def _compare_finalists(s: _Search, report: Report, fns: dict[str, Callable[..., Any]],
@@ -143,7 +154,8 @@ def _compare_finalists(s: _Search, report: Report, fns: dict[str, Callable[..., 
             for n in dead:
                 c, why = report.get(n), fns[n].failed
                 if n == EAGER:
-                    fns[n], c.alone = _local(s, c), False  # type: ignore[assignment]
+                    local = _local(s, c)
+                    fns[n], c.alone = (_steady(s, local) if local else local), False  # type: ignore[assignment]
                     _note(c, f"its timing process died mid-comparison ({why}); timed in this process instead"[:300])
                     continue
                 del fns[n]
@@ -176,7 +188,7 @@ def _eager_alone(s: _Search, eager_fn: Callable[..., Any], search_ms: float,
                  search_cv: float | None) -> tuple[float, float | None, str]:
     """Eager alone for the drift check: a short solo run of eager's own timing process (nothing else runs),
     or, for eager timed in this process, its search-time p50 (measured before any candidate ran)."""
-    if not isinstance(eager_fn, ChildTimer):
+    if _child(eager_fn) is None:
         return search_ms, search_cv, "(search time: this process, before any candidate ran)"
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=s.cfg.final_min_time_s / 2,
                       max_time_s=max(2.0, s.cfg.final_min_time_s), device=s.device.type)
@@ -197,6 +209,9 @@ def _checked_comparison(s: _Search, report: Report, fns: dict[str, Callable[...,
     if not check.ok:
         report.notes.append(f"final comparison redone after a {fair.SETTLE_S:g} s pause: first run's {check.text()}")
         time.sleep(fair.SETTLE_S)
+        # eager alone again too: between it and the comparison the machine may have changed, not only the
+        # comparison (a fixed reference from before a load change can never be matched by a redo)
+        alone_ms, alone_cv, where = _eager_alone(s, fns[EAGER], search_ms, search_cv)
         res = _compare_finalists(s, report, fns, tc)
         check = fair.check_eager(alone_ms, alone_cv, res[EAGER], where)
         for name in res:
@@ -212,7 +227,8 @@ def _tune_allocator(s: _Search, report: Report, name: str, fn: Callable[..., Any
     from torchnitro.bench.environment import allocator_untunable
 
     cf = s.where.get(name)
-    why = allocator_untunable() or (None if isinstance(fn, ChildTimer) and not fn.failed else
+    child = _child(fn)
+    why = allocator_untunable() or (None if child is not None and not child.failed else
                                     "the chosen variant was timed in this process, not in a fresh one")
     if cf is None or why is not None:
         report.notes.append(f"allocator setting not tried: {why or 'no files of the chosen variant were kept'}")
@@ -220,7 +236,7 @@ def _tune_allocator(s: _Search, report: Report, name: str, fn: Callable[..., Any
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=5, min_time_s=s.cfg.final_min_time_s,
                       max_time_s=max(3.0, s.cfg.final_min_time_s * 2), device=s.device.type)
     try:
-        trial = fair.tune_allocator(fn, tc)  # type: ignore[arg-type]
+        trial = fair.tune_allocator(child, tc)  # type: ignore[arg-type]
     except RecipeError as exc:
         report.notes.append(f"allocator setting not tried: its timing process failed ({exc})"[:300])
         return
