@@ -73,10 +73,9 @@ def test_saved_residuals_follow_the_remat_policy_and_flash_drops_the_scores():
     assert layer_residual_bytes(CFG, "none", 2, 128, tpu=True) == host["dots_saveable"]
 
 
-def test_estimate_temp_is_the_largest_phase_not_the_sum():
-    e = MemoryEstimate(params=1, opt_state=2, batch=3, saved=10, head=5, gathered=12, backward=4)
-    assert e.temp == 15 and e.peak == 6 + 15  # saved + head beats saved + backward and the FSDP gathers
-    assert MemoryEstimate(1, 2, 3, saved=10, head=5, gathered=40, backward=4).temp == 40
+def test_estimate_peak_is_arguments_plus_the_walks_temp():
+    e = MemoryEstimate(params=1, opt_state=2, batch=3, temp=15, at_peak={"dots": 15})
+    assert e.argument == 6 and e.peak == 21
 
 
 def _fake_peak(calls):

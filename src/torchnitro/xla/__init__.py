@@ -41,9 +41,11 @@ _EXPORTS: dict[str, str] = {
     "flash_attention": "torchnitro.xla.flash",
     "blockwise_attention": "torchnitro.xla.flash",
     "sharded_flash_attention": "torchnitro.xla.flash",
+    "profile_step": "torchnitro.xla.profile",
+    "StepProfile": "torchnitro.xla.profile",
 }
 _SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout", "memory", "checkpoint", "flash", "estimate",
-               "options", "cli")
+               "liveness", "options", "profile", "cli")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.extend import core as jcore
 
-__all__ = ["FUSIBLE", "INLINED", "Liveness", "simulate", "tpu_array_bytes"]
+__all__ = ["FUSIBLE", "INLINED", "Liveness", "pack", "simulate", "tpu_array_bytes"]
 
 # primitives XLA fuses into their consumers (loop fusion): no buffer of their own
 FUSIBLE = frozenset("""
@@ -73,7 +73,8 @@ class _Eqn:
 class Liveness:
     """Result of the walk: peak live temp bytes and what was live at the peak, by kind."""
 
-    peak: int  # bytes
+    peak: int  # bytes: the most that is live at once
+    heap: int = 0  # bytes: the size of the buffers packed as XLA's heap packs them (>= peak: fragmentation)
     at_peak: dict[str, int] = field(default_factory=dict)  # kind -> bytes live at the peak
     peak_index: int = 0  # equation index of the peak
     n_eqns: int = 0
@@ -173,6 +174,31 @@ def _roots(f: _Flat, fusible_extra: frozenset[str]) -> None:
             vals[o].roots = frozenset({o}) if keep else roots
 
 
+def pack(buffers: Sequence[tuple[int, int, int]]) -> int:
+    """Heap size when (bytes, first, last) buffers are placed largest first at the best-fitting free offset.
+
+    XLA's buffer assignment (GlobalDecreasingSizeBestFitHeap, spatial order) places each buffer, in
+    decreasing size, into the smallest gap left by the already-placed buffers whose live ranges
+    overlap its own, or on top of the heap; the allocation it reports as temp is the heap's top,
+    which exceeds the peak of live bytes by the gaps no later buffer fits.
+    """
+    placed: list[tuple[int, int, int, int]] = []  # (offset, bytes, first, last)
+    top = 0
+    for size, a, b in sorted(buffers, key=lambda t: (-t[0], -(t[2] - t[1]))):
+        if size <= 0:
+            continue
+        busy = sorted((o, o + s) for o, s, pa, pb in placed if pa <= b and a <= pb)
+        best, best_gap, cur = None, None, 0
+        for lo, hi in busy:
+            if lo - cur >= size and (best_gap is None or lo - cur < best_gap):
+                best, best_gap = cur, lo - cur
+            cur = max(cur, hi)
+        offset = best if best is not None else cur
+        placed.append((offset, size, a, b))
+        top = max(top, offset + size)
+    return top
+
+
 def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], str], tpu: bool,
              outputs: Callable[[int, tuple[int, ...]], tuple[str, int]] | None = None,
              fusible_extra: frozenset[str] = frozenset()) -> Liveness:
@@ -252,4 +278,5 @@ def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], 
     for a, b, k in extra:
         if a <= at:
             by_kind[k] = by_kind.get(k, 0) + b
-    return Liveness(peak=peak, at_peak=by_kind, peak_index=at, n_eqns=n, live=sorted(live, key=lambda t: -t[3]))
+    bufs = [(size[r], a, b) for r, rs in ranges.items() for a, b in rs] + [(b, a, n - 1) for a, b, _ in extra]
+    return Liveness(peak=peak, heap=pack(bufs), at_peak=by_kind, peak_index=at, n_eqns=n, live=sorted(live, key=lambda t: -t[3]))
