@@ -49,6 +49,7 @@ from coverage_models import CASES, held  # noqa: E402
 from fault_classes import faults  # noqa: E402
 from torchnitro.autotune.api import optimize  # noqa: E402
 from torchnitro.autotune.config import OptimizeConfig  # noqa: E402
+from torchnitro.autotune.fair import Steady  # noqa: E402
 from torchnitro.autotune.recipe import BuildContext, get_recipe  # noqa: E402
 from torchnitro.autotune.report import Status  # noqa: E402
 from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir, save_plot  # noqa: E402
@@ -320,7 +321,8 @@ def peer_rows(kind: str, keep: dict[str, Any], args: argparse.Namespace) -> tupl
             timed = fn if getattr(fn, "times_itself", False) else (lambda fn=fn: fn(*x))
             try:
                 with torch.inference_mode():
-                    res = compare({"eager": eager, name: timed}, tc, items_per_call=x[0].shape[0])
+                    res = compare({"eager": Steady(eager), name: Steady(timed)}, tc,  # as the search samples
+                                  items_per_call=x[0].shape[0])
             finally:
                 if getattr(fn, "times_itself", False):
                     fn.close()
