@@ -5,10 +5,11 @@ Nothing is compiled: every term comes from shapes, shardings and JAX's own trace
 * **arguments** = parameter + optimizer-state + batch shards. On a TPU each array is stored in
   (8, 128) tiles of its two minor dims (XLA picks which two; we take the cheapest pair), a rank-1
   array in 128-element rows, so a 64-wide head dim costs twice its bytes. Exact to <0.5% on v5p.
-* **temp** = the peak of a liveness walk (``torchnitro.xla.liveness``) over one device's
+* **temp** = the heap of a liveness walk (``torchnitro.xla.liveness``) over one device's
   loss-and-gradient program: the step traced at device-local shapes (batch split over data/fsdp,
   heads, MLP hidden and vocab over tensor, weights as FSDP gathers them) under the remat policy,
-  with XLA's fusion rules deciding which values get a buffer. No fitted constants.
+  with XLA's fusion rules deciding which values get a buffer, the buffers then packed largest first
+  at the best-fitting offset as XLA's buffer assignment does. No fitted constants.
 * ``at_peak`` says what is live at that peak: FSDP-gathered weights, matmul outputs (``dots``,
   mostly residuals saved for the backward), other materialised values (reductions, the embedding
   gather and its scatter-add gradient, the stored residual stream) and gradient shards.
@@ -50,7 +51,7 @@ class MemoryEstimate:
     params: int  # parameter shards as stored
     opt_state: int  # optimizer-state shards (moments follow their parameter's sharding)
     batch: int  # token and target shards
-    temp: int  # peak live scratch of the liveness walk
+    temp: int  # scratch: the liveness walk's buffers packed as XLA packs its heap (>= their live peak)
     at_peak: dict[str, int] = field(default_factory=dict)  # what is live at that peak, by kind
 
     @property
@@ -105,7 +106,7 @@ def estimate_memory(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: in
     return MemoryEstimate(params=_tree_bytes(params, step.param_shardings, tpu),
                           opt_state=_tree_bytes(opt, step.opt_shardings, tpu),
                           batch=_tree_bytes(batch_spec(batch_size, seq_len), step.batch_shardings, tpu),
-                          temp=walk.peak, at_peak=dict(walk.at_peak))
+                          temp=walk.heap, at_peak=dict(walk.at_peak))
 
 
 def _local_leaf(shape: tuple[int, ...], sharding: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
