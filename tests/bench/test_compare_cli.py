@@ -106,3 +106,26 @@ def test_suite_tier_too_big_for_memory_is_skipped_with_a_reason():
     run = run_suite("attention", ["micro", "large"], timing=TimingConfig().quick(), free_bytes=64 * 2**20)
     assert set(run.timings) == {"attention/micro/sdpa", "attention/micro/math"}
     assert "more than half of the 64 MiB free" in run.skipped["attention/large"]
+
+
+def _noisy(seed: int, scale: float, n: int = 20) -> list[float]:
+    """A clean mode at ``scale`` ms with 2% noise and 60% of samples preempted (2x-5x): one-sided noise."""
+    r = np.random.default_rng(seed)
+    x = r.normal(1e-3 * scale, 2e-5 * scale, n)
+    return list(np.where(r.random(n) < 0.6, x * r.uniform(2, 5, n), x))
+
+
+def test_sequential_compare_asks_for_more_runs_then_decides(tmp_path, capsys):
+    runs = [(_write(tmp_path / f"base{i}.json", {"mm": _noisy(10 * i, 1.0, 6)}),
+             _write(tmp_path / f"new{i}.json", {"mm": _noisy(10 * i + 1, 1.06, 6)})) for i in range(4)]
+    files = [str(p) for pair in runs for p in pair]
+    assert main(["bench", "compare", *files[:2], "--sequential"]) == 3  # 6 noisy samples: not shown, not ruled out
+    assert "inconclusive: 1 case(s) need more samples (mm)" in capsys.readouterr().err
+    assert main(["bench", "compare", *files, "--sequential", "--json"]) == 1  # more runs of each show the 6%
+    out = capsys.readouterr().out
+    (v,) = json.loads(out[out.index("{"):])["verdicts"]
+    assert v["verdict"] == "slower" and v["looks_used"] > 1 and v["history"][0]["verdict"] == "inconclusive"
+    assert main(["bench", "compare", *files[:3], "--sequential"]) == 2  # an odd number of files: pairs expected
+    assert "expected pairs" in capsys.readouterr().err
+    assert main(["bench", "compare", *files[:4]]) == 2  # more files only with --sequential
+    assert main(["bench", "compare", *files, "--sequential", "--looks", "3"]) == 2  # more runs than planned looks

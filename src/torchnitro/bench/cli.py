@@ -1,14 +1,16 @@
 """``torchnitro bench run``, ``bench compare`` and ``bench history`` (registered on the app in ``torchnitro.cli``).
 
 ``compare`` exits 1 when any case is slower, so CI can gate on it; bad or incomparable files exit 2
-(``NitroError``), like every other verb.
+(``NitroError``), like every other verb. With ``--sequential`` it decides from as many runs as it is
+given (``BASE NEW [BASE2 NEW2 ...]``, ``bench.sequential``) and exits 3 when a case is still
+inconclusive: run both again and add the two files.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, List, Optional
 
 import typer
 
@@ -24,6 +26,11 @@ bench_app = typer.Typer(help="Compare benchmark result files and find step chang
 def compare_command(
     base: Path = typer.Argument(..., help="result file of the baseline run"),
     new: Path = typer.Argument(..., help="result file of the run to check"),
+    more: Optional[List[Path]] = typer.Argument(None, help="with --sequential: later runs of both, as further "
+                                                "BASE NEW pairs (one look each)"),
+    sequential: bool = typer.Option(False, "--sequential", help="decide or ask for more runs (exit 3), up to "
+                                    "--looks runs of each"),
+    looks: int = typer.Option(4, "--looks", help="with --sequential: the most runs of each that will be compared"),
     threshold: float = typer.Option(0.05, "--threshold", help="smallest relative change that counts (0.05 = 5%)"),
     alpha: float = typer.Option(0.01, "--alpha", help="significance level of the rank test"),
     force: bool = typer.Option(False, "--force", help="compare files from different machines/thread settings"),
@@ -38,7 +45,13 @@ def compare_command(
 
     a, b = read_results(base), read_results(new)
     notes = check_comparable(a, b) if not force else ["--force: environments not checked"]
-    verdicts, only = compare_results(a, b, CompareConfig(alpha=alpha, threshold=threshold))
+    if more and not sequential:
+        raise InputError(f"received {len(more)} files after BASE NEW; expected them only with --sequential (pairs "
+                         "of later runs)")
+    if sequential:
+        verdicts, only, notes = _sequential(a, b, more or [], looks, alpha, threshold, force, notes)
+    else:
+        verdicts, only = compare_results(a, b, CompareConfig(alpha=alpha, threshold=threshold))
     con = Console(soft_wrap=True)
     if as_json:
         con.print_json(json.dumps({"verdicts": [v.to_dict() for v in verdicts], "only_in_one": only, "notes": notes}))
@@ -46,7 +59,7 @@ def compare_command(
         t = Table(title=f"{base} -> {new}")
         for c in ("case", "verdict", "ratio (new/base)", "95% interval", "p", "median base", "median new", "why"):
             t.add_column(c)
-        color = {"slower": "red", "faster": "green", "same": "white"}
+        color = {"slower": "red", "faster": "green", "same": "white", "inconclusive": "yellow"}
         for v in verdicts:
             t.add_row(v.case, f"[{color[v.verdict]}]{v.verdict}[/]", f"{v.ratio:.3f}", f"{v.ci_low:.3f}-{v.ci_high:.3f}",
                       f"{v.p_value:.2g}", f"{v.median_base_s * 1e3:.4f} ms", f"{v.median_new_s * 1e3:.4f} ms", v.reason)
@@ -57,6 +70,28 @@ def compare_command(
     if slower:
         Console(stderr=True).print(f"regression: {len(slower)} case(s) slower: {', '.join(slower)}", highlight=False)
         raise typer.Exit(code=1)
+    open_cases = [v.case for v in verdicts if v.verdict == "inconclusive"]
+    if open_cases:
+        Console(stderr=True).print(f"inconclusive: {len(open_cases)} case(s) need more samples "
+                                   f"({', '.join(open_cases)}): run both again and add the two result files "
+                                   "(BASE NEW ... BASE2 NEW2)", highlight=False)
+        raise typer.Exit(code=3)
+
+
+def _sequential(a: Any, b: Any, more: List[Path], looks: int, alpha: float, threshold: float, force: bool,
+                notes: list[str]) -> tuple[list[Any], list[str], list[str]]:
+    """Verdicts of ``bench.sequential`` over the runs given; the ratio is of low quantiles (see its module doc)."""
+    from torchnitro.bench.results import check_comparable, read_results
+    from torchnitro.bench.sequential import SequentialConfig, compare_result_files
+
+    if len(more) % 2:
+        raise InputError(f"--sequential: received {len(more)} files after BASE NEW; expected pairs (BASE2 NEW2 ...)")
+    runs = [(a, b)] + [(read_results(x), read_results(y)) for x, y in zip(more[::2], more[1::2])]
+    for x, y in runs[1:]:
+        notes = notes + (check_comparable(a, x) + check_comparable(a, y) if not force else [])
+    verdicts, only = compare_result_files(runs, SequentialConfig(looks=looks, alpha=alpha, threshold=threshold))
+    return verdicts, only, notes + [f"sequential: {len(runs)} of at most {looks} runs; ratio and interval are of the "
+                                    "0.1 quantiles (the clean mode), alpha spent over the looks"]
 
 
 @bench_app.command("run")

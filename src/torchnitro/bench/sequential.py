@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from torchnitro.errors import InputError
 
 __all__ = ["SequentialConfig", "Look", "SequentialVerdict", "look", "compare_sequential", "quantile_ratio_test",
-           "compare_interleaved_sequential"]
+           "compare_interleaved_sequential", "decide_batches", "compare_result_files"]
 
 
 @dataclass(frozen=True)
@@ -112,10 +112,18 @@ class SequentialVerdict:
     base: list[float] = field(default_factory=list, repr=False)  # every sample collected, in order
     new: list[float] = field(default_factory=list, repr=False)
 
+    @property
+    def median_base_s(self) -> float:
+        return float(np.median(self.base)) if self.base else math.nan
+
+    @property
+    def median_new_s(self) -> float:
+        return float(np.median(self.new)) if self.new else math.nan
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("base"), d.pop("new")
-        return d
+        return {**d, "median_base_s": self.median_base_s, "median_new_s": self.median_new_s}
 
 
 def _check(case: str, base: Sequence[float], new: Sequence[float], paired: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -185,28 +193,56 @@ def look(base: Sequence[float], new: Sequence[float], k: int, config: Sequential
     return Look(k, len(a), len(b), verdict, ratio, lo, hi, p, alpha_k, reason)
 
 
-Batch = Callable[[], "tuple[Sequence[float], Sequence[float]]"]
+def _looks(batches: Iterator[tuple[Sequence[float], Sequence[float]]], cfg: SequentialConfig, paired: bool,
+           case: str) -> SequentialVerdict:
+    """Look after each batch until a decision or the batches end (the last planned look always decides)."""
+    base: list[float] = []
+    new: list[float] = []
+    history: list[Look] = []
+    for k, (a, b) in enumerate(batches, 1):
+        base += [float(x) for x in a]
+        new += [float(x) for x in b]
+        history.append(look(base, new, k, cfg, paired=paired, case=case))
+        if history[-1].verdict != "inconclusive" or k == cfg.looks:
+            break
+    last = history[-1]
+    return SequentialVerdict(case, last.verdict, last.ratio, last.ci_low, last.ci_high, last.p_value, len(base),
+                             len(new), len(history), last.reason, history, base, new)
 
 
-def compare_sequential(collect: Batch, config: SequentialConfig | None = None, *, paired: bool = False,
+def compare_sequential(collect: Callable[[], tuple[Sequence[float], Sequence[float]]],
+                       config: SequentialConfig | None = None, *, paired: bool = False,
                        case: str = "") -> SequentialVerdict:
     """Call ``collect()`` for a batch of (base, new) samples, look, and repeat while inconclusive (at most
     ``config.looks`` batches). Each batch should be one more run of both: interleaved rounds (``paired``)
     or two back-to-back runs."""
     cfg = config or SequentialConfig()
-    base: list[float] = []
-    new: list[float] = []
-    history: list[Look] = []
-    for k in range(1, cfg.looks + 1):
-        a, b = collect()
-        base += [float(x) for x in a]
-        new += [float(x) for x in b]
-        history.append(look(base, new, k, cfg, paired=paired, case=case))
-        if history[-1].verdict != "inconclusive":
-            break
-    last = history[-1]
-    return SequentialVerdict(case, last.verdict, last.ratio, last.ci_low, last.ci_high, last.p_value, len(base),
-                             len(new), len(history), last.reason, history, base, new)
+    return _looks((collect() for _ in range(cfg.looks)), cfg, paired, case)
+
+
+def decide_batches(batches: Sequence[tuple[Sequence[float], Sequence[float]]], config: SequentialConfig | None = None,
+                   *, paired: bool = False, case: str = "") -> SequentialVerdict:
+    """The sequential decision on batches collected already (e.g. one pair of result files per run). It may be
+    ``inconclusive``: the batches ran out before a decision and before the cap; add a batch and decide again."""
+    cfg = config or SequentialConfig()
+    if not 1 <= len(batches) <= cfg.looks:
+        raise InputError(f"case {case!r}: {len(batches)} batches; expected 1 to {cfg.looks} (SequentialConfig.looks: "
+                         "the number of looks is planned before the first one; raise it to allow more)")
+    return _looks(iter(batches), cfg, paired, case)
+
+
+def compare_result_files(runs: Sequence[tuple[Any, Any]], config: SequentialConfig | None = None
+                         ) -> tuple[list[SequentialVerdict], list[str]]:
+    """Per case shared by every (base, new) pair of ``BenchResult`` s, one run per look: the verdicts, and the
+    cases left out (not in every file)."""
+    files = [r for pair in runs for r in pair]
+    shared = [c for c in files[0].cases if all(c in r.cases for r in files)]
+    only = sorted({c for r in files for c in r.cases} - set(shared))
+    if not shared:
+        raise InputError(f"{', '.join(str(r.path) for r in files)} share no case names; expected the same benchmark "
+                         "run each time")
+    return [decide_batches([(b.cases[c], n.cases[c]) for b, n in runs], config, case=c) for c in shared], \
+        [f"{c} (not in every file)" for c in only]
 
 
 def compare_interleaved_sequential(fns: Mapping[str, Callable[[], Any]], baseline: str, timing: Any = None,
