@@ -7,6 +7,12 @@
   ``rank_state_bytes``, and the bytes of every collective of one step counted by ``CommCounter`` vs
   ``comm.collectives``, for 16 layouts (DP, FSDP, HSDP, TP, PP and mixes) at their first and last rank.
   Writes results/distributed_planner.{json,md}.
+- ``memory``: the planner's per-rank peak memory (``plan.rank_memory``) against the peak a real training step
+  reaches (``distributed/measure.py``: the CPU allocator's live bytes, counted from its own allocation
+  reports), for 18 layouts (DDP, FSDP incl. bf16/no-reshard/checkpointing, HSDP, TP, FSDP+TP, HSDP+TP, PP
+  schedules, PP+FSDP); layouts without pipeline stages at their first and last rank on the fake process
+  group, pipelines on real gloo ranks (every rank). Writes results/distributed_memory.{json,md} and appends
+  the table to results/distributed_planner.md.
 - ``resume``: kill-and-resume trials. ``torchnitro train --nproc 2 --dp-shard 2 --max-restarts 2`` on the
   byte-level LM; at a random logged step a random rank gets SIGKILL; torchrun restarts the group, which
   resumes from the last published checkpoint. Per trial: did it finish on its own, are the per-step losses
@@ -169,8 +175,79 @@ def planner_section(args, meta) -> None:
                       note="pipeline layouts: state bytes only; their schedule's sends carry no data on the fake "
                            "backend, so their collectives are not counted here")
     _emit(table, "distributed_planner_quick" if args.quick else "distributed_planner")
+    if not args.quick:
+        _attach("distributed_planner", "distributed_memory")
     print(f"worst memory error {worst_mem:.2%}, worst collective-bytes error {worst_comm:.2%}, "
           f"{len(failures)} failed checks")
+
+
+# the memory section's model: activations dominate a rank's peak at (4 samples x 64 tokens) per rank
+MEM_MODEL = dict(PLAN_MODEL, max_seq_len=64)
+MEM_LAYOUTS = [
+    dict(dp_replicate=2), dict(dp_shard=4), dict(dp_shard=8), dict(dp_shard=4, mixed_precision="bf16"),
+    dict(dp_shard=4, reshard_after_forward=False), dict(dp_shard=4, checkpointing="blocks"),
+    dict(dp_shard=4, checkpointing="selective"), dict(dp_replicate=2, dp_shard=2), dict(tp=2), dict(tp=4),
+    dict(dp_shard=2, tp=2), dict(dp_replicate=2, dp_shard=2, tp=2), dict(tp=2, checkpointing="selective"),
+    dict(pp=2), dict(pp=2, pp_schedule="gpipe", microbatches=4),
+    dict(pp=2, pp_schedule="interleaved1f1b", stages_per_rank=2), dict(pp=2, checkpointing="blocks", microbatches=4),
+    dict(pp=2, dp_shard=2),
+]
+
+
+def memory_section(args, meta) -> None:
+    """Planner per-rank peak memory vs the allocator's measured peak of a real training step (measure.py)."""
+    from rich.progress import track
+
+    from torchnitro.distributed.measure import measure_isolated, measure_ranks
+    from torchnitro.distributed.plan import layout_name, rank_memory
+    from torchnitro.nn.models import TransformerConfig
+
+    mc, per_rank, seq = TransformerConfig(**MEM_MODEL), 4, 64
+    layouts = MEM_LAYOUTS[:3] + MEM_LAYOUTS[-1:] if args.quick else MEM_LAYOUTS
+    table = ResultTable("Planner vs measured peak memory per rank, one training step on CPU",
+                        ["layout", "ranks", "rank", "ranks run as", "peak in", "state measured = planned",
+                         "forward left (measured)", "activations held (planned)", "activation error",
+                         "peak measured", "peak planned", "peak error"], meta=meta)
+    failures, errors = [], []
+    for kw in track(layouts, description="memory checks"):
+        cfg = ParallelConfig(**kw)
+        batch = per_rank * cfg.dp_replicate * cfg.dp_shard
+        try:
+            if cfg.pp > 1:
+                runs, how = measure_ranks(mc, cfg, batch=batch, seq=seq), "gloo processes"
+            else:
+                ranks = sorted({0, cfg.world_size - 1})
+                runs, how = [measure_isolated(mc, cfg, rank=r, batch=batch, seq=seq) for r in ranks], "fake group"
+        except Exception as e:  # one failing layout must not take the table down
+            failures.append(f"{layout_name(cfg)}: {str(e)[-300:]}")
+            continue
+        for m in runs:
+            p = rank_memory(mc, cfg, batch=batch, seq=seq, pp_rank=m.pp_rank, dp_shard_index=m.dp_shard_index,
+                            device="cpu")
+            planned_state = p.parameters + p.gradients + p.optimizer_state
+            err = (p.total - m.peak) / m.peak
+            errors.append(err)
+            act_err = f"{(p.stored - m.forward_left) / m.forward_left:+.2%}" if cfg.pp == 1 else "n/a"
+            table.add(**{"layout": layout_name(cfg), "ranks": cfg.world_size, "rank": m.rank, "ranks run as": how,
+                         "peak in": m.phase, "state measured = planned": "yes" if m.state.total == planned_state
+                         else f"no ({m.state.total} vs {planned_state})",
+                         "forward left (measured)": m.forward_left if cfg.pp == 1 else "n/a (pipeline)",
+                         "activations held (planned)": p.stored, "activation error": act_err,
+                         "peak measured": m.peak, "peak planned": p.total, "peak error": f"{err:+.2%}"})
+    within = sum(abs(e) <= 0.05 for e in errors)
+    table.meta.update(model=MEM_MODEL, per_rank_batch=per_rank, seq=seq, layouts=len(layouts), checks=len(errors),
+                      within_5_percent=within, worst_peak_error=max(map(abs, errors), default=None),
+                      failures=failures, goal="planner memory per rank within 5% of measured for >= 12 layouts",
+                      measured="the most bytes live at once in the CPU allocator during the second training step "
+                               "(torch.profiler memory events, window opened before the model is built), see "
+                               "src/torchnitro/distributed/measure.py",
+                      forward_left="live at the end of forward minus live at the step's start: saved activations, "
+                                   "the loss, FSDP groups not resharded after forward")
+    _emit(table, "distributed_memory_quick" if args.quick else "distributed_memory")
+    if not args.quick:
+        _attach("distributed_planner", "distributed_memory")
+    print(f"{within} of {len(errors)} rank checks within 5%, worst {max(map(abs, errors), default=0):.2%}, "
+          f"{len(failures)} failed layouts")
 
 
 def scaling_section(args, meta) -> None:
@@ -358,11 +435,25 @@ def _emit(table, name: str) -> None:
     print("wrote " + ", ".join(str(p) for p in paths))
 
 
+_MARK = "<!-- memory section: benchmarks/distributed.py --section memory -->"
+
+
+def _attach(host: str, part: str) -> None:
+    """Put results/<part>.md under results/<host>.md (replacing an earlier copy), so one page has both tables."""
+    root = Path(__file__).resolve().parents[1] / "results"
+    host_md, part_md = root / f"{host}.md", root / f"{part}.md"
+    if not host_md.exists() or not part_md.exists():
+        return
+    text = host_md.read_text().split(_MARK)[0].rstrip() + "\n\n" + _MARK + "\n\n" + part_md.read_text()
+    host_md.write_text(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny model, 6 saves, 4 planner layouts: a smoke run")
     ap.add_argument("--saves", type=int, default=20)
-    ap.add_argument("--section", choices=("all", "checkpoint", "planner", "scaling", "resume"), default="all")
+    ap.add_argument("--section", choices=("all", "checkpoint", "planner", "memory", "scaling", "resume"),
+                    default="all")
     ap.add_argument("--trials", type=int, default=20, help="kill-and-resume trials")
     args = ap.parse_args()
     meta = provenance("benchmarks/distributed.py", device="cpu")
@@ -370,6 +461,8 @@ def main() -> None:
         checkpoint_section(args, meta)
     if args.section in ("all", "planner"):
         planner_section(args, dict(meta))
+    if args.section in ("all", "memory"):
+        memory_section(args, dict(meta))
     if args.section in ("all", "scaling"):
         scaling_section(args, dict(meta))
     if args.section in ("all", "resume"):

@@ -48,15 +48,21 @@ MODELS = {
 
 @dataclass(frozen=True)
 class RankMemory:
+    """What one rank holds at the peak of a step (the worst moment of its backward), term by term."""
+
     parameters: int
-    gradients: int
+    gradients: int  # all of this rank's gradients (the state term; live at the peak: ``live_gradients``)
     optimizer_state: int
-    activations: int
-    comm_buffers: int
+    activations: int  # saved for backward by the micro-batch chunks held at the peak
+    comm_buffers: int  # FSDP's gathered groups, DDP's buckets, pipeline receive buffers, live at the peak
+    temporaries: int = 0  # the backward's own: loss gradient, or one block's backward (and its recompute)
+    live_gradients: int = 0  # gradients that exist at the peak (pipelines: earlier micro-batches' backward)
+    stored: int = 0  # activations the held chunks keep before backward frees any (what a forward leaves)
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state + self.activations + self.comm_buffers
+        return (self.parameters + self.optimizer_state + self.live_gradients + self.activations
+                + self.comm_buffers + self.temporaries)
 
 
 @dataclass(frozen=True)
@@ -123,7 +129,15 @@ def _in_flight(cfg: ParallelConfig, pp_rank: int) -> int:
 
 def rank_memory(model_config, cfg: ParallelConfig, *, batch: int, seq: int, dtype: str = "fp32",
                 optimizer: str = "adamw", pp_rank: int = 0, dp_shard_index: int = 0, device: str = "cuda") -> RankMemory:
-    """Bytes one rank holds at its peak for a step of ``batch`` global samples of ``seq`` tokens."""
+    """Bytes one rank holds at its peak for a step of ``batch`` global samples of ``seq`` tokens.
+
+    The peak of a step whose gradients start at None (``zero_grad(set_to_none=True)``) is in backward, at
+    one of two moments (``_backward_moments``): as the loss gradient is formed (every activation still held)
+    or at the start of the last block's backward (the head's activations freed; the block's backward
+    intermediates, its recomputed activations under checkpointing, and the head's weight gradient live).
+    A pipeline holds several micro-batch chunks at its first backward, and from its second backward on,
+    the gradients as well: the larger of the two is its peak. Measured on CPU: results/distributed_planner.md.
+    """
     dp = cfg.dp_replicate * cfg.dp_shard
     micro = batch // dp // (cfg.n_microbatches if cfg.pp > 1 else 1)
     if micro < 1 or batch % dp or (cfg.pp > 1 and (batch // dp) % cfg.n_microbatches):
@@ -138,18 +152,70 @@ def rank_memory(model_config, cfg: ParallelConfig, *, batch: int, seq: int, dtyp
     last = cfg.pp == 1 or any(st == cfg.n_stages - 1 for st, _ in stages)
     head = head_bytes(s) if last else 0
     ck = checkpointed_activations(replace(s, L=n_layers), cfg.checkpointing, layer.bytes, head)
-    per_chunk = (ck.stored + head) / max(1, cfg.stages_per_rank if cfg.pp > 1 else 1)
-    activations = int(per_chunk * _in_flight(cfg, pp_rank)) + ck.recompute
-    buffers = 0
+    v = cfg.stages_per_rank if cfg.pp > 1 else 1
+    # one micro-batch's activations on one of this rank's stages; a pipeline stage also keeps the output it
+    # sent (or the logits it computed the loss of) until that micro-batch's backward
+    outputs = sum(micro * seq * (model_config.vocab_size if st == cfg.n_stages - 1 else model_config.dim) * s.c
+                  for st, _ in stages) if cfg.pp > 1 else 0
+    chunk = (ck.stored + head + outputs) / v
+    held, chunks = _in_flight(cfg, pp_rank), (cfg.n_microbatches * v if cfg.pp > 1 else 1)
+    pe = DTYPE_BYTES[cfg.mixed_precision] if cfg.strategy in ("fsdp", "hsdp") and cfg.mixed_precision != "fp32" \
+        else DTYPE_BYTES[dtype]
+    kept, roots, blocks, unsharded = _buffers(model_config, cfg, s, state, stages, pp_rank, micro, seq, pe)
+    moments = _backward_moments(s, ck.recompute, head, pe if last else 0, roots, blocks)
+    # (activations, temporaries, buffers, gradients) at each candidate moment; the first backward holds
+    # `held` chunks, later ones (pipelines) at most one fewer but with every gradient of this rank made
+    cands = [(held * chunk - freed, t, kept + g, 0) for freed, t, g in moments]
+    if chunks > 1:  # under FSDP a pipeline stage accumulates unsharded gradients until its last micro-batch
+        grads = unsharded if cfg.strategy in ("fsdp", "hsdp") else state.gradients
+        cands += [(min(held, chunks - 1) * chunk - freed, t, kept + g, grads) for freed, t, g in moments]
+    acts, temps, buffers, grads = max(cands, key=sum)
+    return RankMemory(state.parameters, state.gradients, state.optimizer_state, int(acts), buffers, int(temps), grads,
+                      int(held * chunk))
+
+
+def _backward_moments(s, recompute: int, head: int, head_grad_e: int, roots: int, blocks: int
+                      ) -> list[tuple[int, int, int]]:
+    """[(activations already freed, temporaries live, FSDP groups gathered)] at the two candidate peaks of one
+    chunk's backward.
+
+    The loss gradient: the fp32 NLL and log-softmax gradients, ``2 x 4BTV`` (last stage only); only the root
+    groups are gathered yet. The last block's backward: the head's activations are gone, its weight gradient
+    (``V x D``) exists, the block's recomputed activations (checkpointing), the gradient of its output
+    (``e BTD``) and two ``c BTF`` MLP gradients live, and the block's group and those prefetched are gathered.
+    """
+    loss = 8 * s.BT * s.V if head else 0
+    block = recompute + s.e * s.BT * s.D + 2 * s.c * s.BT * s.F + head_grad_e * s.V * s.D
+    return [(0, loss, roots), (head, block, roots + blocks)]
+
+
+def _buffers(model_config, cfg: ParallelConfig, s, state, stages, pp_rank: int, micro: int, seq: int, pe: int
+             ) -> tuple[int, int, int, int]:
+    """(buffers live all through backward, FSDP root groups gathered, FSDP block groups gathered at a block's
+    backward, bytes of all this rank's FSDP groups unsharded).
+
+    FSDP2/HSDP: the root groups (embedding, norm, head) stay gathered from forward to the end of backward; of
+    the blocks, the one in backward and ``prefetch`` more are gathered (every block, without resharding after
+    forward). A block's reduce-scatter input is made as its activations are freed, so it is not added.
+    DDP: its gradient buckets, allocated once, a second copy of the gradients. PP: receive buffers.
+    """
+    buffers = roots = blocks = unsharded = 0
     if cfg.strategy in ("fsdp", "hsdp"):
-        pe = DTYPE_BYTES[cfg.mixed_precision] if cfg.mixed_precision != "fp32" else DTYPE_BYTES[dtype]
-        groups = [padded_elements(shapes, cfg.dp_shard) for _, shapes in fsdp_groups(model_config, cfg, pp_rank)]
-        buffers = (1 + cfg.prefetch) * max(groups) * pe + max(groups) * 4
+        groups = fsdp_groups(model_config, cfg, pp_rank)
+        sizes = {name: padded_elements(shapes, cfg.dp_shard) * pe for name, shapes in groups}
+        roots, unsharded = sum(b for n, b in sizes.items() if n.endswith(".root")), sum(sizes.values())
+        ordered = sorted((b for n, b in sizes.items() if not n.endswith(".root")), reverse=True)
+        if cfg.reshard_after_forward:
+            blocks = sum(ordered[:1 + cfg.prefetch])
+        else:
+            roots += sum(ordered)  # all gathered from their forward to their backward
     elif cfg.strategy == "ddp":
         buffers = state.gradients
-    if cfg.pp > 1:
-        buffers += 2 * len(stages) * micro * seq * model_config.dim * s.c
-    return RankMemory(state.parameters, state.gradients, state.optimizer_state, activations, buffers)
+    if cfg.pp > 1:  # one receive buffer per micro-batch, made at the first step and kept: activations into a
+        # stage that is not the first, gradients into one that is not the last
+        ends = sum((st > 0) + (st < cfg.n_stages - 1) for st, _ in stages)
+        buffers += ends * cfg.n_microbatches * micro * seq * model_config.dim * s.c
+    return buffers, roots, blocks, unsharded
 
 
 def flops_per_rank(model_config, cfg: ParallelConfig, *, batch: int, seq: int, pp_rank: int = 0) -> tuple[float, float]:
