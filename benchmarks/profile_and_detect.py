@@ -7,11 +7,14 @@ Profiler (one workload, all in one run, plain and profiled blocks alternating so
   median over rounds, goal <= 1.10x. The same ratio in process CPU time (``time.process_time``
   around each step, both runs) is shown beside it: on a shared machine it is what other processes
   distort least;
-- accounting: per round, the categories' sum (the mean profiled step: they add up to it by
-  construction) over the mean unprofiled step, so this is how far the profiled step is from the
-  real one; median over rounds, goal within 5%;
-- MFU of a plain GEMM against ``analyze.machine_roofline``'s measured peak: the peak *is* that GEMM,
-  so the goal is MFU within 5% of 1.0.
+- accounting: the categories (``unattributed`` holds the time outside every op) add up to each
+  profiled step (``Profile.accounted``, shown), so what the goal measures is how far the profiled
+  step is from the unprofiled one: per round, the median step's category sum over the median
+  unprofiled step (medians: one preempted step on a shared machine moves a mean of 10 by 10%);
+  median over rounds, goal within 5%. The ratio of means is shown beside it;
+- MFU of a plain GEMM against the profile's own peak (``profile.peak``: the best of plain-GEMM
+  timings of the same size, dtype and threads just before and just after the recorded steps), goal
+  within 5% of 1.0; the MFU against the median timing and the timings' spread are shown beside it.
 
 Detector on real runs: ``trials`` A/A comparisons (the same function twice) and ``trials`` with an
 injected slowdown (100 small GEMMs against 110 or 103 of them), 20 samples each, in two modes:
@@ -45,6 +48,7 @@ recorded samples without timing anything (results/profile_and_detect_recorded.*)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -61,6 +65,7 @@ from torchnitro.bench import ResultTable, TimingConfig, compare, measure
 from torchnitro.bench.provenance import provenance
 from torchnitro.bench.regress import compare_paired, compare_samples
 from torchnitro.bench.report import results_dir
+from torchnitro.bench.sequential import SequentialConfig, compare_sequential
 from torchnitro.errors import InputError
 from torchnitro.profile import ProfileConfig, profile
 
@@ -97,28 +102,47 @@ def _pyperf_slower(base: Sequence[float], new: Sequence[float]) -> bool | None:
 
 
 class Tally:
-    """Per tool: how many trials it called slower; and our ratio estimates (for the 3% calibration)."""
+    """Per tool: how many trials it called slower; and our ratio estimates (for the 3% calibration).
+
+    The fixed-sample tools decide on the first batch (20 samples each, as before); ``ours sequential``
+    (``bench.sequential``) on the batches it asked for, which pyperf and pytest-benchmark then also get
+    (their ``... on the same N`` counts).
+    """
 
     def __init__(self) -> None:
         self.counts: dict[str, int] = {}
-        self.ratios: dict[str, list[float]] = {"ours": [], "ours paired": []}
+        self.ratios: dict[str, list[float]] = {"ours": [], "ours paired": [], "ours sequential": []}
         self.trials = 0
+        self.samples_used = 0
 
-    def add(self, base: Sequence[float], new: Sequence[float], paired: bool) -> None:
+    def add(self, base: Sequence[float], new: Sequence[float], paired: bool,
+            batches: Sequence[Sequence[Sequence[float]]] | None = None, seq: SequentialConfig | None = None) -> None:
         self.trials += 1
-        verdicts = {"ours": compare_samples(base, new)}
+        verdicts: dict[str, Any] = {"ours": compare_samples(base, new)}
         if paired:
             verdicts["ours paired"] = compare_paired(base, new)
+        if batches is not None:
+            it = iter(batches)
+            v = compare_sequential(lambda: next(it), seq or SequentialConfig(), paired=paired)
+            verdicts["ours sequential"] = v
+            self.samples_used += v.n_base
         calls: dict[str, bool | None] = {k: v.verdict == "slower" for k, v in verdicts.items()}
         for k, v in verdicts.items():
             self.ratios[k].append(v.ratio)
         calls["pyperf compare_to"] = _pyperf_slower(base, new)
         calls["pytest-benchmark mean:5%"] = _pytest_benchmark_fails(base, new)
+        if batches is not None:  # the peers on the samples our sequential run collected
+            pb, pn = verdicts["ours sequential"].base, verdicts["ours sequential"].new
+            calls["pyperf on the same samples"] = _pyperf_slower(pb, pn)
+            calls["pytest-benchmark on the same samples"] = _pytest_benchmark_fails(pb, pn)
         for tool, slower in calls.items():
             self.counts[tool] = self.counts.get(tool, 0) + bool(slower) if slower is not None else -1
 
     def detail(self) -> str:
-        return ", ".join(f"{k} {v}/{self.trials}" if v >= 0 else f"{k} not installed" for k, v in self.counts.items())
+        out = ", ".join(f"{k} {v}/{self.trials}" if v >= 0 else f"{k} not installed" for k, v in self.counts.items())
+        if self.samples_used:
+            out += f"; ours sequential used {self.samples_used / self.trials:.1f} samples a side on average"
+        return out
 
 
 def implied_rate(aa_ratios: Sequence[float], shift: float = 0.03, threshold: float = 0.05) -> float:
@@ -127,8 +151,8 @@ def implied_rate(aa_ratios: Sequence[float], shift: float = 0.03, threshold: flo
     return sum(r * (1 + shift) >= 1 + threshold for r in aa_ratios) / max(len(aa_ratios), 1)
 
 
-def _rows(table: ResultTable, what: str, tallies: dict[str, Tally], key: str) -> None:
-    """Three rows (A/A, 10%, 3%) for one mode, judged on our verdict ``key``."""
+def _rows(table: ResultTable, what: str, tallies: dict[str, Tally], key: str, also: str | None = None) -> None:
+    """Three rows (A/A, 10%, 3%) for one mode, judged on our verdict ``key`` (``also``: shown beside it)."""
     n = tallies["A/A"].trials
     aa, ten, three = (tallies[k].counts[key] for k in _SLOWDOWNS)
     implied = implied_rate(tallies["A/A"].ratios[key])
@@ -136,7 +160,8 @@ def _rows(table: ResultTable, what: str, tallies: dict[str, Tally], key: str) ->
     for label, count, goal, met in (("A/A", aa, "<= 2%", aa <= 0.02 * n), ("10% slower", ten, ">= 95%", ten >= 0.95 * n),
                                     ("3% slower", three, f"<= {allowed:.1%} (implied {implied:.1%} + 2 SE)",
                                      three <= allowed * n)):
-        table.add(check=f"{what}: {label}", value=f"{count}/{n} called slower ({key})", goal=goal, met=met,
+        extra = f"; {tallies[label].counts[also]}/{n} ({also})" if also else ""
+        table.add(check=f"{what}: {label}", value=f"{count}/{n} called slower ({key}){extra}", goal=goal, met=met,
                   detail="same samples: " + tallies[label].detail())
 
 
@@ -152,9 +177,9 @@ def profiler_rows(table: ResultTable, quick: bool) -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    steps, rounds = (5, 2) if quick else (10, 7)
+    steps, rounds = (5, 2) if quick else (10, 9)
     pcfg = ProfileConfig(warmup=2, steps=steps, monitor=False, measure_peak=False, count_flops=False,
-                         track_memory=False)  # the counting step runs outside the recorded steps anyway
+                         track_memory=False, unprofiled_steps=0)  # those run outside the recorded steps anyway
     wall: list[float] = []
     cpu: list[float] = []
 
@@ -164,7 +189,7 @@ def profiler_rows(table: ResultTable, quick: bool) -> None:
         cpu.append(time.process_time() - c)
         wall.append(time.perf_counter() - w)
 
-    over, over_cpu, acc, detail = [], [], [], []
+    over, over_cpu, acc, acc_mean, closure, detail = [], [], [], [], [], []
     for _ in range(rounds):
         wall.clear(), cpu.clear()
         for _ in range(2 + steps):
@@ -172,10 +197,13 @@ def profiler_rows(table: ResultTable, quick: bool) -> None:
         plain, plain_cpu = statistics.median(wall[-steps:]), statistics.median(cpu[-steps:])
         plain_mean = statistics.fmean(wall[-steps:])
         prof = profile(timed, config=pcfg)
-        over.append(statistics.median(prof.step_times_s) / plain)
+        med = statistics.median(prof.step_times_s)
+        over.append(med / plain)
         over_cpu.append(statistics.median(cpu[-steps:]) / plain_cpu)
-        acc.append(sum(prof.categories.values()) / plain_mean)  # categories are means per step: mean vs mean
-        detail.append(f"{statistics.median(prof.step_times_s) * 1e3:.2f}/{plain * 1e3:.2f}")
+        closure.append(prof.accounted)  # categories / profiled step: 1 unless some time is in no category
+        acc.append(med * prof.accounted / plain)
+        acc_mean.append(sum(prof.categories.values()) / plain_mean)
+        detail.append(f"{med * 1e3:.2f}/{plain * 1e3:.2f}")
     ratio = statistics.median(over)
     table.add(check=f"profiler overhead (train step, mlp d={d}, shapes+memory recorded)", value=f"{ratio:.3f}x",
               goal="<= 1.10x", met=ratio <= 1.10,
@@ -185,22 +213,29 @@ def profiler_rows(table: ResultTable, quick: bool) -> None:
               met=rc <= 1.10, detail="time.process_time around each step: what other processes' load distorts "
                                      "least; per round " + ", ".join(f"{r:.3f}" for r in over_cpu))
     a = statistics.median(acc)
-    table.add(check="categories sum / unprofiled step (means)", value=f"{a:.3f}", goal="within 5% of 1",
-              met=abs(a - 1) <= 0.05, detail=", ".join(f"{k} {v:.1%}" for k, v in prof.shares.items()))
+    table.add(check="categories sum / unprofiled step (median steps)", value=f"{a:.3f}", goal="within 5% of 1",
+              met=abs(a - 1) <= 0.05,
+              detail=f"categories / profiled step {min(closure):.3f}-{max(closure):.3f}; ratio of means "
+                     f"{statistics.median(acc_mean):.3f}; per round " + ", ".join(f"{r:.3f}" for r in acc) +
+                     "; shares " + ", ".join(f"{k} {v:.1%}" for k, v in prof.shares.items()))
     n = 512 if quick else 1024
     a_, b_ = torch.randn(n, n), torch.randn(n, n)
-    peak = machine_roofline("cpu").peak_flops["float32"]  # measured (median of 1024^2 mm) just before
+    roofline = machine_roofline("cpu").peak_flops["float32"]  # measured once per process, for reference
     gemm = profile(lambda: torch.mm(a_, b_), config=ProfileConfig(warmup=3, steps=2 * steps, monitor=False,
-                                                                   peak_flops=peak))
+                                                                   track_memory=False, peak_timings=6, peak_gemm=n))
     mfu = gemm.mfu or 0.0
-    med = (gemm.flops or 0) / statistics.median(gemm.step_times_s) / peak
-    table.add(check=f"MFU of a {n}^2 GEMM vs the measured GEMM peak", value=f"{mfu:.3f}", goal="within 5% of 1.0",
-              met=abs(mfu - 1) <= 0.05, detail=f"achieved {(gemm.achieved_flops or 0) / 1e9:.1f} GFLOP/s (mean step), "
-                                              f"{med:.3f} on the median step; peak {peak / 1e9:.1f} GFLOP/s")
+    rng = gemm.mfu_range or (0.0, 0.0)
+    table.add(check=f"MFU of a {n}^2 GEMM vs the GEMM peak timed around it", value=f"{mfu:.3f}",
+              goal="within 5% of 1.0", met=abs(mfu - 1) <= 0.05,
+              detail=f"achieved {(gemm.achieved_flops or 0) / 1e9:.1f} GFLOP/s (mean step); {rng[1]:.3f} against the "
+                     f"median timing; peak: {gemm.peak_source}; analyze.machine_roofline (earlier, median) "
+                     f"{roofline / 1e9:.1f} GFLOP/s")
 
 
-def record_real(trials: int, quick: bool) -> dict[str, Any]:
-    """Raw samples of the real detector runs: {label: {"interleaved"/"back to back": [[base, new], ...]}}."""
+def record_real(trials: int, quick: bool, seq: SequentialConfig) -> dict[str, Any]:
+    """Raw samples of the real detector runs: {label: {"interleaved"/"back to back": [trial, ...]}}, a trial
+    being the batches [[base, new], ...] the sequential detector asked for (the first is the 20-sample run
+    every tool decides on)."""
     torch.manual_seed(0)
     n, reps = (32, 100) if quick else (64, 100)
     a = torch.randn(n, n)
@@ -216,18 +251,29 @@ def record_real(trials: int, quick: bool) -> dict[str, Any]:
     fn = work(reps)
     cfg = TimingConfig(warmup=2, warmup_s=0.0, min_iters=20, max_iters=20, min_time_s=0.0, min_sample_s=2e-3)
     out: dict[str, Any] = {"gemm": n, "work": f"{reps} x {n}^2 mm, slower: more of them", "samples_per_run": 20,
-                           "unit": "us per call", "load average at start": _load()}
+                           "unit": "us per call", "sequential": dataclasses.asdict(seq),
+                           "load average at start": _load()}
 
     def us(samples: Sequence[float]) -> list[float]:  # ns resolution, about half the characters of full floats
         return [round(x * 1e6, 3) for x in samples]
 
     for label, extra in _SLOWDOWNS.items():
         slow = work(round(reps * (1 + extra))) if extra else fn
-        runs: dict[str, list[list[list[float]]]] = {"interleaved": [], "back to back": []}
+        runs: dict[str, list[list[list[list[float]]]]] = {"interleaved": [], "back to back": []}
         for _ in range(trials):
-            res = compare({"a": fn, "b": slow}, cfg)
-            runs["interleaved"].append([us(res["a"].samples), us(res["b"].samples)])
-            runs["back to back"].append([us(measure(fn, cfg).samples), us(measure(slow, cfg).samples)])
+            for mode in runs:
+                batches: list[list[list[float]]] = []
+
+                def more(mode: str = mode, batches: list = batches) -> list[list[float]]:
+                    if mode == "interleaved":
+                        res = compare({"a": fn, "b": slow}, cfg)
+                        batches.append([us(res["a"].samples), us(res["b"].samples)])
+                    else:
+                        batches.append([us(measure(fn, cfg).samples), us(measure(slow, cfg).samples)])
+                    return batches[-1]
+
+                compare_sequential(more, seq, paired=mode == "interleaved")  # decided again from the file
+                runs[mode].append(batches)
         out[label] = runs
     out["load average at end"] = _load()
     return out
@@ -244,13 +290,20 @@ def decide_real(table: ResultTable, rec: dict[str, Any]) -> None:
     if missing or "gemm" not in rec:
         raise InputError(f"recorded samples: {missing or ['gemm']} missing or empty; expected the samples file "
                          "this script writes (results/profile_and_detect_samples.json)")
-    for mode, key in (("interleaved", "ours paired"), ("back to back", "ours")):
+    # a file recorded before the sequential detector has one batch a trial: it gets one look, at the full alpha
+    seq = SequentialConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in rec["sequential"].items()}) \
+        if "sequential" in rec else SequentialConfig(looks=1)
+    for mode in modes:
         tallies = {label: Tally() for label in _SLOWDOWNS}
         for label in _SLOWDOWNS:
-            for base, new in rec[label][mode]:
-                tallies[label].add(base, new, paired=mode == "interleaved")
+            for trial in rec[label][mode]:
+                # a trial is [base, new] (files before the sequential detector) or its batches [[base, new], ...]
+                batches = trial if isinstance(trial[0][0], list) else [trial]
+                tallies[label].add(*batches[0], paired=mode == "interleaved", batches=batches, seq=seq)
         what = rec.get("work", f"{rec['gemm']}^2 mm plus 1 row, slower: more rows")
-        _rows(table, f"real runs, {mode} ({what}, {rec['samples_per_run']} samples each)", tallies, key)
+        first = "ours paired" if mode == "interleaved" else "ours"
+        _rows(table, f"real runs, {mode} ({what}, {rec['samples_per_run']} samples a batch, sequential up to "
+                     f"{seq.looks} batches)", tallies, "ours sequential", also=first)
 
 
 def synthetic_rows(table: ResultTable, trials: int) -> None:
@@ -296,7 +349,7 @@ def main() -> None:
         name = "profile_and_detect_recorded"
     else:
         profiler_rows(table, args.quick)
-        rec = record_real(trials, args.quick)
+        rec = record_real(trials, args.quick, SequentialConfig())
         rec["written"] = table.meta.get("started", "")
         path = results_dir() / f"{name}_samples.json"
         path.write_text(json.dumps(rec))

@@ -36,8 +36,8 @@ def test_probe_finish_keeps_mfu_at_most_one():
 def test_a_gemm_step_reads_at_most_full_mfu_against_its_own_run():
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     p = profile(lambda: torch.mm(a, b), config=ProfileConfig(warmup=1, steps=3, monitor=False, track_memory=False,
-                                                              peak_timings=2, unprofiled_steps=2))
-    assert len(p.peak["flops_samples"]) == 2 and p.peak_flops == p.peak["best"]
+                                                              peak_timings=2, unprofiled_steps=2, peak_gemm=64))
+    assert len(p.peak["flops_samples"]) == 2 and p.peak_flops == p.peak["best"] and p.peak["n"] == 64
     assert 0 < p.mfu <= 1.0 and p.mfu_range[0] <= p.mfu_range[1]
     assert "GEMM timings around the recorded steps" in p.peak_source and "MFU:" in p.summary()
     back = Profile.from_dict(p.to_dict())
@@ -70,3 +70,5 @@ def test_bad_counts_are_refused():
         ProfileConfig(peak_timings=0)
     with pytest.raises(InputError, match="unprofiled_steps"):
         ProfileConfig(unprofiled_steps=-1)
+    with pytest.raises(InputError, match="peak_gemm"):
+        ProfileConfig(peak_gemm=0)

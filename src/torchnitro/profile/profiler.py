@@ -58,6 +58,7 @@ class ProfileConfig:
     peak_flops: float | None = None  # FLOP/s for MFU; None: measure it when measure_peak
     measure_peak: bool = True  # time a plain GEMM around the recorded steps for the peak (profile.peak)
     peak_timings: int = 4  # those GEMM timings, half before and half after the recorded steps
+    peak_gemm: int | None = None  # side n of the (n, n) @ (n, n) GEMM timed; None: 1024 on CPU, 4096 on GPU
     unprofiled_steps: int = 3  # plain steps timed right after the profiler: what the profiled step is checked against
     dtype: str = "float32"  # which measured peak MFU is taken against (the model's dtype when given one)
     top: int = 15  # ops listed in the summary
@@ -69,6 +70,8 @@ class ProfileConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < low:
                 raise InputError(f"ProfileConfig.{name}: received {v!r}; expected an integer >= {low}")
+        if self.peak_gemm is not None and (not isinstance(self.peak_gemm, int) or self.peak_gemm < 1):
+            raise InputError(f"ProfileConfig.peak_gemm: received {self.peak_gemm!r}; expected a GEMM side >= 1 or None")
         if self.peak_flops is not None and not self.peak_flops > 0:
             raise InputError(f"ProfileConfig.peak_flops: received {self.peak_flops!r}; expected FLOP/s > 0 or None")
 
@@ -246,7 +249,7 @@ def _probe(cfg: ProfileConfig, device: str) -> Any:
     from torchnitro.profile.peak import PeakProbe
 
     try:
-        probe = PeakProbe(device, cfg.dtype)
+        probe = PeakProbe(device, cfg.dtype, cfg.peak_gemm)
         probe.sample((cfg.peak_timings + 1) // 2)
         return probe
     except Exception as exc:  # e.g. a dtype this device has no GEMM for
