@@ -176,10 +176,10 @@ def test_model_dtype_picks_the_peak_and_train_needs_a_model():
     p = profile(m, torch.randn(4, 16, dtype=torch.bfloat16), ProfileConfig(warmup=1, steps=1, monitor=False,
                                                                             measure_peak=False))
     assert p.flops == 2 * 4 * 16 * 16
-    from torchnitro.profile.profiler import _probe
+    from torchnitro.profile.peak import probe_for
 
     with pytest.warns(UserWarning, match="MFU is unavailable"):  # no GEMM to time in int8: a warning, no peak
-        assert _probe(ProfileConfig(dtype="int8"), "cpu") is None
+        assert probe_for(ProfileConfig(dtype="int8"), "cpu") is None
     with pytest.raises(InputError, match="train=True"):
         profile(lambda: None, train=True, config=FAST)
 

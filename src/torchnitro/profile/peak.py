@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from torchnitro.errors import InputError
 
-__all__ = ["GemmPeak", "PeakProbe"]
+if TYPE_CHECKING:
+    from torchnitro.profile.profiler import ProfileConfig
+
+__all__ = ["GemmPeak", "PeakProbe", "probe_for", "peak_of"]
 
 
 @dataclass
@@ -95,3 +98,31 @@ class PeakProbe:
                 self.peak.raised_to_step = rate
         del self._a, self._b
         return self.peak
+
+
+def probe_for(cfg: ProfileConfig, device: str) -> PeakProbe | None:
+    """A ``PeakProbe`` when the peak is to be measured here; a failure to time it is a warning, not a lost profile."""
+    if cfg.peak_flops is not None or not cfg.measure_peak or not cfg.count_flops:
+        return None
+    import warnings
+
+    try:
+        probe = PeakProbe(device, cfg.dtype, cfg.peak_gemm)
+        probe.sample((cfg.peak_timings + 1) // 2)
+        return probe
+    except Exception as exc:  # e.g. a dtype this device has no GEMM for
+        warnings.warn(f"timing a {cfg.dtype} GEMM on {device} for the MFU peak failed ({type(exc).__name__}: "
+                      f"{exc}); MFU is unavailable", stacklevel=4)
+        return None
+
+
+def peak_of(cfg: ProfileConfig, probe: PeakProbe | None, flops: int | None, times: list[float]
+            ) -> tuple[float | None, str, dict[str, Any]]:
+    """(peak FLOP/s, where it came from, its timings) for MFU: given, measured around the steps, or none."""
+    if cfg.peak_flops is not None:
+        return cfg.peak_flops, "given", {}
+    if probe is None:
+        return None, ("no peak given and measure_peak=False" if not cfg.measure_peak else
+                      f"no {cfg.dtype} GEMM peak measured on this device"), {}
+    peak = probe.finish(flops, times)
+    return peak.best, peak.describe(), peak.to_dict()

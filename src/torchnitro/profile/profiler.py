@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from torchnitro.errors import InputError
 from torchnitro.profile.categories import category_of
+from torchnitro.profile.peak import peak_of, probe_for
 from torchnitro.profile.result import OpStat, Profile, findings
 
 __all__ = ["ProfileConfig", "profile", "make_step", "OpRecord", "split_steps"]
@@ -240,34 +241,6 @@ def _accounting(model: nn.Module | None, flops: bool, memory: bool) -> Iterator[
                          "source": "torchnitro.memory.track (live tensor bytes, one step)"}
 
 
-def _probe(cfg: ProfileConfig, device: str) -> Any:
-    """A ``PeakProbe`` when the peak is to be measured here; a failure to time it is a warning, not a lost profile."""
-    if cfg.peak_flops is not None or not cfg.measure_peak or not cfg.count_flops:
-        return None
-    import warnings
-
-    from torchnitro.profile.peak import PeakProbe
-
-    try:
-        probe = PeakProbe(device, cfg.dtype, cfg.peak_gemm)
-        probe.sample((cfg.peak_timings + 1) // 2)
-        return probe
-    except Exception as exc:  # e.g. a dtype this device has no GEMM for
-        warnings.warn(f"timing a {cfg.dtype} GEMM on {device} for the MFU peak failed ({type(exc).__name__}: "
-                      f"{exc}); MFU is unavailable", stacklevel=4)
-        return None
-
-
-def _peak(cfg: ProfileConfig, probe: Any, flops: int | None, times: list[float]) -> tuple[float | None, str, dict]:
-    if cfg.peak_flops is not None:
-        return cfg.peak_flops, "given", {}
-    if probe is None:
-        return None, ("no peak given and measure_peak=False" if not cfg.measure_peak else
-                      f"no {cfg.dtype} GEMM peak measured on this device"), {}
-    peak = probe.finish(flops, times)
-    return peak.best, peak.describe(), peak.to_dict()
-
-
 def _environment(device: str) -> dict[str, str]:
     from torchnitro.bench.provenance import git_commit, machine_description, package_versions
 
@@ -348,7 +321,7 @@ def _record(step: Callable[[], Any], model: nn.Module | None, cfg: ProfileConfig
         p.export_chrome_trace(trace)
 
     total = cfg.wait + cfg.warmup + cfg.steps
-    probe = _probe(cfg, device)  # half its GEMM timings now, half after the recorded steps
+    probe = probe_for(cfg, device)  # half its GEMM timings now, half after the recorded steps
     sampler = monitors(device) if cfg.monitor else None
     try:
         with torch.profiler.profile(activities=acts, record_shapes=cfg.record_shapes,
@@ -405,7 +378,7 @@ def _build(events: Any, cfg: ProfileConfig, device: str, trace: str, acc: dict[s
     cats = {k: statistics.fmean(d.get(k, 0.0) for d in per_step) / 1e6 for k in names}
     times = [(s.end_us - s.start_us) / 1e6 for s in steps]
     step_s = statistics.fmean(times)
-    peak, source, peak_info = _peak(cfg, probe, acc.get("flops"), times) if acc.get("flops") is not None else \
+    peak, source, peak_info = peak_of(cfg, probe, acc.get("flops"), times) if acc.get("flops") is not None else \
         (None, "FLOPs not counted", {})
     if device == "cuda":
         from torchnitro.hardware import hardware_info
