@@ -138,6 +138,78 @@ def test_plan_keeps_sensitive_layers_until_target():
     assert smooth["cosine"] > loose["cosine"]
 
 
+def _bf16_reason() -> str | None:
+    from torchnitro.autotune.recipes.bert_unpad import _bf16_rest_reason
+
+    return _bf16_rest_reason()
+
+
+def test_kept_module_by_precision_and_unknown_precision_is_named():
+    from torchnitro.autotune.recipes.int8_mixed import kept_module
+
+    lin = nn.Linear(48, 24)
+    assert kept_module(lin, "fp32") is lin
+    with pytest.raises(ValueError, match=r"'fp16'.*bf16.*fp32"):
+        kept_module(lin, "fp16")
+    if _bf16_reason() is not None:
+        pytest.skip(f"bf16 kept Linears: {_bf16_reason()}")
+    from torchnitro.autotune.recipes.onednn_bf16 import Bf16ComputeLinear
+
+    kept = kept_module(lin, "bf16")
+    assert isinstance(kept, Bf16ComputeLinear)
+    x = torch.randn(37, 48)
+    with torch.inference_mode():
+        out = kept(x)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, lin(x), rtol=2e-2, atol=2e-2)  # bf16 inputs and weights, fp32 accumulation
+
+
+def test_plan_in_bf16_keeps_layers_in_bf16_until_target():
+    if _bf16_reason() is not None:
+        pytest.skip(f"bf16 kept Linears: {_bf16_reason()}")
+    model = random_hf_model(bert_config(initializer_range=0.1), seed=1)
+    with torch.no_grad():  # the outlier channels of test_plan_keeps_sensitive_layers_until_target
+        model.encoder.encoder.layer[1].intermediate.dense.weight[:4] *= 40.0
+    base = UnpaddedBert(model).eval()
+    calib = [_ragged(8, 32, seed=5)]
+    loose = plan_mixed_int8(base, calib, target=0.5, alpha=None, kept="bf16")
+    target = 1 - (1 - loose["cosine"]) / 10
+    plan = plan_mixed_int8(base, calib, target=target, alpha=None, max_fp32_fraction=1.0, kept="bf16")
+    assert plan["kept"] == "bf16" and plan["fp32"] and plan["cosine"] >= target
+    assert plan["fp32"][0] == "layers.1.ffn_out"
+    with pytest.raises(RecipeError, match="kept in bf16"):
+        plan_mixed_int8(base, calib, target=1.0, alpha=None, max_fp32_fraction=0.1, kept="bf16")
+
+
+def test_bert_unpad_int8_plans_with_each_kept_precision_in_turn(tiny_bert, tmp_path, monkeypatch):
+    """The Linears kept out of int8 are planned in bf16 first (as many as bf16 needs), then in fp32
+    when the bf16 plan misses the target: not one fp32 plan run in bf16 after the fact."""
+    if _bf16_reason() is not None:
+        pytest.skip(f"bf16 kept Linears: {_bf16_reason()}")
+    import torchnitro.autotune.recipes.int8_mixed as im
+
+    calls, real = [], im.plan_mixed_int8
+
+    def spy(*a, **kw):
+        calls.append((kw.get("engine"), kw.get("kept", "fp32")))
+        monkeypatch.setattr(im, "calibration_cosine", real_cos)
+        plan = real(*a, **kw)
+        if kw.get("kept") == "bf16":  # force the fallback: the bf16 plan keeps a layer and misses the target
+            plan = dict(plan, fp32=plan["int8"][:1], int8=plan["int8"][1:])
+            monkeypatch.setattr(im, "calibration_cosine", lambda *a, **k: 0.0)
+        return plan
+
+    real_cos = im.calibration_cosine
+    monkeypatch.setattr(im, "plan_mixed_int8", spy)
+    monkeypatch.setattr(im, "_engine_reasons", lambda: {"onednn": im.onednn_int8_reason()})
+    monkeypatch.setattr(im, "INT8_ENGINES", ("onednn",))
+    if im.onednn_int8_reason() is not None:
+        pytest.skip(f"oneDNN int8: {im.onednn_int8_reason()}")
+    built = get_recipe("bert-unpad-int8").build(_ctx(tiny_bert, _ragged(8, 32, seed=6), tmp_path))
+    assert calls == [("onednn", "bf16"), ("onednn", "fp32")]
+    assert built.meta["kept"] == "fp32" and built.meta["bf16_rest"] is False
+
+
 def test_encoder_recipes_registered_and_honest():
     assert get_recipe("bert-unpad").numeric_class is NumericClass.EXACT
     assert get_recipe("bert-unpad-int8").numeric_class is NumericClass.INT8

@@ -37,7 +37,7 @@ from torchnitro.hardware import HardwareInfo
 __all__ = ["MixedInt8", "row_cosine", "layer_sensitivity", "plan_mixed_int8", "quantize_linears", "linear_names",
            "int8_unavailable_reason", "int8_target", "calibration_inputs", "SmoothedInt8Linear", "activation_absmax",
            "smooth_scales", "save_scales", "load_scales", "full_range_ok", "load_full_range", "outlier_channels",
-           "load_outliers"]
+           "load_outliers", "kept_module", "KEPT_PRECISIONS"]
 
 
 def int8_unavailable_reason() -> str | None:
@@ -233,12 +233,14 @@ def _engine_reasons() -> dict[str, str | None]:
 def build_mixed_int8(ctx: BuildContext, model: nn.Module, make: Callable[..., nn.Module],
                      kept: Sequence[str] = ("fp32",)) -> tuple[nn.Module, dict[str, Any], str]:
     """The int8 recipes' build: for each engine of ``INT8_ENGINES`` that runs here, plan on ``model``
-    with that engine's own Linears (which stay fp32, SmoothQuant scales) on length-varied calibration
-    sets, ``make(plan, engine)``, and keep the first whose variant reaches the target there (oneDNN's
+    with that engine's own Linears (SmoothQuant scales) on length-varied calibration sets,
+    ``make(plan, engine)``, and keep the first whose variant reaches the target there (oneDNN's
     per-tensor rounding differs from per-token's and fbgemm's). ``kept``: the precisions tried in order
-    for the Linears the plan keeps out of int8, ``make(plan, engine, precision)`` (with more than one),
-    before the next engine: bf16 fallbacks cost all-MiniLM-L6-v2 on full-length text 0.002 of calibration
-    cosine, which put the oneDNN variant under the target and chose the much slower per-token engine.
+    for the Linears the plan keeps out of int8 (``kept_module``), each planned with that precision in
+    place, so a bf16 plan keeps as many layers as bf16 needs (``make(plan, engine, precision)`` with more
+    than one), before the next engine: all-MiniLM-L6-v2 on full-length text needs three FFN
+    down-projections out of int8 in fp32, and a fourth Linear with them in bf16 (bf16 rounding costs
+    0.002 of calibration cosine), for less time than the three in fp32 (results/encoder_full_length.md).
     Saves the scales in the workdir. Returns (variant, artifact meta with ``kept``, "engine[: why not the
     engines before it]")."""
     calib, target = varied_calibration_inputs(ctx), int8_target(ctx)
@@ -248,25 +250,41 @@ def build_mixed_int8(ctx: BuildContext, model: nn.Module, make: Callable[..., nn
             skipped.append(f"{engine}: {why}")
             continue
         try:
-            plan = plan_mixed_int8(model, calib, target, engine=engine)
+            q, plan, cos = _plan_engine(model, calib, target, engine, kept, make)
         except RecipeError as exc:
             if engine == INT8_ENGINES[-1]:
                 raise
             skipped.append(f"{engine}: {exc}")
             continue
-        for k in (kept if plan["fp32"] else kept[-1:]):  # nothing kept out of int8: the precisions agree
-            q = make(plan, engine, k) if len(kept) > 1 else make(plan, engine)
-            cos = calibration_cosine(q, calib, plan["refs"])
-            if cos >= target:
-                break
         if cos >= target or engine == INT8_ENGINES[-1]:
             break
         skipped.append(f"{engine}: calibration cosine {cos:.4f} < {target:.4f}")
     save_scales(plan["scales"], ctx.workdir / "smooth_scales.safetensors")
     meta = {"int8": plan["int8"], "fp32": plan["fp32"], "calib_cosine": cos, "full_range": plan["full_range"],
-            "alpha": plan["alpha"], "kept": k,
+            "alpha": plan["alpha"], "kept": plan["kept"],
             "engine": engine, "outliers": {n: [int(i) for i in v] for n, v in plan["outliers"].items()}}
     return q, meta, f"{engine}: {'; '.join(skipped)}" if skipped else engine
+
+
+def _plan_engine(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: float, engine: str,
+                 kept: Sequence[str], make: Callable[..., nn.Module]) -> tuple[nn.Module, dict[str, Any], float]:
+    """One engine's variant: planned with each ``kept`` precision in turn until one reaches ``target``
+    (else the last that planned). Raises the last RecipeError when no precision could plan."""
+    found, error = None, None
+    for k in kept:
+        try:
+            plan = plan_mixed_int8(model, calib, target, engine=engine, kept=k)
+        except RecipeError as exc:
+            error = exc
+            continue
+        q = make(plan, engine, k) if len(kept) > 1 else make(plan, engine)
+        found = (q, plan, calibration_cosine(q, calib, plan["refs"]))
+        if found[2] >= target or not plan["fp32"]:  # nothing kept out of int8: the precisions agree
+            break
+    if found is None:
+        raise error if error is not None else RecipeError(f"mixed int8: no kept precision given; expected some of "
+                                                          f"{KEPT_PRECISIONS}")
+    return found
 
 
 def load_engine(meta: dict[str, Any], recipe: str) -> str:
@@ -299,18 +317,35 @@ def load_outliers(meta: dict[str, Any]) -> dict[str, Tensor]:
     return {n: torch.tensor(v, dtype=torch.long) for n, v in (meta.get("outliers") or {}).items()}
 
 
+KEPT_PRECISIONS = ("bf16", "fp32")  # what a Linear kept out of int8 may compute in
+
+
+def kept_module(lin: nn.Module, kept: str) -> nn.Module:
+    """``lin`` as a Linear kept out of int8 computes: itself (``fp32``), or a prepacked oneDNN bf16
+    GEMM with fp32 in and out (``bf16``; CPU fp32 ``nn.Linear`` only, anything else stays as it is)."""
+    if kept not in KEPT_PRECISIONS:
+        raise ValueError(f"kept precision {kept!r}; expected one of {KEPT_PRECISIONS}")
+    if kept == "fp32" or type(lin) is not nn.Linear or lin.weight.dtype != torch.float32 or lin.weight.is_cuda:
+        return lin
+    from torchnitro.autotune.recipes.onednn_bf16 import Bf16ComputeLinear
+
+    return Bf16ComputeLinear(lin)
+
+
 class _Swapper:
-    """Swaps single Linears of a private copy between fp32 and int8 in place (no copy per trial)."""
+    """Swaps single Linears of a private copy between their kept precision (``kept_module``) and int8
+    in place (no copy per trial)."""
 
     def __init__(self, model: nn.Module, names: Sequence[str], scales: dict[str, Tensor], full_range: bool,
-                 engine: str = "fbgemm", outliers: dict[str, Tensor] | None = None):
+                 engine: str = "fbgemm", outliers: dict[str, Tensor] | None = None, kept: str = "fp32"):
         self.model = copy.deepcopy(model).eval()
-        self.fp32 = {n: self.model.get_submodule(n) for n in names}
+        fp32 = {n: self.model.get_submodule(n) for n in names}
+        self.off = {n: kept_module(fp32[n], kept) for n in names}
         outliers = outliers or {}
-        self.int8 = {n: int8_module(self.fp32[n], scales.get(n), full_range, engine, outliers.get(n)) for n in names}
+        self.int8 = {n: int8_module(fp32[n], scales.get(n), full_range, engine, outliers.get(n)) for n in names}
 
     def set(self, name: str, int8: bool) -> None:
-        self.model.set_submodule(name, self.int8[name] if int8 else self.fp32[name])
+        self.model.set_submodule(name, self.int8[name] if int8 else self.off[name])
 
 
 def _sens(sw: _Swapper, names: Sequence[str], calib: Sequence[tuple[Any, ...]], refs: Sequence[Any]) -> dict[str, float]:
@@ -337,8 +372,10 @@ def layer_sensitivity(model: nn.Module, calib: Sequence[tuple[Any, ...]], names:
 def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: float, *,
                     names: Sequence[str] | None = None, alpha: float | None = 0.75,
                     max_fp32_fraction: float = 0.5, sensitivity_rows: int = 8,
-                    full_range: bool | None = None, engine: str = "fbgemm", outliers: bool = False) -> dict[str, Any]:
-    """Pick the Linears to keep in fp32 so the worst calibration cosine is >= ``target``.
+                    full_range: bool | None = None, engine: str = "fbgemm", outliers: bool = False,
+                    kept: str = "fp32") -> dict[str, Any]:
+    """Pick the Linears to keep out of int8 (in ``kept`` precision, see ``kept_module``) so the worst
+    calibration cosine is >= ``target``.
 
     ``alpha`` is the SmoothQuant migration strength (None: no smoothing; a strength picked per model on
     the calibration sets did not carry over to other text: see ``outliers``). Returns ``{"int8": [...],
@@ -351,6 +388,7 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
     returned as ``"outliers"``. Off by default: on all-MiniLM-L6-v2 they let every Linear pass calibration
     on short sentences (0.9959) and the variant then scored 0.982 on real long text, where the plan
     without them (two FFN down-projections kept fp32) holds 0.99 (results/optimize_user_models.md).
+    The layers kept out of int8 are returned as ``"fp32"`` whatever ``kept`` is (returned as ``"kept"``).
     """
     full_range = full_range_ok() if full_range is None else full_range
     names = list(names) if names is not None else linear_names(model)
@@ -360,7 +398,7 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
     amax = activation_absmax(model, calib, names)
     split = outlier_channels(amax) if outliers and engine in ("onednn", "rowwise") else {}
     scales = smooth_scales(model, amax, alpha) if alpha is not None else {}
-    sw = _Swapper(model, names, scales, full_range, engine, split)
+    sw = _Swapper(model, names, scales, full_range, engine, split, kept)
     for n in names:
         sw.set(n, True)
     cos = calibration_cosine(sw.model, calib, refs)
@@ -380,12 +418,13 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
             cos = calibration_cosine(sw.model, calib, refs)
         if cos >= target:
             int8 = [n for n in names if n not in fp32]
-            return {"int8": int8, "fp32": fp32, "cosine": cos, "sensitivity": sens, "full_range": full_range,
+            return {"int8": int8, "fp32": fp32, "kept": kept, "cosine": cos, "sensitivity": sens,
+                    "full_range": full_range,
                     "scales": {n: scales[n] for n in int8 if n in scales}, "refs": refs, "alpha": alpha,
                     "outliers": {n: split[n] for n in int8 if n in split}}
         if len(fp32) + 1 > max_fp32_fraction * len(names):
             raise RecipeError(
-                f"mixed int8: with {len(fp32)}/{len(names)} layers kept in fp32 the calibration cosine is {cos:.5f}, "
+                f"mixed int8: with {len(fp32)}/{len(names)} layers kept in {kept} the calibration cosine is {cos:.5f}, "
                 f"expected >= {target}; int8 does not suit this model (use a bf16 recipe), or lower the int8 gate")
         fp32.append(order[len(fp32)])
         sw.set(fp32[-1], False)
