@@ -170,9 +170,10 @@ SEED_CLAIM_GB = {8: 14.0, 16: 22.0, 32: 38.0}
 SEED_MODEL = (LMConfig(vocab_size=32000, dim=2560, n_layers=36, n_heads=20, max_seq_len=1024), 1024)
 
 
-def _seed(targets: list[str]) -> list[dict]:
+def _seed(targets: list[str], out: str) -> list[dict]:
+    """Compile the seed model at each claimed batch; the results files are rewritten after every compile."""
     cfg, seq = SEED_MODEL
-    rows = []
+    rows: list[dict] = []
     for t in targets:
         for b, claim in SEED_CLAIM_GB.items():
             t0 = time.perf_counter()
@@ -181,7 +182,16 @@ def _seed(targets: list[str]) -> list[dict]:
                              argument=p.compiled.argument, est_peak=p.estimate.peak, hbm=p.hbm,
                              compile_s=time.perf_counter() - t0))
             print(f"seed {t} B={b}: {p.compiled.peak / 1e9:.1f} GB (claim {claim})", file=sys.stderr, flush=True)
+            _write_seed(rows, out)
     return rows
+
+
+def _write_seed(rows: list[dict], out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "xla_tpu_seed.json"), "w") as f:
+        json.dump(dict(model=dataclasses.asdict(SEED_MODEL[0]), seq=SEED_MODEL[1], rows=rows), f, indent=1)
+    with open(os.path.join(out, "xla_tpu_seed.md"), "w") as f:
+        f.write(_seed_md(rows))
 
 
 def _seed_md(rows: list[dict]) -> str:
@@ -260,7 +270,8 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(MODELS), default="lm", help="LM size for the grid")
     ap.add_argument("--targets", default="v5p:2x2x2",
                     help="comma-separated; TPU compiles of the full model take 20-70 s each on a busy 2-core CPU")
-    ap.add_argument("--seed-claim", action="store_true", help="compile the seed's 14/22/38 GB configuration only")
+    ap.add_argument("--seed-claim", action="store_true",
+                    help="compile the seed's 14/22/38 GB configuration only (use --targets v5p:2x2x2,v4:2x2x1)")
     ap.add_argument("--throughput", action="store_true", help="8 host devices vs 1 device step time only")
     ap.add_argument("--reestimate", metavar="JSON", help="recompute the estimates of an earlier run's rows only")
     ap.add_argument("--out", default=os.environ.get("TORCHNITRO_RESULTS", "results"))
@@ -274,13 +285,8 @@ def main() -> None:
             f.write(_throughput_md(t))
         print(_throughput_md(t))
         return
-    if args.seed_claim:
-        rows = _seed(args.targets.split(","))
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "xla_tpu_seed.json"), "w") as f:
-            json.dump(dict(model=dataclasses.asdict(SEED_MODEL[0]), seq=SEED_MODEL[1], rows=rows), f, indent=1)
-        with open(os.path.join(args.out, "xla_tpu_seed.md"), "w") as f:
-            f.write(_seed_md(rows))
+    if args.seed_claim:  # v5p:2x2x2 is 8 chips, one device each; v4:2x2x1 is 4 chips, two cores (devices) each
+        _seed(args.targets.split(","), args.out)
         return
     name = "xla_tpu_quick" if args.quick else "xla_tpu" if args.model == "lm" else f"xla_tpu_{args.model}"
     if args.reestimate:

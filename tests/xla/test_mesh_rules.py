@@ -67,3 +67,13 @@ def test_indivisible_dim_names_the_array_dim_and_split():
 def test_unknown_rule_set_lists_the_known_ones():
     with pytest.raises(ConfigError, match="known: data_parallel, fsdp, tensor_parallel, fsdp_tp"):
         rules.get_rules("zero3")
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("libtpu") is None,
+                    reason="libtpu is not installed: TPU topology descriptions need it (torchnitro[xla])")
+@pytest.mark.parametrize("target,devices", [("v4:2x2x1", 8), ("v4:2x2x2", 16), ("v5p:2x2x2", 8)])
+def test_tpu_target_meshes_cover_every_described_device(target, devices):
+    # libtpu describes a v4 chip as two devices (no megacore): they share the chip's coords, which
+    # create_device_mesh refuses; the mesh then takes the devices in id order
+    mesh = make_mesh("1x-1x1", target=target)
+    assert mesh.devices.size == devices and mesh.shape["fsdp"] == devices

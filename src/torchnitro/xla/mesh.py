@@ -121,10 +121,10 @@ def make_mesh(shape: str | MeshConfig, axes: Sequence[str] = KNOWN_AXES, *, targ
         raise ConfigError("make_mesh: pass either target= (a TPU topology) or devices=, not both")
     devs = target_devices(target) if target is not None else list(devices if devices is not None else jax.devices())
     dims = cfg.resolve(len(devs))
-    if devs[0].platform == "tpu":
+    if devs[0].platform == "tpu" and len({tuple(d.coords) for d in devs if hasattr(d, "coords")}) == len(devs):
         from jax.experimental import mesh_utils
 
         grid = mesh_utils.create_device_mesh(dims, devs)  # follows the torus so neighbours share links
-    else:
+    else:  # host devices, or a TPU described per core (v4 without megacore: two devices share a chip's coords)
         grid = np.asarray(devs, dtype=object).reshape(dims)
     return Mesh(grid, cfg.axes)
