@@ -21,8 +21,9 @@ samples, or over rounds when paired).
 
 **Repeated looks.** Looking after every batch and stopping at the first significant result would
 raise the false-alarm rate with each look. The false-alarm budget ``alpha`` is spent over the
-planned looks (``alpha_spending``: by default equal parts, ``alpha / looks`` per look): by the
-union bound the chance of any false ``slower``/``faster`` over all looks is at most ``alpha``,
+planned looks (``alpha_spending``; by default growing with the look, k / (1 + ... + looks) of alpha
+at look k, so an early look needs strong evidence and a batch that ran under odd conditions is
+rarely decided on alone): by the union bound the chance of any false ``slower``/``faster`` over all looks is at most ``alpha``,
 whatever the dependence between looks. Stopping early for ``same`` only removes chances to reject,
 so it costs nothing. A case is ``slower`` only when the look's test rejects at its share of alpha,
 the interval excludes 1, *and* the ratio moved by at least ``threshold`` (as in ``compare_samples``).
@@ -46,7 +47,7 @@ __all__ = ["SequentialConfig", "Look", "SequentialVerdict", "look", "compare_seq
 class SequentialConfig:
     looks: int = 4  # the cap: at most this many decisions (one per batch); the last one is final
     alpha: float = 0.01  # false-alarm budget over all looks together (spent per look, module doc)
-    alpha_spending: tuple[float, ...] | None = None  # share of alpha per look (sums to 1); None: equal parts
+    alpha_spending: tuple[float, ...] | None = None  # share of alpha per look (sums to 1); None: k / sum(1..looks)
     threshold: float = 0.05  # smallest relative change of the low quantile that counts as a change
     quantile: float = 0.1  # which quantile of each run is compared (low: the clean mode, module doc)
     confidence: float = 0.95  # of the bootstrap interval of the ratio (and of the early "same")
@@ -67,16 +68,18 @@ class SequentialConfig:
         if s is not None and (len(s) != self.looks or any(not x >= 0 for x in s) or abs(sum(s) - 1) > 1e-9):
             raise InputError(f"SequentialConfig.alpha_spending: received {s!r}; expected {self.looks} non-negative "
                              "shares that sum to 1 (one per look)")
-        if self.n_perm < 1 / (self.alpha / self.looks) or self.n_boot < 100:
+        smallest = min(self.alpha_at(k) for k in range(1, self.looks + 1) if self.alpha_at(k) > 0)
+        if self.n_perm < 1 / smallest or self.n_boot < 100:
             raise InputError(f"SequentialConfig: n_perm {self.n_perm} / n_boot {self.n_boot}; expected n_perm >= "
-                             f"looks / alpha = {math.ceil(self.looks / self.alpha)} (so a look can reject at all) "
+                             f"{math.ceil(1 / smallest)} (1 / the smallest alpha of a look, so every look can reject) "
                              "and n_boot >= 100")
 
     def alpha_at(self, k: int) -> float:
         """The share of the false-alarm budget look ``k`` (1-based) may spend."""
         if not 1 <= k <= self.looks:
             raise InputError(f"look {k}: expected 1..{self.looks} (SequentialConfig.looks)")
-        share = self.alpha_spending[k - 1] if self.alpha_spending is not None else 1 / self.looks
+        share = self.alpha_spending[k - 1] if self.alpha_spending is not None else \
+            k / (self.looks * (self.looks + 1) / 2)
         return self.alpha * share
 
 
