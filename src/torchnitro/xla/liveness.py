@@ -15,17 +15,20 @@ Which values get a buffer follows what XLA's fusion passes do:
   keeps every materialised value it is computed from live until ``j`` (XLA recomputes the
   elementwise chain inside the consumer instead of storing it; this is why ``none`` costs about
   what ``dots_saveable`` does on a TPU);
-* on a TPU, a fused value feeding two or more matmuls is materialised once, in bf16: f32 matmuls
-  at default precision run on the MXU with bf16 operands, and XLA converts a shared operand once
-  rather than in each consumer (the bf16 copies of the logits' gradient in the buffer dumps);
-* FSDP: a weight split over ``fsdp`` is all-gathered before its first use and its gathered copy
-  lives until its last (XLA's CSE merges the backward's re-gather into the forward's); its
+* a fused join of two or more buffers that three or more equations read (the residual stream
+  ``x + f(x)``: the next norm's reduction, its scaling and the next add) is stored once;
+* FSDP: a weight split over ``fsdp`` is all-gathered before its first forward use and freed after
+  its last, and gathered again for the backward (each pass has its own all-gather; keeping the
+  forward's copy instead put every layer's weights in the peak, 16-55% over the compile); its
   gradient is reduce-scattered as soon as it is complete, and the shard waits for the optimizer;
   unsplit gradients wait whole. The optimizer update is elementwise into donated buffers: no temp.
-* buffer sizes are TPU-tiled (``tpu_array_bytes``) on a TPU target.
+* buffer sizes are TPU-tiled (``tpu_array_bytes``) on a TPU target; ``pack`` then places the
+  buffers as XLA's heap assignment does (largest first, best fit).
 
-Not modelled: XLA's scheduler reordering the walk, its heap fragmentation, collective buffers
-other than the gathered weights, and fixed scratch (results/xla_tpu.md lists what remains).
+Not modelled: XLA's scheduler reordering the walk (and the holes its order leaves in the heap),
+memory-space assignment moving buffers to on-chip VMEM, bf16 operand copies XLA keeps across the
+forward and backward, collective buffers other than the gathered weights, and fixed scratch
+(results/xla_tpu_buffers.md compares the walk with XLA's own buffer assignment).
 """
 
 from __future__ import annotations
