@@ -19,7 +19,7 @@ Which values get a buffer follows what XLA's fusion passes do:
   ``x + f(x)``: the next norm's reduction, its scaling and the next add) is stored once;
 * FSDP: a weight split over ``fsdp`` is all-gathered before its first forward use and freed after
   its last, and gathered again for the backward (each pass has its own all-gather; keeping the
-  forward's copy instead put every layer's weights in the peak, 16-55% over the compile); its
+  forward's copy instead put every layer's weights in the peak, up to 64% over the compile); its
   gradient is reduce-scattered as soon as it is complete, and the shard waits for the optimizer;
   unsplit gradients wait whole. The optimizer update is elementwise into donated buffers: no temp.
 * buffer sizes are TPU-tiled (``tpu_array_bytes``) on a TPU target; ``pack`` then places the
