@@ -39,6 +39,7 @@ Run (one benchmark at a time on a shared machine)::
     flock /tmp/torchnitro-bench.lock python benchmarks/profile_and_detect.py              # ~10 min
     python benchmarks/profile_and_detect.py --quick                                       # ~1 min smoke test
     python benchmarks/profile_and_detect.py --from-samples results/profile_and_detect_samples.json
+    python benchmarks/profile_and_detect.py --from-samples OLD_samples.json --borrow-later-trials  # see --help
 
 Writes results/profile_and_detect.{json,md} and the detector's raw samples to
 results/profile_and_detect_samples.json (``--quick``: *_quick.*); ``--from-samples`` re-decides
@@ -283,7 +284,10 @@ def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def decide_real(table: ResultTable, rec: dict[str, Any]) -> None:
+def decide_real(table: ResultTable, rec: dict[str, Any], borrow: bool = False) -> None:
+    """The detector rows from recorded samples. ``borrow``: a file from before the sequential detector (one
+    batch a trial) is decided as if each trial's later batches were the next trials of the same label and
+    mode (taken minutes later under the same conditions: an approximation of asking for more)."""
     modes = ("interleaved", "back to back")
     missing = [f"{label}/{m}" for label in _SLOWDOWNS for m in modes
                if not isinstance(rec.get(label), dict) or not rec[label].get(m)]
@@ -291,14 +295,16 @@ def decide_real(table: ResultTable, rec: dict[str, Any]) -> None:
         raise InputError(f"recorded samples: {missing or ['gemm']} missing or empty; expected the samples file "
                          "this script writes (results/profile_and_detect_samples.json)")
     # a file recorded before the sequential detector has one batch a trial: it gets one look, at the full alpha
+    old = "sequential" not in rec
     seq = SequentialConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in rec["sequential"].items()}) \
-        if "sequential" in rec else SequentialConfig(looks=1)
+        if not old else SequentialConfig() if borrow else SequentialConfig(looks=1)
     for mode in modes:
         tallies = {label: Tally() for label in _SLOWDOWNS}
         for label in _SLOWDOWNS:
-            for trial in rec[label][mode]:
+            trials = rec[label][mode]
+            for i, trial in enumerate(trials):
                 # a trial is [base, new] (files before the sequential detector) or its batches [[base, new], ...]
-                batches = trial if isinstance(trial[0][0], list) else [trial]
+                batches = trial if not old else [trials[(i + j) % len(trials)] for j in range(seq.looks)]
                 tallies[label].add(*batches[0], paired=mode == "interleaved", batches=batches, seq=seq)
         what = rec.get("work", f"{rec['gemm']}^2 mm plus 1 row, slower: more rows")
         first = "ours paired" if mode == "interleaved" else "ours"
@@ -335,6 +341,9 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=None, help="comparisons per detector row (default 200, quick 10)")
     ap.add_argument("--from-samples", type=Path, default=None,
                     help="re-decide recorded detector samples (no timing): a *_samples.json this script wrote")
+    ap.add_argument("--borrow-later-trials", action="store_true",
+                    help="with --from-samples on a file from before the sequential detector: its later batches are "
+                         "the next trials' samples (an approximation); without it such a file gets one look")
     args = ap.parse_args()
     trials = args.trials or (10 if args.quick else 200)
     name = "profile_and_detect" + ("_quick" if args.quick else "")
@@ -345,8 +354,8 @@ def main() -> None:
         rec = json.loads(args.from_samples.read_text())
         table.meta["samples"] = f"{args.from_samples} (recorded {rec.get('written', '?')}, load average "\
                                 f"{rec.get('load average at start')} -> {rec.get('load average at end')})"
-        decide_real(table, rec)
-        name = "profile_and_detect_recorded"
+        decide_real(table, rec, borrow=args.borrow_later_trials)
+        name = "profile_and_detect_recorded" + ("_borrowed" if args.borrow_later_trials else "")
     else:
         profiler_rows(table, args.quick)
         rec = record_real(trials, args.quick, SequentialConfig())

@@ -94,6 +94,9 @@ def test_sequential_trials_are_replayed_from_their_batches():
     table = ResultTable("t", ["check", "value", "goal", "met", "detail"])
     pd.decide_real(table, rec)
     assert "up to 3 batches" in table.rows[0]["check"] and "samples a side on average" in table.rows[1]["detail"]
+    borrowed = ResultTable("t", ["check", "value", "goal", "met", "detail"])
+    pd.decide_real(borrowed, _recorded(8), borrow=True)  # one batch a trial: the next trials lend theirs
+    assert "up to 4 batches" in borrowed.rows[0]["check"]
 
 
 @pytest.mark.parametrize("bad", [{}, {"gemm": 8, "samples_per_run": 20, "A/A": {"interleaved": []}}])
