@@ -2,7 +2,8 @@
 
 Profiler (one workload, all in one run, plain and profiled blocks alternating so drift hits both):
 
-- overhead: per round, the median profiled step (``torchnitro.profile``, its ProfilerStep ranges)
+- overhead: per round (the plain block first in even rounds, the profiled one first in odd rounds), the
+  median profiled step (``torchnitro.profile``, its ProfilerStep ranges)
   over the median unprofiled step (the same step called just before, after two warm-up calls); the
   median over rounds, goal <= 1.10x. The same ratio in process CPU time (``time.process_time``
   around each step, both runs) is shown beside it: on a shared machine it is what other processes
@@ -191,16 +192,25 @@ def profiler_rows(table: ResultTable, quick: bool) -> None:
         wall.append(time.perf_counter() - w)
 
     over, over_cpu, acc, acc_mean, closure, detail = [], [], [], [], [], []
-    for _ in range(rounds):
+    def plain_block() -> tuple[list[float], list[float]]:
         wall.clear(), cpu.clear()
         for _ in range(2 + steps):
             timed()
-        plain, plain_cpu = statistics.median(wall[-steps:]), statistics.median(cpu[-steps:])
-        plain_mean = statistics.fmean(wall[-steps:])
-        prof = profile(timed, config=pcfg)
+        return wall[-steps:], cpu[-steps:]
+
+    def profiled_block() -> tuple[Any, list[float]]:
+        cpu.clear()
+        return profile(timed, config=pcfg), cpu[-steps:]
+
+    for r in range(rounds):  # which block runs first alternates, so an order effect hits both alike
+        if r % 2 == 0:
+            (pw, pc), (prof, qc) = plain_block(), profiled_block()
+        else:
+            (prof, qc), (pw, pc) = profiled_block(), plain_block()
+        plain, plain_cpu, plain_mean = statistics.median(pw), statistics.median(pc), statistics.fmean(pw)
         med = statistics.median(prof.step_times_s)
         over.append(med / plain)
-        over_cpu.append(statistics.median(cpu[-steps:]) / plain_cpu)
+        over_cpu.append(statistics.median(qc) / plain_cpu)
         closure.append(prof.accounted)  # categories / profiled step: 1 unless some time is in no category
         acc.append(med * prof.accounted / plain)
         acc_mean.append(sum(prof.categories.values()) / plain_mean)
