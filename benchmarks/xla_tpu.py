@@ -177,7 +177,14 @@ def _seed(targets: list[str], out: str) -> list[dict]:
     for t in targets:
         for b, claim in SEED_CLAIM_GB.items():
             t0 = time.perf_counter()
-            p = plan_memory(cfg, b, seq, mesh="1x-1x1", rules="fsdp", remat="none", target=t)
+            try:
+                p = plan_memory(cfg, b, seq, mesh="1x-1x1", rules="fsdp", remat="none", target=t)
+            except Exception as exc:  # the TPU compiler refuses a program over the device's HBM (RESOURCE_EXHAUSTED)
+                rows.append(dict(target=t, batch=b, claim_gb=claim, error=f"{type(exc).__name__}: {exc}"[:600],
+                                 compile_s=time.perf_counter() - t0))
+                print(f"seed {t} B={b}: compile failed ({type(exc).__name__})", file=sys.stderr, flush=True)
+                _write_seed(rows, out)
+                continue
             rows.append(dict(target=t, batch=b, claim_gb=claim, peak=p.compiled.peak, temp=p.compiled.temp,
                              argument=p.compiled.argument, est_peak=p.estimate.peak, hbm=p.hbm,
                              compile_s=time.perf_counter() - t0))
@@ -205,8 +212,12 @@ def _seed_md(rows: list[dict]) -> str:
            "", "| target | batch | claim GB | compiled peak GB | estimate GB | HBM per device GB | fits |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        if "error" in r:
+            out.append(f"| {r['target']} | {r['batch']} | {r['claim_gb']:.0f} | compile failed | | | no |")
+            continue
         out.append(f"| {r['target']} | {r['batch']} | {r['claim_gb']:.0f} | {r['peak'] / 1e9:.1f} | "
                    f"{r['est_peak'] / 1e9:.1f} | {r['hbm'] / 1e9:.1f} | {r['peak'] <= r['hbm']} |")
+    out += [""] + [f"- {r['target']} batch {r['batch']}: {r['error']}" for r in rows if "error" in r]
     return "\n".join(out) + "\n"
 
 
