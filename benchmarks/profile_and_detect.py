@@ -55,6 +55,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -359,22 +360,35 @@ def main() -> None:
     name = "profile_and_detect" + ("_quick" if args.quick else "")
     table = ResultTable("profiler and regression detector", ["check", "value", "goal", "met", "detail"],
                         meta=provenance("benchmarks/profile_and_detect.py"))
+    took: dict[str, float] = {}
+    t0 = time.perf_counter()
+
+    def lap(what: str) -> None:  # wall seconds per part, into the table's header
+        took[what] = time.perf_counter() - t0 - sum(took.values())
+        sys.stderr.write(f"profile_and_detect: {what} done after {time.perf_counter() - t0:.0f} s\n")
+
     synthetic_rows(table, 200)
+    lap("synthetic")
     if args.from_samples is not None:
         rec = json.loads(args.from_samples.read_text())
         table.meta["samples"] = f"{args.from_samples} (recorded {rec.get('written', '?')}, load average "\
                                 f"{rec.get('load average at start')} -> {rec.get('load average at end')})"
         decide_real(table, rec, borrow=args.borrow_later_trials)
         name = "profile_and_detect_recorded" + ("_borrowed" if args.borrow_later_trials else "")
+        lap("deciding")
     else:
         profiler_rows(table, args.quick)
+        lap("profiler")
         rec = record_real(trials, args.quick, SequentialConfig())
+        lap("real-run timing")
         rec["written"] = table.meta.get("started", "")
         path = results_dir() / f"{name}_samples.json"
         path.write_text(json.dumps(rec))
         table.meta["samples"] = f"{path.name} (load average {rec['load average at start']} -> " \
                                 f"{rec['load average at end']})"
         decide_real(table, rec)
+        lap("deciding")
+    table.meta["duration"] = f"{sum(took.values()):.0f} s (" + ", ".join(f"{k} {v:.0f} s" for k, v in took.items()) + ")"
     table.print()
     table.save(name)
 
