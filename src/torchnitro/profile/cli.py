@@ -57,7 +57,8 @@ def profile_command(
     warmup: int = typer.Option(3, "--warmup", help="steps recorded and thrown away before the measured ones"),
     steps: int = typer.Option(5, "--steps", help="recorded steps (numbers are per step)"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="write report.html, trace.json, profile.json, PNGs"),
-    no_peak: bool = typer.Option(False, "--no-peak", help="do not time the GEMM peak around the steps (no MFU; saves about 1 s on CPU)"),
+    no_peak: bool = typer.Option(False, "--no-peak", help="do not time the GEMM peak around the steps (no MFU; "
+                                 "saves about 1 s on CPU)"),
     as_json: bool = typer.Option(False, "--json", help="print profile.json instead of the summary"),
     trace: List[Path] = typer.Option([], "--trace", help="analyse existing Chrome trace(s) from torch.profiler "
                                      "(one per rank) instead of profiling a model"),
