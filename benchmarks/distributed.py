@@ -26,7 +26,10 @@
 One process (world 1, in-memory store); the state is a TransformerLM and its AdamW state. Each save
 is followed by one training step, as in a loop; "blocks" is the time save() takes to return (sync: the
 whole write; async: the copy to host memory), "wait" the time the next PendingSave.wait() still
-blocks. RSS is sampled after every async save; growth is last vs the 5th sample. Writes
+blocks. RSS is sampled before every save, once the previous one has finished (no host copy in flight,
+the same point of every cycle); growth is the median of the last 5 samples against that of samples 5-9,
+and the least-squares slope per save from the 5th on (a sample taken while a background write still
+holds its copy moved by up to 20% between saves: results/distributed_cpu.md). Writes
 results/distributed_<device>.{json,md}.
 """
 
@@ -73,7 +76,7 @@ def _setup(quick: bool):
 
 
 def _run(state, step, saves: int, async_: bool, directory: str) -> dict:
-    blocks, waits, rss = [], [], []
+    blocks, waits, rss, idle = [], [], [], []
     proc = psutil.Process()
     pending = None
     for i in range(saves):
@@ -81,19 +84,32 @@ def _run(state, step, saves: int, async_: bool, directory: str) -> dict:
         if pending is not None:  # what the next save would wait for anyway, timed on its own
             pending.wait()
         t1 = time.perf_counter()
+        idle.append(proc.memory_info().rss)  # no save in flight: every sample at the same point of the cycle
         out = save(state, directory, step=i + 1, async_=async_, keep=2)
         t2 = time.perf_counter()
         pending = out if async_ else None
         blocks.append(t2 - t1)
         waits.append(t1 - t0)
         step()
-        rss.append(proc.memory_info().rss)
+        rss.append(proc.memory_info().rss)  # a background write may still hold its host copy here
     if pending is not None:
         pending.wait()
-    base = rss[min(4, len(rss) - 1)]
+    idle.append(proc.memory_info().rss)
+    # growth: the last 5 idle samples against samples 5-9 (the first saves build DCP's caches), medians so one
+    # sample taken while the allocator has not yet returned a freed copy does not decide it
+    late, early = statistics.median(idle[-5:]), statistics.median(idle[4:9] or idle)
+    xs = list(range(4, len(idle)))
+    slope = _slope(xs, [idle[x] for x in xs]) if len(xs) > 1 else 0.0
     return {"block_median_s": statistics.median(blocks), "block_max_s": max(blocks),
             "wait_median_s": statistics.median(waits[1:]) if async_ and len(waits) > 1 else 0.0,
-            "rss_growth": rss[-1] / base - 1, "rss_last_mib": rss[-1] / 2**20}
+            "rss_growth": late / early - 1, "rss_slope_mib_per_save": slope / 2**20, "rss_last_mib": idle[-1] / 2**20,
+            "rss_idle_mib": [round(r / 2**20) for r in idle], "rss_after_step_mib": [round(r / 2**20) for r in rss]}
+
+
+def _slope(xs: list[int], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
 def checkpoint_section(args, meta) -> None:
@@ -111,12 +127,13 @@ def checkpoint_section(args, meta) -> None:
         shutdown()
     table = ResultTable(f"DCP save: {n / 1e6:.1f} M params + AdamW state, {saves} saves, one process",
                         ["mode", "save blocks (median s)", "save blocks (max s)", "next wait (median s)",
-                         "RSS growth (last vs 5th)"], meta=meta)
+                         "RSS growth (last 5 vs saves 5-9, idle)", "RSS slope (MiB per save)"], meta=meta)
     for mode, r in rows.items():
         table.add(**{"mode": mode, "save blocks (median s)": round(r["block_median_s"], 4),
                      "save blocks (max s)": round(r["block_max_s"], 4),
                      "next wait (median s)": round(r["wait_median_s"], 4),
-                     "RSS growth (last vs 5th)": f"{r['rss_growth']:+.1%}"})
+                     "RSS growth (last 5 vs saves 5-9, idle)": f"{r['rss_growth']:+.1%}",
+                     "RSS slope (MiB per save)": round(r["rss_slope_mib_per_save"], 2)})
     table.meta.update(params=n, saves=saves, raw=rows, quick=args.quick)
     _emit(table, "distributed_cpu_quick" if args.quick else "distributed_cpu")
 
@@ -227,12 +244,15 @@ def memory_section(args, meta) -> None:
             planned_state = p.parameters + p.gradients + p.optimizer_state
             err = (p.total - m.peak) / m.peak
             errors.append(err)
-            act_err = f"{(p.stored - m.forward_left) / m.forward_left:+.2%}" if cfg.pp == 1 else "n/a"
+            # without resharding after forward, the forward also leaves every FSDP group gathered
+            left = p.stored + (p.comm_buffers if cfg.strategy in ("fsdp", "hsdp") and not cfg.reshard_after_forward
+                               else 0)
+            act_err = f"{(left - m.forward_left) / m.forward_left:+.2%}" if cfg.pp == 1 else "n/a"
             table.add(**{"layout": layout_name(cfg), "ranks": cfg.world_size, "rank": m.rank, "ranks run as": how,
                          "peak in": m.phase, "state measured = planned": "yes" if m.state.total == planned_state
                          else f"no ({m.state.total} vs {planned_state})",
                          "forward left (measured)": m.forward_left if cfg.pp == 1 else "n/a (pipeline)",
-                         "activations held (planned)": p.stored, "activation error": act_err,
+                         "activations held (planned)": left, "activation error": act_err,
                          "peak measured": m.peak, "peak planned": p.total, "peak error": f"{err:+.2%}"})
     within = sum(abs(e) <= 0.05 for e in errors)
     table.meta.update(model=MEM_MODEL, per_rank_batch=per_rank, seq=seq, layouts=len(layouts), checks=len(errors),
@@ -242,7 +262,8 @@ def memory_section(args, meta) -> None:
                                "(torch.profiler memory events, window opened before the model is built), see "
                                "src/torchnitro/distributed/measure.py",
                       forward_left="live at the end of forward minus live at the step's start: saved activations, "
-                                   "the loss, FSDP groups not resharded after forward")
+                                   "the loss, FSDP groups not resharded after forward (planned: the held "
+                                   "activations, plus the gathered groups without resharding)")
     _emit(table, "distributed_memory_quick" if args.quick else "distributed_memory")
     if not args.quick:
         _attach("distributed_planner", "distributed_memory")

@@ -360,13 +360,14 @@ def plan_table(rows: list[PlanRow], cluster: Cluster, top: int = 15):
 
     gb = 1e9
     table = Table(title=f"plan-parallel (simulated): {cluster.gpus} GPUs, {cluster.gpu_mem / gb:.0f} GB each")
-    for col in ("#", "layout", "params+grads+optim GB", "activations GB", "buffers GB", "total GB", "fits",
-                "step ms", "exposed comm ms", "tokens/s/GPU", "MFU"):
+    for col in ("#", "layout", "params+optim+live grads GB", "activations GB", "buffers+temporaries GB", "peak GB",
+                "fits", "step ms", "exposed comm ms", "tokens/s/GPU", "MFU"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     for i, r in enumerate(rows[:top], 1):
         m, t = r.memory, r.time
-        table.add_row(str(i), r.name, f"{(m.parameters + m.gradients + m.optimizer_state) / gb:.2f}",
-                      f"{m.activations / gb:.2f}", f"{m.comm_buffers / gb:.2f}", f"{m.total / gb:.2f}",
+        table.add_row(str(i), r.name, f"{(m.parameters + m.optimizer_state + m.live_gradients) / gb:.2f}",
+                      f"{m.activations / gb:.2f}", f"{(m.comm_buffers + m.temporaries) / gb:.2f}",
+                      f"{m.total / gb:.2f}",
                       "yes" if r.fits else "no", f"{t.total_s * 1e3:.1f}", f"{(t.total_s - t.compute_s) * 1e3:.1f}",
                       f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.mfu:.0%}")
     return table

@@ -173,6 +173,7 @@ def train(cfg: TrainConfig, pcfg: ParallelConfig, on_log: Callable[[dict[str, An
             x = _micro_batch(corpus, order, step, micro, cfg, rank, size).to(mesh.device_type)
             logits = model(x[:, :-1])  # (b, T, 256)
             loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()) / cfg.grad_accum
+            del logits  # backward needs the log-softmax the loss saved, not these: (b, T, V) off the peak
             loss.backward()
             total += loss.detach().double().cpu()
         if cfg.clip > 0:

@@ -292,9 +292,9 @@ def layer_terms(s: StepShape) -> list[PlanTerm]:
 def selective_layer_bytes(s: StepShape) -> int:
     """A block under selective checkpointing: its input, the q/k/v and w1/w3 matmul outputs and the
     attention kernel's outputs (``checkpoint_``'s default policy recomputes wo and w2)."""
-    BT, c = s.BT, s.c
-    sel_attn = selective_attention_bytes(s.attention, s.device, B=s.B, T=s.T, H=s.H, D=s.D, c=c)
-    return s.e * BT * s.D + c * (BT * s.D + 2 * BT * s.Hkv * s.Dh + 2 * BT * s.F) + sel_attn
+    BT, c, HD = s.BT, s.c, s.H * s.Dh  # q and the attention output are H x Dh wide (D unless heads are TP-split)
+    sel_attn = selective_attention_bytes(s.attention, s.device, B=s.B, T=s.T, H=s.H, D=HD, c=c)
+    return s.e * BT * s.D + c * (BT * HD + 2 * BT * s.Hkv * s.Dh + 2 * BT * s.F) + sel_attn
 
 
 def head_bytes(s: StepShape) -> int:
