@@ -113,6 +113,11 @@ def _callables(s: _Search, report: Report, cands: list[CandidateResult],
             return efn(*first)
 
     fallen = fair.ready_children(timers, places, EAGER, eager_outputs, s.cfg.tolerance("exact").get("rel", 1e-4))
+    if EAGER in timers and ((places[EAGER].kwargs or {}).get("eager") or {}).get("how") == "program":
+        why = _program_parity(s, report, timers[EAGER])
+        if why is not None:
+            timers.pop(EAGER).close()
+            fallen[EAGER] = why
     fns: dict[str, Callable[..., Any]] = {}
     for name in places:
         c = report.get(name)
@@ -124,6 +129,26 @@ def _callables(s: _Search, report: Report, cands: list[CandidateResult],
         if fn is not None:
             fns[name] = _steady(s, fn)
     return fns
+
+
+def _program_parity(s: _Search, report: Report, timer: ChildTimer) -> str | None:
+    """None when eager re-created from its torch.export program runs alone at eager's own speed: its solo p50
+    within ``fair.check_eager``'s band of eager's search-time p50 (this process, before any candidate ran).
+    Otherwise why eager is timed here instead: a program can drop Python work the model does, or take
+    another kernel path (its shapes and masks fixed by tracing), and would not be eager's time."""
+    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=s.cfg.final_min_time_s / 2,
+                      max_time_s=max(2.0, s.cfg.final_min_time_s), device=s.device.type)
+    e = report.get(EAGER)
+    if not e.p50_ms:
+        return "timed in this process: eager has no search-time p50 to check its torch.export program against"
+    t = compare({EAGER: fair.Steady(timer)}, tc)[EAGER]
+    check = fair.check_eager(e.p50_ms, e.cv, t)
+    text = (f"eager's torch.export program alone {t.median * 1e3:.3f} ms, eager in this process before any "
+            f"candidate ran {e.p50_ms:.3f} ms ({check.drift:+.1%}; allowed ±{check.band:.1%})")
+    if check.ok:
+        report.notes.append(text + ": eager timed alone from the program")
+        return None
+    return f"timed in this process: {text}, so the program is not eager's speed"[:300]
 
 
 def _steady(s: _Search, fn: Callable[..., Any]) -> Callable[..., Any]:
