@@ -6,7 +6,8 @@
   is rebuilt from the eager model from a re-created eager model (``ChildModel``: the model's factory and
   the search's weights, else a pickle of the model object when its classes are importable, else, for a
   model whose classes live in the running script or a notebook, the ``torch.export`` program the search
-  built from it in this process: eager itself is then timed in its own process, and only the artifacts
+  built from it in this process, kept only where its solo p50 matches eager's search-time p50
+  (``final._program_parity``): eager itself is then timed in its own process, and only the artifacts
   rebuilt from the model object stay here). Rounds
   alternate between the processes (A B A B); the search process only waits, so no runtime pool, warm
   arena or allocator history of the search's own process is in any number. A variant that cannot be

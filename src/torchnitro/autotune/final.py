@@ -6,8 +6,10 @@ outnumber ``finalists``; the best ``finalists`` by that ratio are re-timed inter
 (``bench.compare``); the winner must beat eager by ``min_speedup`` and by more than the noise of its ratio
 (``bench.ratio``: paired bootstrap over the rounds), otherwise eager. On the CPU eager and every finalist are
 timed alone, each in its own fresh process, in both runs (``autotune.fair``: where a variant cannot be loaded
-in a child it is timed here and its row says why); eager inside the comparison is checked against eager
-alone (redone once when it drifted); the chosen variant is then tried under glibc's allocator setting.
+in a child it is timed here and its row says why; eager re-created from its torch.export program only
+when that runs alone at eager's search-time speed); each sample follows one untimed call (``fair.Steady``);
+eager inside the comparison is checked against eager alone (both measured again, once, when it drifted);
+the chosen variant is then tried under glibc's allocator setting.
 """
 
 from __future__ import annotations
@@ -141,7 +143,10 @@ def _program_parity(s: _Search, report: Report, timer: ChildTimer) -> str | None
     e = report.get(EAGER)
     if not e.p50_ms:
         return "timed in this process: eager has no search-time p50 to check its torch.export program against"
-    t = compare({EAGER: fair.Steady(timer)}, tc)[EAGER]
+    try:
+        t = compare({EAGER: fair.Steady(timer)}, tc)[EAGER]
+    except RecipeError as exc:  # the child died: eager is timed here (its row says why)
+        return f"timed in this process: its timing process (from the torch.export program) failed ({exc})"[:300]
     check = fair.check_eager(e.p50_ms, e.cv, t)
     text = (f"eager's torch.export program alone {t.median * 1e3:.3f} ms, eager in this process before any "
             f"candidate ran {e.p50_ms:.3f} ms ({check.drift:+.1%}; allowed ±{check.band:.1%})")
