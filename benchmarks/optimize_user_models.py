@@ -260,14 +260,17 @@ def _build_peer(name: str, model: nn.Module, x: tuple, held_out: list[tuple], d:
             token_cosine(built.fn, ref, held_out, _positional))
 
 
-def _eager_alone(model: nn.Module, x: tuple, work: Path, inputs: Path) -> tuple[Any, str]:
+def _eager_alone(model: nn.Module, x: tuple, work: Path, inputs: Path, alone: bool = True) -> tuple[Any, str]:
     """Eager in its own fresh process, re-created as the search's final comparison re-creates it
     (``autotune.fair.child_model``: the wrapper class lives in this script, so from its torch.export
-    program); returns the timer (or a closure here, when that fails) and how eager was timed."""
+    program); returns the timer (or a closure here, when that fails) and how eager was timed.
+    ``alone=False``: the search timed eager in its own process (its program was not eager's speed): here too."""
     from torchnitro.autotune import fair
     from torchnitro.autotune.program import prepare_program
     from torchnitro.bench.isolated import ChildTimer
 
+    if not alone:
+        return (lambda: model(*x)), "in the benchmark's process, as the search timed it (see its eager row)"
     dims = {i: [0] for i in range(len(x))}
     cm = fair.child_model(model, None, {}, work / "eager",
                           program=lambda: prepare_program("exported", model, x, dims, work / "eager" / "program"))
@@ -314,7 +317,7 @@ def peer_rows(kind: str, keep: dict[str, Any], args: argparse.Namespace) -> tupl
         variants[name] = lambda name=name, d=d, meta=meta: _alone(name, d, meta, inputs)
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3 if args.quick else 10,
                       min_time_s=0.05 if args.quick else 2.0, max_time_s=60.0)
-    eager, eager_how = _eager_alone(model, x, work, inputs)
+    eager, eager_how = _eager_alone(model, x, work, inputs, alone=om.report.get("eager").alone)
     try:
         for name, start in variants.items():
             fn = start()
