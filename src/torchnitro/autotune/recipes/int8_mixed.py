@@ -236,11 +236,11 @@ def build_mixed_int8(ctx: BuildContext, model: nn.Module, make: Callable[..., nn
     with that engine's own Linears (SmoothQuant scales) on length-varied calibration sets,
     ``make(plan, engine)``, and keep the first whose variant reaches the target there (oneDNN's
     per-tensor rounding differs from per-token's and fbgemm's). ``kept``: the precisions tried in order
-    for the Linears the plan keeps out of int8 (``kept_module``), each planned with that precision in
-    place, so a bf16 plan keeps as many layers as bf16 needs (``make(plan, engine, precision)`` with more
-    than one), before the next engine: all-MiniLM-L6-v2 on full-length text needs three FFN
-    down-projections out of int8 in fp32, and a fourth Linear with them in bf16 (bf16 rounding costs
-    0.002 of calibration cosine), for less time than the three in fp32 (results/encoder_full_length.md).
+    for the Linears the plan keeps out of int8 (``kept_module``; ``make(plan, engine, precision)`` with
+    more than one), each planned with that precision in place (``_plan_engine``), before the next engine:
+    all-MiniLM-L6-v2 on full-length text needs three FFN down-projections out of int8 in fp32, and two
+    more Linears with them in bf16 (bf16 rounding costs 0.002 of calibration cosine), for less time than
+    the three in fp32 (results/encoder_full_length.md); on short sentences two in bf16 suffice, as in fp32.
     Saves the scales in the workdir. Returns (variant, artifact meta with ``kept``, "engine[: why not the
     engines before it]")."""
     calib, target = varied_calibration_inputs(ctx), int8_target(ctx)
@@ -268,23 +268,26 @@ def build_mixed_int8(ctx: BuildContext, model: nn.Module, make: Callable[..., nn
 
 def _plan_engine(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: float, engine: str,
                  kept: Sequence[str], make: Callable[..., nn.Module]) -> tuple[nn.Module, dict[str, Any], float]:
-    """One engine's variant: planned with each ``kept`` precision in turn until one reaches ``target``
-    (else the last that planned). Raises the last RecipeError when no precision could plan."""
-    found, error = None, None
+    """One engine's variant. The layers are ranked and planned in the last (most accurate) ``kept``
+    precision; each precision before it goes on from that plan (its layers, then more down the same
+    ranking as it needs): the first whose variant reaches ``target`` is returned, else the last's. A
+    model that needs no layer kept out of int8 at all gets that plan whatever the precisions.
+    Raises RecipeError when the most accurate precision cannot plan."""
+    if not kept:
+        raise RecipeError(f"mixed int8: no kept precision given; expected some of {KEPT_PRECISIONS}")
+    first = plan_mixed_int8(model, calib, target, engine=engine, kept=kept[-1])
     for k in kept:
-        try:
-            plan = plan_mixed_int8(model, calib, target, engine=engine, kept=k)
-        except RecipeError as exc:
-            error = exc
-            continue
+        plan = first
+        if k != kept[-1] and first["fp32"]:
+            try:
+                plan = plan_mixed_int8(model, calib, target, engine=engine, kept=k, start=first)
+            except RecipeError:
+                continue  # this precision needs more layers kept than allowed: the next one
         q = make(plan, engine, k) if len(kept) > 1 else make(plan, engine)
-        found = (q, plan, calibration_cosine(q, calib, plan["refs"]))
-        if found[2] >= target or not plan["fp32"]:  # nothing kept out of int8: the precisions agree
+        cos = calibration_cosine(q, calib, plan["refs"])
+        if cos >= target or not plan["fp32"]:  # nothing kept out of int8: the precisions agree
             break
-    if found is None:
-        raise error if error is not None else RecipeError(f"mixed int8: no kept precision given; expected some of "
-                                                          f"{KEPT_PRECISIONS}")
-    return found
+    return q, plan, cos
 
 
 def load_engine(meta: dict[str, Any], recipe: str) -> str:
@@ -373,7 +376,7 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
                     names: Sequence[str] | None = None, alpha: float | None = 0.75,
                     max_fp32_fraction: float = 0.5, sensitivity_rows: int = 8,
                     full_range: bool | None = None, engine: str = "fbgemm", outliers: bool = False,
-                    kept: str = "fp32") -> dict[str, Any]:
+                    kept: str = "fp32", start: dict[str, Any] | None = None) -> dict[str, Any]:
     """Pick the Linears to keep out of int8 (in ``kept`` precision, see ``kept_module``) so the worst
     calibration cosine is >= ``target``.
 
@@ -389,6 +392,8 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
     on short sentences (0.9959) and the variant then scored 0.982 on real long text, where the plan
     without them (two FFN down-projections kept fp32) holds 0.99 (results/optimize_user_models.md).
     The layers kept out of int8 are returned as ``"fp32"`` whatever ``kept`` is (returned as ``"kept"``).
+    ``start``: a plan of the same model on the same calibration sets (another ``kept`` precision) to go on
+    from: its sensitivity ranking, its kept layers first, more down the ranking as this precision needs.
     """
     full_range = full_range_ok() if full_range is None else full_range
     names = list(names) if names is not None else linear_names(model)
@@ -401,9 +406,11 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
     sw = _Swapper(model, names, scales, full_range, engine, split, kept)
     for n in names:
         sw.set(n, True)
-    cos = calibration_cosine(sw.model, calib, refs)
-    sens: dict[str, float] = {}
-    if cos < target:  # rank layers on a slice of the calibration batch: one forward per layer
+    cos: float | None = None
+    sens: dict[str, float] = dict(start["sensitivity"]) if start is not None else {}
+    if start is None:
+        cos = calibration_cosine(sw.model, calib, refs)
+    if start is None and cos < target:  # rank layers on a slice of the calibration batch: one forward per layer
         for n in names:
             sw.set(n, False)
         small = [_rows(x, sensitivity_rows) for x in calib]
@@ -412,9 +419,11 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
         for n in names:
             sw.set(n, True)
     order = sorted(names, key=lambda n: sens.get(n, 0.0), reverse=True)  # most sensitive first
-    fp32: list[str] = []
+    fp32: list[str] = [n for n in order if n in start["fp32"]] if start is not None else []
+    for n in fp32:
+        sw.set(n, False)
     while True:
-        if fp32:
+        if fp32 or cos is None:
             cos = calibration_cosine(sw.model, calib, refs)
         if cos >= target:
             int8 = [n for n in names if n not in fp32]
