@@ -23,7 +23,8 @@ PIPE_TWO = {"pp_gpipe": dict(pp=2, pp_schedule="gpipe", microbatches=4),
             "pp_1f1b": dict(pp=2, pp_schedule="1f1b", microbatches=8, ckpt=True),
             "pp_interleaved": dict(pp=2, pp_schedule="interleaved1f1b", stages_per_rank=2),
             "pp_1f1b_ckpt": dict(pp=2, pp_schedule="1f1b", checkpointing="blocks")}
-PIPE_FOUR = {"pp_fsdp": dict(pp=2, dp_shard=2, pp_schedule="1f1b", microbatches=2)}
+PIPE_FOUR = {"pp_fsdp": dict(pp=2, dp_shard=2, pp_schedule="1f1b", microbatches=2),
+             "pp_ddp": dict(pp=2, dp_replicate=2, pp_schedule="1f1b", microbatches=2)}
 
 
 def tiny_lm(n_layers: int = MODEL["n_layers"]) -> TransformerLM:

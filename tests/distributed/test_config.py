@@ -29,7 +29,6 @@ def test_product_not_world_size():
     (dict(tp=0), r"ParallelConfig.tp: received 0, expected an integer >= 1"),
     (dict(dp_shard=2.0), r"dp_shard: received 2.0"),
     (dict(pp=2, tp=2), r"pp=2 with tp=2: pipeline stages are not tensor-parallel yet"),
-    (dict(pp=2, dp_replicate=2), r"would put DDP over pipeline stages"),
     (dict(pp=2, pp_schedule="interleaved1f1b"), r"stages_per_rank=1; set stages_per_rank >= 2"),
     (dict(pp=2, stages_per_rank=2), r"pp_schedule='1f1b' runs one stage per pp rank"),
     (dict(pp=2, pp_schedule="zb"), r"pp_schedule: received 'zb', expected one of gpipe, 1f1b, interleaved1f1b"),

@@ -13,7 +13,8 @@ dp_replicate > 1 only        DDP (bucket size and communication hook from the co
 tp > 1                       tensor parallelism (``parallelize_module``), composable with FSDP/HSDP
 pp > 1                       pipeline parallelism (``torch.distributed.pipelining``): the layers are
                              split into stages, ``pp_schedule`` runs ``microbatches`` through them;
-                             composes with FSDP/HSDP on each stage (not with DDP or TP yet)
+                             composes with FSDP/HSDP per stage, or with replicas (DDP's
+                             role) averaged after each step; not with TP yet
 ===========================  =======================================================
 """
 
@@ -109,13 +110,12 @@ class ParallelConfig:
                               f"{self.stages_per_rank}; set stages_per_rank=1, or use pp_schedule='interleaved1f1b'.")
         if self.pp == 1:
             return
+        if self.comm_hook != "none":
+            raise ConfigError(f"pp={self.pp} with comm_hook={self.comm_hook!r}: a pipeline averages its replicas' "
+                              "gradients with a plain all-reduce; use comm_hook='none' with pp > 1.")
         if self.tp > 1:
             raise ConfigError(f"pp={self.pp} with tp={self.tp}: pipeline stages are not tensor-parallel yet. Use one of "
                               "them, and spread the other ranks over dp_shard/dp_replicate (FSDP/HSDP per stage).")
-        if self.strategy == "ddp":
-            raise ConfigError(f"pp={self.pp} with dp_replicate={self.dp_replicate} and dp_shard=1 would put DDP over "
-                              "pipeline stages, which is not supported; use dp_shard (FSDP2 per stage) or HSDP "
-                              "(dp_replicate and dp_shard > 1) for the data-parallel part.")
 
     def check_world(self, world_size: int) -> None:
         """The degrees must multiply to the number of processes that were launched."""

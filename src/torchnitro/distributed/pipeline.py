@@ -21,7 +21,7 @@ take identical optimizer steps.
 Loss scaling: ``loss_fn`` returns the mean loss of one micro-batch; the schedules sum the gradients
 of the micro-batches and divide by their number (``scale_grads=True``), which equals the gradient of
 the mean over the whole batch when the micro-batches are the same size (checked: the batch must
-divide by ``cfg.n_microbatches``). FSDP/HSDP per stage average over data-parallel ranks on top.
+divide by ``cfg.n_microbatches``). FSDP/HSDP or DDP per stage average over data-parallel ranks on top.
 """
 
 from __future__ import annotations
@@ -147,6 +147,7 @@ class Pipeline:
     tied_group: dist.ProcessGroup | None = None  # set when the embedding and head share a weight
     is_first: bool = False
     is_last: bool = False
+    replica_group: dist.ProcessGroup | None = None  # PP x DDP: the ranks holding the same stages (dp_replicate)
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
         """Forward and backward of one batch through the pipeline; returns its mean loss on every pp rank.
@@ -161,11 +162,33 @@ class Pipeline:
         losses: list = []
         args = (tokens,) if self.is_first else ()
         self.schedule.step(*args, target=targets if self.is_last else None, losses=losses)
+        self._average_replicas()
         self._sync_tied()
         loss = torch.stack([x.detach().float() for x in losses]).mean() if self.is_last else torch.zeros(())
         last = dist.get_global_rank(self.pp_group, dist.get_world_size(self.pp_group) - 1)
         dist.broadcast(loss, src=last, group=self.pp_group)
         return loss.item()
+
+    def _average_replicas(self) -> None:
+        """PP x DDP: average every gradient over the stage's replicas, in one flat all-reduce per step.
+
+        ``DistributedDataParallel`` around each stage failed inside the 1F1B schedule on torch 2.13 (the
+        reducer's internal assert "rebuilt parameter indices size ... 19 versus ... 38": every parameter's
+        gradient reported ready twice), so the replicas are averaged here, after the schedule has
+        accumulated every micro-batch; one flat buffer, no overlap with the backward.
+        """
+        if self.replica_group is None:
+            return
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.replica_group)
+        flat /= dist.get_world_size(self.replica_group)
+        for g, avg in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            g.copy_(avg)
 
     def _sync_tied(self) -> None:
         if self.tied_group is None or not (self.is_first or self.is_last):
@@ -180,7 +203,8 @@ class Pipeline:
 def pipeline(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh,
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss) -> Pipeline:
     """Split ``model`` (a ``TransformerLM``) into this rank's stages on the mesh's ``pp`` dim, apply activation
-    checkpointing and FSDP2/HSDP per stage as the config says, and build ``cfg.pp_schedule``."""
+    checkpointing and FSDP2/HSDP per stage as the config says (DDP: gradients averaged over the replicas after
+    each step, ``Pipeline._average_replicas``), and build ``cfg.pp_schedule``."""
     from torch.distributed import pipelining
 
     from torchnitro.distributed.parallelize import apply_fsdp
@@ -205,5 +229,6 @@ def pipeline(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh,
     schedule = kind(first, n_microbatches=cfg.n_microbatches, loss_fn=loss_fn, scale_grads=True)
     tied_group = _tied_group(mesh) if tied else None
     mine = stage_ids(cfg, pp_rank)
+    replicas = mesh["dp_replicate"].get_group() if cfg.strategy == "ddp" else None
     return Pipeline(container, stages, schedule, cfg, pp_group, tied_group,
-                    is_first=0 in mine, is_last=cfg.n_stages - 1 in mine)
+                    is_first=0 in mine, is_last=cfg.n_stages - 1 in mine, replica_group=replicas)
