@@ -51,6 +51,11 @@ def test_resume_continues_the_same_loss_trajectory(tmp_path, one_rank):
     assert [r["step"] for r in log] == [1, 2, 3, 3, 4]  # step 3 ran twice: before the crash and after
     assert log[0]["mfu"] is None and log[0]["tokens_per_s"] > 0  # no peak given: MFU not made up
     assert sorted(p.name for p in (tmp_path / "b").glob("step_*")) == ["step_00000002", "step_00000004"]
+    # each attempt's first record carries its start-up stamps in order (the resume benchmark's phases)
+    for rec in (log[0], log[3]):
+        st = rec["startup"]
+        assert st["imported"] <= st["initialized"] <= st["loaded"] <= st["logged"]
+    assert "startup" not in log[1] and "startup" not in log[4]
 
 
 def test_byte_corpus_and_schedule():
