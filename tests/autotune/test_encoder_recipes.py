@@ -186,9 +186,8 @@ def test_plan_in_bf16_keeps_layers_in_bf16_until_target():
 
 
 def test_bert_unpad_int8_plans_with_each_kept_precision_in_turn(tiny_bert, tmp_path, monkeypatch):
-    """The layers are ranked and planned in fp32; bf16 goes on from that plan (as many layers as bf16
-    needs), and the fp32 plan is used when the bf16 one misses the target: not the fp32 plan run in bf16
-    after the fact."""
+    """The layers are ranked and planned in fp32; bf16 takes that plan's layers, then goes on from it (as
+    many layers as bf16 needs) when they miss the target, and the fp32 plan is used when bf16 misses it."""
     if _bf16_reason() is not None:
         pytest.skip(f"bf16 kept Linears: {_bf16_reason()}")
     import torchnitro.autotune.recipes.int8_mixed as im
@@ -199,10 +198,10 @@ def test_bert_unpad_int8_plans_with_each_kept_precision_in_turn(tiny_bert, tmp_p
         calls.append((kw.get("engine"), kw.get("kept", "fp32")))
         monkeypatch.setattr(im, "calibration_cosine", real_cos)
         plan = real(*a, **kw)
+        monkeypatch.setattr(im, "calibration_cosine", lambda *a, **k: 0.0)  # every variant misses the target
         if kw.get("kept", "fp32") == "fp32":  # the tiny model needs no layer kept: force one
             return dict(plan, fp32=plan["int8"][:1], int8=plan["int8"][1:])
         assert kw.get("start") is not None and kw["start"]["fp32"]  # bf16 goes on from the fp32 plan
-        monkeypatch.setattr(im, "calibration_cosine", lambda *a, **k: 0.0)  # and misses the target
         return plan
 
     real_cos = im.calibration_cosine

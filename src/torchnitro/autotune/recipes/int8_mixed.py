@@ -269,8 +269,9 @@ def build_mixed_int8(ctx: BuildContext, model: nn.Module, make: Callable[..., nn
 def _plan_engine(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: float, engine: str,
                  kept: Sequence[str], make: Callable[..., nn.Module]) -> tuple[nn.Module, dict[str, Any], float]:
     """One engine's variant. The layers are ranked and planned in the last (most accurate) ``kept``
-    precision; each precision before it goes on from that plan (its layers, then more down the same
-    ranking as it needs): the first whose variant reaches ``target`` is returned, else the last's. A
+    precision; each precision before it takes that plan's layers, and when that misses ``target`` goes
+    on from the plan (more layers down the same ranking as it needs): the first variant that reaches
+    ``target`` is returned, else the last's. A
     model that needs no layer kept out of int8 at all gets that plan whatever the precisions.
     Raises RecipeError when the most accurate precision cannot plan."""
     if not kept:
@@ -279,6 +280,11 @@ def _plan_engine(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: flo
     for k in kept:
         plan = first
         if k != kept[-1] and first["fp32"]:
+            plan = dict(first, kept=k)  # the same layers in k first: the fewest kept when that reaches the target
+            q = make(plan, engine, k)
+            cos = calibration_cosine(q, calib, plan["refs"])
+            if cos >= target:
+                break
             try:
                 plan = plan_mixed_int8(model, calib, target, engine=engine, kept=k, start=first)
             except RecipeError:
