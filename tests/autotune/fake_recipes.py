@@ -175,7 +175,8 @@ NOISY = {"slow": True}  # cleared by the test when the finalist stage starts
 
 
 class NoisyStart(_Fake):
-    """Truly the fastest (1 ms), but load hit its search-time sample (14 ms while NOISY['slow'])."""
+    """Truly the fastest (1 ms), but load hit its search-time sample (34 ms while NOISY['slow']): slower than the
+    decoys' 20 ms by more than a loaded test machine's sleep overshoot, yet inside the 2x noise band."""
 
     name = "test-noisy-start"
 
@@ -183,14 +184,14 @@ class NoisyStart(_Fake):
         m = ctx.model.inner
 
         def fn(*x: Any) -> Any:
-            time.sleep(0.014 if NOISY["slow"] else 0.001)
+            time.sleep(0.034 if NOISY["slow"] else 0.001)
             return m(*x)
 
         return Built(fn=fn)
 
 
 class DecoyA(_Fake):
-    """A steady 10 ms: looks better than NoisyStart in the search, is slower in truth."""
+    """A steady 20 ms: looks better than NoisyStart in the search, is slower in truth."""
 
     name = "test-decoy-a"
 
@@ -198,7 +199,7 @@ class DecoyA(_Fake):
         m = ctx.model.inner
 
         def fn(*x: Any) -> Any:
-            time.sleep(0.010)
+            time.sleep(0.020)
             return m(*x)
 
         return Built(fn=fn)
