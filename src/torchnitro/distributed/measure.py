@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from torchnitro.distributed.config import ParallelConfig
 from torchnitro.distributed.planner import RankState
@@ -101,6 +100,7 @@ def measure_step(model_config, cfg: ParallelConfig, mesh, *, batch: int, seq: in
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from torchnitro import distributed as D
+    from torchnitro.distributed.train import next_token_loss
     from torchnitro.nn.models import TransformerLM
 
     dp = cfg.dp_replicate * cfg.dp_shard
@@ -132,9 +132,7 @@ def measure_step(model_config, cfg: ParallelConfig, mesh, *, batch: int, seq: in
             if cfg.pp > 1:
                 pipe.step(x[:, :-1], x[:, 1:])
             else:
-                logits = owner(x[:, :-1])  # (b, T, V)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
-                del logits  # the trainer keeps only the loss
+                loss = next_token_loss(owner, x)  # the trainer's loss: the logits are gone already
                 if measured:
                     record_function("nitro.forward_end").__enter__().__exit__(None, None, None)
                 loss.backward()

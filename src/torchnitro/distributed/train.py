@@ -117,6 +117,14 @@ def _micro_batch(corpus: ByteCorpus, order: torch.Tensor, step: int, micro: int,
     return torch.stack([corpus[int(i)] for i in ids])  # (B/size, T+1)
 
 
+def next_token_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """fp32 cross-entropy of ``model(x[:, :-1])`` against ``x[:, 1:]``. The (b, T, V) logits die on return:
+    backward needs the log-softmax the loss saved, not them, so they are off the step's peak (which
+    ``measure`` measures with this same function)."""
+    logits = model(x[:, :-1])
+    return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+
+
 def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
     """Scale gradients so their global 2-norm is at most ``max_norm``; returns the norm before clipping.
 
@@ -171,9 +179,7 @@ def train(cfg: TrainConfig, pcfg: ParallelConfig, on_log: Callable[[dict[str, An
         total = torch.zeros((), dtype=torch.float64)
         for micro in range(cfg.grad_accum):
             x = _micro_batch(corpus, order, step, micro, cfg, rank, size).to(mesh.device_type)
-            logits = model(x[:, :-1])  # (b, T, 256)
-            loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()) / cfg.grad_accum
-            del logits  # backward needs the log-softmax the loss saved, not these: (b, T, V) off the peak
+            loss = next_token_loss(model, x) / cfg.grad_accum
             loss.backward()
             total += loss.detach().double().cpu()
         if cfg.clip > 0:
