@@ -33,6 +33,15 @@ def test_probe_finish_keeps_mfu_at_most_one():
         PeakProbe("cpu", "int8")
 
 
+def test_probe_default_size_is_the_rooflines(monkeypatch):
+    from torchnitro.autotune import analyze
+    from torchnitro.profile import peak
+
+    assert analyze.roofline_gemm_n("cpu") == 1024 and analyze.roofline_gemm_n("cuda:0") == 4096
+    monkeypatch.setattr(peak, "roofline_gemm_n", lambda device: 16)  # one source: the probe follows it
+    assert PeakProbe("cpu", "float32").n == 16 and PeakProbe("cpu", "float32", n=8).n == 8
+
+
 def test_a_gemm_step_reads_at_most_full_mfu_against_its_own_run():
     a, b = torch.randn(64, 64), torch.randn(64, 64)
     p = profile(lambda: torch.mm(a, b), config=ProfileConfig(warmup=1, steps=3, monitor=False, track_memory=False,

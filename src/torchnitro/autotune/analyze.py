@@ -149,6 +149,12 @@ class Analysis:
 
 # ---- the machine -------------------------------------------------------------------------------
 
+def roofline_gemm_n(device: str) -> int:
+    """The side n of the square (n, n) @ (n, n) GEMM whose rate is the peak on ``device`` (shared with
+    ``profile.peak``): large enough to be compute-bound, small enough to time in well under a second."""
+    return 4096 if torch.device(device).type == "cuda" else 1024
+
+
 @functools.lru_cache(maxsize=4)
 def machine_roofline(device: str = "cpu") -> MachineRoofline:
     """Measured peak GEMM FLOP/s per dtype and copy bandwidth of ``device`` (cached per process)."""
@@ -156,7 +162,7 @@ def machine_roofline(device: str = "cpu") -> MachineRoofline:
 
     dev = torch.device(device)
     cfg = TimingConfig(**{**asdict(_TIMING), "device": dev.type})
-    n = 4096 if dev.type == "cuda" else 1024
+    n = roofline_gemm_n(dev.type)
     dtypes = [torch.float32]
     hw = hardware_info()
     if dev.type == "cuda":

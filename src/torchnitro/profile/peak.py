@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchnitro.autotune.analyze import roofline_gemm_n
 from torchnitro.errors import InputError
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class PeakProbe:
             raise InputError(f"PeakProbe: dtype {dtype!r} is not a floating-point torch dtype; expected e.g. "
                              "'float32' or 'bfloat16'")
         self.device = device
-        self.n = n or (4096 if device.startswith("cuda") else 1024)  # the sizes analyze.machine_roofline uses
+        self.n = n or roofline_gemm_n(device)  # the size analyze.machine_roofline times
         self.peak = GemmPeak(device, dtype, self.n, torch.get_num_threads())
         self._a = torch.randn(self.n, self.n, device=device).to(dt)
         self._b = torch.randn(self.n, self.n, device=device).to(dt)
