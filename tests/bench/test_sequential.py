@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from torchnitro.bench.sequential import (SequentialConfig, compare_interleaved_sequential, compare_sequential, look,
-                                         quantile_ratio_test)
+from torchnitro.bench.sequential import (SequentialConfig, beyond_threshold_p, compare_interleaved_sequential,
+                                         compare_sequential, look, quantile_ratio_test)
 from torchnitro.errors import InputError
 
 
@@ -63,6 +63,37 @@ def test_ten_percent_is_found_through_heavy_one_sided_noise():
 def test_three_percent_is_not_a_regression_under_a_five_percent_threshold():
     verdicts = [compare_sequential(_batches(s, 0.03), SequentialConfig()).verdict for s in range(40)]
     assert verdicts.count("slower") == 0
+
+
+@pytest.mark.parametrize("change, old_calls", [(0.05, 100), (0.045, 20)])
+def test_a_change_up_to_the_threshold_is_called_slower_at_most_alpha(change, old_calls):
+    # 1% noise and up to 60 samples: a real 4.5-5% change is significant almost always, and its estimate
+    # lands at or above 5% often. Comparing the estimate with the threshold called it slower that often (at
+    # least 139/200 at 5%, 47/200 at 4.5% on these seeds); testing "at most the threshold" keeps it within
+    # alpha over all looks
+    cfg = SequentialConfig(looks=3, alpha=0.05, **FAST)
+    trials = 200
+    verdicts = [compare_sequential(_batches(s, change, tail=0.1), cfg) for s in range(trials)]
+    called = sum(v.verdict == "slower" for v in verdicts)
+    assert called / trials <= 0.05 + 2.5 * np.sqrt(0.05 * 0.95 / trials)
+    old_rule = sum(any(lk.p_value < lk.alpha and lk.ci_low > 1 and lk.ratio >= 1.05 for lk in v.history)
+                   for v in verdicts)  # a significant look whose estimate moved >= 5%: what was called slower
+    assert old_rule >= old_calls
+    slower = [v for v in verdicts if v.verdict == "slower"]
+    assert all(v.p_threshold < 0.05 / 2 and "at most 5%" in v.reason for v in slower)
+
+
+def test_beyond_threshold_p_tests_the_threshold_not_zero():
+    rng = np.random.default_rng(0)
+    base = rng.normal(1e-3, 1e-5, 40)
+    new = rng.normal(1e-3, 1e-5, 40)
+    assert beyond_threshold_p(base, new * 1.10, 0.05, n_perm=199) < 0.01  # 10% beyond 5%: shown
+    assert beyond_threshold_p(base, new * 1.03, 0.05, n_perm=199) > 0.5  # 3%: real (p of no change is tiny) ...
+    assert quantile_ratio_test(base, new * 1.03, n_perm=199, n_boot=200)[3] < 0.01  # ... but not beyond 5%
+    assert beyond_threshold_p(base, new / 1.10, 0.05, n_perm=199) < 0.01  # faster: the mirror image
+    assert beyond_threshold_p(base, new / 1.03, 0.05, paired=True, n_perm=199) > 0.5
+    with pytest.raises(InputError, match="threshold -0.1"):
+        beyond_threshold_p(base, new, -0.1)
 
 
 def test_inconclusive_first_look_collects_more_and_decides():

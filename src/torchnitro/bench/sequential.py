@@ -25,8 +25,20 @@ planned looks (``alpha_spending``; by default growing with the look, k / (1 + ..
 at look k, so an early look needs strong evidence and a batch that ran under odd conditions is
 rarely decided on alone): by the union bound the chance of any false ``slower``/``faster`` over all looks is at most ``alpha``,
 whatever the dependence between looks. Stopping early for ``same`` only removes chances to reject,
-so it costs nothing. A case is ``slower`` only when the look's test rejects at its share of alpha,
-the interval excludes 1, *and* the ratio moved by at least ``threshold`` (as in ``compare_samples``).
+so it costs nothing.
+
+**The threshold is tested, not compared.** A case is ``slower`` only when, at the look's share of
+alpha, the test rejects "no change" (with the interval excluding 1) *and* a second, one-sided
+permutation test rejects "the change is at most ``threshold``": the new samples are divided by
+``1 + threshold`` and the test asks whether their quantile still lies above the base's. Requiring only
+that the *estimate* moved by the threshold would call a real change just under it (a true 4% under a
+5% threshold) slower about as often as its estimate lands above: half the time for a change at the
+threshold, whatever alpha is. With the one-sided test the chance of calling a change of at most the
+threshold ``slower`` is at most alpha over all looks (union bound again; exact when the change scales
+the clean mode, as more of the same work does), and at least alpha smaller for a change further
+below it. ``faster`` is the mirror image (a speed-up by more than ``1 / (1 + threshold)``). A real
+change that is significant but not shown beyond the threshold collects more samples, and at the last
+look is ``same`` with the reason saying so.
 """
 
 from __future__ import annotations
@@ -40,7 +52,7 @@ import numpy as np
 from torchnitro.errors import InputError
 
 __all__ = ["SequentialConfig", "Look", "SequentialVerdict", "look", "compare_sequential", "quantile_ratio_test",
-           "compare_interleaved_sequential", "decide_batches", "compare_result_files"]
+           "beyond_threshold_p", "compare_interleaved_sequential", "decide_batches", "compare_result_files"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,7 @@ class Look:
     p_value: float
     alpha: float  # the share of the budget this look spent
     reason: str
+    p_threshold: float = math.nan  # one-sided p of "the change is at most the threshold", in the ratio's direction
 
 
 @dataclass
@@ -111,6 +124,7 @@ class SequentialVerdict:
     n_new: int
     looks_used: int
     reason: str
+    p_threshold: float = math.nan  # the deciding look's one-sided p of "at most the threshold" (module doc)
     history: list[Look] = field(default_factory=list)
     base: list[float] = field(default_factory=list, repr=False)  # every sample collected, in order
     new: list[float] = field(default_factory=list, repr=False)
@@ -141,33 +155,69 @@ def _check(case: str, base: Sequence[float], new: Sequence[float], paired: bool)
     return a, b
 
 
+def _stat(x: np.ndarray, y: np.ndarray, quantile: float) -> np.ndarray:
+    """log Q_q(y) - log Q_q(x) along the last axis (x, y already in logs)."""
+    return np.quantile(y, quantile, axis=-1) - np.quantile(x, quantile, axis=-1)
+
+
+def _permuted(la: np.ndarray, lb: np.ndarray, paired: bool, rng: np.random.Generator, n_perm: int
+              ) -> Callable[[np.ndarray, np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    """Draws the permutations once; the returned function applies them to (la, lb) or to a shifted lb."""
+    if paired:  # swap base/new inside each round
+        swap = rng.random((n_perm, len(la))) < 0.5  # (n_perm, rounds)
+        return lambda x, y: (np.where(swap, y, x), np.where(swap, x, y))
+    order = np.argsort(rng.random((n_perm, len(la) + len(lb))), axis=1)  # (n_perm, n1 + n2)
+
+    def apply(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        perm = np.concatenate([x, y])[order]
+        return perm[:, :len(x)], perm[:, len(x):]
+    return apply
+
+
+def _tests(a: np.ndarray, b: np.ndarray, quantile: float, paired: bool, confidence: float, n_perm: int, n_boot: int,
+           seed: int, threshold: float | None) -> tuple[float, float, float, float, float]:
+    """(ratio, ci_low, ci_high, p of "no change", p of "at most the threshold" in the ratio's direction)."""
+    la, lb = np.log(a), np.log(b)
+    rng = np.random.default_rng(seed)
+    obs = float(_stat(la, lb, quantile))
+    permute = _permuted(la, lb, paired, rng, n_perm)
+    if paired:
+        idx = rng.integers(0, len(la), (n_boot, len(la)))  # whole rounds
+        boot = _stat(la[idx], lb[idx], quantile)
+    else:
+        boot = _stat(la[rng.integers(0, len(la), (n_boot, len(la)))], lb[rng.integers(0, len(lb), (n_boot, len(lb)))],
+                     quantile)
+    t = np.abs(_stat(*permute(la, lb), quantile))
+    p = (1 + int(np.sum(t >= abs(obs) * (1 - 1e-12) - 1e-15))) / (n_perm + 1)
+    p_thr = math.nan
+    if threshold is not None:  # shift new back by the threshold, toward base; one-sided in the ratio's direction
+        sign = 1.0 if obs >= 0 else -1.0
+        shifted = lb - sign * math.log1p(threshold)
+        obs_s = sign * float(_stat(la, shifted, quantile))
+        t_s = sign * _stat(*permute(la, shifted), quantile)
+        p_thr = (1 + int(np.sum(t_s >= obs_s - 1e-12 * abs(obs_s) - 1e-15))) / (n_perm + 1)
+    q = (1 - confidence) / 2
+    return math.exp(obs), float(np.exp(np.quantile(boot, q))), float(np.exp(np.quantile(boot, 1 - q))), p, p_thr
+
+
 def quantile_ratio_test(base: Sequence[float], new: Sequence[float], *, quantile: float = 0.1, paired: bool = False,
                         confidence: float = 0.95, n_perm: int = 1999, n_boot: int = 2000, seed: int = 0
                         ) -> tuple[float, float, float, float]:
     """(ratio, ci_low, ci_high, p): the ratio of the ``quantile`` of ``new`` over that of ``base``, its
     bootstrap interval and the permutation p-value of "both come from one distribution" (module doc)."""
     a, b = _check("", base, new, paired)
-    la, lb = np.log(a), np.log(b)
-    rng = np.random.default_rng(seed)
+    return _tests(a, b, quantile, paired, confidence, n_perm, n_boot, seed, None)[:4]
 
-    def stat(x: np.ndarray, y: np.ndarray) -> np.ndarray:  # rows of x, y: (R, n)
-        return np.quantile(y, quantile, axis=-1) - np.quantile(x, quantile, axis=-1)
 
-    obs = float(stat(la, lb))
-    if paired:  # swap base/new inside each round
-        swap = rng.random((n_perm, len(la))) < 0.5  # (n_perm, rounds)
-        pa, pb = np.where(swap, lb, la), np.where(swap, la, lb)
-        idx = rng.integers(0, len(la), (n_boot, len(la)))  # whole rounds
-        boot = stat(la[idx], lb[idx])
-    else:
-        pooled = np.concatenate([la, lb])
-        perm = pooled[np.argsort(rng.random((n_perm, len(pooled))), axis=1)]  # (n_perm, n1 + n2)
-        pa, pb = perm[:, :len(la)], perm[:, len(la):]
-        boot = stat(la[rng.integers(0, len(la), (n_boot, len(la)))], lb[rng.integers(0, len(lb), (n_boot, len(lb)))])
-    t = np.abs(stat(pa, pb))
-    p = (1 + int(np.sum(t >= abs(obs) * (1 - 1e-12) - 1e-15))) / (n_perm + 1)
-    q = (1 - confidence) / 2
-    return math.exp(obs), float(np.exp(np.quantile(boot, q))), float(np.exp(np.quantile(boot, 1 - q))), p
+def beyond_threshold_p(base: Sequence[float], new: Sequence[float], threshold: float, *, quantile: float = 0.1,
+                       paired: bool = False, n_perm: int = 1999, seed: int = 0) -> float:
+    """One-sided permutation p of "``new`` is at most ``threshold`` slower than ``base``" when its quantile is
+    higher (of "at most ``1 / (1 + threshold)`` faster" when lower): small only when the change is shown to
+    exceed the threshold, not merely estimated to (module doc)."""
+    a, b = _check("", base, new, paired)
+    if not threshold >= 0:
+        raise InputError(f"beyond_threshold_p: threshold {threshold}; expected a relative change >= 0")
+    return _tests(a, b, quantile, paired, 0.95, n_perm, 100, seed, threshold)[4]
 
 
 def look(base: Sequence[float], new: Sequence[float], k: int, config: SequentialConfig | None = None, *,
@@ -176,24 +226,27 @@ def look(base: Sequence[float], new: Sequence[float], k: int, config: Sequential
     cfg = config or SequentialConfig()
     a, b = _check(case, base, new, paired)
     alpha_k = cfg.alpha_at(k)
-    ratio, lo, hi, p = quantile_ratio_test(a, b, quantile=cfg.quantile, paired=paired, confidence=cfg.confidence,
-                                           n_perm=cfg.n_perm, n_boot=cfg.n_boot, seed=cfg.seed + k)
+    ratio, lo, hi, p, p_thr = _tests(a, b, cfg.quantile, paired, cfg.confidence, cfg.n_perm, cfg.n_boot,
+                                     cfg.seed + k, cfg.threshold)
     significant = p < alpha_k and (lo > 1 or hi < 1)
-    big = abs(ratio - 1) >= cfg.threshold
+    beyond = p_thr < alpha_k  # shown to exceed the threshold, in the direction the ratio moved
     inside = 1 / (1 + cfg.threshold) < lo and hi < 1 + cfg.threshold
     what = f"q{cfg.quantile:g} ratio {ratio:.3f} ({lo:.3f}-{hi:.3f}), p={p:.2g}"
-    if significant and big:
+    beyond_what = f"p={p_thr:.2g} that it is at most {cfg.threshold:.0%}"
+    if significant and beyond:
         verdict = "slower" if ratio > 1 else "faster"
-        reason = f"{what} < {alpha_k:.2g} (look {k}/{cfg.looks}) and moved {ratio - 1:+.1%} >= {cfg.threshold:.0%}"
+        reason = f"{what}, {beyond_what}: both < {alpha_k:.2g} (look {k}/{cfg.looks}); moved {ratio - 1:+.1%}"
     elif inside:
         verdict, reason = "same", f"{what}: the interval lies within the {cfg.threshold:.0%} threshold"
     elif k >= cfg.looks:
         verdict = "same"
-        reason = f"{what}: " + (f"a real but small change (< {cfg.threshold:.0%})" if significant else
+        reason = f"{what}: " + (f"a real change, not shown beyond {cfg.threshold:.0%} at the last look "
+                                f"({beyond_what}, alpha {alpha_k:.2g})" if significant else
                                 f"not shown at the last look ({k}/{cfg.looks}, alpha {alpha_k:.2g})")
     else:
-        verdict, reason = "inconclusive", f"{what}: neither shown nor ruled out at look {k}/{cfg.looks}; more samples"
-    return Look(k, len(a), len(b), verdict, ratio, lo, hi, p, alpha_k, reason)
+        verdict, reason = "inconclusive", (f"{what}, {beyond_what}: neither shown beyond the threshold nor ruled "
+                                           f"out at look {k}/{cfg.looks}; more samples")
+    return Look(k, len(a), len(b), verdict, ratio, lo, hi, p, alpha_k, reason, p_thr)
 
 
 def _looks(batches: Iterator[tuple[Sequence[float], Sequence[float]]], cfg: SequentialConfig, paired: bool,
@@ -210,7 +263,7 @@ def _looks(batches: Iterator[tuple[Sequence[float], Sequence[float]]], cfg: Sequ
             break
     last = history[-1]
     return SequentialVerdict(case, last.verdict, last.ratio, last.ci_low, last.ci_high, last.p_value, len(base),
-                             len(new), len(history), last.reason, history, base, new)
+                             len(new), len(history), last.reason, last.p_threshold, history, base, new)
 
 
 def compare_sequential(collect: Callable[[], tuple[Sequence[float], Sequence[float]]],
@@ -270,7 +323,7 @@ def compare_interleaved_sequential(fns: Mapping[str, Callable[[], Any]], baselin
             history[n].append(lk)
             if lk.verdict != "inconclusive":
                 out[n] = SequentialVerdict(n, lk.verdict, lk.ratio, lk.ci_low, lk.ci_high, lk.p_value,
-                                           len(got[baseline]), len(got[n]), k, lk.reason, history[n],
+                                           len(got[baseline]), len(got[n]), k, lk.reason, lk.p_threshold, history[n],
                                            list(got[baseline]), list(got[n]))
                 open_cases.remove(n)
         if not open_cases:
