@@ -7,6 +7,10 @@
     train: {data: corpus/, steps: 200, seq: 128, batch: 8, ckpt: ./ckpt}
     parallel: {dp_shard: 2}
     nproc: 2
+
+Pipelines take the same keys as ``ParallelConfig``: ``parallel: {pp: 2, dp_replicate: 2, pp_schedule: 1f1b,
+microbatches: 4}`` (or ``--pp 2 --dp-replicate 2 --pp-schedule 1f1b --microbatches 4``) runs 2 stages on 2
+replicas each; the per-rank batch must divide by the micro-batches.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ __all__ = ["register", "train_configs", "launch_command", "train_command", "plan
 
 _TRAIN_FLAGS = ("data", "steps", "seq", "batch", "grad_accum", "lr", "ckpt", "ckpt_every", "log_every", "dim",
                 "n_layers", "n_heads")
-_PARALLEL_FLAGS = ("dp_replicate", "dp_shard", "tp", "mixed_precision", "checkpointing")
+_PARALLEL_FLAGS = ("dp_replicate", "dp_shard", "tp", "pp", "pp_schedule", "microbatches", "stages_per_rank",
+                   "mixed_precision", "checkpointing")
 
 
 def train_configs(config: Optional[str], flags: dict[str, Any]) -> tuple[Any, Any, int]:
@@ -87,6 +92,12 @@ def train_command(
     dp_replicate: Optional[int] = typer.Option(None, "--dp-replicate"),
     dp_shard: Optional[int] = typer.Option(None, "--dp-shard"),
     tp: Optional[int] = typer.Option(None, "--tp"),
+    pp: Optional[int] = typer.Option(None, "--pp", help="pipeline ranks (stages of consecutive layers)"),
+    pp_schedule: Optional[str] = typer.Option(None, "--pp-schedule", help="gpipe, 1f1b, interleaved1f1b"),
+    microbatches: Optional[int] = typer.Option(None, "--microbatches",
+                                               help="micro-batches per pipeline step (default: pp x stages per rank)"),
+    stages_per_rank: Optional[int] = typer.Option(None, "--stages-per-rank",
+                                                  help="pipeline stages per pp rank (interleaved1f1b: >= 2)"),
     mixed_precision: Optional[str] = typer.Option(None, "--mixed-precision", help="fp32, bf16, fp16"),
     checkpointing: Optional[str] = typer.Option(None, "--checkpointing", help="none, blocks, selective"),
     max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts; each resumes from --ckpt"),

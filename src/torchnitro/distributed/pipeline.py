@@ -18,10 +18,13 @@ original's gradients are summed over a two-rank group (first and last pp rank of
 coordinate), which is exactly the unsplit model's gradient of the shared weight, and both copies then
 take identical optimizer steps.
 
-Loss scaling: ``loss_fn`` returns the mean loss of one micro-batch; the schedules sum the gradients
-of the micro-batches and divide by their number (``scale_grads=True``), which equals the gradient of
-the mean over the whole batch when the micro-batches are the same size (checked: the batch must
-divide by ``cfg.n_microbatches``). FSDP/HSDP or DDP per stage average over data-parallel ranks on top.
+Loss scaling: ``loss_fn`` returns the mean loss of one micro-batch; the schedule runs it divided by
+``n_microbatches * grad_accum`` and sums the micro-batches' gradients (``scale_grads=False``), which
+equals the gradient of the mean over the whole batch when the micro-batches are the same size
+(checked: the batch must divide by ``cfg.n_microbatches``). The schedule's own ``scale_grads=True``
+divides *every* ``.grad`` after each step, so gradients accumulated over several ``step`` calls
+(``grad_accum``) would be divided again; scaling the loss instead keeps accumulation linear. FSDP/HSDP
+or the replicas' all-reduce average over data-parallel ranks on top.
 """
 
 from __future__ import annotations
@@ -148,12 +151,16 @@ class Pipeline:
     is_first: bool = False
     is_last: bool = False
     replica_group: dist.ProcessGroup | None = None  # PP x DDP: the ranks holding the same stages (dp_replicate)
+    grad_accum: int = 1  # step() calls per optimizer step: each one's loss is divided by it
 
-    def step(self, tokens: torch.Tensor, targets: torch.Tensor) -> float:
+    def step(self, tokens: torch.Tensor, targets: torch.Tensor, *, sync: bool = True) -> float:
         """Forward and backward of one batch through the pipeline; returns its mean loss on every pp rank.
 
         Every rank passes the same (B, T) ``tokens`` and ``targets`` of its data-parallel shard; the first
-        stage reads the tokens, the last the targets. Gradients accumulate into ``.grad`` (zero them first).
+        stage reads the tokens, the last the targets. Gradients accumulate into ``.grad`` (zero them first),
+        as the gradient of ``mean loss / grad_accum``. ``sync=False`` (every accumulation step but the
+        last) leaves out the replicas' all-reduce and the tied weight's sum: the sum is not idempotent, so
+        it must run once per optimizer step, after the last accumulation step.
         """
         n = self.cfg.n_microbatches
         if tokens.shape[0] % n:
@@ -162,9 +169,12 @@ class Pipeline:
         losses: list = []
         args = (tokens,) if self.is_first else ()
         self.schedule.step(*args, target=targets if self.is_last else None, losses=losses)
-        self._average_replicas()
-        self._sync_tied()
-        loss = torch.stack([x.detach().float() for x in losses]).mean() if self.is_last else torch.zeros(())
+        if sync:
+            self._average_replicas()
+            self._sync_tied()
+        # the schedule saw loss / (n * grad_accum) per micro-batch: their sum times grad_accum is the mean
+        loss = torch.stack([x.detach().float() for x in losses]).sum() * self.grad_accum if self.is_last \
+            else torch.zeros(())
         last = dist.get_global_rank(self.pp_group, dist.get_world_size(self.pp_group) - 1)
         dist.broadcast(loss, src=last, group=self.pp_group)
         return loss.item()
@@ -190,6 +200,13 @@ class Pipeline:
         for g, avg in zip(grads, _unflatten_dense_tensors(flat, grads)):
             g.copy_(avg)
 
+    @property
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters that count towards the global gradient norm: all but the last stage's copy of
+        a tied weight (the first stage counts it; both hold the same gradient after the step)."""
+        copy = self.tied_group is not None and self.is_last and not self.is_first
+        return [p for n, p in self.model.named_parameters() if not (copy and n == "embed.weight")]
+
     def _sync_tied(self) -> None:
         if self.tied_group is None or not (self.is_first or self.is_last):
             return
@@ -201,10 +218,12 @@ class Pipeline:
 
 
 def pipeline(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh,
-             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss) -> Pipeline:
+             loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss, *,
+             grad_accum: int = 1) -> Pipeline:
     """Split ``model`` (a ``TransformerLM``) into this rank's stages on the mesh's ``pp`` dim, apply activation
     checkpointing and FSDP2/HSDP per stage as the config says (DDP: gradients averaged over the replicas after
-    each step, ``Pipeline._average_replicas``), and build ``cfg.pp_schedule``."""
+    each step, ``Pipeline._average_replicas``), and build ``cfg.pp_schedule``. ``grad_accum``: how many
+    ``Pipeline.step`` calls make one optimizer step (their gradients add up to the mean's)."""
     from torch.distributed import pipelining
 
     from torchnitro.distributed.parallelize import apply_fsdp
@@ -224,11 +243,19 @@ def pipeline(model: nn.Module, cfg: ParallelConfig, mesh: DeviceMesh,
     pp_group = mesh["pp"].get_group()
     pstages = [pipelining.PipelineStage(st, s, cfg.n_stages, device, group=pp_group)
                for st, s in zip(stages, stage_ids(cfg, pp_rank))]
+    if not isinstance(grad_accum, int) or isinstance(grad_accum, bool) or grad_accum < 1:
+        raise InputError(f"pipeline: received grad_accum={grad_accum!r}, expected an integer >= 1.")
     kind = getattr(pipelining, SCHEDULES[cfg.pp_schedule])
     first = pstages if cfg.pp_schedule == "interleaved1f1b" else pstages[0]
-    schedule = kind(first, n_microbatches=cfg.n_microbatches, loss_fn=loss_fn, scale_grads=True)
+    scale = cfg.n_microbatches * grad_accum
+
+    def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, target) / scale
+
+    schedule = kind(first, n_microbatches=cfg.n_microbatches, loss_fn=scaled_loss, scale_grads=False)
     tied_group = _tied_group(mesh) if tied else None
     mine = stage_ids(cfg, pp_rank)
     replicas = mesh["dp_replicate"].get_group() if cfg.strategy == "ddp" else None
     return Pipeline(container, stages, schedule, cfg, pp_group, tied_group,
-                    is_first=0 in mine, is_last=cfg.n_stages - 1 in mine, replica_group=replicas)
+                    is_first=0 in mine, is_last=cfg.n_stages - 1 in mine, replica_group=replicas,
+                    grad_accum=grad_accum)

@@ -125,18 +125,30 @@ def next_token_loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
 
 
-def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float, *,
+                    counted: Iterable[torch.nn.Parameter] | None = None,
+                    group: dist.ProcessGroup | None = None) -> float:
     """Scale gradients so their global 2-norm is at most ``max_norm``; returns the norm before clipping.
 
     Unlike ``torch.nn.utils.clip_grad_norm_`` it takes a mix of plain tensors (replicated parameters
     under TP) and DTensors on different meshes (TP shards, FSDP shards): each DTensor's norm is
     reduced over its own mesh, then the squares are summed. One small collective per DTensor gradient.
+    Pipelines: ``group`` (the pp ranks) sums the stages' squares, and ``counted`` (default: ``params``)
+    leaves out a gradient another stage counts (the last stage's copy of a tied weight); every one of
+    ``params`` is scaled.
     """
+    params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
     sq = 0.0
-    for g in grads:
-        n = g.detach().norm(2)
+    for p in params if counted is None else counted:
+        if p.grad is None:
+            continue
+        n = p.grad.detach().norm(2)
         sq += float((n.full_tensor() if isinstance(n, DTensor) else n).item()) ** 2
+    if group is not None:
+        box = torch.tensor([sq], dtype=torch.float64)
+        dist.all_reduce(box, group=group)
+        sq = float(box.item())
     total = math.sqrt(sq)
     coef = max_norm / (total + 1e-6)
     if coef < 1.0:
@@ -145,10 +157,15 @@ def clip_grad_norm_(params: Iterable[torch.nn.Parameter], max_norm: float) -> fl
     return total
 
 
-def _check(cfg: TrainConfig, size: int) -> None:
+def _check(cfg: TrainConfig, size: int, microbatches: int = 1) -> None:
     if cfg.batch % size:
         raise InputError(f"train: received batch={cfg.batch} (global) with {size} data-parallel ranks, expected a "
                          f"multiple of {size} so every rank gets the same number of samples.")
+    if (cfg.batch // size) % microbatches:
+        raise InputError(f"train: received batch={cfg.batch} (global), {cfg.batch // size} samples per data-parallel "
+                         f"rank, with a pipeline of microbatches={microbatches}; expected the per-rank batch to be a "
+                         f"multiple of {microbatches} (equal micro-batches). Set batch to a multiple of "
+                         f"{size * microbatches} or change microbatches.")
     if cfg.steps < 1 or cfg.grad_accum < 1 or cfg.log_every < 1 or cfg.ckpt_every < 1:
         raise InputError(f"train: received steps={cfg.steps}, grad_accum={cfg.grad_accum}, log_every={cfg.log_every}, "
                          f"ckpt_every={cfg.ckpt_every}; expected each >= 1.")
@@ -160,13 +177,20 @@ def train(cfg: TrainConfig, pcfg: ParallelConfig, on_log: Callable[[dict[str, An
     mesh = init(pcfg)
     startup = {"imported": _IMPORTED_AT, "initialized": time.time()}  # wall clock; the resume benchmark reads it
     rank, size = dp_coords(mesh)
-    _check(cfg, size)
+    _check(cfg, size, pcfg.n_microbatches if pcfg.pp > 1 else 1)
     corpus = ByteCorpus(cfg.data, cfg.seq, cfg.max_bytes)
     order = torch.randperm(len(corpus), generator=torch.Generator().manual_seed(cfg.seed))
     torch.manual_seed(cfg.seed)
     model = TransformerLM(cfg.model_config()).to(mesh.device_type)
     n_params = sum(p.numel() for p in model.parameters())  # before sharding: the whole model
-    model = parallelize(model, pcfg, mesh)
+    pipe = None
+    if pcfg.pp > 1:  # this rank's stages under the unsplit names: optimizer and checkpoint keys as without PP
+        from torchnitro.distributed.pipeline import pipeline
+
+        pipe = pipeline(model, pcfg, mesh, grad_accum=cfg.grad_accum)
+        model = pipe.model
+    else:
+        model = parallelize(model, pcfg, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     state = {"train": ModelState(model, opt)}
     start = (load(state, cfg.ckpt) if cfg.ckpt else None) or 0  # resume from the latest finished checkpoint
@@ -179,10 +203,16 @@ def train(cfg: TrainConfig, pcfg: ParallelConfig, on_log: Callable[[dict[str, An
         total = torch.zeros((), dtype=torch.float64)
         for micro in range(cfg.grad_accum):
             x = _micro_batch(corpus, order, step, micro, cfg, rank, size).to(mesh.device_type)
+            if pipe is not None:  # every pp rank reads the same x: the first stage its inputs, the last its targets
+                mean = pipe.step(x[:, :-1], x[:, 1:], sync=micro == cfg.grad_accum - 1)
+                total += torch.tensor(mean, dtype=torch.float32).double() / cfg.grad_accum
+                continue
             loss = next_token_loss(model, x) / cfg.grad_accum
             loss.backward()
             total += loss.detach().double().cpu()
-        if cfg.clip > 0:
+        if cfg.clip > 0 and pipe is not None:
+            clip_grad_norm_(model.parameters(), cfg.clip, counted=pipe.norm_parameters, group=pipe.pp_group)
+        elif cfg.clip > 0:
             clip_grad_norm_(model.parameters(), cfg.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
