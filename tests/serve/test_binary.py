@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from torchnitro.errors import InputError
-from torchnitro.serve.binary import encode_response, read_request
+from torchnitro.serve import binary
+from torchnitro.serve.binary import BinaryParser, encode_response, read_request
 from torchnitro.serve.protocol import ModelSignature, TensorSpec, parse_infer_request
 
 httpx = pytest.importorskip("httpx")
@@ -93,6 +94,59 @@ def test_outputs_binary_per_output_all_or_none():
     assert hlen is None and json.loads(data)["outputs"][1]["data"] == [3, 7]
     with pytest.raises(InputError, match=r"unknown \['z'\]"):
         parse_infer_request(read_request(*x_ids(np.ones((2, 4)), np.ones((2, 3)), outputs=[{"name": "z"}])), SIG)
+
+
+def test_a_repeated_header_is_parsed_once_and_every_body_still_checked(monkeypatch):
+    """BinaryParser reuses what a header decided; each body's own bytes are still read and checked."""
+    calls = []
+    slow = binary.parse_infer_request
+    monkeypatch.setattr(binary, "parse_infer_request", lambda req, sig: calls.append(1) or slow(req, sig))
+    parser = BinaryParser()
+    rng = np.random.default_rng(1)
+    for k in range(4):  # same header bytes, different data every time
+        x, ids = rng.standard_normal((2, 4)).astype(np.float32), rng.integers(0, 10, (2, 3))
+        item = parser.parse(*x_ids(x, ids, parameters={"binary_data_output": True, "priority": 1}), SIG)
+        assert torch.equal(item.tensors[0], torch.from_numpy(x)) and item.tensors[1].tolist() == ids.tolist()
+        assert (item.rows, item.length, item.priority, item.binary_outputs) == (2, 3, 1, {"y", "n"})
+        item.tensors[0].add_(1)  # the tensors are the request's own: writable, not views of the body
+    assert len(calls) == 1
+    params = {"binary_data_output": True, "priority": 1}
+    for bad_x, bad_ids, match in [
+        (np.full((2, 4), np.nan), np.ones((2, 3)), "NaN"),
+        (np.ones((2, 4)), np.full((2, 3), 10), r"received values in \[10, 10\], this model takes \[0, 9\]"),
+    ]:
+        with pytest.raises(InputError, match=match):
+            parser.parse(*x_ids(bad_x, bad_ids, parameters=params), SIG)
+    body, n = x_ids(np.ones((2, 4)), np.ones((2, 3)), parameters=params)
+    with pytest.raises(InputError, match="1 bytes after the last binary input"):
+        parser.parse(body + b"\0", n, SIG)  # a known header with a body of another size: checked in full
+    with pytest.raises(InputError, match="Inference-Header-Content-Length: received"):
+        parser.parse(body, str(len(body) + 1), SIG)
+    other = ModelSignature("m", SIG.inputs, SIG.outputs)  # another model of the same name: its own plan
+    assert parser.parse(body, n, other).rows == 2 and len(calls) == 2
+
+
+def test_headers_with_an_id_are_not_kept():
+    parser = BinaryParser()
+    for rid in ("a", "b"):
+        assert parser.parse(*x_ids(np.ones((1, 4)), np.ones((1, 3)), id=rid), SIG).id == rid
+    assert parser._plans == {}
+
+
+def test_repeated_answer_headers_follow_shapes_and_ids():
+    y, cnt = torch.arange(8.0).view(2, 4), torch.tensor([3, 7])
+    item = parse_infer_request(read_request(*x_ids(np.ones((2, 4)), np.ones((2, 3)),
+                                                   parameters={"binary_data_output": True})), SIG)
+    for rows in (2, 1, 2):  # a cached header for 2 rows must not answer the 1-row request
+        data, hlen = encode_response(SIG, [y[:rows], cnt[:rows]], item)
+        head = json.loads(data[:hlen])
+        assert [o["shape"] for o in head["outputs"]] == [[rows, 4], [rows]] and "id" not in head
+        assert [o["parameters"]["binary_data_size"] for o in head["outputs"]] == [16 * rows, 8 * rows]
+        assert np.frombuffer(data[hlen:hlen + 16 * rows], "<f4").tolist() == y[:rows].reshape(-1).tolist()
+        assert np.frombuffer(data[hlen + 16 * rows:], "<i8").tolist() == cnt[:rows].tolist()
+    item.id = "r7"
+    data, hlen = encode_response(SIG, [y, cnt], item)
+    assert json.loads(data[:hlen])["id"] == "r7"
 
 
 @contextlib.contextmanager

@@ -11,12 +11,20 @@ per output, ``"outputs": [{"name": ..., "parameters": {"binary_data": true}}]`` 
 ``tritonclient.http`` sends by default): ``encode_response`` writes the JSON header with
 ``binary_data_size`` per binary output, then their bytes, and returns the header's length for the
 ``Inference-Header-Content-Length`` response header.
+
+A client's binary requests mostly repeat the same JSON header byte for byte (same names, shapes,
+sizes and parameters; no ``id``), and so do the answers' headers. ``BinaryParser`` keeps what a
+header decided (validated shapes, where each input's bytes lie, parameters, outputs asked for) and
+``encode_response`` keeps the answer header it wrote, so a repeat costs a dict lookup instead of a
+JSON parse, the shape and parameter checks and a JSON write; the checks on the data itself (size,
+NaN, the model's value limits) still run on every request.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -24,10 +32,12 @@ import torch
 from torch import Tensor
 
 from torchnitro.errors import InputError
-from torchnitro.serve.protocol import (InferItem, ModelSignature, _loads, array_from_bytes, encode_infer_response,
-                                      orjson)
+from torchnitro.serve.protocol import (_NP, InferItem, ModelSignature, _checked, _loads, array_from_bytes,
+                                      encode_infer_response, orjson, parse_infer_request)
 
-__all__ = ["read_request", "encode_response"]
+__all__ = ["read_request", "encode_response", "BinaryParser"]
+
+_MAX_CACHED = 256  # distinct headers kept (per parser, and for answers); beyond it the cache starts afresh
 
 _LE = sys.byteorder == "little"
 
@@ -42,7 +52,11 @@ def _header_length(declared: bytes | str, body_len: int) -> int:
 
 def read_request(body: bytes, declared: bytes | str) -> dict[str, Any]:
     """The JSON header of a binary request with each binary input's bytes as an ndarray ``data``."""
-    n = _header_length(declared, len(body))
+    return _read(body, _header_length(declared, len(body)), {})
+
+
+def _read(body: bytes, n: int, where: dict[str, tuple[int, int]]) -> dict[str, Any]:
+    """``read_request`` for an ``n``-byte header; records each binary input's (offset, size) in ``where``."""
     try:
         req = _loads(body[:n])
     except (ValueError, UnicodeDecodeError) as exc:
@@ -62,11 +76,64 @@ def read_request(body: bytes, declared: bytes | str) -> dict[str, Any]:
         if "data" in obj:
             raise InputError(f"input {name!r}: has both 'data' and binary_data_size; send one of them")
         obj["data"] = array_from_bytes(name, obj.get("datatype"), view[off:off + size])
+        where[name] = (off, size)
         off += size
     if off != len(body):
         raise InputError(f"the body has {len(body) - off} bytes after the last binary input; expected "
                          "Inference-Header-Content-Length plus the binary_data_size of every binary input")
     return req
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one binary request header decided: all of the request but its input bytes."""
+
+    sig: ModelSignature
+    size: int  # body length: header + every input's bytes
+    slices: tuple[tuple[int, int], ...]  # (offset, size) of each signature input's bytes
+    shapes: tuple[list[int], ...]  # each input's validated shape
+    counts: tuple[int, ...]  # elements per input
+    rows: int
+    length: int | None
+    priority: int
+    timeout_ms: float | None
+    outputs: tuple[str, ...] | None
+    binary_outputs: frozenset[str]
+
+
+class BinaryParser:
+    """``parse(body, declared, sig)`` -> ``InferItem`` for a binary-extension request, with the
+    decisions of a header seen before reused (module docstring). One per server: keyed by model
+    name and header bytes."""
+
+    def __init__(self, max_entries: int = _MAX_CACHED):
+        self.max_entries = max_entries
+        self._plans: dict[tuple[str, bytes], _Plan] = {}
+
+    def parse(self, body: bytes, declared: bytes | str, sig: ModelSignature) -> InferItem:
+        n = _header_length(declared, len(body))
+        key = (sig.name, body[:n])
+        plan = self._plans.get(key)
+        if plan is not None and plan.sig is sig and len(body) == plan.size:
+            view, tensors = memoryview(body), []
+            for spec, (off, size), shape, count in zip(sig.inputs, plan.slices, plan.shapes, plan.counts):
+                arr = array_from_bytes(spec.name, spec.datatype, view[off:off + size])
+                tensors.append(_checked(spec.name, spec, arr, shape, count, sig.allow_nan))
+            return InferItem(tensors, plan.rows, plan.length, None, plan.priority, plan.timeout_ms, plan.outputs,
+                             plan.binary_outputs)
+        where: dict[str, tuple[int, int]] = {}
+        item = parse_infer_request(_read(body, n, where), sig)
+        if item.id is None and all(s.name in where and s.datatype in _NP for s in sig.inputs):
+            if len(self._plans) >= self.max_entries:
+                self._plans.clear()
+            shapes = tuple(list(t.shape) for t in item.tensors)
+            self._plans[key] = _Plan(sig, len(body), tuple(where[s.name] for s in sig.inputs), shapes,
+                                     tuple(t.numel() for t in item.tensors), item.rows, item.length, item.priority,
+                                     item.timeout_ms, item.outputs, item.binary_outputs)
+        return item
+
+
+_HEADS: dict[tuple[Any, ...], bytes] = {}  # answer headers of all-binary, id-less answers
 
 
 def _raw(t: Tensor) -> bytes:
@@ -83,6 +150,18 @@ def encode_response(sig: ModelSignature, outputs: Sequence[Tensor], item: InferI
         return encode_infer_response(sig, outputs, item.id), None
     by_name = {spec.name: (spec, t) for spec, t in zip(sig.outputs, outputs)}
     order = item.outputs if item.outputs is not None else [s.name for s in sig.outputs]
+    if item.id is None and all(name in item.binary_outputs for name in order):
+        key = (sig.name, sig.versions[0],
+               *((name, by_name[name][0].datatype, *by_name[name][1].shape) for name in order))
+        header = _HEADS.get(key)
+        blobs = [_raw(by_name[name][1].to(by_name[name][0].dtype)) for name in order]
+        if header is None:
+            if len(_HEADS) >= _MAX_CACHED:
+                _HEADS.clear()
+            header = _HEADS[key] = _header(sig, item, [
+                {"name": name, "datatype": by_name[name][0].datatype, "shape": list(by_name[name][1].shape),
+                 "parameters": {"binary_data_size": len(blob)}} for name, blob in zip(order, blobs)])
+        return header + b"".join(blobs), len(header)
     blobs, outs = [], []
     for name in order:
         spec, t = by_name[name]
@@ -94,10 +173,14 @@ def encode_response(sig: ModelSignature, outputs: Sequence[Tensor], item: InferI
         else:
             outs.append(json.loads(encode_infer_response(ModelSignature(sig.name, [], [spec]), [t], None))
                         ["outputs"][0])
-    head: dict[str, Any] = {"model_name": sig.name, "model_version": sig.versions[0], "outputs": outs}
-    if item.id is not None:
-        head["id"] = item.id
-    header = orjson.dumps(head) if orjson is not None else json.dumps(head).encode()
+    header = _header(sig, item, outs)
     if not blobs:
         return header, None
     return header + b"".join(blobs), len(header)
+
+
+def _header(sig: ModelSignature, item: InferItem, outs: list[dict[str, Any]]) -> bytes:
+    head: dict[str, Any] = {"model_name": sig.name, "model_version": sig.versions[0], "outputs": outs}
+    if item.id is not None:
+        head["id"] = item.id
+    return orjson.dumps(head) if orjson is not None else json.dumps(head).encode()

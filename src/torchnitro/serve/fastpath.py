@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from torchnitro.errors import InputError, NitroError, ServeError
 from torchnitro.serve.access import UNAUTHORIZED, Refusal, bearer, find_model, not_accepting, token_ok
-from torchnitro.serve.binary import encode_response, read_request
+from torchnitro.serve.binary import BinaryParser, encode_response
 from torchnitro.serve.connections import CLIENT_GONE
 from torchnitro.serve.protocol import parse_infer_request
 
@@ -137,6 +137,7 @@ class InferPath:
         self._retry = [(b"retry-after", str(cfg.retry_after_s).encode())]
         self._counters: dict[tuple[str, int], Any] = {}  # (model, status) -> prometheus child
         self._latency: dict[str, Any] = {}
+        self._binary = BinaryParser()  # binary-extension headers seen before: parsed and checked once
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
@@ -234,8 +235,9 @@ class InferPath:
         if isinstance(body, tuple):
             return body
         try:
-            item = parse_infer_request(body if header_length is None else read_request(body, header_length),
-                                       ep.signature)
+            sig = ep.signature
+            item = (parse_infer_request(body, sig) if header_length is None
+                    else self._binary.parse(body, header_length, sig))
             req = ep.enqueue(item)
         except InputError as exc:
             return _err(str(exc), 400)
