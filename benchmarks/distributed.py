@@ -9,8 +9,8 @@
   Writes results/distributed_planner.{json,md}.
 - ``memory``: the planner's per-rank peak memory (``plan.rank_memory``) against the peak a real training step
   reaches (``distributed/measure.py``: the CPU allocator's live bytes, counted from its own allocation
-  reports), for 18 layouts (DDP, FSDP incl. bf16/no-reshard/checkpointing, HSDP, TP, FSDP+TP, HSDP+TP, PP
-  schedules, PP+FSDP); layouts without pipeline stages at their first and last rank on the fake process
+  reports), for 20 layouts (DDP, FSDP incl. bf16/no-reshard/checkpointing, HSDP, TP, FSDP+TP, HSDP+TP, PP
+  schedules, PP+FSDP, PP+DDP); layouts without pipeline stages at their first and last rank on the fake process
   group, pipelines on real gloo ranks (every rank). Writes results/distributed_memory.{json,md} and appends
   the table to results/distributed_planner.md.
 - ``resume``: kill-and-resume trials. ``torchnitro train --nproc 2 --dp-shard 2 --max-restarts 2`` on the
@@ -207,7 +207,7 @@ MEM_LAYOUTS = [
     dict(dp_shard=2, tp=2), dict(dp_replicate=2, dp_shard=2, tp=2), dict(tp=2, checkpointing="selective"),
     dict(pp=2), dict(pp=2, pp_schedule="gpipe", microbatches=4),
     dict(pp=2, pp_schedule="interleaved1f1b", stages_per_rank=2), dict(pp=2, checkpointing="blocks", microbatches=4),
-    dict(pp=2, dp_shard=2),
+    dict(pp=2, dp_shard=2), dict(pp=2, dp_replicate=2), dict(pp=2, dp_replicate=2, pp_schedule="gpipe", microbatches=4),
 ]
 
 

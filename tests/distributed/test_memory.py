@@ -49,6 +49,18 @@ def test_pipeline_peak_within_5_percent_on_every_rank():
         assert abs(planned - m.peak) / m.peak <= 0.05, f"pp rank {m.pp_rank}: planned {planned}, measured {m.peak}"
 
 
+@pytest.mark.timeout(150)
+def test_pipeline_times_replicas_peak_within_5_percent():
+    """PP x DDP has no DDP buckets (its replicas average in one flat all-reduce after the schedule): counting
+    buckets as for DDP put the plan 13-15% over the measured peak here (8.8% on the benchmark's shapes)."""
+    cfg = ParallelConfig(pp=2, dp_replicate=2, microbatches=2)
+    runs = measure_ranks(MODEL, cfg, batch=2 * PER_RANK, seq=SEQ, timeout=140)
+    assert sorted(m.pp_rank for m in runs) == [0, 0, 1, 1]
+    for m in runs:
+        planned = _planned(cfg, m)
+        assert abs(planned - m.peak) / m.peak <= 0.05, f"rank {m.rank}: planned {planned}, measured {m.peak}"
+
+
 def test_peak_terms_add_up_and_follow_the_layout():
     fsdp = rank_memory(MODEL, ParallelConfig(dp_shard=4), batch=16, seq=SEQ, device="cpu")
     keep = rank_memory(MODEL, ParallelConfig(dp_shard=4, reshard_after_forward=False), batch=16, seq=SEQ, device="cpu")

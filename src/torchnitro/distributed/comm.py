@@ -67,7 +67,7 @@ class Collective:
     size: int  # ranks in the group
     bytes: int  # full buffer: all-gather output, reduce-scatter input, all-reduce tensor, message
     count: int  # how many of these per optimizer step
-    phase: str  # forward, backward
+    phase: str  # forward, backward, after_backward (nothing to overlap with: all of it on the critical path)
     what: str = ""  # which tensors
 
 
@@ -166,6 +166,14 @@ def collectives(model_config, cfg: ParallelConfig, *, batch: int, seq: int, dtyp
             if cfg.dp_replicate > 1:
                 out.append(Collective("all_reduce", "dp_replicate", cfg.dp_replicate, elems // n * 4, 1,
                                       "backward", name))
+    elif cfg.strategy == "ddp" and cfg.pp > 1:
+        # PP x DDP has no DDP wrapper: the schedule accumulates every micro-batch, then the replicas average this
+        # rank's gradients in one flat all-reduce (Pipeline._average_replicas), nothing left to overlap it with
+        from torchnitro.distributed.planner import stage_shapes
+
+        elems = sum(math.prod(sh) for _, named in stage_shapes(model_config, cfg, pp_rank) for _, sh in named)
+        out.append(Collective("all_reduce", "dp_replicate", cfg.dp_replicate, elems * e, 1, "after_backward",
+                              "stage gradients, one flat buffer"))
     elif cfg.strategy == "ddp":
         # DDP re-broadcasts module buffers before every forward (broadcast_buffers=True): here the RoPE cos/sin
         rope = 2 * model_config.max_seq_len * (model_config.head_dim // 2) * 4

@@ -6,7 +6,8 @@ exact against real ranks) + activations (``torchnitro.memory.planner``'s per-lay
 TP rank's shapes, for the micro-batches a pipeline stage holds at once, under the checkpointing policy)
 + communication buffers (FSDP: ``1 + prefetch`` gathered groups in the parameter dtype and one fp32
 reduce-scatter input; DDP: its gradient buckets, a second copy of the gradients; PP: one receive buffer
-each way per stage).
+each way per stage; PP x DDP: no buckets, but one flat copy of the gradients at the replicas' all-reduce
+after the schedule, a moment of its own).
 
 Step time (``step_time``) = compute + exposed communication. Compute: 6 FLOPs per matmul weight per token
 (2 forward, 4 backward) + the attention term ``12 L T D`` per token (PaLM appendix B), one extra forward of
@@ -14,7 +15,8 @@ the blocks (``blocks``) or of ``wo``/``w2`` (``selective``) when recomputing, at
 cluster.efficiency``; pipelines stretch it by the bubble ``(m + (pp - 1) / v) / m`` for ``m`` micro-batches
 and ``v`` stages per rank. Communication: ``comm.collectives`` timed by ``comm.collective_time``; TP
 all-reduces and pipeline sends sit on the critical path; data-parallel gathers and reductions overlap
-with compute (prefetch, bucketing) except what exceeds it and one group's gather and reduction at the ends.
+with compute (prefetch, bucketing) except what exceeds it and one group's gather and reduction at the ends;
+PP x DDP's all-reduce runs after the schedule, all of it exposed.
 
 Every number here is a model, not a measurement; benchmarks/distributed.py compares the bytes with what real
 steps move and the state bytes with what real ranks hold (results/distributed_planner.md).
@@ -169,6 +171,9 @@ def rank_memory(model_config, cfg: ParallelConfig, *, batch: int, seq: int, dtyp
     if chunks > 1:  # under FSDP a pipeline stage accumulates unsharded gradients until its last micro-batch
         grads = unsharded if cfg.strategy in ("fsdp", "hsdp") else state.gradients
         cands += [(min(held, chunks - 1) * chunk - freed, t, kept + g, grads) for freed, t, g in moments]
+    if cfg.pp > 1 and cfg.strategy == "ddp":  # the replicas' all-reduce after the schedule: activations are gone,
+        # every gradient and one flat copy of them live (Pipeline._average_replicas)
+        cands.append((0, state.gradients, kept, state.gradients))
     acts, temps, buffers, grads = max(cands, key=sum)
     return RankMemory(state.parameters, state.gradients, state.optimizer_state, int(acts), buffers, int(temps), grads,
                       int(held * chunk))
@@ -209,7 +214,7 @@ def _buffers(model_config, cfg: ParallelConfig, s, state, stages, pp_rank: int, 
             blocks = sum(ordered[:1 + cfg.prefetch])
         else:
             roots += sum(ordered)  # all gathered from their forward to their backward
-    elif cfg.strategy == "ddp":
+    elif cfg.strategy == "ddp" and cfg.pp == 1:  # PP x DDP has no buckets: its flat all-reduce is a moment of its own
         buffers = state.gradients
     if cfg.pp > 1:  # one receive buffer per micro-batch, made at the first step and kept: activations into a
         # stage that is not the first, gradients into one that is not the last
@@ -259,13 +264,15 @@ def step_time(model_config, cfg: ParallelConfig, cluster: Cluster, *, batch: int
         compute *= (m + (cfg.pp - 1) / v) / m
     cols = collectives(model_config, cfg, batch=batch, seq=seq, dtype=dtype, pp_rank=pp_rank)
     t = {"tp": 0.0, "pp": 0.0, "dp": 0.0}
-    ends = {}
+    ends, after = {}, 0.0
     for c in cols:
         dt = collective_time(c, link_of(c.dim, cfg, cluster))
         t["tp" if c.dim == "tp" else "pp" if c.dim == "pp" else "dp"] += dt
-        if c.dim.startswith("dp") and c.count:
+        if c.phase == "after_backward":  # PP x DDP's all-reduce: after the schedule, nothing hides it
+            after += dt
+        elif c.dim.startswith("dp") and c.count:
             ends[c.kind] = max(ends.get(c.kind, 0.0), dt / c.count)
-    exposed = max(0.0, t["dp"] - compute) + sum(ends.values())
+    exposed = max(0.0, t["dp"] - after - compute) + sum(ends.values()) + after
     return StepTime(compute, t["tp"], t["pp"], t["dp"], min(t["dp"], exposed))
 
 
@@ -276,13 +283,14 @@ def _divisors(n: int) -> list[int]:
 def enumerate_layouts(model_config, gpus: int, *, gpus_per_node: int = 8, batch: int,
                       checkpointing: tuple[str, ...] = ("none", "selective", "blocks"),
                       mixed_precision: str = "bf16") -> list[ParallelConfig]:
-    """Every valid ``ParallelConfig`` for ``gpus`` ranks: DDP, FSDP, HSDP, TP (within a node), PP and their mixes."""
+    """Every valid ``ParallelConfig`` for ``gpus`` ranks: DDP, FSDP, HSDP, TP (within a node), PP and their mixes
+    (PP x FSDP/HSDP, and PP x DDP: replicas of the pipeline averaged after each step)."""
     out = []
     for pp, rep, shard in itertools.product(_divisors(gpus), repeat=3):
         if gpus % (pp * rep * shard):
             continue
         tp = gpus // (pp * rep * shard)
-        if tp > gpus_per_node or (rep > 1 and shard == 1 and (tp > 1 or pp > 1)):
+        if tp > gpus_per_node or (rep > 1 and shard == 1 and tp > 1):  # DDP over DTensors: not supported
             continue
         schedules = [("1f1b", 1)] if pp == 1 else [("1f1b", 1), ("interleaved1f1b", 2)]
         for (sched, v), ac in itertools.product(schedules, checkpointing):
