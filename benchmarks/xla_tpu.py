@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -26,6 +27,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # AOT only: no TPU to guard with libtpu's lockfile
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# --buffers DIR: XLA dumps every compile's buffer assignment into DIR/current (read after each compile);
+# the flag has to be in the environment before jax is imported
+_DUMP = sys.argv[sys.argv.index("--buffers") + 1] if "--buffers" in sys.argv[:-1] else None
+if _DUMP:
+    os.environ["XLA_FLAGS"] += f" --xla_dump_to={os.path.join(_DUMP, 'current')} --xla_dump_hlo_as_text"
 
 from torchnitro.bench.provenance import provenance  # noqa: E402
 from torchnitro.xla.layout import pad_config  # noqa: E402
@@ -36,6 +42,8 @@ MIB = 1024**2
 
 
 def _row(cfg: LMConfig, target: str, mesh: str, rules: str, remat: str, b: int, seq: int) -> dict:
+    if _DUMP:
+        shutil.rmtree(os.path.join(_DUMP, "current"), ignore_errors=True)
     t0 = time.perf_counter()
     p = plan_memory(cfg, b, seq, mesh=mesh, rules=rules, remat=remat, target=target)
     c, e = p.compiled, p.estimate
@@ -44,9 +52,31 @@ def _row(cfg: LMConfig, target: str, mesh: str, rules: str, remat: str, b: int, 
                est_argument=e.argument, est_at_peak=e.at_peak, est_temp=e.temp, est_peak=e.peak,
                est_error=p.estimate_error, hbm=p.hbm,
                flops=p.flops, compile_s=time.perf_counter() - t0)
+    if _DUMP:
+        row |= _buffers(f"{target.replace(':', '_')}_{rules}_{remat}_{cfg.attention}_b{b}")
     print(f"{target} {rules} {remat} {cfg.attention} B={b}: peak {c.peak / MIB:.1f} MiB, estimate "
           f"{e.peak / MIB:.1f} MiB ({100 * p.estimate_error:+.0f}%)", file=sys.stderr, flush=True)
     return row
+
+
+def _buffers(name: str) -> dict:
+    """XLA's own buffer assignment of the compile just made (torchnitro.xla.dump); the dump is kept as DIR/name."""
+    from torchnitro.xla.dump import read_buffer_dump
+
+    cur, keep = os.path.join(_DUMP, "current"), os.path.join(_DUMP, name)
+    try:
+        d = read_buffer_dump(cur)
+    except Exception as exc:  # a dump that is missing or unreadable is recorded, never fatal to the grid
+        return dict(xla_dump_error=f"{type(exc).__name__}: {exc}"[:300])
+    shutil.rmtree(keep, ignore_errors=True)
+    os.rename(cur, keep)
+    return _xla_numbers(d) | dict(xla_dump=keep)
+
+
+def _xla_numbers(d) -> dict:  # a torchnitro.xla.dump.BufferDump as row fields (color 0: HBM, 1: VMEM)
+    return dict(xla_hbm_temp=d.temp_by_color.get(0, 0), xla_vmem_temp=d.temp_by_color.get(1, 0),
+                xla_live_hbm=d.live_peak_by_color.get(0, 0), xla_live_vmem=d.live_peak_by_color.get(1, 0),
+                xla_values_peak_hbm=d.values_peak_by_color.get(0, 0))
 
 
 def _grid(cfg: LMConfig, target: str, batches: list[int], seq: int) -> list[dict]:
@@ -85,6 +115,52 @@ def _ordering(rows: list[dict], target: str) -> str:
                 out.append(f"{rules} B={b}: {t['none'] / MIB:.0f} / {t['dots_saveable'] / MIB:.0f} / "
                            f"{t['nothing_saveable'] / MIB:.0f} MiB {'holds' if ok else 'does not hold'}")
     return f"Remat ordering none > dots_saveable > nothing_saveable in compiled temp on {target}: " + "; ".join(out)
+
+
+def _ordered(t: dict) -> str:
+    ok = t["none"] > t["dots_saveable"] > t["nothing_saveable"]
+    return f"{t['none'] / MIB:.1f} / {t['dots_saveable'] / MIB:.1f} / {t['nothing_saveable'] / MIB:.1f} " + \
+        ("holds" if ok else "does not hold")
+
+
+def _buffers_md(rows: list[dict]) -> list[str]:
+    """The walk against memory_analysis temp and against XLA's own buffer assignment (rows made with --buffers)."""
+    rows = [r for r in rows if "xla_hbm_temp" in r]
+    if not rows:
+        return []
+    pct = lambda a, b: f"{100 * (a / b - 1):+.0f}%" if b else "n/a"  # noqa: E731
+    out = ["", "XLA's own buffer assignment (`--buffers`, `torchnitro.xla.dump`), MiB per device: memory_analysis "
+           "temp; the HBM (color 0) and VMEM (color 1) preallocated-temp allocations; HBM temp values live at XLA's "
+           "peak step; the peak over the schedule of HBM temp values' live bytes (no packing); the walk "
+           "(`est_temp`) and its error against each.", "",
+           "| target | rules | remat | attention | batch | memory_analysis temp | HBM alloc | VMEM alloc | "
+           "HBM live at XLA peak | HBM values peak | walk | vs temp | vs HBM alloc | vs HBM values peak | "
+           "temp - HBM alloc |", "| --- " * 15 + "|"]
+    for r in rows:
+        out.append(f"| {r['target']} | {r['rules']} | {r['remat']} | {r['attention']} | {r['batch']} | "
+                   f"{r['temp'] / MIB:.2f} | {r['xla_hbm_temp'] / MIB:.2f} | {r['xla_vmem_temp'] / MIB:.2f} | "
+                   f"{r['xla_live_hbm'] / MIB:.2f} | {r['xla_values_peak_hbm'] / MIB:.2f} | {r['est_temp'] / MIB:.2f} | "
+                   f"{pct(r['est_temp'], r['temp'])} | {pct(r['est_temp'], r['xla_hbm_temp'])} | "
+                   f"{pct(r['est_temp'], r['xla_values_peak_hbm'])} | {(r['temp'] - r['xla_hbm_temp']) / MIB:+.2f} |")
+    for target in dict.fromkeys(r["target"] for r in rows):
+        tr = [r for r in rows if r["target"] == target]
+        within = lambda a, b: sum(abs(r[a] / r[b] - 1) <= 0.10 for r in tr if r[b])  # noqa: E731
+        out.append(f"\n{target}, {len(tr)} rows within 10%: walk vs memory_analysis temp {within('est_temp', 'temp')}; "
+                   f"walk vs XLA's HBM temp allocation {within('est_temp', 'xla_hbm_temp')}; walk vs XLA's HBM "
+                   f"values peak {within('est_temp', 'xla_values_peak_hbm')}; XLA's own HBM temp allocation vs "
+                   f"memory_analysis temp {within('xla_hbm_temp', 'temp')} (the ceiling of any model of HBM "
+                   "buffers that memory_analysis is scored against).")
+        for key, what in (("temp", "memory_analysis temp"), ("xla_hbm_temp", "XLA's HBM temp allocation"),
+                          ("xla_values_peak_hbm", "XLA's HBM values peak"), ("est_temp", "the walk")):
+            cells = []
+            for rules in dict.fromkeys(r["rules"] for r in tr):
+                for b in sorted({r["batch"] for r in tr}):
+                    t = {r["remat"]: r[key] for r in tr if r["rules"] == rules and r["batch"] == b
+                         and r["attention"] == "plain"}
+                    if len(t) == 3:
+                        cells.append(f"{rules} B={b}: {_ordered(t)}")
+            out.append(f"Remat ordering none > dots_saveable > nothing_saveable in {what}: " + "; ".join(cells))
+    return out
 
 
 def _logical_args(cfg: LMConfig) -> int:
@@ -126,6 +202,7 @@ def _md(rows: list[dict], pad: dict, cfg: LMConfig) -> str:
                                 f"{100 * r['est_error']:+.0f}%" for r in rows
                                 if r["target"] == target and abs(r["est_error"]) > 0.10) or "none"))
         out.append(_ordering(rows, target))
+    out += _buffers_md(rows)
     out += ["", "Layout padding on v5e:2x2 (argument bytes per device, logical -> compiled for the TPU):", "",
             f"- unpadded: {pad['logical_argument']:,} -> {pad['tpu_argument']:,} "
             f"({pad['tpu_argument'] / pad['logical_argument']:.2f}x)",
@@ -138,6 +215,15 @@ def _md(rows: list[dict], pad: dict, cfg: LMConfig) -> str:
 # estimate's buffer counts (torchnitro/xla/estimate.py), "lm" the 4x512 LM it was not fitted on
 MODELS = {"lm": (LMConfig(vocab_size=8192, dim=512, n_layers=4, n_heads=8, max_seq_len=512), 512),
           "small": (LMConfig(vocab_size=8192, dim=256, n_layers=2, n_heads=4, max_seq_len=256), 256)}
+
+
+def _reread(row: dict) -> dict:
+    """A --buffers row's XLA numbers read again from its kept dump (when the dump is still there)."""
+    from torchnitro.xla.dump import read_buffer_dump
+
+    if not row.get("xla_dump") or not os.path.isdir(row["xla_dump"]):
+        return {}
+    return _xla_numbers(read_buffer_dump(row["xla_dump"]))
 
 
 def _reestimate(path: str) -> tuple[dict, list[dict]]:
@@ -159,7 +245,8 @@ def _reestimate(path: str) -> tuple[dict, list[dict]]:
         e = estimate_memory(cfg, step, r["batch"], r["seq"], r["remat"])
         rows.append({k: v for k, v in r.items() if not k.startswith("est_")}
                     | {"attention": cfg.attention, "est_argument": e.argument, "est_at_peak": e.at_peak,
-                       "est_temp": e.temp, "est_peak": e.peak, "est_error": e.peak / r["peak"] - 1})
+                       "est_temp": e.temp, "est_peak": e.peak, "est_error": e.peak / r["peak"] - 1}
+                    | _reread(r))
     return data, rows
 
 
@@ -285,6 +372,8 @@ def main() -> None:
                     help="compile the seed's 14/22/38 GB configuration only (use --targets v5p:2x2x2,v4:2x2x1)")
     ap.add_argument("--throughput", action="store_true", help="8 host devices vs 1 device step time only")
     ap.add_argument("--reestimate", metavar="JSON", help="recompute the estimates of an earlier run's rows only")
+    ap.add_argument("--buffers", metavar="DIR", help="also dump XLA's buffer assignment of every compile into DIR "
+                    "and record its HBM/VMEM temp allocations and live peaks beside memory_analysis")
     ap.add_argument("--out", default=os.environ.get("TORCHNITRO_RESULTS", "results"))
     args = ap.parse_args()
     if args.throughput:
@@ -311,6 +400,7 @@ def main() -> None:
         else:
             (cfg, seq), targets, batches = MODELS[args.model], args.targets.split(","), [8, 32]
         rows = [r for t in targets for r in _grid(cfg, t, batches, seq)]
+        name += "_buffers" if args.buffers else ""
         pad = _padding(LMConfig(vocab_size=1000, dim=200, n_layers=2, n_heads=5, max_seq_len=64))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
