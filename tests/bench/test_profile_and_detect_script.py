@@ -107,3 +107,50 @@ def test_recorded_file_without_the_runs_fails_clearly(bad):
     pd = _script()
     with pytest.raises(InputError, match="expected the samples file"):
         pd.decide_real(ResultTable("t", ["check"]), bad)
+
+
+class _Level:
+    """A stand-in for a timed function: its samples come from a seeded generator at ``level`` (no timing)."""
+
+    def __init__(self, level: float):
+        self.level = level
+
+
+def test_shared_base_records_each_rows_trials_and_replays_them(monkeypatch):
+    pd = _script()
+    rng = np.random.default_rng(0)
+    calls: list[list[str]] = []
+
+    class _T:
+        def __init__(self, level: float, n: int = 20):
+            self.samples = list(level * 1e-3 * (1 + np.abs(rng.normal(0, 0.02, n))))
+
+    def fake_compare(fns, cfg):
+        calls.append(list(fns))
+        return {name: _T(f.level) for name, f in fns.items()}
+
+    monkeypatch.setattr(pd, "compare", fake_compare)
+    monkeypatch.setattr(pd, "measure", lambda f, cfg: (calls.append(["measure", f.level]), _T(f.level))[1])
+    news = {"A/A": _Level(1.0), "10% slower": _Level(1.1), "3% slower": _Level(1.03)}
+    seq = pd.SequentialConfig(looks=3)
+    rec = pd._record_shared(4, _Level(1.0), news, pd.TimingConfig(), seq)
+    for label in news:
+        for mode in ("interleaved", "back to back"):
+            assert len(rec[label][mode]) == 4  # every row has its trials
+            for trial in rec[label][mode]:
+                assert 1 <= len(trial) <= 3 and all(len(a) == len(b) == 20 for a, b in trial)
+    # the rows of one trial share the base samples, batch by batch, while both are open
+    assert rec["A/A"]["interleaved"][0][0][0] == rec["10% slower"]["interleaved"][0][0][0]
+    assert calls[0][0] == "base" and sorted(calls[0][1:]) == sorted(news)  # one compare: base + all open rows
+    assert rec["10% slower"]["back to back"][0] == rec["10% slower"]["back to back"][0][:1]  # decided at look 1
+    # replaying the file takes the same looks: each trial's batches are exactly what its decision used
+    for label in news:
+        for mode in ("interleaved", "back to back"):
+            for trial in rec[label][mode]:
+                it = iter(trial)
+                v = pd.compare_sequential(lambda: next(it), seq, paired=mode == "interleaved")
+                assert v.looks_used == len(trial)
+    table = ResultTable("t", ["check", "value", "goal", "met", "detail"])
+    pd.decide_real(table, {"gemm": 8, "samples_per_run": 20, "sequential": {"looks": 3}, "shared base": True, **rec})
+    assert "one base run shared by the three rows" in table.rows[0]["check"]
+    assert table.rows[1]["value"].startswith("4/4 called slower")
