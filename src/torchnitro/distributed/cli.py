@@ -101,6 +101,9 @@ def train_command(
     mixed_precision: Optional[str] = typer.Option(None, "--mixed-precision", help="fp32, bf16, fp16"),
     checkpointing: Optional[str] = typer.Option(None, "--checkpointing", help="none, blocks, selective"),
     max_restarts: int = typer.Option(0, "--max-restarts", help="torchrun restarts; each resumes from --ckpt"),
+    prewarm: Optional[bool] = typer.Option(None, "--prewarm/--no-prewarm",
+                                           help="fork the workers from a server that imported torch once (faster "
+                                                "restarts); default: on without CUDA devices"),
 ) -> None:
     """Train the byte-level LM on N ranks (launches torchrun itself), resuming from --ckpt."""
     from torchnitro.distributed.launch import LaunchConfig
@@ -116,7 +119,11 @@ def train_command(
     if n == 1 and max_restarts == 0:
         train_main(args)
         return
-    code = run(LaunchConfig(nproc=n, max_restarts=max_restarts),
+    if prewarm is None:  # CUDA workers are not forked from a process that may have touched the driver: untested
+        import torch
+
+        prewarm = not torch.cuda.is_available()
+    code = run(LaunchConfig(nproc=n, max_restarts=max_restarts, prewarm=prewarm),
                [sys.executable, "-m", "torchnitro.distributed.train", *args])
     if code:
         raise typer.Exit(code)

@@ -42,6 +42,7 @@ class LaunchConfig:
     rdzv_id: str | None = None  # job id shared by all nodes; None: a fresh one per launch (one node only)
     rdzv_timeout_s: int = 60  # how long the rendezvous waits for every node
     log_dir: str | None = None  # torchrun's per-rank log directory; None: output goes to this terminal
+    prewarm: bool = False  # `python -m module`: fork each worker from a server that imported it once (prewarm.py)
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
@@ -83,9 +84,40 @@ def torchrun_args(cfg: LaunchConfig, command: list[str]) -> list[str]:
 
 
 def launch(cfg: LaunchConfig, command: list[str]) -> int:
-    """Run ``command`` on ``cfg.nproc`` ranks under torchrun; returns torchrun's exit code."""
+    """Run ``command`` on ``cfg.nproc`` ranks under torchrun; returns torchrun's exit code.
+
+    With ``cfg.prewarm`` and a ``python -m module ...`` command, a fork server (``prewarm.serve``) imports the
+    module once for this node and every worker of every attempt is forked from it (``prewarm.run``).
+    """
+    env = launch_env()
+    server, tmp = None, None
+    head, rest = (command[0], command[1:]) if command else ("", [])
+    if cfg.prewarm and (os.path.basename(head) in _PYTHONS or head == sys.executable) and rest[:1] == ["-m"] \
+            and len(rest) > 1:
+        import tempfile
+
+        from torchnitro.distributed import prewarm
+
+        tmp = tempfile.mkdtemp(prefix="nitro-prewarm-")
+        sock = os.path.join(tmp, "s")
+        server = subprocess.Popen([sys.executable, "-m", "torchnitro.distributed.prewarm", "serve", sock, rest[1]],
+                                  env=env)
+        env = {**env, prewarm.ENV_SOCKET: sock, prewarm.ENV_PID: str(server.pid)}
+        command = prewarm.worker_command(rest[1], rest[2:])
     argv = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(cfg, command)]
-    return subprocess.call(argv, env=launch_env())
+    try:
+        return subprocess.call(argv, env=env)
+    finally:
+        if server is not None:
+            server.terminate()
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def launch_env() -> dict[str, str]:
