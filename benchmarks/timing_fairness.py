@@ -23,6 +23,13 @@ setting a number was measured under is part of the number (``--no-allocator`` sk
 applies the setting with ``mallopt`` after the process started, as ``torchnitro.load`` does
 (``bench.environment.apply_allocator``), against the variables read at start.
 
+A fourth table times eager alone in fresh processes under OpenMP wait settings, first on the quiet machine,
+then beside one busy process (a Python loop: one more runnable thread than cores, as any other job on a
+2-core machine makes it). Every timing process of the optimizer and of this script's "alone" side starts with
+``bench.environment.THREAD_SETTING`` (libgomp's spin bounded): with libgomp's default ~3 ms spin, a team of as
+many threads as cores stalls whenever anything else runs, and eager and TorchScript moved 3.5x from one time
+window to the next in earlier runs. ``--no-threads`` skips it.
+
 Run (one benchmark at a time on a shared machine)::
 
     flock /tmp/torchnitro-bench.lock python benchmarks/timing_fairness.py           # a few minutes
@@ -53,7 +60,8 @@ from torchnitro.autotune.fair import Steady
 from torchnitro.autotune.inputs import model_and_inputs
 from torchnitro.autotune.recipe import BuildContext, get_recipe
 from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir
-from torchnitro.bench.environment import ALLOCATOR_SETTING, apply_allocator, describe_environment
+from torchnitro.bench.environment import (ALLOCATOR_SETTING, THREAD_SETTING, apply_allocator, describe_environment,
+                                          timing_process_env)
 from torchnitro.bench.isolated import ChildTimer, save_inputs
 from torchnitro.hardware import hardware_info
 
@@ -67,6 +75,15 @@ VARIANT_COLUMNS = ("workload", "variant", "family", "p50 in comparison ms", "p50
                    "timed in comparison", "alone")
 SPEEDUP_COLUMNS = ("workload", "variant", "reported speedup", "isolated ratio", "diff", "within 10%", "chosen")
 ALLOCATOR_COLUMNS = ("workload", "setting", "env", "eager p50 alone ms", "vs glibc defaults")
+THREAD_COLUMNS = ("workload", "setting", "env", "beside", "eager p50 alone ms", "eager p90 ms",
+                  "vs libgomp default, same load")
+_TIMING_ENV = " ".join(f"{k}={v}" for k, v in THREAD_SETTING.items())
+THREAD_SETTINGS = {  # name -> (environment of a fresh process (libgomp reads it once, at start-up), no mallopt)
+    "libgomp default (~3 ms spin)": ({"GOMP_SPINCOUNT": "300000"}, {}),  # libgomp's value when nothing is set
+    f"timing processes ({_TIMING_ENV})": (dict(THREAD_SETTING), {}),
+    "OMP_WAIT_POLICY=PASSIVE (no spin)": ({"OMP_WAIT_POLICY": "PASSIVE"}, {}),
+}
+BUSY = "while True: pass"  # the competitor: one runnable thread that never blocks
 MALLOC_SETTINGS = {  # name -> (environment of a fresh process (glibc reads it once, at start-up), mallopt setting)
     "glibc defaults": ({}, {}),
     "mmap threshold 256 MiB": ({"MALLOC_MMAP_THRESHOLD_": "268435456"}, {}),
@@ -140,11 +157,12 @@ def _families(quick: bool) -> dict[str, str]:
 
 def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any, ...], threads: int,
            tc: TimingConfig, work: Path, envs: dict[str, tuple[dict[str, str], dict[str, str]]] | None = None,
-           artifacts: dict[str, Path] | None = None) -> dict[str, float]:
+           artifacts: dict[str, Path] | None = None) -> dict[str, Any]:
     """p50 ms of each variant alone in its own fresh process (all started together, timed in rotation):
     its artifact loaded with ``torchnitro.load`` where ``artifacts`` has one, else built in the child.
 
-    ``envs``: one process per entry instead, each running eager under that (environment, mallopt setting)."""
+    ``envs``: one process per entry instead, each running eager under that (environment, mallopt setting); then
+    the full ``Timing`` of each is returned instead of its p50."""
     work.mkdir(parents=True, exist_ok=True)
     save_inputs([inputs], work / "inputs.pt")
     jobs = {n: ("eager", *env) for n, env in envs.items()} if envs is not None else {n: (n, {}, {}) for n in names}
@@ -167,7 +185,7 @@ def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any,
     finally:
         for t in timers.values():
             t.close()
-    return {n: t.median * 1e3 for n, t in res.items()}
+    return res if envs is not None else {n: t.median * 1e3 for n, t in res.items()}
 
 
 def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], quick: bool,
@@ -197,12 +215,15 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
         if allocator is not None:
             by_env = _alone(spec, batch, seq, [], inputs, cfg.resolved_threads(), tc, Path(tmp) / "malloc",
                             MALLOC_SETTINGS)
-            for setting, ms in by_env.items():
+            for setting, ms in {k: t.median * 1e3 for k, t in by_env.items()}.items():
                 env_vars, mallopt = MALLOC_SETTINGS[setting]
                 env = " ".join(f"{k}={v}" for k, v in env_vars.items()) or (
                     "mallopt " + " ".join(f"{k}={v}" for k, v in mallopt.items()) if mallopt else "-")
                 allocator.add(workload=name, setting=setting, env=env, **{
-                    "eager p50 alone ms": ms, "vs glibc defaults": by_env["glibc defaults"] / ms})
+                    "eager p50 alone ms": ms, "vs glibc defaults": by_env["glibc defaults"].median * 1e3 / ms})
+        if "threads" in tables:
+            _thread_table(name, spec, batch, seq, inputs, cfg.resolved_threads(), tc, Path(tmp) / "threads",
+                          tables["threads"])
     fam_of = {v: k for k, v in families.items()} | {"eager": "eager"}
     for n in timed:
         c = rep.get(n)
@@ -217,6 +238,27 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
             d = c.speedup / iso - 1
             speedups.add(workload=name, variant=n, **{"reported speedup": c.speedup, "isolated ratio": iso,
                          "diff": f"{d:+.1%}", "within 10%": abs(d) <= SPEEDUP_GOAL, "chosen": n == opt.recipe})
+
+
+def _thread_table(name: str, spec: str, batch: int, seq: int, inputs: tuple[Any, ...], threads: int,
+                  tc: TimingConfig, work: Path, table: ResultTable) -> None:
+    """Eager alone under each of ``THREAD_SETTINGS``, quiet and beside one busy process (``BUSY``)."""
+    import subprocess
+
+    for beside in ("nothing", "one busy process"):
+        busy = subprocess.Popen([sys.executable, "-c", BUSY]) if beside != "nothing" else None
+        try:
+            res = _alone(spec, batch, seq, [], inputs, threads, tc, work / beside.replace(" ", "-"), THREAD_SETTINGS)
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+        base = res["libgomp default (~3 ms spin)"].median
+        for setting, t in res.items():
+            env = " ".join(f"{k}={v}" for k, v in THREAD_SETTINGS[setting][0].items())
+            table.add(workload=name, setting=setting, env=env, beside=beside, **{
+                "eager p50 alone ms": t.median * 1e3, "eager p90 ms": t.p90 * 1e3,
+                "vs libgomp default, same load": base / t.median})
 
 
 def _why_here(notes: str) -> str:
@@ -249,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=sorted(WORKLOADS), help="one workload")
     ap.add_argument("--out", default=None, help="output folder (default: results/)")
     ap.add_argument("--no-allocator", action="store_true", help="skip eager under glibc allocator settings")
+    ap.add_argument("--no-threads", action="store_true", help="skip eager under OpenMP wait settings")
     args = ap.parse_args(argv)
     workloads = QUICK_WORKLOADS if args.quick else {k: v for k, v in WORKLOADS.items() if args.only in (None, k)}
     families = _families(args.quick)
@@ -256,13 +299,17 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"command": "python " + " ".join([f"benchmarks/{Path(__file__).name}"] + (argv if argv is not None
                                                                                       else sys.argv[1:])),
             "machine": f"{hw.cpu_name}, {hw.cpu_cores} cores", "versions": _versions(),
-            "timing environment": describe_environment(), "families": families, "load average at start": _load()}
+            "timing environment": describe_environment(), "families": families, "load average at start": _load(),
+            "timing processes' environment": timing_process_env() or "as this process (OMP_WAIT_POLICY or "
+                                                                     "GOMP_SPINCOUNT set by the user)"}
     variants = ResultTable("p50 inside the optimizer's comparison vs alone in a fresh process", VARIANT_COLUMNS,
                            meta=dict(meta))
     tables = {"variants": variants, "speedups": ResultTable("reported speedup vs isolated ratio", SPEEDUP_COLUMNS)}
     if not args.no_allocator:
         tables["allocator"] = ResultTable("eager alone in fresh processes under glibc allocator settings",
                                           ALLOCATOR_COLUMNS)
+    if not args.no_threads:
+        tables["threads"] = ResultTable("eager alone in fresh processes under OpenMP wait settings", THREAD_COLUMNS)
     notes: list[str] = []
     for name, (spec, batch, seq) in workloads.items():
         run(name, spec, batch, seq, families, args.quick, tables, notes)

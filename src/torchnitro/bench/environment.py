@@ -13,6 +13,16 @@ them) and puts the variables into ``os.environ``, so every process started from 
 worker processes) reads them at its start (``torchnitro.load`` does only the first: it changes no
 environment; ``torchnitro serve`` does both). To have them from a process's very first allocation,
 start it with them set: ``MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=536870912 torchnitro serve DIR``.
+
+Every timing process (``bench.isolated.ChildTimer``: the optimizer's final comparison and the benchmarks'
+"alone" side) starts with ``THREAD_SETTING`` (``timing_process_env``): libgomp, torch's OpenMP on Linux, lets
+a thread that waits at a barrier spin about 3 ms (300000 spins) before it sleeps. With as many threads as
+cores, any other runnable thread on the machine then leaves one of the team descheduled while its peer spins
+away the time slice, and every parallel region of eager, TorchScript and inductor's C++ kernels waits: the
+mode a process is in then depends on what else ran in that window, not on the variant (results/
+timing_fairness.md, "thread settings" table; ONNX Runtime and OpenVINO keep their own pools). 10000 spins
+(about 0.1 ms) keep the back-to-back hand-offs inside one call and sleep soon after. A user's own
+``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins; the setting is part of every recorded environment.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ from typing import Mapping
 import torch
 
 __all__ = ["timing_environment", "describe_environment", "ALLOCATOR_SETTING", "allocator_untunable",
-           "apply_allocator"]
+           "apply_allocator", "THREAD_SETTING", "timing_process_env"]
 
 # glibc's mmap threshold 256 MiB and trim threshold 512 MiB: freed blocks stay in the heap for the next call
 # instead of going back to the kernel and faulting in again (encoder eager in a fresh process: the allocator
@@ -38,6 +48,11 @@ ALLOCATOR_SETTING: dict[str, str] = {"MALLOC_MMAP_THRESHOLD_": "268435456", "MAL
 # M_MMAP_THRESHOLD -3, M_MMAP_MAX -4, M_ARENA_MAX -8)
 _MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3,
             "MALLOC_MMAP_MAX_": -4, "MALLOC_ARENA_MAX": -8}
+
+# the environment every timing process starts with (see the module docstring); measured in h14's fresh-process
+# runs and in results/timing_fairness.md's "thread settings" table
+THREAD_SETTING: dict[str, str] = {"GOMP_SPINCOUNT": "10000"}
+_THREAD_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's own choice of either wins over THREAD_SETTING
 
 _PREFIXES = ("MALLOC_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "ORT_", "OV_")
 _ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
@@ -50,8 +65,18 @@ def _loaded_allocators() -> list[str]:
     return sorted({a for a in _ALLOCATORS if a in text})
 
 
+def timing_process_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What every timing process adds to the environment it inherits: ``THREAD_SETTING``, or nothing when
+    ``environ`` (default ``os.environ``) already sets OpenMP's wait policy or libgomp's spin count."""
+    environ = os.environ if environ is None else environ
+    if any(k in environ for k in _THREAD_VARS):
+        return {}
+    return dict(THREAD_SETTING)
+
+
 def timing_environment() -> dict[str, str]:
-    """Allocator, allocator/thread environment variables and torch's thread counts of this process."""
+    """Allocator, allocator/thread environment variables and torch's thread counts of this process, and
+    (``timing_processes``) what the timing processes started from it add."""
     libc, ver = platform.libc_ver()
     default = f"{libc} {ver} malloc".strip() if libc else "system malloc"
     env = {"allocator": ", ".join(_loaded_allocators()) or default}
@@ -60,6 +85,7 @@ def timing_environment() -> dict[str, str]:
         env["LD_PRELOAD"] = os.environ["LD_PRELOAD"]
     env["torch_threads"] = str(torch.get_num_threads())
     env["torch_interop_threads"] = str(torch.get_num_interop_threads())
+    env["timing_processes"] = " ".join(f"{k}={v}" for k, v in timing_process_env().items()) or "inherited"
     return env
 
 
@@ -70,7 +96,10 @@ def describe_environment(env: dict[str, str] | None = None) -> str:
     if not any(k.startswith("MALLOC_") for k in env) and "malloc" in alloc:
         alloc += " (default thresholds)"
     threads = f"torch threads {env.pop('torch_threads')} (inter-op {env.pop('torch_interop_threads')})"
-    return ", ".join([f"allocator {alloc}", threads] + [f"{k}={v}" for k, v in env.items()])
+    children = env.pop("timing_processes", None)
+    extra = [] if not children else ["timing processes inherit this OpenMP wait setting"] if children == "inherited" \
+        else [f"timing processes started with {children}"]
+    return ", ".join([f"allocator {alloc}", threads] + [f"{k}={v}" for k, v in env.items()] + extra)
 
 
 def allocator_untunable() -> str | None:

@@ -10,6 +10,9 @@ and reports ready; start-up is never timed. Then each ``timer(k)`` asks the chil
 takes such a timer in place of a function, so rounds alternate this process and the child, or several
 children (A B A B), while this process only waits.
 
+Every child starts with ``bench.environment.timing_process_env()`` (libgomp's spin bounded, so a team of
+as many OpenMP threads as cores does not stall whenever anything else runs) under the caller's ``env``.
+
 While this process waits for the child it sleeps in ``read``; the child sleeps in ``readline`` while
 this process times. A short settle pause on each switch lets spinning pools of the side that just
 ran go quiet before the other side's sample starts.
@@ -33,6 +36,7 @@ from typing import IO, Any, Callable, Iterator, Sequence, cast
 
 import torch
 
+from torchnitro.bench.environment import timing_process_env
 from torchnitro.errors import RecipeError
 
 __all__ = ["ChildTimer", "shared_process", "process_is_shared", "save_inputs", "SETTLE_S"]
@@ -79,7 +83,9 @@ class ChildTimer:
     def __init__(self, loader: str, kwargs: dict[str, Any], inputs: Path, *, threads: int, device: str = "cpu",
                  settle_s: float | None = None, timeout_s: float = 120.0, log: Path | None = None,
                  env: dict[str, str] | None = None, outputs: Path | None = None):
-        """``env``: extra environment of the child (e.g. ``MALLOC_MMAP_THRESHOLD_``, read once, when it starts);
+        """``env``: extra environment of the child (e.g. ``MALLOC_MMAP_THRESHOLD_``, read once, when it starts), on
+        top of ``timing_process_env()`` unless ``env`` sets OpenMP's wait itself (``self.env``: what the child
+        added to this environment);
         ``outputs``: a file the child writes its first call's outputs to (the tensors of the first input set,
         in ``torch.utils._pytree`` leaf order) before it reports ready, for the caller to check what it times."""
         spec = {"loader": loader, "kwargs": kwargs, "inputs": str(inputs), "threads": threads, "device": device,
@@ -89,7 +95,9 @@ class ChildTimer:
         self.timeout_s = timeout_s
         self.samples = 0
         self.failed: str | None = None  # why the child stopped answering, once it has
-        env = {**os.environ, **self.extra_env}
+        # a caller's own OpenMP wait setting in ``env`` replaces the default one (not merged with it)
+        self.env = {**timing_process_env({**os.environ, **self.extra_env}), **self.extra_env}
+        env = {**os.environ, **self.env}
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         self.log = log or inputs.with_suffix(f".{os.getpid()}.{id(self)}.log")
         self._err = open(self.log, "wb")
