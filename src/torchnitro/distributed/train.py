@@ -10,7 +10,10 @@ Determinism: the samples of step ``s`` are a function of ``s`` alone (a fixed pe
 corpus windows, read ``global_batch`` at a time), so a run resumed from a checkpoint at step ``k``
 sees exactly the batches an uninterrupted run sees from step ``k`` on, and with the model, optimizer
 and schedule restored its losses are identical. A step is ``grad_accum`` micro-batches, clipped,
-then one AdamW update with linear warm-up and cosine decay. Rank 0 appends one JSON line per logged
+then one AdamW update with linear warm-up and cosine decay. With ``pp > 1`` the model is split by
+``pipeline()`` and each micro-batch runs through its schedule (every pp rank reads the same samples;
+the first stage takes the inputs, the last the targets); optimizer, clipping and checkpoints work on
+the rank's stages under the unsplit names. Rank 0 appends one JSON line per logged
 step (loss, tokens/s, MFU when ``peak_flops`` is given, peak memory of the rank, torchrun's restart
 count) to ``log``.
 """
