@@ -26,8 +26,12 @@ injected slowdown (100 small GEMMs against 110 or 103 of them), 20 samples each,
   ``regress.compare_samples`` (what ``bench compare`` uses on two files).
 
 Goals: A/A false alarms <= 2%, 10% found >= 95%, and a 3% slowdown called slower no more often than
-the 5% threshold implies: the share of A/A trials whose ratio, times 1.03, reaches 1.05 (the noise
-that would push a 3% change over the threshold), plus two binomial standard errors.
+the 5% threshold implies. For the sequential detector (``ours sequential``, the rows' verdict), which
+*tests* "the change is at most 5%" at its alpha over all looks, that is alpha (1%) plus two binomial
+standard errors: the most it may call any change at or below the threshold. For a rule that compares
+the *estimate* with the threshold (``compare_samples``, the synthetic ``ours`` rows) it is the share
+of A/A ratio estimates that, times 1.03, reach 1.05 (the noise that would push a 3% change over the
+threshold), plus two standard errors; that rate is shown beside the sequential rows too.
 
 Each detector row also counts, on the same samples, what pyperf's ``compare_to`` calls slower (its
 t-test, ``pyperf._compare.is_significant_benchs``, and a larger mean) and what pytest-benchmark's
@@ -37,13 +41,21 @@ The same statistics on 200 seeded synthetic cases and series come first (exact, 
 
 Run (one benchmark at a time on a shared machine)::
 
-    flock /tmp/torchnitro-bench.lock python benchmarks/profile_and_detect.py              # ~10 min
-    python benchmarks/profile_and_detect.py --quick                                       # ~1 min smoke test
+    flock /tmp/torchnitro-bench.lock python benchmarks/profile_and_detect.py              # see below
+    flock /tmp/torchnitro-bench.lock python benchmarks/profile_and_detect.py --shared-base  # a third less timing
+    python benchmarks/profile_and_detect.py --quick                                       # smoke test
     python benchmarks/profile_and_detect.py --from-samples results/profile_and_detect_samples.json
     python benchmarks/profile_and_detect.py --from-samples OLD_samples.json --borrow-later-trials  # see --help
 
+Run time: the real runs dominate, 200 trials x 3 rows x 2 modes of 1 to 4 batches (40 samples of
+about 2 ms each, quiet) each; the 14:15 run (one batch a trial) took 13 min at load average 3-4, and
+the sequential detector asks for about 1.6 batches a trial (replayed samples). Quiet, roughly 6-12
+min; at load 3-4 about 20; at load 10-15 one trial took about 30 s. ``--shared-base`` times 4 runs
+a trial instead of 6 (``_record_shared``). Progress goes to stderr after each part.
+
 Writes results/profile_and_detect.{json,md} and the detector's raw samples to
-results/profile_and_detect_samples.json (``--quick``: *_quick.*); ``--from-samples`` re-decides
+results/profile_and_detect_samples.json (``--quick``: *_quick.*; ``--trials N`` other than 200:
+*_Ntrials.*); ``--from-samples`` re-decides
 recorded samples without timing anything (results/profile_and_detect_recorded.*).
 """
 
@@ -306,6 +318,8 @@ def record_real(trials: int, quick: bool, seq: SequentialConfig, shared_base: bo
                 compare_sequential(more, seq, paired=mode == "interleaved")  # decided again from the file
                 runs[mode].append(batches)
         out[label] = runs
+        sys.stderr.write(f"profile_and_detect: real runs, {label}: {trials} trials of both modes timed "
+                         f"(load average {_load()})\n")
     out["load average at end"] = _load()
     return out
 
@@ -353,6 +367,9 @@ def _record_shared(trials: int, fn: Callable[[], Any], news: dict[str, Callable[
                     break
             for label in labels:
                 out[label][mode].append(batches[label])
+        if (t + 1) % 50 == 0 or t + 1 == trials:
+            sys.stderr.write(f"profile_and_detect: real runs, shared base: {t + 1}/{trials} trials timed "
+                             f"(load average {_load()})\n")
     return out
 
 
