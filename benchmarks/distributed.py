@@ -14,7 +14,7 @@
   group, pipelines on real gloo ranks (every rank). Writes results/distributed_memory.{json,md} and appends
   the table to results/distributed_planner.md.
 - ``resume``: kill-and-resume trials. ``torchnitro train --nproc 2 --dp-shard 2 --max-restarts 2`` on the
-  byte-level LM; at a random logged step a random rank gets SIGKILL; torchrun restarts the group, which
+  byte-level LM (workers forked from the prewarm server, train's default without CUDA); at a random logged step a random rank gets SIGKILL; torchrun restarts the group, which
   resumes from the last published checkpoint. Per trial: did it finish on its own, are the per-step losses
   (the last record of each step) bit-identical to one uninterrupted run, seconds from the kill to the
   first step logged by the restarted group, steps lost. Writes results/distributed_resume.{json,md}.
@@ -388,7 +388,7 @@ def _trial(ckpt: str, data: str, rng: random.Random, reference: dict[int, float]
 # where the time from kill to the first resumed step goes, in order (each phase ends at the named moment)
 PHASES = (("survivor stopped", "torchrun notices the dead rank and stops the other"),
           ("workers started", "rendezvous of the next round, new worker processes forked"),
-          ("imported", "python, torch and torchnitro imports"),
+          ("imported", "python, torch and torchnitro imports (prewarm server: the client's start and the fork)"),
           ("initialized", "process group and device mesh"),
           ("loaded", "model built, parallelized, checkpoint loaded"),
           ("logged", "first resumed step run and logged"),

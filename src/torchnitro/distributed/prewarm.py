@@ -122,6 +122,11 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     for target, fd in enumerate(fds[:3]):
         os.dup2(fd, target)
         os.close(fd)
+    for stream in (sys.stdout, sys.stderr):  # torchrun runs workers with `python -u`: no output held back
+        try:
+            stream.reconfigure(line_buffering=True, write_through=True)
+        except (AttributeError, ValueError):
+            pass
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
