@@ -84,3 +84,67 @@ def test_prepacked_padding_free_bf16_encoder_matches_eager(shape):
     cos = F.cosine_similarity(out[real].double(), ref[real].double(), dim=1)
     assert float(cos.min()) > 0.999  # the bf16 gate
     torch.testing.assert_close(out, base, rtol=5e-2, atol=5e-2)  # same math as the unpacked bf16 Linears
+
+
+def test_compute_linear_takes_and_hands_on_bf16():
+    from torchnitro.autotune.recipes.onednn_bf16 import Bf16ComputeLinear
+
+    g = torch.Generator().manual_seed(2)
+    lin = nn.Linear(37, 23)
+    x, res = torch.randn(5, 37, generator=g), torch.randn(5, 23, generator=g)
+    fast = Bf16ComputeLinear(lin)
+    with torch.inference_mode():
+        ref = lin(x)
+        y32 = fast(x, gelu=True)
+        assert y32.dtype == torch.float32
+        torch.testing.assert_close(y32, F.gelu(ref), **BF16)
+        torch.testing.assert_close(fast(x.to(torch.bfloat16), gelu=True), y32)  # bf16 input: the same GEMM
+        fast.out_dtype = torch.bfloat16
+        yb = fast(x, gelu=True)
+        assert yb.dtype == torch.bfloat16
+        torch.testing.assert_close(yb, y32.to(torch.bfloat16))  # no fp32 round trip, the same bf16 values
+        added = fast(x, add=res)
+        assert added.dtype == torch.bfloat16
+        torch.testing.assert_close(added.float(), ref + res, **BF16)
+    with pytest.raises(TypeError, match="received torch.float64 input, expected torch.float32 or torch.bfloat16"):
+        fast(x.double())
+
+
+@pytest.mark.parametrize("shape", [(4, 32), (5, 37)])
+def test_int8_encoder_with_bf16_kept_ffn_chains_bf16_and_matches_eager(shape):
+    pytest.importorskip("transformers")
+    from torchnitro.autotune.recipes.bert_unpad import _int8, unpad_model
+    from torchnitro.autotune.recipes.int8_mixed import linear_names
+    from torchnitro.autotune.recipes.onednn_bf16 import Bf16ComputeLinear
+    from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear, onednn_int8_reason
+    from torchnitro.hf import bert_config, random_hf_model
+
+    if onednn_int8_reason() is not None:
+        pytest.skip(f"oneDNN int8: {onednn_int8_reason()}")
+    eager = random_hf_model(bert_config()).encoder.eval()
+    base = unpad_model(copy.deepcopy(eager))
+    names = linear_names(base)
+    kept = ["layers.0.ffn_out", "layers.1.ffn_in", "layers.1.ffn_out"]  # int8 -> bf16 and bf16 -> bf16 FFNs
+    assert set(kept) <= set(names)
+    q = _int8(base, [n for n in names if n not in kept], {}, True, "onednn", None, bf16_rest=True)
+    l0, l1 = q.layers[0], q.layers[1]
+    assert isinstance(l0.ffn_in, OneDnnInt8Linear) and isinstance(l0.ffn_out, Bf16ComputeLinear)
+    assert isinstance(l1.ffn_in, Bf16ComputeLinear) and isinstance(l1.ffn_out, Bf16ComputeLinear)
+    assert l0.ffn_in.out_dtype == l1.ffn_in.out_dtype == torch.bfloat16  # chained
+    assert l0.ffn_out.out_dtype == l1.ffn_out.out_dtype == torch.float32  # the residual stream stays fp32
+    unchained = copy.deepcopy(q)
+    for lay in unchained.layers:
+        lay.ffn_in.out_dtype = torch.float32
+    g = torch.Generator().manual_seed(3)
+    b, t = shape
+    ids = torch.randint(1, 1000, (b, t), generator=g)
+    mask = (torch.arange(t)[None] < torch.tensor([t] * (b - 1) + [t // 2])[:, None]).long()
+    with torch.inference_mode():
+        ref = eager(input_ids=ids, attention_mask=mask).last_hidden_state
+        out = q(input_ids=ids, attention_mask=mask).last_hidden_state
+        old = unchained(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    assert out.dtype == torch.float32
+    cos = F.cosine_similarity(out[real].double(), ref[real].double(), dim=1)
+    assert float(cos.min()) > 0.99  # the int8 gate
+    torch.testing.assert_close(out, old, rtol=2e-2, atol=2e-2)  # the same bf16 values, written by the GEMM

@@ -122,3 +122,21 @@ def test_int8_module_engines_agree_and_unknown_engine_is_named():
             assert _rel(int8_module(lin, None, True, engine)(x), ref) < 0.02
     with pytest.raises(ValueError, match="int8 engine 'mkl'"):
         int8_module(lin, None, True, "mkl")
+
+
+@pytest.mark.parametrize("n,k,m", [(300, 96, 80), (5, 37, 23)])
+def test_bf16_output_is_the_fp32_output_rounded(n, k, m):
+    lin, x = _case(9, n, k, m)
+    q = OneDnnInt8Linear(lin, torch.rand(k) + 0.5)
+    o = OneDnnInt8Linear(lin, torch.rand(k) + 0.5, outliers=torch.tensor([0, k - 1]))  # the fp32-outlier paths
+    res = torch.randn(n, m)
+    bf16 = dict(rtol=1e-2, atol=1e-2)  # one bf16 rounding of the same int8 result (8 mantissa bits)
+    with torch.inference_mode():
+        for mod in (q, o):
+            plain, gelu, added = mod(x), mod(x, gelu=True), mod(x, add=res)
+            mod.out_dtype = torch.bfloat16
+            for kw, want in (({}, plain), ({"gelu": True}, gelu), ({"add": res}, added)):
+                got = mod(x, **kw)
+                assert got.dtype == torch.bfloat16, kw
+                torch.testing.assert_close(got.float(), want, **bf16)
+            assert mod(x.reshape(1, n, k)).shape == (1, n, m)

@@ -124,9 +124,10 @@ def _int8(base: nn.Module, names: list[str], scales: dict[str, Tensor], full_ran
         if isinstance(layer, PackedLayer) and isinstance(layer.ffn_out, (SmoothedInt8Linear, Int8LinearBase)):
             layer.ffn_out.inplace = True  # its input is the GELU temporary
     if bf16_rest:
-        from torchnitro.autotune.recipes.onednn_bf16 import bf16_compute_
+        from torchnitro.autotune.recipes.onednn_bf16 import bf16_compute_, chain_bf16_
 
         bf16_compute_(q)
+        chain_bf16_(q)  # a bf16 FFN down-projection reads its up-projection's output as bf16, written so
     return q
 
 

@@ -15,7 +15,8 @@ from torch import Tensor, nn
 
 from torchnitro.autotune.recipes.onednn_int8 import SharesPackedWeight
 
-__all__ = ["OneDnnBf16Linear", "onednn_bf16_reason", "prepack_bf16_", "Bf16ComputeLinear", "bf16_compute_"]
+__all__ = ["OneDnnBf16Linear", "onednn_bf16_reason", "prepack_bf16_", "Bf16ComputeLinear", "bf16_compute_",
+           "chain_bf16_"]
 
 
 def onednn_bf16_reason() -> str | None:
@@ -69,6 +70,7 @@ class Bf16ComputeLinear(nn.Module):
     tensor) costs far less accuracy and half the time of fp32."""
 
     fused_epilogue = True  # forward takes gelu= / add= (see _unpad.PackedLayer)
+    out_dtype = torch.float32  # what forward returns: bf16 where the Linear after it computes in bf16 (chain_bf16_)
 
     def __init__(self, lin: nn.Linear):
         super().__init__()
@@ -76,8 +78,15 @@ class Bf16ComputeLinear(nn.Module):
         self.in_features, self.out_features = lin.in_features, lin.out_features
 
     def forward(self, x: Tensor, *, gelu: bool = False, add: Tensor | None = None) -> Tensor:
-        y = self.lin(x.to(torch.bfloat16), gelu=gelu).float()  # (..., out)
-        return y if add is None else y.add_(add.reshape(y.shape))
+        """fp32 or bf16 ``x`` (bf16: handed on by a chained Linear, no conversion) -> ``out_dtype``."""
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"Bf16ComputeLinear: received {x.dtype} input, expected torch.float32 or torch.bfloat16")
+        y = self.lin(x.to(torch.bfloat16), gelu=gelu)  # (..., out) bf16
+        if add is None and self.out_dtype == torch.bfloat16:
+            return y
+        y = y.float()
+        y = y if add is None else y.add_(add.reshape(y.shape))  # the residual is added in fp32
+        return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
 
 
 def bf16_compute_(model: nn.Module) -> list[str]:
@@ -98,6 +107,23 @@ def bf16_compute_(model: nn.Module) -> list[str]:
 
 
 _PARTS = ("qkv", "out", "ffn_in", "ffn_out")  # the Linears of _unpad.PackedLayer
+
+
+def chain_bf16_(model: nn.Module) -> list[str]:
+    """Where a ``PackedLayer``'s FFN down-projection computes in bf16 (``Bf16ComputeLinear``), let its
+    up-projection (oneDNN int8 or ``Bf16ComputeLinear``) return bf16: the int8 GEMM then writes its GELU
+    output as bf16 directly, a bf16 one keeps it, instead of an fp32 ``(N, 4D)`` written, read back and
+    converted (the same bf16 values reach the down-projection either way). Returns the up-projections' names."""
+    from torchnitro.autotune.recipes._unpad import PackedLayer
+    from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear
+
+    done = []
+    for name, layer in model.named_modules():
+        if (isinstance(layer, PackedLayer) and isinstance(layer.ffn_out, Bf16ComputeLinear)
+                and isinstance(layer.ffn_in, (OneDnnInt8Linear, Bf16ComputeLinear))):
+            layer.ffn_in.out_dtype = torch.bfloat16
+            done.append(f"{name}.ffn_in" if name else "ffn_in")
+    return done
 
 
 def prepack_bf16_(model: nn.Module) -> int:

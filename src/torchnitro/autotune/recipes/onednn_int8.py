@@ -86,6 +86,8 @@ class Int8LinearBase(nn.Module):
 
     fused_epilogue = True  # forward takes gelu= / add= (see _unpad.PackedLayer)
     inplace = False  # the caller passes a temporary: the smoothing multiply may overwrite it
+    # the dtype forward returns: bf16 where the Linear after it computes in bf16 (onednn_bf16.chain_bf16_)
+    out_dtype = torch.float32
     weight = None  # no fp32 weight; HF code that reads .weight for a dtype (T5's wo) then leaves its input as is
 
     def __init__(self, lin: nn.Linear, scale: Tensor | None = None, outliers: Tensor | None = None):
@@ -180,7 +182,8 @@ class OneDnnInt8Linear(SharesPackedWeight, Int8LinearBase):
             y = torch.ops.onednn.qlinear_pointwise(qx, sx, zx, self.packed, self.w_scale, self.w_zp, self.bias, 1.0,
                                                    0, torch.float32, "none", [], "none")
             torch._C._nn.gelu_(y.add_(part))
-        else:
+        else:  # the GEMM writes out_dtype itself: a bf16 consumer needs no conversion pass
             y = torch.ops.onednn.qlinear_pointwise(qx, sx, zx, self.packed, self.w_scale, self.w_zp, self.bias, 1.0,
-                                                   0, torch.float32, "gelu" if gelu else "none", [], "none")
+                                                   0, self.out_dtype, "gelu" if gelu else "none", [], "none")
+        y = y if y.dtype == self.out_dtype else y.to(self.out_dtype)
         return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
