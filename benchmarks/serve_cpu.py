@@ -401,8 +401,8 @@ def start_servers(model: str, args: argparse.Namespace) -> dict[str, tuple[subpr
     procs: dict[str, tuple[subprocess.Popen, str, str]] = {}
     for label, flags in configs.items():
         port = free_port()
-        procs[label] = (start([sys.executable, "-m", "torchnitro", "serve", spec(model), "--port", str(port),
-                               "--workers", str(args.workers), "--threads", threads, *flags]),
+        procs[label] = (start([sys.executable, "-m", "torchnitro", "serve", spec(model), "--name", model,
+                               "--port", str(port), "--workers", str(args.workers), "--threads", threads, *flags]),
                         f"http://127.0.0.1:{port}", "/v2/health/ready")
     if not args.no_litserve and ls is not None:
         port = free_port()
