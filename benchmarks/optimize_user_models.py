@@ -53,7 +53,7 @@ from torchnitro.autotune.fair import Steady  # noqa: E402
 from torchnitro.autotune.recipe import BuildContext, get_recipe  # noqa: E402
 from torchnitro.autotune.report import Status  # noqa: E402
 from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir, save_plot  # noqa: E402
-from torchnitro.bench.isolated import save_inputs  # noqa: E402
+from torchnitro.bench.isolated import save_inputs, shared_process  # noqa: E402
 from torchnitro.bench.provenance import provenance  # noqa: E402
 from torchnitro.bench.ratio import paired_ratio  # noqa: E402
 from torchnitro.hardware import hardware_info  # noqa: E402
@@ -67,6 +67,10 @@ MINILM_COLUMNS = ("inputs", "real tokens", "held as", "chosen", "speedup", "nois
 PEER_COLUMNS = ("inputs", "variant", "eager ms", "median ms", "speedup", "noise", "emb cos (held-out)",
                 "token cos (held-out)")
 GOAL_COLUMNS = ("goal", "target", "measured", "met")
+PARITY_COLUMNS = ("inputs", "held as", "chosen", "eager ms", "median ms", "speedup", "noise", "parity",
+                  "parity noise", "timed")
+OUTCOME_COLUMNS = ("model", "recipe", "status", "search ratio", "speedup", "noise", "min cos", "why")
+USER, BUILTIN = "user wrapper (AutoModel)", "built-in SentenceEncoder"
 GATE_COSINE = 0.99  # the int8/reduced gate: worst token-row cosine at real positions
 COVERAGE_COLUMNS = ("model", "inputs", "chosen", "speedup", "noise", "ran", "failed", "our fault", "search s",
                     "failed recipes")
@@ -198,10 +202,28 @@ def _counts(report: Any) -> tuple[int, int, list[str]]:
 
 
 def _candidates(report: Any) -> list[dict[str, Any]]:
-    """Every candidate's status, speedup, gate cosine and reason (the results JSON keeps the whole search)."""
-    return [{"recipe": c.recipe, "status": c.status, "speedup": c.speedup, "noise": c.noise,
-             "min cosine": getattr(c, "min_cosine", None), "reason": (c.reason or "")[:300]}
+    """Every candidate's status, timing, gate cosine, reason and notes (the results JSON keeps the whole
+    search; the notes say why a verified one lost: its final comparison, a plan, a screen)."""
+    return [{"recipe": c.recipe, "status": c.status, "p50 ms": c.p50_ms, "speedup": c.speedup, "noise": c.noise,
+             "min cosine": getattr(c, "min_cosine", None), "reason": (c.reason or "")[:300],
+             "notes": (c.notes or "")[:400]}
             for c in report.candidates]
+
+
+def outcome_rows(model: str, report: Any) -> list[dict[str, Any]]:
+    """One row per candidate that was tried or skipped for a reason other than this machine (the markdown
+    table under the coverage table): what became of it and why."""
+    eager = next((c for c in report.candidates if c.recipe == "eager"), None)
+    rows = []
+    for c in _candidates(report):
+        if c["status"] == Status.SKIPPED and c["reason"].startswith("needs "):
+            continue  # a GPU recipe on the CPU
+        rel = eager.p50_ms / c["p50 ms"] if eager and eager.p50_ms and c["p50 ms"] else None
+        why = "; ".join(t for t in (c["reason"], c["notes"]) if t)
+        rows.append({"model": model, "recipe": c["recipe"], "status": c["status"],
+                     "search ratio": rel, "speedup": c["speedup"], "noise": c["noise"],
+                     "min cos": c["min cosine"], "why": why[:240]})
+    return rows
 
 
 def _our_fault(report: Any) -> str:
@@ -210,8 +232,9 @@ def _our_fault(report: Any) -> str:
     return "; ".join(f"{r} ({v.kind})" for r, v in bad) if bad else "none"
 
 
-def run_minilm(kind: str, args: argparse.Namespace, which: list[str]) -> tuple[list[dict], dict[str, Any]]:
-    """Optimize each holding on one input kind; returns table rows and the user wrapper's search."""
+def run_minilm(kind: str, args: argparse.Namespace, which: list[str]) -> tuple[list[dict], dict[str, dict[str, Any]]]:
+    """Optimize each holding on one input kind; returns table rows and each holding's search by name
+    (``om``, ``model``, ``inputs`` as handed over, ``x`` as (ids, mask), ``held``, ``call``)."""
     batch, seq = (4, 32) if args.quick else (32, 128)
     x = minilm_inputs(kind, batch, seq, 0)
     held_out = [minilm_inputs(kind, batch, seq, s) for s in (501, 502)]
@@ -233,8 +256,7 @@ def run_minilm(kind: str, args: argparse.Namespace, which: list[str]) -> tuple[l
                "failed recipes": "; ".join(why)[:300], "candidates": _candidates(om.report)}  # JSON only
         rows.append(row)
         _progress(f"minilm {kind} / {name}: {om.recipe} {c.speedup or 1.0:.2f}x in {search_s:.0f} s")
-        if name.startswith("user wrapper"):
-            keep = {"om": om, "model": model, "x": x, "held": held_out}
+        keep[name] = {"om": om, "model": model, "inputs": inputs, "x": x, "held": held_out, "call": call}
     return rows, keep
 
 
@@ -340,10 +362,65 @@ def peer_rows(kind: str, keep: dict[str, Any], args: argparse.Namespace) -> tupl
     return rows, eager_how
 
 
+# ---- wrapper parity: the chosen variants side by side ---------------------------------------------
+
+def _variant_timer(entry: dict[str, Any], work: Path) -> tuple[Callable[..., Any], str]:
+    """One holding's chosen variant as the parity run times it: alone in its own process where its recipe
+    runs isolated and its files stand alone (as the search timed it), else in this process."""
+    om, inputs = entry["om"], entry["inputs"]
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    files, how = om.candidate, "in this process"
+    if om.recipe != "eager" and get_recipe(om.recipe).isolate and files.standalone:
+        path = work / f"inputs_{sum(1 for _ in work.iterdir())}.pt"
+        try:
+            save_inputs([args], path)
+            return _alone(om.recipe, files.dir, files.meta, path), "alone in its own process"
+        except Exception as exc:  # noqa: BLE001 - timed here instead; the table says so
+            how = f"in this process (its own process failed: {type(exc).__name__}: {exc})"[:200]
+    return (lambda: om(*args)), how
+
+
+def parity_rows(kind: str, keep: dict[str, dict[str, Any]], args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Wrapper parity measured directly: every holding's chosen variant and ONE eager (the user wrapper's,
+    timed where the search timed it: ``_eager_alone``) in one interleaved run, so each speedup has the same
+    eager under it and parity is the built-in variant's time over the holding's (a paired ratio with its
+    noise). The searches' own speedups each came with their own eager, which moves per process (eager is
+    bimodal per fresh process): their quotient mixed that drift into parity. Returns rows and how each was timed."""
+    if BUILTIN not in keep or len(keep) < 2:
+        return [], {}
+    work = Path(tempfile.mkdtemp(prefix="torchnitro-parity-"))
+    base = keep.get(USER, keep[BUILTIN])
+    x = base["x"]
+    save_inputs([x], work / "eager_inputs.pt")
+    eager, eager_how = _eager_alone(base["model"], x, work, work / "eager_inputs.pt",
+                                    alone=base["om"].report.get("eager").alone)
+    fns, how = {"eager": eager}, {}
+    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3 if args.quick else 15,
+                      min_time_s=0.05 if args.quick else 2.0, max_time_s=90.0)
+    try:
+        for name, e in keep.items():
+            fns[name], how[name] = _variant_timer(e, work)
+        with torch.inference_mode(), shared_process():
+            res = compare({n: Steady(f) for n, f in fns.items()}, tc, items_per_call=x[0].shape[0])
+    finally:
+        for f in fns.values():
+            if getattr(f, "times_itself", False):
+                f.close()
+    rows = []
+    for name, e in keep.items():
+        est, par = paired_ratio(res["eager"], res[name]), paired_ratio(res[BUILTIN], res[name])
+        rows.append({"inputs": kind, "held as": name, "chosen": e["om"].recipe, "eager ms": res["eager"].median * 1e3,
+                     "median ms": res[name].median * 1e3, "speedup": est.ratio, "noise": est.noise,
+                     "parity": par.ratio, "parity noise": par.noise, "timed": how[name]})
+        _progress(f"parity {kind}: {name} {est.text()} vs eager, parity {par.text()}")
+    return rows, {"eager timed": eager_how}
+
+
 # ---- the coverage set -------------------------------------------------------------------------------
 
-def coverage_rows(args: argparse.Namespace) -> list[dict]:
-    rows = []
+def coverage_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """Each coverage model's search: its row, and every candidate's outcome (``outcome_rows``)."""
+    rows, outcomes = [], []
     for name, case in CASES.items():
         if args.models and name not in args.models:
             continue
@@ -360,9 +437,10 @@ def coverage_rows(args: argparse.Namespace) -> list[dict]:
         rows.append({"model": name, "inputs": om.report.inputs, "chosen": om.recipe, "speedup": c.speedup or 1.0,
                      "noise": c.noise, "ran": f"{ran}/{len(recipes) + 1}", "failed": failed,
                      "our fault": _our_fault(om.report), "search s": search_s,
-                     "failed recipes": "; ".join(why)[:300]})
+                     "failed recipes": "; ".join(why)[:300], "candidates": _candidates(om.report)})  # JSON only
+        outcomes += outcome_rows(name, om.report)
         _progress(f"coverage {name}: {om.recipe} {c.speedup or 1.0:.2f}x, {ran} ran, {failed} failed")
-    return rows
+    return rows, outcomes
 
 
 # ---- goals and what else ran ------------------------------------------------------------------------
@@ -371,11 +449,13 @@ def _ratio(a: Any, b: Any) -> float | None:
     return a / b if isinstance(a, float) and isinstance(b, float) and b > 0 else None
 
 
-def goal_rows(minilm: list[dict], peer: list[dict]) -> list[dict]:
-    """The issue's goals from this run's rows (a goal whose rows did not run is left out)."""
+def goal_rows(minilm: list[dict], peer: list[dict], parity: list[dict] = ()) -> list[dict]:
+    """The issue's goals from this run's rows (a goal whose rows did not run is left out). Parity is read
+    from the side-by-side run (``parity_rows``); the searches' quotient is shown beside it."""
     at = {(r["inputs"], r["held as"]): r for r in minilm}
+    side = {(r["inputs"], r["held as"]): r for r in parity}
     rows = []
-    builtin = at.get(("short", "built-in SentenceEncoder"), {}).get("speedup")
+    builtin = at.get(("short", BUILTIN), {}).get("speedup")
     for held in ("user wrapper (AutoModel)", "SentenceTransformer"):
         r = at.get(("short", held))
         if r is None:
@@ -384,10 +464,18 @@ def goal_rows(minilm: list[dict], peer: list[dict]) -> list[dict]:
         rows.append({"goal": f"short, {held}", "target": ">= 6x at emb cos >= 0.99",
                      "measured": f"{r['speedup']:.2f}x ({r['chosen']}, emb cos {r['emb cos (held-out)']:.4f})",
                      "met": bool(r["speedup"] >= 6.0 and ok)})
-        par = _ratio(r["speedup"], builtin)
-        if par is not None:
+        searches = _ratio(r["speedup"], builtin)
+        p, b = side.get(("short", held)), side.get(("short", BUILTIN))
+        if p is not None and b is not None:
             rows.append({"goal": f"parity, {held} / built-in", "target": ">= 0.9x",
-                         "measured": f"{par:.2f}x ({r['speedup']:.2f}x / {builtin:.2f}x)", "met": par >= 0.9})
+                         "measured": f"{p['parity']:.2f}x ±{p['parity noise']:.2f} side by side ({b['median ms']:.1f} ms "
+                                     f"/ {p['median ms']:.1f} ms; {p['chosen']} vs {b['chosen']})"
+                                     + (f"; the searches' own: {searches:.2f}x" if searches is not None else ""),
+                         "met": p["parity"] >= 0.9})
+        elif searches is not None:
+            rows.append({"goal": f"parity, {held} / built-in (searches' own eager, not side by side)",
+                         "target": ">= 0.9x", "measured": f"{searches:.2f}x ({r['speedup']:.2f}x / {builtin:.2f}x)",
+                         "met": searches >= 0.9})
     full = at.get(("full", "user wrapper (AutoModel)"))
     if full is not None:
         rows.append({"goal": "full-length, user wrapper", "target": ">= 2.5x",
@@ -476,8 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     meta = provenance("benchmarks/optimize_user_models.py", argv, device="cpu",
                       packages=("torch", "transformers", "sentence-transformers", "onnxruntime", "openvino", "nncf"))
     others_at_start = others_running()
-    minilm, peer, coverage = [], [], []
+    minilm, peer, coverage, parity, candidates = [], [], [], [], []
     peer_meta: dict[str, str] = {}
+    parity_meta: dict[str, str] = {}
     wrapper, st, builtin = holdings(args.quick)
     plan = {"short": [wrapper, st, builtin] if "minilm-short" in sections else [],
             "full": [wrapper] if "minilm-full" in sections or "peer" in sections else []}  # time: wrapper only
@@ -485,23 +574,31 @@ def main(argv: list[str] | None = None) -> int:
         if names:
             rows, keep = run_minilm(kind, args, names)
             minilm += rows
+            if kind == "short":  # the issue's parity goal is on short sentences
+                parity, parity_meta = parity_rows(kind, keep, args)
             if "peer" in sections and kind == "full":  # the issue's peer goal is on full-length text
-                rows, peer_meta["eager timed"] = peer_rows(kind, keep, args)
+                rows, peer_meta["eager timed"] = peer_rows(kind, keep[USER], args)
                 peer += rows
+            del keep  # the searches' models and variants: memory for the next section
     if "coverage" in sections:
         cov_args = copy.copy(args)
         if args.quick:
             cov_args.cfg = {k: v for k, v in args.cfg.items() if k != "recipes"}
-        coverage = coverage_rows(cov_args)
+        coverage, candidates = coverage_rows(cov_args)
     meta["load average at end"] = " ".join(f"{v:.2f}" for v in __import__("os").getloadavg())
     meta["other processes at start"], meta["other processes at end"] = others_at_start, others_running()
     tables = [ResultTable("MiniLM held as users hold it (default config, budget "
                           f"{args.budget:.0f} s)", MINILM_COLUMNS, minilm, dict(meta)),
+              ResultTable("Wrapper parity: each holding's chosen variant side by side (one interleaved run, one "
+                          "eager)", PARITY_COLUMNS, parity, parity_meta),
               ResultTable("Side by side with OpenVINO (each interleaved with eager; own runtimes timed alone)",
                           PEER_COLUMNS, peer, peer_meta),
               ResultTable("Coverage set held as the HF class (default margins, recipe sweep, budget "
                           f"{COVERAGE_BUDGET_S:.0f} s)", COVERAGE_COLUMNS, coverage),
-              ResultTable("Goals (issue 15) from the rows above", GOAL_COLUMNS, goal_rows(minilm, peer))]
+              ResultTable("Coverage set: every candidate's outcome (search ratio: eager's search-time p50 over "
+                          "the candidate's; speedup: the final interleaved comparison, finalists only)",
+                          OUTCOME_COLUMNS, candidates),
+              ResultTable("Goals (issue 15) from the rows above", GOAL_COLUMNS, goal_rows(minilm, peer, parity))]
     name = "optimize_user_models" + ("_quick" if args.quick else "")
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps({t.title: t.to_json() for t in tables}, indent=2, default=str))

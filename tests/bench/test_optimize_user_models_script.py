@@ -28,13 +28,23 @@ def test_quick_run_writes_the_minilm_and_coverage_tables(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "CASES", {"vit": dataclasses.replace(bench.CASES["vit"], recipes=["dynamic-int8"])})
     assert bench.main(["--quick", "--only", "minilm-short", "coverage", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "optimize_user_models_quick.json").read_text())
-    minilm, _, coverage, goals = (t["rows"] for t in data.values())
+    by = {t.split(" ")[0] + (" outcomes" if "outcome" in t else ""): v["rows"] for t, v in data.items()}
+    minilm, parity, coverage, outcomes, goals = (by[k] for k in ("MiniLM", "Wrapper", "Coverage", "Coverage outcomes",
+                                                                "Goals"))
     held_as = ["user wrapper (AutoModel)", "SentenceTransformer", "built-in SentenceEncoder"]
     assert [r["held as"] for r in minilm] == held_as
     assert all(r["emb cos (held-out)"] > 0.99 and r["ran"] >= 1 and r["failed"] == 0 for r in minilm)
+    # parity side by side: the three chosen variants against one eager in one interleaved run
+    assert [r["held as"] for r in parity] == held_as
+    assert len({r["eager ms"] for r in parity}) == 1 and parity[2]["parity"] == pytest.approx(1.0)
+    assert all(r["median ms"] > 0 and r["speedup"] > 0 for r in parity)
     assert [r["model"] for r in coverage] == ["vit"] and coverage[0]["our fault"] == "none"
     assert coverage[0]["ran"] == "2/2"  # eager and dynamic-int8
+    assert [c["recipe"] for c in coverage[0]["candidates"]] == ["eager", "dynamic-int8"]
+    assert [r["recipe"] for r in outcomes] == ["eager", "dynamic-int8"]  # each candidate's outcome in the markdown
+    assert outcomes[1]["status"] in ("chosen", "verified", "rejected") and outcomes[1]["search ratio"] > 0
     assert goals and all(isinstance(r["met"], bool) for r in goals), goals
+    assert any(r["goal"].startswith("parity") and "side by side" in r["measured"] for r in goals), goals
     meta = next(iter(data.values()))["meta"]
     assert "--quick" in meta["command"] and "transformers" in meta["versions"]
     assert (tmp_path / "optimize_user_models_quick.png").stat().st_size > 0
@@ -63,3 +73,31 @@ def test_peer_table_times_eager_alone_from_the_wrappers_exported_program(tmp_pat
     finally:
         timer.close()
     torch.testing.assert_close(torch.load(tmp_path / "in.pt", weights_only=True)[0][0], x[0])
+
+
+def _bench(monkeypatch):
+    path = ROOT / "benchmarks" / "optimize_user_models.py"
+    spec = importlib.util.spec_from_file_location("optimize_user_models", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "optimize_user_models", bench)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_parity_goal_reads_the_side_by_side_run_not_the_searches_quotient(monkeypatch):
+    """The searches gave 12.59x / 14.33x (0.88x) for one recipe on the same weights, each over its own eager;
+    the goal is judged on the variants' own times in one run against one eager."""
+    bench = _bench(monkeypatch)
+    minilm = [{"inputs": "short", "held as": h, "chosen": "bert-unpad-int8", "speedup": s, "emb cos (held-out)": 0.998}
+              for h, s in ((bench.USER, 12.59), ("SentenceTransformer", 11.23), (bench.BUILTIN, 14.33))]
+    parity = [{"inputs": "short", "held as": h, "chosen": "bert-unpad-int8", "median ms": ms, "parity": p,
+               "parity noise": 0.03} for h, ms, p in ((bench.USER, 51.0, 0.98), ("SentenceTransformer", 60.0, 0.83),
+                                                      (bench.BUILTIN, 50.0, 1.0))]
+    goals = {r["goal"]: r for r in bench.goal_rows(minilm, [], parity)}
+    user = goals[f"parity, {bench.USER} / built-in"]
+    assert user["met"] is True and "0.98x" in user["measured"] and "side by side" in user["measured"]
+    assert "0.88x" in user["measured"]  # the searches' quotient stays visible beside it
+    assert goals["parity, SentenceTransformer / built-in"]["met"] is False
+    # without the side-by-side rows the searches' quotient is used, and labelled so
+    old = {r["goal"]: r for r in bench.goal_rows(minilm, [])}
+    assert old[f"parity, {bench.USER} / built-in (searches' own eager, not side by side)"]["met"] is False
