@@ -370,3 +370,31 @@ def test_minilm_int8_calibrated_on_short_sentences_holds_on_long_text(tmp_path):
         for h in held:
             rows, pooled = _real_row_cosines(model(*h), built.fn(*h), h[1])
             assert rows >= 0.99 and pooled >= 0.99, (built.notes, rows, pooled)
+
+
+def test_plan_from_start_reuses_its_forwards_and_finds_the_same_layers(monkeypatch):
+    """Going on from a plan takes its references and activation ranges (no forwards of its own for them) and
+    a cosine already measured for its layers; the result is the plan made from scratch."""
+    import torchnitro.autotune.recipes.int8_mixed as im
+
+    model = random_hf_model(bert_config(initializer_range=0.1), seed=1)
+    with torch.no_grad():
+        model.encoder.encoder.layer[1].intermediate.dense.weight[:4] *= 40.0
+    base = UnpaddedBert(model).eval()
+    calib = [_ragged(8, 32, seed=5)]
+    loose = plan_mixed_int8(base, calib, target=0.5, alpha=None)
+    target = 1 - (1 - loose["cosine"]) / 10
+    first = plan_mixed_int8(base, calib, target=target, alpha=None, max_fp32_fraction=1.0)
+    assert first["fp32"]
+    stricter = 1 - (1 - target) / 3
+    scratch = plan_mixed_int8(base, calib, target=stricter, alpha=None, max_fp32_fraction=1.0, start=first)
+    ranges, cosines = [], []
+    real_absmax, real_cos = im.activation_absmax, im.calibration_cosine
+    monkeypatch.setattr(im, "activation_absmax", lambda *a, **k: ranges.append(1) or real_absmax(*a, **k))
+    monkeypatch.setattr(im, "calibration_cosine", lambda *a, **k: cosines.append(1) or real_cos(*a, **k))
+    on = plan_mixed_int8(base, calib, target=stricter, alpha=None, max_fp32_fraction=1.0, start=first,
+                         start_cosine=first["cosine"] if first["cosine"] < stricter else None)
+    assert not ranges  # references and ranges from the start plan
+    assert on["fp32"] == scratch["fp32"] and on["cosine"] == pytest.approx(scratch["cosine"])
+    added = len(on["fp32"]) - len(first["fp32"])
+    assert len(cosines) == added + (first["cosine"] >= stricter)  # start's own layers not measured again

@@ -157,8 +157,10 @@ class SmoothedInt8Linear(nn.Module):
         return self.q(x.mul_(self.inv_scale) if self.inplace else x * self.inv_scale)
 
 
-def activation_absmax(model: nn.Module, calib: Sequence[tuple[Any, ...]], names: Sequence[str]) -> dict[str, Tensor]:
-    """Per-input-channel max |x| seen by each Linear on the calibration inputs."""
+def activation_absmax(model: nn.Module, calib: Sequence[tuple[Any, ...]], names: Sequence[str],
+                      outputs: list[list[Tensor]] | None = None) -> dict[str, Tensor]:
+    """Per-input-channel max |x| seen by each Linear on the calibration inputs; ``outputs``: a list the
+    model's (copied) outputs on them are appended to, so the references cost no forwards of their own."""
     amax: dict[str, Tensor] = {}
 
     def hook(name: str):
@@ -171,7 +173,9 @@ def activation_absmax(model: nn.Module, calib: Sequence[tuple[Any, ...]], names:
     try:
         with torch.inference_mode():
             for x in calib:
-                model(*x)
+                out = model(*x)
+                if outputs is not None:
+                    outputs.append(_kept(out))
     finally:
         for h in handles:
             h.remove()
@@ -286,7 +290,7 @@ def _plan_engine(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: flo
             if cos >= target:
                 break
             try:
-                plan = plan_mixed_int8(model, calib, target, engine=engine, kept=k, start=first)
+                plan = plan_mixed_int8(model, calib, target, engine=engine, kept=k, start=first, start_cosine=cos)
             except RecipeError:
                 continue  # this precision needs more layers kept than allowed: the next one
         q = make(plan, engine, k) if len(kept) > 1 else make(plan, engine)
@@ -382,7 +386,8 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
                     names: Sequence[str] | None = None, alpha: float | None = 0.75,
                     max_fp32_fraction: float = 0.5, sensitivity_rows: int = 8,
                     full_range: bool | None = None, engine: str = "fbgemm", outliers: bool = False,
-                    kept: str = "fp32", start: dict[str, Any] | None = None) -> dict[str, Any]:
+                    kept: str = "fp32", start: dict[str, Any] | None = None,
+                    start_cosine: float | None = None) -> dict[str, Any]:
     """Pick the Linears to keep out of int8 (in ``kept`` precision, see ``kept_module``) so the worst
     calibration cosine is >= ``target``.
 
@@ -399,14 +404,20 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
     without them (two FFN down-projections kept fp32) holds 0.99 (results/optimize_user_models.md).
     The layers kept out of int8 are returned as ``"fp32"`` whatever ``kept`` is (returned as ``"kept"``).
     ``start``: a plan of the same model on the same calibration sets (another ``kept`` precision) to go on
-    from: its sensitivity ranking, its kept layers first, more down the ranking as this precision needs.
+    from: its sensitivity ranking, references and activation ranges (the same forwards would give them
+    again: a tenth of a full-length MiniLM build), its kept layers first, more
+    down the ranking as this precision needs. ``start_cosine``: the calibration cosine already measured
+    with ``start``'s layers kept in this precision, so it is not measured again.
     """
     full_range = full_range_ok() if full_range is None else full_range
     names = list(names) if names is not None else linear_names(model)
     if not names:
         raise RecipeError("mixed int8: the model has no nn.Linear layers; expected at least one to quantise")
-    refs = _references(model, calib)
-    amax = activation_absmax(model, calib, names)
+    if start is not None and start.get("names") == names:  # (a Linear that never runs has no range)
+        refs, amax = start["refs"], start["amax"]
+    else:
+        refs = []
+        amax = activation_absmax(model, calib, names, refs)  # the references come from the same forwards
     split = outlier_channels(amax) if outliers and engine in ("onednn", "rowwise") else {}
     scales = smooth_scales(model, amax, alpha) if alpha is not None else {}
     sw = _Swapper(model, names, scales, full_range, engine, split, kept)
@@ -428,14 +439,16 @@ def plan_mixed_int8(model: nn.Module, calib: Sequence[tuple[Any, ...]], target: 
     fp32: list[str] = [n for n in order if n in start["fp32"]] if start is not None else []
     for n in fp32:
         sw.set(n, False)
+    known = start_cosine if start is not None else cos  # the cosine of the layers as they are set, if measured
     while True:
-        if fp32 or cos is None:
-            cos = calibration_cosine(sw.model, calib, refs)
+        cos = calibration_cosine(sw.model, calib, refs) if known is None else known
+        known = None
         if cos >= target:
             int8 = [n for n in names if n not in fp32]
             return {"int8": int8, "fp32": fp32, "kept": kept, "cosine": cos, "sensitivity": sens,
                     "full_range": full_range,
-                    "scales": {n: scales[n] for n in int8 if n in scales}, "refs": refs, "alpha": alpha,
+                    "scales": {n: scales[n] for n in int8 if n in scales}, "refs": refs, "amax": amax, "names": names,
+                    "alpha": alpha,
                     "outliers": {n: split[n] for n in int8 if n in split}}
         if len(fp32) + 1 > max_fp32_fraction * len(names):
             raise RecipeError(
