@@ -27,11 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # AOT only: no TPU to guard with libtpu's lockfile
 if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# --buffers DIR: XLA dumps every compile's buffer assignment into DIR/current (read after each compile);
-# the flag has to be in the environment before jax is imported
-_DUMP = sys.argv[sys.argv.index("--buffers") + 1] if "--buffers" in sys.argv[:-1] else None
-if _DUMP:
-    os.environ["XLA_FLAGS"] += f" --xla_dump_to={os.path.join(_DUMP, 'current')} --xla_dump_hlo_as_text"
+_DUMP: str | None = None  # --buffers DIR: every compile's XLA dump is kept in DIR/<row name>
 
 from torchnitro.bench.provenance import provenance  # noqa: E402
 from torchnitro.xla.layout import pad_config  # noqa: E402
@@ -42,35 +38,22 @@ MIB = 1024**2
 
 
 def _row(cfg: LMConfig, target: str, mesh: str, rules: str, remat: str, b: int, seq: int) -> dict:
-    if _DUMP:
-        shutil.rmtree(os.path.join(_DUMP, "current"), ignore_errors=True)
+    dump = os.path.join(_DUMP, f"{target.replace(':', '_')}_{rules}_{remat}_{cfg.attention}_b{b}") if _DUMP else None
+    if dump:
+        shutil.rmtree(dump, ignore_errors=True)
     t0 = time.perf_counter()
-    p = plan_memory(cfg, b, seq, mesh=mesh, rules=rules, remat=remat, target=target)
+    p = plan_memory(cfg, b, seq, mesh=mesh, rules=rules, remat=remat, target=target, dump_dir=dump)
     c, e = p.compiled, p.estimate
     row = dict(target=target, mesh=p.mesh, rules=rules, remat=remat, attention=cfg.attention, batch=b, seq=seq,
                argument=c.argument, output=c.output, alias=c.alias, temp=c.temp, peak=c.peak,
                est_argument=e.argument, est_at_peak=e.at_peak, est_temp=e.temp, est_peak=e.peak,
                est_error=p.estimate_error, hbm=p.hbm,
                flops=p.flops, compile_s=time.perf_counter() - t0)
-    if _DUMP:
-        row |= _buffers(f"{target.replace(':', '_')}_{rules}_{remat}_{cfg.attention}_b{b}")
+    if dump:
+        row |= _reread(dict(xla_dump=dump)) | dict(xla_dump=dump)
     print(f"{target} {rules} {remat} {cfg.attention} B={b}: peak {c.peak / MIB:.1f} MiB, estimate "
           f"{e.peak / MIB:.1f} MiB ({100 * p.estimate_error:+.0f}%)", file=sys.stderr, flush=True)
     return row
-
-
-def _buffers(name: str) -> dict:
-    """XLA's own buffer assignment of the compile just made (torchnitro.xla.dump); the dump is kept as DIR/name."""
-    from torchnitro.xla.dump import read_buffer_dump
-
-    cur, keep = os.path.join(_DUMP, "current"), os.path.join(_DUMP, name)
-    try:
-        d = read_buffer_dump(cur)
-    except Exception as exc:  # a dump that is missing or unreadable is recorded, never fatal to the grid
-        return dict(xla_dump_error=f"{type(exc).__name__}: {exc}"[:300])
-    shutil.rmtree(keep, ignore_errors=True)
-    os.rename(cur, keep)
-    return _xla_numbers(d) | dict(xla_dump=keep)
 
 
 def _xla_numbers(d) -> dict:  # a torchnitro.xla.dump.BufferDump as row fields (color 0: HBM, 1: VMEM)
@@ -159,7 +142,8 @@ def _buffers_md(rows: list[dict]) -> list[str]:
                          and r["attention"] == "plain"}
                     if len(t) == 3:
                         cells.append(f"{rules} B={b}: {_ordered(t)}")
-            out.append(f"Remat ordering none > dots_saveable > nothing_saveable in {what}: " + "; ".join(cells))
+            if cells:
+                out.append(f"Remat ordering none > dots_saveable > nothing_saveable in {what}: " + "; ".join(cells))
     return out
 
 
@@ -223,7 +207,10 @@ def _reread(row: dict) -> dict:
 
     if not row.get("xla_dump") or not os.path.isdir(row["xla_dump"]):
         return {}
-    return _xla_numbers(read_buffer_dump(row["xla_dump"]))
+    try:
+        return _xla_numbers(read_buffer_dump(row["xla_dump"]))
+    except Exception as exc:  # a dump that is missing or unreadable is recorded, never fatal to the grid
+        return dict(xla_dump_error=f"{type(exc).__name__}: {exc}"[:300])
 
 
 def _reestimate(path: str) -> tuple[dict, list[dict]]:
@@ -376,6 +363,8 @@ def main() -> None:
                     "and record its HBM/VMEM temp allocations and live peaks beside memory_analysis")
     ap.add_argument("--out", default=os.environ.get("TORCHNITRO_RESULTS", "results"))
     args = ap.parse_args()
+    global _DUMP
+    _DUMP = args.buffers
     if args.throughput:
         t = _throughput()
         os.makedirs(args.out, exist_ok=True)

@@ -11,6 +11,8 @@ can be compared; ``find_batch_size`` searches the largest batch whose compiled p
 from __future__ import annotations
 
 import math
+import tempfile
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -19,6 +21,7 @@ import optax
 from jax.sharding import Mesh
 
 from torchnitro.errors import BudgetError, ConfigError
+from torchnitro.xla.dump import read_buffer_dump
 from torchnitro.xla.estimate import MemoryEstimate, estimate_memory
 from torchnitro.xla.lm import batch_spec, lm_train_step
 from torchnitro.xla.mesh import TPU_HBM_GIB, MeshConfig, make_mesh, parse_target
@@ -38,8 +41,9 @@ class CompiledMemory:
     argument: int  # inputs: parameter, optimizer-state and batch shards
     output: int  # results (new parameters and state, loss)
     alias: int  # outputs written into donated inputs (counted in both argument and output)
-    temp: int  # scratch: gradients, saved activations, collectives' buffers
+    temp: int  # scratch: gradients, saved activations, collectives' buffers (see _tpu_temp for v5e)
     code: int  # generated code
+    hbm_temp: int | None = None  # XLA's HBM temp allocation from its buffer dump (TPU targets; None on host)
 
     @property
     def peak(self) -> int:
@@ -99,17 +103,51 @@ def _hbm(target: str, step: TrainStep) -> int | None:
     return None if target == "host" else hbm_per_device(target, list(step.mesh.devices.flat))
 
 
+def _hbm_temp_allocation(dump_dir: str) -> int | None:
+    try:
+        return read_buffer_dump(dump_dir).temp_by_color.get(0, 0)
+    except (ConfigError, OSError):  # no dump written (another libtpu, other flags): memory_analysis alone
+        return None
+
+
+def _tpu_temp(reported: int, hbm_temp: int | None, target: str) -> int:
+    """memory_analysis temp, or XLA's HBM temp allocation where libtpu reports 0 for a program that has one.
+
+    libtpu 0.0.42.1 reports temp 0 for v5e programs whose dumped buffer assignment holds megabytes of HBM
+    temp (docs/xla.md, "What memory_analysis temp is on a TPU"); a planner that took the 0 would call
+    every such program a fit.
+    """
+    if reported == 0 and hbm_temp:
+        warnings.warn(f"{target}: compiled.memory_analysis() reports temp 0 but XLA's buffer assignment has "
+                      f"{hbm_temp / 2**20:.1f} MiB of HBM temp; using the buffer assignment's number",
+                      stacklevel=3)
+        return hbm_temp
+    return reported
+
+
 def plan_memory(cfg: LMConfig, batch_size: int, seq_len: int, *, mesh: str | MeshConfig = "1x-1x1",
                 rules: str = "fsdp", remat: str | Sequence[str] = "none", target: str = "host",
-                optimizer: optax.GradientTransformation | None = None) -> MemoryPlan:
-    """Compile the LM's sharded train step for ``target`` (no execution) and report its memory per device."""
+                optimizer: optax.GradientTransformation | None = None, dump_dir: str | None = None) -> MemoryPlan:
+    """Compile the LM's sharded train step for ``target`` (no execution) and report its memory per device.
+
+    ``dump_dir`` keeps XLA's dump of the compile there (``torchnitro.xla.dump.read_buffer_dump`` reads it).
+    """
     opt = optimizer or optax.adamw(1e-3)
     step = _lm_step(cfg, batch_size, seq_len, mesh, rules, remat, target, opt)
     params = param_spec(cfg)
-    compiled = step.lower(params, jax.eval_shape(opt.init, params), batch_spec(batch_size, seq_len)).compile()
+    lowered = step.lower(params, jax.eval_shape(opt.init, params), batch_spec(batch_size, seq_len))
+    hbm_temp = None
+    if target == "host" and dump_dir is None:
+        compiled = lowered.compile()
+    else:  # XLA's own HBM temp allocation from its buffer dump, beside memory_analysis (see _tpu_temp)
+        with tempfile.TemporaryDirectory(prefix="torchnitro-xla-dump-") as tmp:
+            d = dump_dir or tmp
+            compiled = lowered.compile(compiler_options={"xla_dump_to": d, "xla_dump_hlo_as_text": True})
+            hbm_temp = _hbm_temp_allocation(d) if target != "host" else None
     ma = compiled.memory_analysis()
     cm = CompiledMemory(ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
-                        ma.temp_size_in_bytes, ma.generated_code_size_in_bytes)
+                        _tpu_temp(ma.temp_size_in_bytes, hbm_temp, target), ma.generated_code_size_in_bytes,
+                        hbm_temp)
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost  # older jax returned one dict per program
     return MemoryPlan(target=target, mesh=dict(step.mesh.shape), rules=rules,
