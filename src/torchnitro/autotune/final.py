@@ -9,7 +9,9 @@ timed alone, each in its own fresh process, in both runs (``autotune.fair``: whe
 in a child it is timed here and its row says why; eager re-created from its torch.export program only
 when that runs alone at eager's search-time speed); each sample follows one untimed call (``fair.Steady``);
 eager inside the comparison is checked against eager alone (both measured again, once, when it drifted);
-the chosen variant is then tried under glibc's allocator setting.
+the chosen variant is then tried under glibc's allocator setting. Every timing process starts with
+``bench.environment.THREAD_SETTING`` (OpenMP's wait bounded, so eager, TorchScript and inductor's kernels keep
+one speed while anything else runs on the machine); the report's "timing environment" note names it.
 """
 
 from __future__ import annotations
