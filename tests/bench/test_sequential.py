@@ -83,6 +83,12 @@ def test_a_change_up_to_the_threshold_is_called_slower_at_most_alpha(change, old
     assert all(v.p_threshold < 0.05 / 2 and "at most 5%" in v.reason for v in slower)
 
 
+def test_a_speedup_beyond_the_threshold_is_faster_and_one_within_it_is_not():
+    cfg = SequentialConfig()
+    assert [compare_sequential(_batches(s, -0.10), cfg).verdict for s in range(10)] == ["faster"] * 10
+    assert "faster" not in [compare_sequential(_batches(s, -0.045, tail=0.1), cfg).verdict for s in range(10)]
+
+
 def test_beyond_threshold_p_tests_the_threshold_not_zero():
     rng = np.random.default_rng(0)
     base = rng.normal(1e-3, 1e-5, 40)
