@@ -477,6 +477,9 @@ def main() -> None:
     else:
         profiler_rows(table, args.quick)
         lap("profiler")
+        table.meta["partial"] = "synthetic and profiler rows only: the real detector runs had not finished"
+        table.save(name)  # kept if the long real runs are stopped; replaced when they finish
+        del table.meta["partial"], table.meta["written"]
         rec = record_real(trials, args.quick, SequentialConfig(), shared_base=args.shared_base)
         lap("real-run timing")
         rec["written"] = table.meta.get("started", "")
