@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torchnitro
 from torchnitro.autotune import fair
+from torchnitro.bench.environment import THREAD_SETTING
 from torchnitro.bench.isolated import ChildTimer
 
 
@@ -26,6 +27,7 @@ def test_final_comparison_children_start_with_the_thread_setting_and_the_report_
                               fast_cfg(recipes=["test-faster"], final_alone=True))
     assert opt.report.get("eager").alone and opt.report.get("test-faster").alone
     assert len(started) >= 2  # eager's process and the candidate's
-    assert all(t.env.get("GOMP_SPINCOUNT") == "10000" for t in started), [t.env for t in started]
+    assert all(t.env == THREAD_SETTING for t in started), [t.env for t in started]
+    setting = " ".join(f"{k}={v}" for k, v in THREAD_SETTING.items())
     env_notes = [n for n in opt.report.notes if n.startswith("timing environment:")]
-    assert env_notes and env_notes[0].endswith("timing processes started with GOMP_SPINCOUNT=10000")
+    assert env_notes and env_notes[0].endswith(f"timing processes started with {setting}")
