@@ -276,10 +276,13 @@ def profiler_rows(table: ResultTable, quick: bool) -> None:
                      f"(earlier, median) {roofline / 1e9:.1f} GFLOP/s")
 
 
-def record_real(trials: int, quick: bool, seq: SequentialConfig, shared_base: bool = False) -> dict[str, Any]:
+def record_real(trials: int, quick: bool, seq: SequentialConfig, shared_base: bool = False,
+                checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Raw samples of the real detector runs: {label: {"interleaved"/"back to back": [trial, ...]}}, a trial
     being the batches [[base, new], ...] the sequential detector asked for (the first is the 20-sample run
-    every tool decides on). ``shared_base``: see ``_record_shared``."""
+    every tool decides on). ``shared_base``: see ``_record_shared``. ``checkpoint`` gets what is recorded so
+    far after each label (every 50 trials with ``shared_base``), so a stopped run keeps its samples."""
+    save = checkpoint or (lambda part: None)
     torch.manual_seed(0)
     n, reps = (32, 100) if quick else (64, 100)
     a = torch.randn(n, n)
@@ -299,7 +302,7 @@ def record_real(trials: int, quick: bool, seq: SequentialConfig, shared_base: bo
                            "load average at start": _load()}
     if shared_base:
         news = {label: work(round(reps * (1 + extra))) if extra else fn for label, extra in _SLOWDOWNS.items()}
-        out.update(_record_shared(trials, fn, news, cfg, seq))
+        out.update(_record_shared(trials, fn, news, cfg, seq, lambda part: save({**out, **part})))
         out["load average at end"] = _load()
         return out
 
@@ -321,6 +324,7 @@ def record_real(trials: int, quick: bool, seq: SequentialConfig, shared_base: bo
                 compare_sequential(more, seq, paired=mode == "interleaved")  # decided again from the file
                 runs[mode].append(batches)
         out[label] = runs
+        save(out)
         sys.stderr.write(f"profile_and_detect: real runs, {label}: {trials} trials of both modes timed "
                          f"(load average {_load()})\n")
     out["load average at end"] = _load()
@@ -332,7 +336,7 @@ def _us(samples: Sequence[float]) -> list[float]:  # ns resolution, about half t
 
 
 def _record_shared(trials: int, fn: Callable[[], Any], news: dict[str, Callable[[], Any]], cfg: TimingConfig,
-                   seq: SequentialConfig) -> dict[str, Any]:
+                   seq: SequentialConfig, checkpoint: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """The trials of every label at once, one base run shared by the labels still open (``--shared-base``).
 
     Per trial and mode, each batch times the base once and the new side of every label whose sequential
@@ -371,6 +375,7 @@ def _record_shared(trials: int, fn: Callable[[], Any], news: dict[str, Callable[
             for label in labels:
                 out[label][mode].append(batches[label])
         if (t + 1) % 50 == 0 or t + 1 == trials:
+            checkpoint(out)
             sys.stderr.write(f"profile_and_detect: real runs, shared base: {t + 1}/{trials} trials timed "
                              f"(load average {_load()})\n")
     return out
@@ -470,7 +475,8 @@ def main() -> None:
     if args.from_samples is not None:
         rec = json.loads(args.from_samples.read_text())
         table.meta["samples"] = f"{args.from_samples} (recorded {rec.get('written', '?')}, load average "\
-                                f"{rec.get('load average at start')} -> {rec.get('load average at end')})"
+                                f"{rec.get('load average at start')} -> {rec.get('load average at end')})"\
+                                + (f"; PARTIAL: {rec['partial']}" if rec.get("partial") else "")
         decide_real(table, rec, borrow=args.borrow_later_trials)
         name = "profile_and_detect_recorded" + ("_borrowed" if args.borrow_later_trials else "")
         lap("deciding")
@@ -480,10 +486,15 @@ def main() -> None:
         table.meta["partial"] = "synthetic and profiler rows only: the real detector runs had not finished"
         table.save(name)  # kept if the long real runs are stopped; replaced when they finish
         del table.meta["partial"], table.meta["written"]
-        rec = record_real(trials, args.quick, SequentialConfig(), shared_base=args.shared_base)
+        path = results_dir() / f"{name}_samples.json"
+
+        def checkpoint(part: dict[str, Any]) -> None:  # a stopped run keeps the samples taken so far
+            path.write_text(json.dumps({**part, "written": table.meta.get("started", ""),
+                                        "partial": "the real runs had not finished"}))
+
+        rec = record_real(trials, args.quick, SequentialConfig(), shared_base=args.shared_base, checkpoint=checkpoint)
         lap("real-run timing")
         rec["written"] = table.meta.get("started", "")
-        path = results_dir() / f"{name}_samples.json"
         path.write_text(json.dumps(rec))
         table.meta["samples"] = f"{path.name} (load average {rec['load average at start']} -> " \
                                 f"{rec['load average at end']})"

@@ -133,7 +133,10 @@ def test_shared_base_records_each_rows_trials_and_replays_them(monkeypatch):
     monkeypatch.setattr(pd, "measure", lambda f, cfg: (calls.append(["measure", f.level]), _T(f.level))[1])
     news = {"A/A": _Level(1.0), "10% slower": _Level(1.1), "3% slower": _Level(1.03)}
     seq = pd.SequentialConfig(looks=3)
-    rec = pd._record_shared(4, _Level(1.0), news, pd.TimingConfig(), seq)
+    saved: list[int] = []
+    rec = pd._record_shared(4, _Level(1.0), news, pd.TimingConfig(), seq,
+                            lambda part: saved.append(len(part["A/A"]["interleaved"])))
+    assert saved == [4]  # the last trial checkpoints what was recorded
     for label in news:
         for mode in ("interleaved", "back to back"):
             assert len(rec[label][mode]) == 4  # every row has its trials
