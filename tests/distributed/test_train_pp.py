@@ -56,6 +56,22 @@ def test_train_pp2_matches_unsplit_and_resumes_bit_exact(tmp_path, monkeypatch):
     assert sorted(p.name for p in pp.glob("step_*")) == ["step_00000002", "step_00000004"]
 
 
+@pytest.mark.timeout(240)
+def test_train_pp2_times_replicas2_matches_unsplit(tmp_path, monkeypatch):
+    """PP x DDP through the CLI flags on 4 ranks: 2 stages x 2 replicas, the replicas averaged after each step."""
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(CONFIG)
+    flags = ["train", "--config", str(cfg), "--data", DATA, "--batch", "8", "--grad-accum", "1", "--steps", "3"]
+    assert main([*flags, "--ckpt", str(tmp_path / "pp"), "--dp-replicate", "2"]) == 0
+    assert main([*flags, "--ckpt", str(tmp_path / "one"), "--pp", "1"]) == 0
+    piped, unsplit = _log(tmp_path / "pp"), _log(tmp_path / "one")
+    assert [r["world"] for r in piped] == [4] * 3 and len(unsplit) == 3
+    for a, b in zip(piped, unsplit):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), f"step {a['step']}: PP x DDP vs unsplit"
+
+
 def test_pipeline_batch_must_split_into_micro_batches():
     with pytest.raises(InputError, match=r"6 samples per data-parallel rank, with a pipeline of microbatches=4"):
         _check(TrainConfig(batch=12), 2, 4)
