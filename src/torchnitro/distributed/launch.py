@@ -11,6 +11,9 @@
   attempt's workers meet at a new store on a new port (``launch_env``), not the agent's shared one.
 - ``python script.py ...`` and ``python -m module ...`` run under the launcher's own interpreter;
   any other command runs as is (torchrun's ``--no-python``).
+- ``prewarm`` (``torchnitro train``'s default without CUDA): for ``python -m module``, one fork server per
+  node imports the module once and every worker of every attempt is forked from it (``prewarm.py``), so a
+  restart does not pay for importing torch again (results/distributed_resume.md).
 
 Multi-node: run the same command on every node with ``--nnodes N --rdzv-endpoint HOST:PORT`` (the
 host of one node, a port open between them) and the same ``--rdzv-id``; under Slurm, one task per
