@@ -81,6 +81,7 @@ _TIMING_ENV = " ".join(f"{k}={v}" for k, v in THREAD_SETTING.items())
 THREAD_SETTINGS = {  # name -> (environment of a fresh process (libgomp reads it once, at start-up), no mallopt)
     "libgomp default (~3 ms spin)": ({"GOMP_SPINCOUNT": "300000"}, {}),  # libgomp's value when nothing is set
     f"timing processes ({_TIMING_ENV})": (dict(THREAD_SETTING), {}),
+    "GOMP_SPINCOUNT=1000 (~10 us spin)": ({"GOMP_SPINCOUNT": "1000"}, {}),
     "OMP_WAIT_POLICY=PASSIVE (no spin)": ({"OMP_WAIT_POLICY": "PASSIVE"}, {}),
 }
 BUSY = "while True: pass"  # the competitor: one runnable thread that never blocks
