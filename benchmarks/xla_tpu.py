@@ -62,11 +62,12 @@ def _xla_numbers(d) -> dict:  # a torchnitro.xla.dump.BufferDump as row fields (
                 xla_values_peak_hbm=d.values_peak_by_color.get(0, 0))
 
 
-def _grid(cfg: LMConfig, target: str, batches: list[int], seq: int) -> list[dict]:
+def _grid(cfg: LMConfig, target: str, batches: list[int], seq: int,
+          rule_sets: tuple[str, ...] = ("fsdp", "fsdp_tp")) -> list[dict]:
     rows = [_row(cfg, target, mesh, rules, remat, b, seq)
-            for mesh, rules in (("1x-1x1", "fsdp"), ("2x-1x2", "fsdp_tp"))
+            for mesh, rules in (("1x-1x1", "fsdp"), ("2x-1x2", "fsdp_tp")) if rules in rule_sets
             for remat in ("none", "dots_saveable", "nothing_saveable") for b in batches]
-    if target != "host":  # the Pallas kernel compiled for the TPU (Mosaic), no (B, H, T, T) scores
+    if target != "host" and "fsdp" in rule_sets:  # the Pallas kernel compiled for the TPU (Mosaic)
         flash = dataclasses.replace(cfg, attention="flash")
         rows += [_row(flash, target, "1x-1x1", "fsdp", "nothing_saveable", b, seq) for b in batches]
     return rows
@@ -359,6 +360,8 @@ def main() -> None:
                     help="compile the seed's 14/22/38 GB configuration only (use --targets v5p:2x2x2,v4:2x2x1)")
     ap.add_argument("--throughput", action="store_true", help="8 host devices vs 1 device step time only")
     ap.add_argument("--reestimate", metavar="JSON", help="recompute the estimates of an earlier run's rows only")
+    ap.add_argument("--rules", default="fsdp,fsdp_tp", help="rule sets of the grid (fsdp 1x8x1, fsdp_tp 2x2x2); "
+                    "flash rows come with fsdp")
     ap.add_argument("--buffers", metavar="DIR", help="also dump XLA's buffer assignment of every compile into DIR "
                     "and record its HBM/VMEM temp allocations and live peaks beside memory_analysis")
     ap.add_argument("--out", default=os.environ.get("TORCHNITRO_RESULTS", "results"))
@@ -388,8 +391,10 @@ def main() -> None:
                 ["host", "v5p:2x2x2"], [8, 32], 128
         else:
             (cfg, seq), targets, batches = MODELS[args.model], args.targets.split(","), [8, 32]
-        rows = [r for t in targets for r in _grid(cfg, t, batches, seq)]
-        name += "_buffers" if args.buffers else ""
+        rule_sets = tuple(args.rules.split(","))
+        rows = [r for t in targets for r in _grid(cfg, t, batches, seq, rule_sets)]
+        name += ("_" + "_".join(rule_sets) if rule_sets != ("fsdp", "fsdp_tp") else "") + \
+            ("_buffers" if args.buffers else "")
         pad = _padding(LMConfig(vocab_size=1000, dim=200, n_layers=2, n_heads=5, max_seq_len=64))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
