@@ -570,6 +570,7 @@ def main() -> None:
     ap.add_argument("--name", default="serve_cpu", help="results/<name>.{json,md,png}")
     ap.add_argument("--int8-artifact", help="serve this bert-unpad-int8 artifact directory as minilm-int8 instead "
                     "of building one (the build can pass its 120 s limit on a loaded machine)")
+    ap.add_argument("--note", help="a line for the results header (e.g. what else loaded the machine)")
     ap.add_argument("--litserve-server")
     ap.add_argument("--floor-server", action="store_true")
     ap.add_argument("--litserve-fast-queue", type=int, default=1, help="1: LitServe's ZeroMQ transport, 0: its default")
@@ -598,6 +599,8 @@ def main() -> None:
                               "workers": args.workers, "threads_per_worker": args.threads,
                               "rounds": args.rounds, "burst_s": args.burst, "concurrency": args.concurrency,
                               "litserve": getattr(ls, "__version__", "not installed") if ls else "not installed"})
+    if args.note:
+        table.meta["note"] = args.note
     raw: dict[str, Any] = {}
     models = args.models.split(",")
     if "minilm" in models:
