@@ -76,7 +76,7 @@ PARITY_COLUMNS = ("inputs", "held as", "chosen", "eager ms", "median ms", "speed
 OUTCOME_COLUMNS = ("model", "recipe", "status", "speedup", "timed", "noise", "min cos", "why")
 USER, BUILTIN = "user wrapper (AutoModel)", "built-in SentenceEncoder"
 GATE_COSINE = 0.99  # the int8/reduced gate: worst token-row cosine at real positions
-COVERAGE_COLUMNS = ("model", "inputs", "chosen", "speedup", "noise", "ran", "failed", "our fault", "search s",
+COVERAGE_COLUMNS = ("model", "size", "inputs", "chosen", "speedup", "noise", "ran", "failed", "our fault", "search s",
                     "failed recipes")
 
 
@@ -421,6 +421,18 @@ def parity_rows(kind: str, keep: dict[str, dict[str, Any]], args: argparse.Names
 
 # ---- the coverage set -------------------------------------------------------------------------------
 
+def _size(model: nn.Module) -> str:
+    """Parameters, layers and width from the HF config: the coverage models are small (the BERT row is 2 layers
+    of width 128, not BERT-base), and what a recipe gains depends on it."""
+    cfg = getattr(model, "config", None)
+    n = sum(p.numel() for p in model.parameters())
+    layers = next((getattr(cfg, k) for k in ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+                   if isinstance(getattr(cfg, k, None), int)), None)
+    width = next((getattr(cfg, k) for k in ("hidden_size", "n_embd", "dim", "d_model")
+                  if isinstance(getattr(cfg, k, None), int)), None)
+    return f"{n / 1e6:.2f}M" + (f", {layers} x {width}" if layers and width else "")
+
+
 def coverage_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """Each coverage model's search: its row, and every candidate's outcome (``outcome_rows``)."""
     rows, outcomes = [], []
@@ -437,7 +449,7 @@ def coverage_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
         search_s = time.perf_counter() - t0
         ran, failed, why = _counts(om.report)
         c = om.report.get(om.recipe)
-        rows.append({"model": name, "inputs": om.report.inputs, "chosen": om.recipe, "speedup": c.speedup or 1.0,
+        rows.append({"model": name, "size": _size(model), "inputs": om.report.inputs, "chosen": om.recipe, "speedup": c.speedup or 1.0,
                      "noise": c.noise, "ran": f"{ran}/{len(recipes) + 1}", "failed": failed,
                      "our fault": _our_fault(om.report), "search s": search_s,
                      "failed recipes": "; ".join(why)[:300], "candidates": _candidates(om.report),  # JSON only

@@ -40,6 +40,7 @@ def test_quick_run_writes_the_minilm_and_coverage_tables(tmp_path, monkeypatch):
     assert all(r["median ms"] > 0 and r["speedup"] > 0 for r in parity)
     assert [r["model"] for r in coverage] == ["vit"] and coverage[0]["our fault"] == "none"
     assert coverage[0]["ran"] == "2/2"  # eager and dynamic-int8
+    assert coverage[0]["size"].endswith("M, 2 x 32"), coverage[0]["size"]  # parameters, layers x width
     assert [c["recipe"] for c in coverage[0]["candidates"]] == ["eager", "dynamic-int8"]
     assert [r["recipe"] for r in outcomes] == ["eager", "dynamic-int8"]  # each candidate's outcome in the markdown
     assert outcomes[1]["status"] in ("chosen", "verified", "rejected") and outcomes[1]["speedup"] > 0
