@@ -126,10 +126,12 @@ def test_a_repeated_header_is_parsed_once_and_every_body_still_checked(monkeypat
     assert parser.parse(body, n, other).rows == 2 and len(calls) == 2
 
 
-def test_headers_with_an_id_are_not_kept():
+def test_headers_with_an_id_or_over_4_kb_are_not_kept():
     parser = BinaryParser()
     for rid in ("a", "b"):
         assert parser.parse(*x_ids(np.ones((1, 4)), np.ones((1, 3)), id=rid), SIG).id == rid
+    long = x_ids(np.ones((1, 4)), np.ones((1, 3)), parameters={"note": "x" * 5000})
+    assert parser.parse(*long, SIG).rows == 1
     assert parser._plans == {}
 
 

@@ -38,6 +38,7 @@ from torchnitro.serve.protocol import (_NP, InferItem, ModelSignature, _checked,
 __all__ = ["read_request", "encode_response", "BinaryParser"]
 
 _MAX_CACHED = 256  # distinct headers kept (per parser, and for answers); beyond it the cache starts afresh
+_MAX_HEADER = 4096  # longer request headers are not kept: the cache holds at most 256 x 4 KB
 
 _LE = sys.byteorder == "little"
 
@@ -123,7 +124,7 @@ class BinaryParser:
                              plan.binary_outputs)
         where: dict[str, tuple[int, int]] = {}
         item = parse_infer_request(_read(body, n, where), sig)
-        if item.id is None and all(s.name in where and s.datatype in _NP for s in sig.inputs):
+        if item.id is None and n <= _MAX_HEADER and all(s.name in where and s.datatype in _NP for s in sig.inputs):
             if len(self._plans) >= self.max_entries:
                 self._plans.clear()
             shapes = tuple(list(t.shape) for t in item.tensors)
