@@ -20,8 +20,11 @@ a thread that waits at a barrier spin about 3 ms (300000 spins) before it sleeps
 cores, any other runnable thread on the machine then leaves one of the team descheduled while its peer spins
 away the time slice, and every parallel region of eager, TorchScript and inductor's C++ kernels waits: the
 mode a process is in then depends on what else ran in that window, not on the variant (results/
-timing_fairness.md, "thread settings" table; ONNX Runtime and OpenVINO keep their own pools). 10000 spins
-(about 0.1 ms) keep the back-to-back hand-offs inside one call and sleep soon after. A user's own
+timing_fairness.md, "OpenMP wait settings" table; ONNX Runtime and OpenVINO keep their own pools). 10000
+spins (about 0.1 ms) keep the default's speed on an idle machine and lose far less beside other work; no spin
+(``OMP_WAIT_POLICY=PASSIVE``) loses least beside heavy load but pays a wake-up on every parallel region when
+nothing else runs. Beside one other busy job every setting still shares a core with it (one thread too):
+only rounds that alternate in the same time window (``bench.compare``) are fair then. A user's own
 ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins; the setting is part of every recorded environment.
 """
 
