@@ -11,7 +11,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from torchnitro.bench.environment import THREAD_SETTING, describe_environment, timing_environment, timing_process_env
+from torchnitro.bench.environment import _PREFIXES, THREAD_SETTING, describe_environment, timing_environment, timing_process_env
 from torchnitro.bench.isolated import ChildTimer, save_inputs
 
 _VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
@@ -80,6 +80,8 @@ def test_the_users_own_wait_setting_wins(tmp_path, monkeypatch):
 
 
 def test_recorded_environment_names_the_timing_processes_setting(monkeypatch, no_omp_env):
+    for k in [k for k in os.environ if k.startswith(_PREFIXES)]:  # another test may leave OMP_NUM_THREADS etc. set
+        monkeypatch.delenv(k)
     setting = " ".join(f"{k}={v}" for k, v in THREAD_SETTING.items())
     env = timing_environment()
     assert env["timing_processes"] == setting
