@@ -21,9 +21,10 @@ cores, any other runnable thread on the machine then leaves one of the team desc
 away the time slice, and every parallel region of eager, TorchScript and inductor's C++ kernels waits: the
 mode a process is in then depends on what else ran in that window, not on the variant (results/
 timing_fairness.md, "OpenMP wait settings" table; ONNX Runtime and OpenVINO keep their own pools). 10000
-spins (about 0.1 ms) keep the default's speed on an idle machine and lose far less beside other work; no spin
-(``OMP_WAIT_POLICY=PASSIVE``) loses least beside heavy load but pays a wake-up on every parallel region when
-nothing else runs. Beside one other busy job every setting still shares a core with it (one thread too):
+spins (about 0.1 ms) lose far less than the default beside other work, but on an idle machine they made a
+small model's eager slower than the default's median (``mlp`` 7.6 vs 3.3 ms p50, the default's p90 14.5 ms;
+the 20:33 quiet run): this setting is not yet the answer; no spin (``OMP_WAIT_POLICY=PASSIVE``, 4.5 ms there)
+loses least beside heavy load but pays a wake-up on every parallel region when nothing else runs. Beside one other busy job every setting still shares a core with it (one thread too):
 only rounds that alternate in the same time window (``bench.compare``) are fair then. A user's own
 ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` wins; the setting is part of every recorded environment.
 """
