@@ -64,7 +64,8 @@ def test_cpu_is_charged_to_the_target_whose_burst_it_is(serve_cpu):
     client_a, server_a, workers_a = meter.cpu["a"]
     client_b = meter.cpu["b"][0]
     assert 0.05 <= client_a < 0.3 and 0.02 <= client_b < 0.3  # CPU seconds, not wall time
-    assert server_a >= 0.05 and workers_a == 0.0  # the stand-in server is this process
+    # the stand-in server is this process, read from /proc in 10 ms clock ticks: 0.05 s reads 0.04-0.06
+    assert 0.03 <= server_a < 0.3 and workers_a == 0.0
     per = meter.per_request_us({"a": SimpleNamespace(sent=100), "b": SimpleNamespace(sent=0)})
     assert per["a"]["client"] == pytest.approx(client_a / 100 * 1e6)
     assert per["b"]["client"] == pytest.approx(client_b * 1e6)  # nothing sent: divided by 1, not 0
