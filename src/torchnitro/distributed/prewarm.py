@@ -153,7 +153,7 @@ def _child(conn: socket.socket, request: dict, fds: list[int]) -> None:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
-            print(e.code, file=sys.stderr)
+            sys.stderr.write(f"{e.code}\n")  # what the interpreter does for sys.exit('message')
     except BaseException:  # noqa: BLE001 - a worker's crash is its exit code, as in a fresh process
         traceback.print_exc()
         code = 1
