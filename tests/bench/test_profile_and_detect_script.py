@@ -2,47 +2,54 @@
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
+import json
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from torchnitro.bench import ResultTable
+from torchnitro.bench import ResultTable, TimingConfig
+from torchnitro.bench.sequential import SequentialConfig, compare_sequential
 from torchnitro.errors import InputError
 
-ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("profile_and_detect", ROOT / "benchmarks" / "profile_and_detect.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+@pytest.fixture
+def pd(monkeypatch):
+    """The benchmark script, imported by name as its run imports its statistics module beside it."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("profile_and_detect")
 
 
-def test_implied_rate_counts_the_noise_that_would_cross_the_threshold():
-    pd = _script()
+@pytest.fixture
+def stats(monkeypatch):
+    """How the script decides rows from samples (no timing)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return importlib.import_module("_profile_detect_stats")
+
+
+def test_implied_rate_counts_the_noise_that_would_cross_the_threshold(stats):
     # a 3% change reaches 5% when the noise alone moved the ratio to >= 1.05 / 1.03 = 1.0194
-    assert pd.implied_rate([1.0, 1.02, 1.03, 0.99]) == 0.5
-    assert pd.implied_rate([1.0, 1.0]) == 0.0
+    assert stats.implied_rate([1.0, 1.02, 1.03, 0.99]) == 0.5
+    assert stats.implied_rate([1.0, 1.0]) == 0.0
 
 
-def test_pytest_benchmark_rule_on_known_samples():
+def test_pytest_benchmark_rule_on_known_samples(stats):
     pytest.importorskip("pytest_benchmark", reason="pytest-benchmark is in the bench extra, not installed here")
-    pd = _script()
     base = [1.0] * 10
-    assert pd._pytest_benchmark_fails(base, [1.06] * 10) is True  # mean grew 6% > 5%
-    assert pd._pytest_benchmark_fails(base, [1.04] * 10) is False
+    assert stats._pytest_benchmark_fails(base, [1.06] * 10) is True  # mean grew 6% > 5%
+    assert stats._pytest_benchmark_fails(base, [1.04] * 10) is False
 
 
-def test_pyperf_calls_a_small_significant_change_slower_and_we_do_not():
+def test_pyperf_calls_a_small_significant_change_slower_and_we_do_not(stats):
     pytest.importorskip("pyperf", reason="pyperf is in the bench extra, not installed here")
-    pd = _script()
     rng = np.random.default_rng(0)
     a, b = rng.normal(1, 0.01, 20), rng.normal(1.02, 0.01, 20)
-    assert pd._pyperf_slower(a, b) is True  # significant and larger: pyperf has no minimum effect
-    t = pd.Tally()
+    assert stats._pyperf_slower(a, b) is True  # significant and larger: pyperf has no minimum effect
+    t = stats.Tally()
     t.add(a, b, paired=False)
     assert t.counts["ours"] == 0 and t.counts["pyperf compare_to"] == 1  # 2% is under our 5% threshold
 
@@ -62,11 +69,10 @@ def _recorded(trials: int, seed: int = 0) -> dict:
     return rec
 
 
-def test_recorded_samples_give_the_rows_and_the_paired_test_sees_through_round_load():
+def test_recorded_samples_give_the_rows_and_the_paired_test_sees_through_round_load(stats):
     # a file from before the sequential detector (one batch a trial): the sequential rows get one look
-    pd = _script()
     table = ResultTable("t", ["check", "value", "goal", "met", "detail"])
-    pd.decide_real(table, _recorded(20))
+    stats.decide_real(table, _recorded(20))
     inter_aa, inter_10, inter_3, b2b_aa, b2b_10, b2b_3 = table.rows
     assert "interleaved" in inter_aa["check"] and inter_aa["check"].endswith("A/A")
     assert inter_aa["value"] == "0/20 called slower (ours sequential); 0/20 (ours paired)" and inter_aa["met"] is True
@@ -82,31 +88,29 @@ def test_recorded_samples_give_the_rows_and_the_paired_test_sees_through_round_l
     assert b2b_3["goal"].startswith("<= 10.9% (alpha 1%") and "rule 0.0%" in b2b_3["detail"]
 
 
-def test_sequential_trials_are_replayed_from_their_batches():
+def test_sequential_trials_are_replayed_from_their_batches(stats):
     # a trial is the batches the detector asked for; deciding again from the file gives the same looks
-    pd = _script()
     rng = np.random.default_rng(1)
     rec = {"gemm": 8, "samples_per_run": 4, "sequential": {"looks": 3, "quantile": 0.5}}
     for label, extra in (("A/A", 0.0), ("10% slower", 0.10), ("3% slower", 0.03)):
         trial = [[list(rng.normal(1, 0.05, 4)), list(rng.normal(1 + extra, 0.05, 4))] for _ in range(3)]
         rec[label] = {"interleaved": [trial], "back to back": [trial]}
-    t = pd.Tally()
+    t = stats.Tally()
     t.add(*rec["10% slower"]["interleaved"][0][0], paired=True, batches=rec["10% slower"]["interleaved"][0],
-          seq=pd.SequentialConfig(looks=3, quantile=0.5))
+          seq=SequentialConfig(looks=3, quantile=0.5))
     assert t.samples_used > 4  # 4 noisy samples were not enough: it used the recorded later batches
     table = ResultTable("t", ["check", "value", "goal", "met", "detail"])
-    pd.decide_real(table, rec)
+    stats.decide_real(table, rec)
     assert "up to 3 batches" in table.rows[0]["check"] and "samples a side on average" in table.rows[1]["detail"]
     borrowed = ResultTable("t", ["check", "value", "goal", "met", "detail"])
-    pd.decide_real(borrowed, _recorded(8), borrow=True)  # one batch a trial: the next trials lend theirs
+    stats.decide_real(borrowed, _recorded(8), borrow=True)  # one batch a trial: the next trials lend theirs
     assert "up to 4 batches" in borrowed.rows[0]["check"]
 
 
 @pytest.mark.parametrize("bad", [{}, {"gemm": 8, "samples_per_run": 20, "A/A": {"interleaved": []}}])
-def test_recorded_file_without_the_runs_fails_clearly(bad):
-    pd = _script()
+def test_recorded_file_without_the_runs_fails_clearly(stats, bad):
     with pytest.raises(InputError, match="expected the samples file"):
-        pd.decide_real(ResultTable("t", ["check"]), bad)
+        stats.decide_real(ResultTable("t", ["check"]), bad)
 
 
 class _Level:
@@ -116,8 +120,7 @@ class _Level:
         self.level = level
 
 
-def test_shared_base_records_each_rows_trials_and_replays_them(monkeypatch):
-    pd = _script()
+def test_shared_base_records_each_rows_trials_and_replays_them(pd, stats, monkeypatch):
     rng = np.random.default_rng(0)
     calls: list[list[str]] = []
 
@@ -132,9 +135,9 @@ def test_shared_base_records_each_rows_trials_and_replays_them(monkeypatch):
     monkeypatch.setattr(pd, "compare", fake_compare)
     monkeypatch.setattr(pd, "measure", lambda f, cfg: (calls.append(["measure", f.level]), _T(f.level))[1])
     news = {"A/A": _Level(1.0), "10% slower": _Level(1.1), "3% slower": _Level(1.03)}
-    seq = pd.SequentialConfig(looks=3)
+    seq = SequentialConfig(looks=3)
     saved: list[int] = []
-    rec = pd._record_shared(4, _Level(1.0), news, pd.TimingConfig(), seq,
+    rec = pd._record_shared(4, _Level(1.0), news, TimingConfig(), seq,
                             lambda part: saved.append(len(part["A/A"]["interleaved"])))
     assert saved == [4]  # the last trial checkpoints what was recorded
     for label in news:
@@ -151,9 +154,25 @@ def test_shared_base_records_each_rows_trials_and_replays_them(monkeypatch):
         for mode in ("interleaved", "back to back"):
             for trial in rec[label][mode]:
                 it = iter(trial)
-                v = pd.compare_sequential(lambda: next(it), seq, paired=mode == "interleaved")
+                v = compare_sequential(lambda: next(it), seq, paired=mode == "interleaved")
                 assert v.looks_used == len(trial)
     table = ResultTable("t", ["check", "value", "goal", "met", "detail"])
-    pd.decide_real(table, {"gemm": 8, "samples_per_run": 20, "sequential": {"looks": 3}, "shared base": True, **rec})
+    stats.decide_real(table, {"gemm": 8, "samples_per_run": 20, "sequential": {"looks": 3}, "shared base": True, **rec})
     assert "one base run shared by the three rows" in table.rows[0]["check"]
     assert table.rows[1]["value"].startswith("4/4 called slower")
+
+
+def test_from_samples_run_writes_the_recorded_table(pd, stats, tmp_results, tmp_path, monkeypatch):
+    # the script end to end on a recorded file, through both of its modules (200 synthetic trials take
+    # ~20 s here, so that part runs 5)
+    samples = tmp_path / "old_samples.json"
+    samples.write_text(json.dumps({**_recorded(6), "written": "then", "load average at start": "1.00"}))
+    monkeypatch.setattr(pd, "synthetic_rows", lambda table, trials: stats.synthetic_rows(table, 5))
+    monkeypatch.setattr(sys, "argv", ["profile_and_detect.py", "--from-samples", str(samples)])
+    pd.main()
+    saved = json.loads((tmp_results / "profile_and_detect_recorded.json").read_text())
+    checks = [r["check"] for r in saved["rows"]]
+    assert len(checks) == 6 + 2 + 6  # two synthetic modes, two step checks, then two real modes
+    assert checks[-6].startswith("real runs, interleaved") and checks[-1].startswith("real runs, back to back")
+    assert saved["rows"][-2]["value"].startswith("6/6 called slower")  # back to back 10%: found every time
+    assert "old_samples.json (recorded then" in saved["meta"]["samples"]
