@@ -23,6 +23,20 @@ def _case(n: int, k: int, m: int, seed: int = 0):
     return lin, torch.randn(n, k, generator=g).to(torch.bfloat16)
 
 
+def _encode(models: list, lens: list[int], t: int, seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The same random sentences of lengths ``lens`` padded to ``t`` through each encoder: (mask, outputs)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 1000, (len(lens), t), generator=g)  # (B, T)
+    mask = (torch.arange(t)[None] < torch.tensor(lens)[:, None]).long()  # (B, T), 1 on real tokens
+    with torch.inference_mode():
+        return mask, [m(input_ids=ids, attention_mask=mask).last_hidden_state for m in models]
+
+
+def _min_cosine(out: torch.Tensor, ref: torch.Tensor, real: torch.Tensor) -> float:
+    """The smallest cosine between the two outputs over real (unmasked) token rows."""
+    return float(F.cosine_similarity(out[real].double(), ref[real].double(), dim=1).min())
+
+
 @pytest.mark.parametrize("n,k,m", [(128, 64, 96), (5, 37, 23)])
 def test_matches_bf16_linear_with_fused_gelu_and_add(n, k, m):
     lin, x = _case(n, k, m)
@@ -69,20 +83,13 @@ def test_prepacked_padding_free_bf16_encoder_matches_eager(shape):
     fast = unpad_model(copy.deepcopy(eager), torch.bfloat16)
     assert isinstance(fast, UnpaddedEncoder)
     assert prepack_bf16_(fast) == 4 * len(fast.layers)
-    g = torch.Generator().manual_seed(1)
     b, t = shape
-    ids = torch.randint(1, 1000, (b, t), generator=g)
-    lens = torch.tensor([1] + [t] * (b - 2) + [t // 2])  # one-token, full and half sentences
-    mask = (torch.arange(t)[None] < lens[:, None]).long()
-    with torch.inference_mode():
-        ref = eager(input_ids=ids, attention_mask=mask).last_hidden_state
-        out = fast(input_ids=ids, attention_mask=mask).last_hidden_state
-        base = plain(input_ids=ids, attention_mask=mask).last_hidden_state
+    lens = [1] + [t] * (b - 2) + [t // 2]  # one-token, full and half sentences
+    mask, (ref, out, base) = _encode([eager, fast, plain], lens, t, seed=1)
     real = mask.bool()
     assert out.dtype == torch.float32
     assert torch.equal(out[~real], torch.zeros_like(out[~real]))  # zeros at masked positions, as documented
-    cos = F.cosine_similarity(out[real].double(), ref[real].double(), dim=1)
-    assert float(cos.min()) > 0.999  # the bf16 gate
+    assert _min_cosine(out, ref, real) > 0.999  # the bf16 gate
     torch.testing.assert_close(out, base, rtol=5e-2, atol=5e-2)  # same math as the unpacked bf16 Linears
 
 
@@ -135,16 +142,9 @@ def test_int8_encoder_with_bf16_kept_ffn_chains_bf16_and_matches_eager(shape):
     unchained = copy.deepcopy(q)
     for lay in unchained.layers:
         lay.ffn_in.out_dtype = torch.float32
-    g = torch.Generator().manual_seed(3)
     b, t = shape
-    ids = torch.randint(1, 1000, (b, t), generator=g)
-    mask = (torch.arange(t)[None] < torch.tensor([t] * (b - 1) + [t // 2])[:, None]).long()
-    with torch.inference_mode():
-        ref = eager(input_ids=ids, attention_mask=mask).last_hidden_state
-        out = q(input_ids=ids, attention_mask=mask).last_hidden_state
-        old = unchained(input_ids=ids, attention_mask=mask).last_hidden_state
+    mask, (ref, out, old) = _encode([eager, q, unchained], [t] * (b - 1) + [t // 2], t, seed=3)
     real = mask.bool()
     assert out.dtype == torch.float32
-    cos = F.cosine_similarity(out[real].double(), ref[real].double(), dim=1)
-    assert float(cos.min()) > 0.99  # the int8 gate
+    assert _min_cosine(out, ref, real) > 0.99  # the int8 gate
     torch.testing.assert_close(out, old, rtol=2e-2, atol=2e-2)  # the same bf16 values, written by the GEMM
