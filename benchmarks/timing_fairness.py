@@ -25,10 +25,15 @@ applies the setting with ``mallopt`` after the process started, as ``torchnitro.
 
 A fourth table times eager alone in fresh processes under OpenMP wait settings, first on the quiet machine,
 then beside one busy process (a Python loop: one more runnable thread than cores, as any other job on a
-2-core machine makes it). Every timing process of the optimizer and of this script's "alone" side starts with
-``bench.environment.THREAD_SETTING`` (libgomp's spin bounded): with libgomp's default ~3 ms spin, a team of as
-many threads as cores stalls whenever anything else runs, and eager and TorchScript moved 3.5x from one time
-window to the next in earlier runs. ``--no-threads`` skips it.
+2-core machine makes it). Timing processes add no wait setting of their own (``bench.environment.THREAD_SETTING``
+is empty: libgomp's default, as deployed); a bounded spin for every timing process (``GOMP_SPINCOUNT=10000``,
+a row here) made small models' eager slower than deployed. ``--no-threads`` skips it.
+
+Both sides sample the same way: every sample, in the optimizer's comparison and on the alone side here, goes
+through the timing gate (``bench.quiet``): it starts once the other timing processes are idle and is retaken
+when foreign CPU ran beside it; the notes give each side's counts (samples retaken, kept under foreign load)
+and which of our processes burnt CPU during another's samples. The busy process of the fourth table is a
+deliberate competitor: left out of "ours" and of the machine check there.
 
 Run (one benchmark at a time on a shared machine)::
 
@@ -60,8 +65,8 @@ from torchnitro.autotune.fair import Steady
 from torchnitro.autotune.inputs import model_and_inputs
 from torchnitro.autotune.recipe import BuildContext, get_recipe
 from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir
-from torchnitro.bench.environment import (ALLOCATOR_SETTING, THREAD_SETTING, apply_allocator, describe_environment,
-                                          timing_process_env)
+from torchnitro.bench import quiet
+from torchnitro.bench.environment import ALLOCATOR_SETTING, apply_allocator, describe_environment, timing_process_env
 from torchnitro.bench.isolated import ChildTimer, save_inputs
 from torchnitro.hardware import hardware_info
 
@@ -77,10 +82,10 @@ SPEEDUP_COLUMNS = ("workload", "variant", "reported speedup", "isolated ratio", 
 ALLOCATOR_COLUMNS = ("workload", "setting", "env", "eager p50 alone ms", "vs glibc defaults")
 THREAD_COLUMNS = ("workload", "setting", "env", "beside", "eager p50 alone ms", "eager p90 ms",
                   "vs libgomp default, same load")
-_TIMING_ENV = " ".join(f"{k}={v}" for k, v in THREAD_SETTING.items())
 THREAD_SETTINGS = {  # name -> (environment of a fresh process (libgomp reads it once, at start-up), no mallopt)
     "libgomp default (~3 ms spin)": ({"GOMP_SPINCOUNT": "300000"}, {}),  # libgomp's value when nothing is set
-    f"timing processes ({_TIMING_ENV})": (dict(THREAD_SETTING), {}),
+    "GOMP_SPINCOUNT=10000 (~0.1 ms spin)": ({"GOMP_SPINCOUNT": "10000"}, {}),  # the earlier timing processes'
+
     "GOMP_SPINCOUNT=1000 (~10 us spin)": ({"GOMP_SPINCOUNT": "1000"}, {}),
     "OMP_WAIT_POLICY=PASSIVE (no spin)": ({"OMP_WAIT_POLICY": "PASSIVE"}, {}),
 }
@@ -158,9 +163,11 @@ def _families(quick: bool) -> dict[str, str]:
 
 def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any, ...], threads: int,
            tc: TimingConfig, work: Path, envs: dict[str, tuple[dict[str, str], dict[str, str]]] | None = None,
-           artifacts: dict[str, Path] | None = None) -> dict[str, Any]:
-    """p50 ms of each variant alone in its own fresh process (all started together, timed in rotation):
-    its artifact loaded with ``torchnitro.load`` where ``artifacts`` has one, else built in the child.
+           artifacts: dict[str, Path] | None = None, gate: quiet.GateConfig = quiet.GateConfig(),
+           notes: list[str] | None = None, label: str = "") -> dict[str, Any]:
+    """p50 ms of each variant alone in its own fresh process (all started together, timed in rotation, every
+    sample gated as the optimizer's: ``bench.quiet``): its artifact loaded with ``torchnitro.load`` where
+    ``artifacts`` has one, else built in the child. ``notes`` gets the gate's counts.
 
     ``envs``: one process per entry instead, each running eager under that (environment, mallopt setting); then
     the full ``Timing`` of each is returned instead of its p50."""
@@ -174,15 +181,18 @@ def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any,
             d = Path(tempfile.mkdtemp(dir=work))
             if recipe in artifacts and envs is None:
                 timers[n] = ChildTimer(f"{Path(__file__).stem}:load_artifact", {"directory": str(artifacts[recipe])},
-                                       work / "inputs.pt", threads=threads, timeout_s=600.0)
+                                       work / "inputs.pt", threads=threads, timeout_s=600.0, gate=gate, name=n)
                 continue
             timers[n] = ChildTimer(f"{Path(__file__).stem}:build_variant",
                                    {"spec": spec, "batch": batch, "seq": seq, "recipe": recipe, "workdir": str(d),
                                     "threads": threads, "mallopt": mallopt}, work / "inputs.pt", threads=threads,
-                                   timeout_s=600.0, env=env)
+                                   timeout_s=600.0, env=env, gate=gate, name=n)
         for t in timers.values():
             t.wait_ready()
-        res = compare({n: Steady(t) for n, t in timers.items()}, tc)  # sampled as the optimizer's comparison
+        with quiet.recording() as rec:
+            res = compare({n: Steady(t) for n, t in timers.items()}, tc)  # sampled as the optimizer's comparison
+        if notes is not None:
+            notes.append(f"{label}: {rec.text()}")
     finally:
         for t in timers.values():
             t.close()
@@ -202,7 +212,8 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
         opt = optimize(model, inputs, cfg, info=info)
         rep = opt.report
         notes.append(f"{name}: search {time.perf_counter() - t0:.0f} s, chosen {opt.recipe}; " + "; ".join(
-            n for n in rep.notes if n.startswith(("eager p50 alone", "final comparison redone", "allocator setting"))))
+            n for n in rep.notes if n.startswith(("eager p50 alone", "final comparison redone", "allocator setting",
+                                                  "timing gate"))))
         timed = [c.recipe for c in rep.candidates if c.interleaved]
         for c in rep.candidates:
             if c.recipe != "eager" and not c.interleaved:
@@ -210,12 +221,13 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
         tc = TimingConfig(warmup=2, warmup_s=0.0, min_iters=5 if quick else 15, min_time_s=final_s,
                           max_time_s=max(5.0, 3 * final_s))
         arts = save_artifacts(opt, model, inputs, info, cfg, [n for n in timed if n != "eager"], Path(tmp), notes, name)
-        alone = _alone(spec, batch, seq, timed, inputs, cfg.resolved_threads(), tc, Path(tmp), artifacts=arts)
+        alone = _alone(spec, batch, seq, timed, inputs, cfg.resolved_threads(), tc, Path(tmp), artifacts=arts,
+                       notes=notes, label=f"{name} alone side")
         loaded = {n: ("artifact (torchnitro.load)" if n in arts else "built in its child") for n in timed}
         loaded["eager"] = "built-in rebuilt from its factory"
         if allocator is not None:
             by_env = _alone(spec, batch, seq, [], inputs, cfg.resolved_threads(), tc, Path(tmp) / "malloc",
-                            MALLOC_SETTINGS)
+                            MALLOC_SETTINGS, notes=notes, label=f"{name} allocator table")
             for setting, ms in {k: t.median * 1e3 for k, t in by_env.items()}.items():
                 env_vars, mallopt = MALLOC_SETTINGS[setting]
                 env = " ".join(f"{k}={v}" for k, v in env_vars.items()) or (
@@ -244,12 +256,17 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
 def _thread_table(name: str, spec: str, batch: int, seq: int, inputs: tuple[Any, ...], threads: int,
                   tc: TimingConfig, work: Path, table: ResultTable) -> None:
     """Eager alone under each of ``THREAD_SETTINGS``, quiet and beside one busy process (``BUSY``)."""
+    import contextlib
     import subprocess
 
     for beside in ("nothing", "one busy process"):
         busy = subprocess.Popen([sys.executable, "-c", BUSY]) if beside != "nothing" else None
+        # the busy process is the condition measured, not a disturbance: not ours, and no machine retakes beside it
+        gate = quiet.GateConfig(machine=busy is None)
         try:
-            res = _alone(spec, batch, seq, [], inputs, threads, tc, work / beside.replace(" ", "-"), THREAD_SETTINGS)
+            with quiet.ignore(busy.pid) if busy is not None else contextlib.nullcontext():
+                res = _alone(spec, batch, seq, [], inputs, threads, tc, work / beside.replace(" ", "-"),
+                             THREAD_SETTINGS, gate=gate)
         finally:
             if busy is not None:
                 busy.kill()
@@ -301,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                                       else sys.argv[1:])),
             "machine": f"{hw.cpu_name}, {hw.cpu_cores} cores", "versions": _versions(),
             "timing environment": describe_environment(), "families": families, "load average at start": _load(),
-            "timing processes' environment": timing_process_env() or "as this process (OMP_WAIT_POLICY or "
-                                                                     "GOMP_SPINCOUNT set by the user)"}
+            "timing processes' environment": timing_process_env() or "nothing added: libgomp's default OpenMP wait, "
+                                                                     "or the user's OMP_WAIT_POLICY/GOMP_SPINCOUNT"}
     variants = ResultTable("p50 inside the optimizer's comparison vs alone in a fresh process", VARIANT_COLUMNS,
                            meta=dict(meta))
     tables = {"variants": variants, "speedups": ResultTable("reported speedup vs isolated ratio", SPEEDUP_COLUMNS)}

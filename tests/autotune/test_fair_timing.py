@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import torchnitro
-from torchnitro.autotune import fair
+from torchnitro.autotune import fair, fair_place
 from torchnitro.autotune.recipe import register_recipe, unregister_recipe
 from torchnitro.bench.environment import describe_environment, timing_environment
 from torchnitro.bench.isolated import ChildTimer, process_is_shared, save_inputs, shared_process
@@ -55,8 +55,7 @@ def test_child_timer_alternates_with_this_process_reports_load_errors_and_takes_
     malloc = {"MALLOC_MMAP_THRESHOLD_": "268435456"}
     with_env = ChildTimer("fake_standalone:env_loader", {"name": "MALLOC_MMAP_THRESHOLD_", "value": "268435456"},
                           tmp_path / "in.pt", threads=1, env=malloc)
-    with ChildTimer("fake_standalone:identity_loader", {"scale": 2.0}, tmp_path / "in.pt", threads=1,
-                    settle_s=0.0) as timer:
+    with ChildTimer("fake_standalone:identity_loader", {"scale": 2.0}, tmp_path / "in.pt", threads=1) as timer:
         timer.wait_ready()
         res = compare({"eager": here, "alone": _Counting(timer, order)}, _FAST)
     assert res["alone"].n == res["eager"].n >= 4
@@ -359,7 +358,7 @@ def test_model_defined_in_the_running_script_without_a_program_stays_in_this_pro
     ScriptModel.__module__ = "__main__"
     cm = fair.child_model(ScriptModel(), None, {}, __import__("pathlib").Path(os.devnull).parent / "unused")
     assert cm.kwargs is None and "ScriptModel" in cm.text and "running script" in cm.text
-    p = fair.place(get_recipe("eager"), None, cm, device="cpu", all_alone=True)
+    p = fair_place.place(get_recipe("eager"), None, cm, device="cpu", all_alone=True)
     assert p.kwargs is None and p.why.startswith("timed in this process") and "running script" in p.why
     failed = fair.child_model(ScriptModel(), None, {}, __import__("pathlib").Path(os.devnull).parent / "unused",
                               program=lambda: (_ for _ in ()).throw(RuntimeError("export broke")))
@@ -389,9 +388,9 @@ def test_model_defined_in_the_running_script_is_timed_alone_from_its_exported_pr
     cm = fair.child_model(model, None, {}, tmp_path, program=lambda: prog)
     assert cm.kwargs is not None and cm.kwargs["how"] == "program" and not cm.rebuilds
     assert "torch.export program" in cm.text and "running script" in cm.text
-    p = fair.place(get_recipe("eager"), None, cm, device="cpu", all_alone=True)
+    p = fair_place.place(get_recipe("eager"), None, cm, device="cpu", all_alone=True)
     assert p.kwargs is not None and p.needs_eager and p.why.startswith("alone in its own process")
-    rebuilt = fair.place(get_recipe("test-faster"), fs_files(tmp_path), cm, device="cpu", all_alone=True)
+    rebuilt = fair_place.place(get_recipe("test-faster"), fs_files(tmp_path), cm, device="cpu", all_alone=True)
     assert rebuilt.kwargs is None and "eager model object, which a child cannot re-create" in rebuilt.why
     fn = fair.load_variant(None, None, {}, cm.kwargs)  # what the child runs: no ScriptModel class needed
     assert not any(type(m).__module__ == "__main__" for m in fn.modules())
@@ -431,16 +430,16 @@ def test_a_child_that_cannot_start_is_timed_here_and_nothing_rebuilt_from_an_unc
     def no_process(*a, **kw):
         raise OSError("Resource temporarily unavailable")
 
-    places = {"eager": fair.Placement({"recipe": None}, "alone (eager)", needs_eager=True),
-              "rebuilt": fair.Placement({"recipe": "m:R"}, "alone (rebuilt)", needs_eager=True),
-              "standalone": fair.Placement({"recipe": "m:S"}, "alone (standalone)")}
-    monkeypatch.setattr(fair, "ChildTimer", no_process)
-    assert fair.start_children({"eager": places["eager"]}, tmp_path / "in.pt", tmp_path, threads=1,
+    places = {"eager": fair_place.Placement({"recipe": None}, "alone (eager)", needs_eager=True),
+              "rebuilt": fair_place.Placement({"recipe": "m:R"}, "alone (rebuilt)", needs_eager=True),
+              "standalone": fair_place.Placement({"recipe": "m:S"}, "alone (standalone)")}
+    monkeypatch.setattr(fair_place, "ChildTimer", no_process)
+    assert fair_place.start_children({"eager": places["eager"]}, tmp_path / "in.pt", tmp_path, threads=1,
                                device="cpu") == {}
     assert places["eager"].kwargs is None and "could not start (Resource temporarily" in places["eager"].why
     timers = {"rebuilt": fs.FakeChild(1e-3, 1e-3), "standalone": fs.FakeChild(1e-3, 1e-3)}
     rebuilt = timers["rebuilt"]
-    fallen = fair.ready_children(timers, places, "eager", lambda: None, 1e-4)
+    fallen = fair_place.ready_children(timers, places, "eager", lambda: None, 1e-4)
     assert list(timers) == ["standalone"] and rebuilt.closed
     assert "could not be re-created in a child" in fallen["rebuilt"] and "standalone" not in fallen
 
@@ -449,21 +448,21 @@ def test_outputs_differ_names_shape_value_and_nan_differences(tmp_path):
     ref = (torch.ones(2, 3), {"b": torch.arange(4.0)})
     path = tmp_path / "out.pt"
     torch.save([torch.ones(2, 3), torch.arange(4.0)], path)
-    assert fair.outputs_differ(path, ref, 1e-4) is None
+    assert fair_place.outputs_differ(path, ref, 1e-4) is None
     torch.save([torch.ones(2, 3), torch.arange(4.0) * 1.01], path)
-    assert "output 1 differs" in fair.outputs_differ(path, ref, 1e-4)
+    assert "output 1 differs" in fair_place.outputs_differ(path, ref, 1e-4)
     torch.save([torch.ones(2, 3)], path)
-    assert "shapes" in fair.outputs_differ(path, ref, 1e-4)
+    assert "shapes" in fair_place.outputs_differ(path, ref, 1e-4)
     torch.save([torch.full((2, 3), float("nan")), torch.arange(4.0)], path)
-    assert "output 0 differs" in fair.outputs_differ(path, ref, 1e-4)
-    assert "could not be read" in fair.outputs_differ(tmp_path / "missing.pt", ref, 1e-4)
+    assert "output 0 differs" in fair_place.outputs_differ(path, ref, 1e-4)
+    assert "could not be read" in fair_place.outputs_differ(tmp_path / "missing.pt", ref, 1e-4)
 
 
 def test_memory_guard_refuses_more_copies_than_fit():
     from fake_recipes import tiny_model
 
-    assert fair.memory_fits(tiny_model(), 1) is None
-    why = fair.memory_fits(tiny_model(), 10**7)
+    assert fair_place.memory_fits(tiny_model(), 1) is None
+    why = fair_place.memory_fits(tiny_model(), 10**7)
     assert why is None or ("processes holding a copy of the model" in why and "MiB are available" in why)
     if os.path.exists("/proc/meminfo"):
         assert why is not None

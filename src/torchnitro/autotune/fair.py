@@ -34,6 +34,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,37 +46,47 @@ from torch import nn
 from torchnitro.autotune.recipe import Recipe
 from torchnitro.bench.environment import ALLOCATOR_SETTING
 from torchnitro.bench.isolated import ChildTimer
+from torchnitro.bench.quiet import Gate, GateConfig
 from torchnitro.bench.ratio import paired_ratio
 from torchnitro.bench.timing import Timing, TimingConfig, compare
 
-__all__ = ["Steady", "runs_alone", "start_alone", "load_standalone", "load_variant", "ChildModel", "child_model", "Placement",
-           "place", "memory_fits", "outputs_differ", "start_children", "ready_children", "EagerCheck", "check_eager",
-           "AllocatorTrial", "tune_allocator", "apply_recorded_allocator", "SETTLE_S", "MIN_BAND", "MAX_BAND",
-           "MIN_ALLOCATOR_GAIN"]
+__all__ = ["Steady", "runs_alone", "start_alone", "load_standalone", "load_variant", "ChildModel", "child_model",
+           "EagerCheck", "check_eager", "AllocatorTrial", "tune_allocator", "apply_recorded_allocator", "SETTLE_S",
+           "MIN_BAND", "MAX_BAND", "MIN_ALLOCATOR_GAIN"]
 
 SETTLE_S = 2.0  # pause before redoing a comparison whose eager drifted (let a burst of other load pass)
 MIN_BAND = 0.05  # eager inside the comparison may differ from eager alone by this much, or 2 x its cv
 MAX_BAND = 0.25  # ... but never more: past that, eager alone was too noisy to vouch for the comparison
 MIN_ALLOCATOR_GAIN = 1.03  # the allocator setting is kept when it is this much faster and beyond the noise
-_CHILD_RUNTIME_BYTES = 400 << 20  # an interpreter with torch imported, before the model
 
 
 class Steady:
     """``timer(k)`` -> seconds per call of one sample of ``k`` calls taken right after one untimed call of
-    the same function (a ``ChildTimer``: in its own process), so each sample is the steady state a server
-    running only this variant sees, not the first call after another process had the cores and caches.
+    the same function (a ``ChildTimer``: in its own process, in the same request), so each sample is the steady
+    state a server running only this variant sees, not the first call after another process had the cores and
+    caches. A function timed in this process is gated like a child's sample (``bench.quiet``: every timing
+    process started from here idle before it, retaken when foreign CPU ran beside it; ``gate`` None: ungated).
     Other attributes (``failed``, ``close``, ``again``) are the wrapped timer's. CPU only (no device sync)."""
 
     times_itself = True
 
-    def __init__(self, fn: Callable[..., Any]):
+    def __init__(self, fn: Callable[..., Any], gate: GateConfig | None = GateConfig()):
         self.inner = fn
+        self.gate = Gate(gate) if gate is not None else None
 
     def __call__(self, k: int) -> float:
         fn = self.inner
+        if isinstance(fn, ChildTimer):
+            return fn.sample(k, warm=1)  # untimed: the child's caches and thread pool take the sample's switch
         if getattr(fn, "times_itself", False):
-            fn(1)  # untimed: the child's caches and thread pool take the sample's switch
+            fn(1)
             return fn(k)
+        if self.gate is None:
+            return self._here(k)
+        return self.gate.sample(os.getpid(), lambda: self._here(k))
+
+    def _here(self, k: int) -> float:
+        fn = self.inner
         fn()
         t0 = time.perf_counter_ns()
         for _ in range(k):
@@ -83,7 +94,7 @@ class Steady:
         return (time.perf_counter_ns() - t0) / 1e9 / k
 
     def __getattr__(self, name: str) -> Any:
-        if name == "inner":
+        if name in ("inner", "gate"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 
@@ -214,46 +225,6 @@ def _from_program(program: Callable[[], Any] | None, why: str) -> ChildModel:
                       rebuilds=False)
 
 
-@dataclass
-class Placement:
-    """Where the final comparison times one variant: a child's loader arguments, or why this process."""
-
-    kwargs: dict[str, Any] | None = None  # load_variant's arguments (None: timed in this process)
-    why: str = ""  # the report's words: how the child loads it, or why it is timed here
-    needs_eager: bool = False  # the child re-creates the eager model (checked through eager's own child)
-    outputs: Path | None = None  # where the child writes its first outputs (eager: checked against this process)
-
-
-def place(recipe: Recipe, files: Any, eager: ChildModel, *, device: str, all_alone: bool) -> Placement:
-    """Where ``recipe``'s variant (``files``: its ``CandidateFiles``; None for eager) is timed."""
-    cls = type(recipe)
-    qual = f"{cls.__module__}:{cls.__qualname__}"
-    standalone = bool(files is not None and files.standalone)
-    if not (runs_alone(recipe, standalone) or (all_alone and device == "cpu")):
-        why = "on CUDA only own-runtime candidates are timed in their own process" if all_alone else \
-            "final_alone=False: eager and in-process candidates are timed in this process"
-        return Placement(None, f"timed in this process ({why})")
-    if files is None:  # eager
-        if eager.kwargs is None:
-            return Placement(None, f"timed in this process: {eager.text}")
-        return Placement({"recipe": None, "directory": None, "meta": {}, "eager": eager.kwargs},
-                         f"alone in its own process ({eager.text})", needs_eager=True)
-    if cls.__module__ == "__main__":
-        return Placement(None, "timed in this process: its recipe class is defined in the running script, which a "
-                               "child process does not import")
-    if standalone:
-        return Placement({"recipe": qual, "directory": str(files.dir), "meta": files.meta, "eager": None},
-                         "alone in its own process (loaded from its standalone artifact)")
-    if eager.kwargs is None:
-        return Placement(None, f"timed in this process: its artifact is rebuilt from the eager model, and {eager.text}")
-    if not eager.rebuilds:
-        return Placement(None, "timed in this process: its artifact is rebuilt from the eager model object, which a "
-                               "child cannot re-create (eager itself is timed alone from its torch.export program)")
-    return Placement({"recipe": qual, "directory": str(files.dir), "meta": files.meta, "eager": eager.kwargs},
-                     "alone in its own process (its artifact rebuilt from the re-created eager model)",
-                     needs_eager=True)
-
-
 def start_alone(recipe: Recipe, directory: Path, meta: dict[str, Any], inputs: Path, *, threads: int,
                 device: str) -> ChildTimer:
     """Start the child process that times ``recipe``'s standalone artifact in ``directory`` (returns at once)."""
@@ -261,38 +232,6 @@ def start_alone(recipe: Recipe, directory: Path, meta: dict[str, Any], inputs: P
     return ChildTimer("torchnitro.autotune.fair:load_standalone",
                       {"recipe": f"{cls.__module__}:{cls.__qualname__}", "directory": str(directory), "meta": meta},
                       inputs, threads=threads, device=device, log=inputs.parent / f"_timing_{recipe.name}.log")
-
-
-def memory_fits(model: nn.Module, children: int) -> str | None:
-    """None when ``children`` timing processes that each hold a copy of ``model`` fit in available memory."""
-    need = children * (_CHILD_RUNTIME_BYTES + 2 * sum(t.numel() * t.element_size()
-                                                      for t in [*model.parameters(), *model.buffers()]))
-    try:
-        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
-        avail = int(info["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None  # not Linux: no estimate, no limit
-    if need <= 0.7 * avail:
-        return None
-    return f"{children} processes holding a copy of the model need ~{need >> 20} MiB, {avail >> 20} MiB are available"
-
-
-def outputs_differ(path: Path, reference: Any, rel: float) -> str | None:
-    """None when the tensors a child wrote to ``path`` match ``reference`` (norm-relative error <= ``rel``)."""
-    ref = [t for t in torch.utils._pytree.tree_leaves(reference) if isinstance(t, torch.Tensor)]
-    try:
-        got = torch.load(path, weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - missing or unreadable: the child never wrote them
-        return f"its outputs could not be read ({type(exc).__name__})"
-    if len(got) != len(ref) or any(a.shape != b.shape for a, b in zip(got, ref)):
-        return (f"its outputs have shapes {[tuple(a.shape) for a in got]}, this process's "
-                f"{[tuple(b.shape) for b in ref]}")
-    for i, (a, b) in enumerate(zip(got, ref)):
-        a, b = a.double(), b.detach().cpu().double()
-        err = float((a - b).norm() / b.norm().clamp_min(1e-30))
-        if not err <= rel:  # NaN is a difference too
-            return f"its output {i} differs from this process's eager by {err:.2e} (norm-relative; allowed {rel:g})"
-    return None
 
 
 @dataclass(frozen=True)
@@ -360,56 +299,6 @@ def tune_allocator(timer: ChildTimer, tc: TimingConfig) -> AllocatorTrial:
     keep = est.ratio >= MIN_ALLOCATOR_GAIN and est.beats_noise
     return AllocatorTrial(res["default"].median * 1e3, res["tuned"].median * 1e3, est.ratio, est.noise, keep)
 
-
-
-def start_children(places: dict[str, Placement], inputs: Path, work: Path, *, threads: int,
-                   device: str) -> dict[str, ChildTimer]:
-    """Start one timing process per placed variant (all at once: they load side by side, before anything is
-    timed). Eager's child also writes its first outputs, for ``ready_children`` to check. A process that cannot
-    be started leaves its placement saying so (timed in this process)."""
-    timers = {}
-    for name, p in places.items():
-        if p.kwargs is None:
-            continue
-        if p.kwargs["recipe"] is None:
-            p.outputs = work / f"_outputs_{name}.pt"
-        try:
-            timers[name] = ChildTimer("torchnitro.autotune.fair:load_variant", p.kwargs, inputs, threads=threads,
-                                      device=device, log=work / f"_timing_{name}.log", outputs=p.outputs)
-        except OSError as exc:  # no process could be started (memory, process limit): timed here
-            p.kwargs, p.why = None, f"timed in this process: its timing process could not start ({exc})"[:300]
-    return timers
-
-
-def ready_children(timers: dict[str, ChildTimer], places: dict[str, Placement], eager: str,
-                   eager_outputs: Callable[[], Any], rel: float) -> dict[str, str]:
-    """Wait for every child; returns name -> why it is timed in this process after all (its timer closed and
-    removed from ``timers``). When eager's child fails or its outputs differ from ``eager_outputs()`` (this
-    process's eager on the first timing set), every child that re-created the eager model is dropped too."""
-    fallen: dict[str, str] = {}
-
-    def drop(name: str, why: str) -> None:
-        timers.pop(name).close()
-        fallen[name] = why
-
-    if eager in timers:
-        try:
-            timers[eager].wait_ready()
-            why = outputs_differ(places[eager].outputs, eager_outputs(), rel)  # type: ignore[arg-type]
-        except Exception as exc:  # noqa: BLE001 - RecipeError from the child, or this process's eager failing
-            why = str(exc)
-        if why is not None:
-            drop(eager, f"timed in this process: eager re-created in a child failed ({why})"[:300])
-    if eager not in timers:  # the re-created eager was not checked: nothing rebuilt from it is trusted
-        for name in [n for n in timers if places[n].needs_eager]:
-            drop(name, "timed in this process: the eager model it is rebuilt from could not be re-created "
-                       "in a child (see eager's row)")
-    for name in list(timers):
-        try:
-            timers[name].wait_ready()
-        except Exception as exc:  # noqa: BLE001 - the child failed to load or start
-            drop(name, f"timed in this process: its own timing process failed ({exc})"[:300])
-    return fallen
 
 
 def apply_recorded_allocator(directory: str | Path) -> dict[str, str]:

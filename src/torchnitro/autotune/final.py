@@ -9,9 +9,10 @@ timed alone, each in its own fresh process, in both runs (``autotune.fair``: whe
 in a child it is timed here and its row says why; eager re-created from its torch.export program only
 when that runs alone at eager's search-time speed); each sample follows one untimed call (``fair.Steady``);
 eager inside the comparison is checked against eager alone (both measured again, once, when it drifted);
-the chosen variant is then tried under glibc's allocator setting. Every timing process starts with
-``bench.environment.THREAD_SETTING`` (OpenMP's wait bounded, so eager, TorchScript and inductor's kernels keep
-one speed while anything else runs on the machine); the report's "timing environment" note names it.
+the chosen variant is then tried under glibc's allocator setting. Every timing process runs the OpenMP wait
+setting it is deployed with (``bench.environment``: nothing added), and every sample, in a child or here, is
+gated (``bench.quiet``): it starts once the other timing processes are idle and is retaken when foreign CPU
+ran beside it; the report's "timing environment" and "timing gate" notes say so, with the counts.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from torchnitro.autotune import fair
+from torchnitro.autotune import fair, fair_place
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.recipe import EAGER, Recipe, get_recipe
 from torchnitro.autotune.report import CandidateResult, Report, Status
 from torchnitro.bench.environment import describe_environment
 from torchnitro.bench.isolated import ChildTimer, save_inputs
+from torchnitro.bench.quiet import recording
 from torchnitro.bench.ratio import paired_ratio
 from torchnitro.bench.timing import Timing, TimingConfig, compare
 from torchnitro.errors import InputError, RecipeError
@@ -69,7 +71,7 @@ def _local(s: _Search, c: CandidateResult) -> Callable[[], Any] | None:
     return lambda: [fn(*x) for x in sets]
 
 
-def _places(s: _Search, cands: list[CandidateResult]) -> dict[str, fair.Placement]:
+def _places(s: _Search, cands: list[CandidateResult]) -> dict[str, fair_place.Placement]:
     """Where the comparison times eager and each of ``cands`` (``autotune.fair``), eager first."""
     cfg, device = s.cfg, s.device.type
     if cfg.final_alone and device == "cpu":
@@ -82,15 +84,15 @@ def _places(s: _Search, cands: list[CandidateResult]) -> dict[str, fair.Placemen
                                           f"{exc})"[:200])
     else:
         eager = fair.ChildModel(None, "")
-    places = {EAGER: fair.place(get_recipe(EAGER), None, eager, device=device, all_alone=cfg.final_alone)}
+    places = {EAGER: fair_place.place(get_recipe(EAGER), None, eager, device=device, all_alone=cfg.final_alone)}
     for c in cands:
         cf = s.where.get(c.recipe)
-        places[c.recipe] = fair.place(get_recipe(c.recipe), cf, eager, device=device, all_alone=cfg.final_alone) \
-            if cf is not None else fair.Placement(None, "timed in this process: no files of it were kept")
+        places[c.recipe] = fair_place.place(get_recipe(c.recipe), cf, eager, device=device, all_alone=cfg.final_alone) \
+            if cf is not None else fair_place.Placement(None, "timed in this process: no files of it were kept")
     heavy = [n for n, p in places.items() if p.needs_eager]
-    too_big = fair.memory_fits(s.model, len(heavy)) if heavy else None
+    too_big = fair_place.memory_fits(s.model, len(heavy)) if heavy else None
     for n in heavy if too_big else []:
-        places[n] = fair.Placement(None, f"timed in this process: {too_big}")
+        places[n] = fair_place.Placement(None, f"timed in this process: {too_big}")
     return places
 
 
@@ -107,8 +109,8 @@ def _callables(s: _Search, report: Report, cands: list[CandidateResult],
         try:
             save_inputs(s.wl.timing_sets, inputs)
         except InputError as exc:
-            places = {n: fair.Placement(None, f"timed in this process: {exc}"[:300]) for n in places}
-    timers.update(fair.start_children(places, inputs, work, threads=torch.get_num_threads(), device=s.device.type))
+            places = {n: fair_place.Placement(None, f"timed in this process: {exc}"[:300]) for n in places}
+    timers.update(fair_place.start_children(places, inputs, work, threads=torch.get_num_threads(), device=s.device.type))
     efn = s.callable_for(get_recipe(EAGER))
     first = s.wl.timing_sets[0]
 
@@ -116,7 +118,7 @@ def _callables(s: _Search, report: Report, cands: list[CandidateResult],
         with torch.inference_mode():
             return efn(*first)
 
-    fallen = fair.ready_children(timers, places, EAGER, eager_outputs, s.cfg.tolerance("exact").get("rel", 1e-4))
+    fallen = fair_place.ready_children(timers, places, EAGER, eager_outputs, s.cfg.tolerance("exact").get("rel", 1e-4))
     if EAGER in timers and ((places[EAGER].kwargs or {}).get("eager") or {}).get("how") == "program":
         why = _program_parity(s, report, timers[EAGER])
         if why is not None:
@@ -299,23 +301,33 @@ def run_finalists(s: _Search, report: Report) -> Recipe:
     pool = finalist_pool(verified, key, cfg.finalists)
     if not pool:
         return get_recipe(EAGER)
-    search_ms, search_cv = eager_res.p50_ms, eager_res.cv  # eager in this process, before any candidate ran
     timers: dict[str, ChildTimer] = {}
-    try:
-        fns = _callables(s, report, pool, timers)
-        if len(fns) == 1:
-            return get_recipe(EAGER)
-        if len(fns) > cfg.finalists + 1:
-            fns = _screen(s, report, fns, cfg.finalists)
-            for name in [n for n in timers if n not in fns]:  # screened out: its process is no longer needed
-                timers.pop(name).close()
-        res = _checked_comparison(s, report, fns, search_ms, search_cv)
-        best = pick_winner(res, report, cfg)
-        if cfg.tune_allocator and s.device.type == "cpu":
-            _tune_allocator(s, report, best or EAGER, fns[best or EAGER])
-    finally:
-        for timer in timers.values():
-            timer.close()
+    with recording() as gate:
+        try:
+            return _run_pool(s, report, pool, timers)
+        finally:
+            for timer in timers.values():
+                timer.close()
+            if gate.samples:
+                report.notes.append(gate.text())
+
+
+def _run_pool(s: _Search, report: Report, pool: list[CandidateResult], timers: dict[str, ChildTimer]) -> Recipe:
+    """``run_finalists`` once the pool is known: screen, compare, check, pick, try the allocator setting."""
+    cfg = s.cfg
+    eager_res = report.get(EAGER)
+    search_ms, search_cv = eager_res.p50_ms, eager_res.cv  # eager in this process, before any candidate ran
+    fns = _callables(s, report, pool, timers)
+    if len(fns) == 1:
+        return get_recipe(EAGER)
+    if len(fns) > cfg.finalists + 1:
+        fns = _screen(s, report, fns, cfg.finalists)
+        for name in [n for n in timers if n not in fns]:  # screened out: its process is no longer needed
+            timers.pop(name).close()
+    res = _checked_comparison(s, report, fns, search_ms, search_cv)
+    best = pick_winner(res, report, cfg)
+    if cfg.tune_allocator and s.device.type == "cpu":
+        _tune_allocator(s, report, best or EAGER, fns[best or EAGER])
     alone = [n for n in res if report.get(n).alone]
     here = [n for n in res if not report.get(n).alone]
     report.notes.append("finalists re-timed interleaved with eager, rounds alternating (A B A B)"

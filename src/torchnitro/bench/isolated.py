@@ -10,12 +10,14 @@ and reports ready; start-up is never timed. Then each ``timer(k)`` asks the chil
 takes such a timer in place of a function, so rounds alternate this process and the child, or several
 children (A B A B), while this process only waits.
 
-Every child starts with ``bench.environment.timing_process_env()`` (libgomp's spin bounded, so a team of
-as many OpenMP threads as cores does not stall whenever anything else runs) under the caller's ``env``.
+Every child starts with the environment it inherits (``bench.environment.timing_process_env()`` adds
+nothing: a variant is timed with the thread settings it is deployed with) plus the caller's ``env``.
 
 While this process waits for the child it sleeps in ``read``; the child sleeps in ``readline`` while
-this process times. A short settle pause on each switch lets spinning pools of the side that just
-ran go quiet before the other side's sample starts.
+this process times. Each sample goes through ``bench.quiet.Gate``: it starts only once every other process
+of the timing (this one's other threads, the other children, their helpers) has gone idle, and is taken
+again when foreign CPU ran beside it; ``sample(k, warm)`` makes ``warm`` untimed calls first in the same
+request (``autotune.fair.Steady``).
 
 ``shared_process()`` marks code that times several things in one process: runtimes that own a
 thread pool must not let it spin there (``process_is_shared()``).
@@ -30,19 +32,17 @@ import os
 import select
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Sequence, cast
 
 import torch
 
 from torchnitro.bench.environment import timing_process_env
+from torchnitro.bench.quiet import Gate, GateConfig, name_process
 from torchnitro.errors import RecipeError
 
-__all__ = ["ChildTimer", "shared_process", "process_is_shared", "save_inputs", "SETTLE_S"]
+__all__ = ["ChildTimer", "shared_process", "process_is_shared", "save_inputs"]
 
-SETTLE_S = 0.02  # pause on each switch between processes, for the side that just ran to park its threads
-# (ORT's and OpenMP's spin-waits last well under this); not yet calibrated on a quiet machine
 _STARTUP_S = 180.0  # interpreter + torch import + loading the artifact on a busy 2-core machine
 _SHARED = [0]  # depth of nested shared_process() blocks in this process
 
@@ -81,17 +81,19 @@ class ChildTimer:
     times_itself = True  # bench.compare calls it with k instead of wrapping it in a sampler
 
     def __init__(self, loader: str, kwargs: dict[str, Any], inputs: Path, *, threads: int, device: str = "cpu",
-                 settle_s: float | None = None, timeout_s: float = 120.0, log: Path | None = None,
-                 env: dict[str, str] | None = None, outputs: Path | None = None):
+                 gate: GateConfig | None = GateConfig(), timeout_s: float = 120.0, log: Path | None = None,
+                 env: dict[str, str] | None = None, outputs: Path | None = None, name: str | None = None):
         """``env``: extra environment of the child (e.g. ``MALLOC_MMAP_THRESHOLD_``, read once, when it starts), on
         top of ``timing_process_env()`` unless ``env`` sets OpenMP's wait itself (``self.env``: what the child
         added to this environment);
+        ``gate``: when a sample may start and when it is retaken (``bench.quiet``; None: ungated samples);
         ``outputs``: a file the child writes its first call's outputs to (the tensors of the first input set,
-        in ``torch.utils._pytree`` leaf order) before it reports ready, for the caller to check what it times."""
+        in ``torch.utils._pytree`` leaf order) before it reports ready, for the caller to check what it times;
+        ``name``: the child's label in the gate's reports (default: the log file's stem)."""
         spec = {"loader": loader, "kwargs": kwargs, "inputs": str(inputs), "threads": threads, "device": device,
                 "outputs": str(outputs) if outputs else None}
         self.spec, self.extra_env = spec, dict(env or {})
-        self.settle_s = SETTLE_S if settle_s is None else settle_s
+        self.gate = Gate(gate) if gate is not None else None
         self.timeout_s = timeout_s
         self.samples = 0
         self.failed: str | None = None  # why the child stopped answering, once it has
@@ -104,6 +106,8 @@ class ChildTimer:
         self.proc = subprocess.Popen([sys.executable, "-m", "torchnitro.bench.isolated", json.dumps(spec)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env,
                                      bufsize=0)  # unbuffered: select() sees every line
+        self.name = name or self.log.stem.removeprefix("_timing_")
+        name_process(self.proc.pid, self.name)
         self._stdin, self._stdout = cast(IO[bytes], self.proc.stdin), cast(IO[bytes], self.proc.stdout)  # both PIPE
         self._ready = False
 
@@ -111,8 +115,9 @@ class ChildTimer:
         """A fresh process timing the same function, with ``env`` added to this one's extra environment."""
         sp = self.spec
         return ChildTimer(sp["loader"], sp["kwargs"], Path(sp["inputs"]), threads=sp["threads"], device=sp["device"],
-                          settle_s=self.settle_s, timeout_s=self.timeout_s, env={**self.extra_env, **env},
-                          outputs=Path(sp["outputs"]) if sp["outputs"] else None)
+                          gate=self.gate.cfg if self.gate else None, timeout_s=self.timeout_s,
+                          env={**self.extra_env, **env}, outputs=Path(sp["outputs"]) if sp["outputs"] else None,
+                          name=f"{self.name} (again)")
 
     def wait_ready(self) -> None:
         """Block until the child has loaded the function and called it once (not timed)."""
@@ -121,11 +126,19 @@ class ChildTimer:
             self._ready = True
 
     def __call__(self, k: int) -> float:
+        return self.sample(k)
+
+    def sample(self, k: int, warm: int = 0) -> float:
+        """Seconds per call over ``k`` timed calls, after ``warm`` untimed ones in the same request; gated
+        (``bench.quiet``): taken once the other processes are idle, retaken when foreign CPU ran beside it."""
         self.wait_ready()
-        time.sleep(self.settle_s)  # this process's pools go quiet
-        self._send(str(int(k)))
-        line = self._read(self.timeout_s * max(1, k))
-        time.sleep(self.settle_s)  # the child's pools go quiet
+        if self.gate is None:
+            return self._take(k, warm)
+        return self.gate.sample(self.proc.pid, lambda: self._take(k, warm))
+
+    def _take(self, k: int, warm: int) -> float:
+        self._send(f"{int(k)} {int(warm)}")
+        line = self._read(self.timeout_s * max(1, k + warm))
         self.samples += 1
         return float(self._expect(line, "sample"))
 
@@ -162,6 +175,7 @@ class ChildTimer:
         return " / ".join(lines[-3:])[-400:] or f"exit code {self.proc.poll()}"
 
     def close(self) -> None:
+        name_process(self.proc.pid, None)
         if self.proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
                 self._send("quit")
@@ -211,7 +225,10 @@ def _child(spec: dict[str, Any]) -> None:
             for line in sys.stdin:
                 if line.strip() == "quit":
                     break
-                send(f"sample {sampler(int(line)):.9e}")
+                k, _, warm = line.strip().partition(" ")
+                for _ in range(int(warm or 0)):
+                    call()  # untimed: this process's caches and pool take the switch from the others
+                send(f"sample {sampler(int(k)):.9e}")
     except Exception as exc:  # noqa: BLE001 - reported to the parent as the reason
         send(f"error {type(exc).__name__}: {exc}"[:600])
 

@@ -1,0 +1,148 @@
+"""Where the final comparison times each variant, and the timing processes that do it (``autotune.fair``'s rules).
+
+``place`` decides per variant: its own fresh child process (a standalone artifact, or an artifact rebuilt
+from the eager model re-created there, ``fair.ChildModel``) or this process, with the report's reason.
+``start_children`` starts one ``ChildTimer`` per placed variant, all at once; ``ready_children`` waits for
+them, checks eager's child's first outputs against this process's eager (``outputs_differ``) and moves
+every child that failed, or that was rebuilt from an unchecked eager, back to this process.
+``memory_fits`` keeps the number of processes that each hold a copy of the model within available memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from torchnitro.autotune.fair import ChildModel, runs_alone
+from torchnitro.autotune.recipe import Recipe
+from torchnitro.bench.isolated import ChildTimer
+
+__all__ = ["Placement", "place", "memory_fits", "outputs_differ", "start_children", "ready_children"]
+
+_CHILD_RUNTIME_BYTES = 400 << 20  # an interpreter with torch imported, before the model
+
+
+@dataclass
+class Placement:
+    """Where the final comparison times one variant: a child's loader arguments, or why this process."""
+
+    kwargs: dict[str, Any] | None = None  # load_variant's arguments (None: timed in this process)
+    why: str = ""  # the report's words: how the child loads it, or why it is timed here
+    needs_eager: bool = False  # the child re-creates the eager model (checked through eager's own child)
+    outputs: Path | None = None  # where the child writes its first outputs (eager: checked against this process)
+
+
+def place(recipe: Recipe, files: Any, eager: ChildModel, *, device: str, all_alone: bool) -> Placement:
+    """Where ``recipe``'s variant (``files``: its ``CandidateFiles``; None for eager) is timed."""
+    cls = type(recipe)
+    qual = f"{cls.__module__}:{cls.__qualname__}"
+    standalone = bool(files is not None and files.standalone)
+    if not (runs_alone(recipe, standalone) or (all_alone and device == "cpu")):
+        why = "on CUDA only own-runtime candidates are timed in their own process" if all_alone else \
+            "final_alone=False: eager and in-process candidates are timed in this process"
+        return Placement(None, f"timed in this process ({why})")
+    if files is None:  # eager
+        if eager.kwargs is None:
+            return Placement(None, f"timed in this process: {eager.text}")
+        return Placement({"recipe": None, "directory": None, "meta": {}, "eager": eager.kwargs},
+                         f"alone in its own process ({eager.text})", needs_eager=True)
+    if cls.__module__ == "__main__":
+        return Placement(None, "timed in this process: its recipe class is defined in the running script, which a "
+                               "child process does not import")
+    if standalone:
+        return Placement({"recipe": qual, "directory": str(files.dir), "meta": files.meta, "eager": None},
+                         "alone in its own process (loaded from its standalone artifact)")
+    if eager.kwargs is None:
+        return Placement(None, f"timed in this process: its artifact is rebuilt from the eager model, and {eager.text}")
+    if not eager.rebuilds:
+        return Placement(None, "timed in this process: its artifact is rebuilt from the eager model object, which a "
+                               "child cannot re-create (eager itself is timed alone from its torch.export program)")
+    return Placement({"recipe": qual, "directory": str(files.dir), "meta": files.meta, "eager": eager.kwargs},
+                     "alone in its own process (its artifact rebuilt from the re-created eager model)",
+                     needs_eager=True)
+
+
+def memory_fits(model: nn.Module, children: int) -> str | None:
+    """None when ``children`` timing processes that each hold a copy of ``model`` fit in available memory."""
+    need = children * (_CHILD_RUNTIME_BYTES + 2 * sum(t.numel() * t.element_size()
+                                                      for t in [*model.parameters(), *model.buffers()]))
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        avail = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None  # not Linux: no estimate, no limit
+    if need <= 0.7 * avail:
+        return None
+    return f"{children} processes holding a copy of the model need ~{need >> 20} MiB, {avail >> 20} MiB are available"
+
+
+def outputs_differ(path: Path, reference: Any, rel: float) -> str | None:
+    """None when the tensors a child wrote to ``path`` match ``reference`` (norm-relative error <= ``rel``)."""
+    ref = [t for t in torch.utils._pytree.tree_leaves(reference) if isinstance(t, torch.Tensor)]
+    try:
+        got = torch.load(path, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - missing or unreadable: the child never wrote them
+        return f"its outputs could not be read ({type(exc).__name__})"
+    if len(got) != len(ref) or any(a.shape != b.shape for a, b in zip(got, ref)):
+        return (f"its outputs have shapes {[tuple(a.shape) for a in got]}, this process's "
+                f"{[tuple(b.shape) for b in ref]}")
+    for i, (a, b) in enumerate(zip(got, ref)):
+        a, b = a.double(), b.detach().cpu().double()
+        err = float((a - b).norm() / b.norm().clamp_min(1e-30))
+        if not err <= rel:  # NaN is a difference too
+            return f"its output {i} differs from this process's eager by {err:.2e} (norm-relative; allowed {rel:g})"
+    return None
+
+
+def start_children(places: dict[str, Placement], inputs: Path, work: Path, *, threads: int,
+                   device: str) -> dict[str, ChildTimer]:
+    """Start one timing process per placed variant (all at once: they load side by side, before anything is
+    timed). Eager's child also writes its first outputs, for ``ready_children`` to check. A process that cannot
+    be started leaves its placement saying so (timed in this process)."""
+    timers = {}
+    for name, p in places.items():
+        if p.kwargs is None:
+            continue
+        if p.kwargs["recipe"] is None:
+            p.outputs = work / f"_outputs_{name}.pt"
+        try:
+            timers[name] = ChildTimer("torchnitro.autotune.fair:load_variant", p.kwargs, inputs, threads=threads,
+                                      device=device, log=work / f"_timing_{name}.log", outputs=p.outputs)
+        except OSError as exc:  # no process could be started (memory, process limit): timed here
+            p.kwargs, p.why = None, f"timed in this process: its timing process could not start ({exc})"[:300]
+    return timers
+
+
+def ready_children(timers: dict[str, ChildTimer], places: dict[str, Placement], eager: str,
+                   eager_outputs: Callable[[], Any], rel: float) -> dict[str, str]:
+    """Wait for every child; returns name -> why it is timed in this process after all (its timer closed and
+    removed from ``timers``). When eager's child fails or its outputs differ from ``eager_outputs()`` (this
+    process's eager on the first timing set), every child that re-created the eager model is dropped too."""
+    fallen: dict[str, str] = {}
+
+    def drop(name: str, why: str) -> None:
+        timers.pop(name).close()
+        fallen[name] = why
+
+    if eager in timers:
+        try:
+            timers[eager].wait_ready()
+            why = outputs_differ(places[eager].outputs, eager_outputs(), rel)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - RecipeError from the child, or this process's eager failing
+            why = str(exc)
+        if why is not None:
+            drop(eager, f"timed in this process: eager re-created in a child failed ({why})"[:300])
+    if eager not in timers:  # the re-created eager was not checked: nothing rebuilt from it is trusted
+        for name in [n for n in timers if places[n].needs_eager]:
+            drop(name, "timed in this process: the eager model it is rebuilt from could not be re-created "
+                       "in a child (see eager's row)")
+    for name in list(timers):
+        try:
+            timers[name].wait_ready()
+        except Exception as exc:  # noqa: BLE001 - the child failed to load or start
+            drop(name, f"timed in this process: its own timing process failed ({exc})"[:300])
+    return fallen
