@@ -2,14 +2,17 @@
 
     git archive HEAD~3 src | tar -x -C /tmp/old                        # the "before" tree
     flock /tmp/torchnitro-bench.lock python benchmarks/serve_ab.py old=/tmp/old/src new=src --binary
+    python benchmarks/serve_ab.py procs=src inproc=src@0 --binary       # one tree, worker process vs in-process
 
-Each NAME=SRC starts ``torchnitro serve mlp --workers 1 --threads 1 --max-batch-size 32
---max-wait-ms 5`` with ``PYTHONPATH=SRC`` (so that tree's ``torchnitro`` is imported), then
+Each NAME=SRC[@W] starts ``torchnitro serve mlp --workers W --threads 1 --max-batch-size 32
+--max-wait-ms 5`` (W defaults to 1; 0 runs the model in the server process) with ``PYTHONPATH=SRC``
+(so that tree's ``torchnitro`` is imported), then
 ``loadtest.interleaved`` loads them in turn (``--rounds`` bursts of ``--burst`` s each, rotating
 the order) at ``--concurrency``. Server CPU per request is the server process's own CPU time
 (``/proc``, not its worker's) over the run divided by its answers: on a shared machine it moves far
-less than requests/s, which every other job on the box shifts. Writes nothing; prints one line per
-tree.
+less than requests/s, which every other job on the box shifts; with W=0 the model's CPU is in it
+too, so compare W=0 rows by server CPU plus the other rows' worker CPU (printed as ``workers``).
+Writes nothing; prints one line per tree.
 """
 
 from __future__ import annotations
@@ -36,10 +39,24 @@ def _free_port() -> int:
 
 
 def _start(src: str, port: int, model: str) -> subprocess.Popen:
+    src, _, workers = src.partition("@")
     env = {**os.environ, "PYTHONPATH": os.path.abspath(src)}
-    return subprocess.Popen([sys.executable, "-m", "torchnitro", "serve", model, "--workers", "1", "--threads", "1",
+    return subprocess.Popen([sys.executable, "-m", "torchnitro", "serve", model, "--workers", workers or "1",
+                             "--threads", "1",
                              "--max-batch-size", "32", "--max-wait-ms", "5", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _cpu(pid: int) -> tuple[float, float]:
+    """(CPU seconds of the server process, of its worker processes)."""
+    p = psutil.Process(pid)
+    kids = 0.0
+    for c in p.children(recursive=True):
+        try:
+            kids += sum(c.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            pass
+    return sum(p.cpu_times()[:2]), kids
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
@@ -56,7 +73,7 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> N
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("trees", nargs="+", help="NAME=SRC pairs, e.g. old=/tmp/old/src new=src")
+    ap.add_argument("trees", nargs="+", help="NAME=SRC[@WORKERS] pairs, e.g. old=/tmp/old/src new=src@0")
     ap.add_argument("--model", default="mlp")
     ap.add_argument("--binary", action="store_true", help="v2 binary tensor extension both ways")
     ap.add_argument("--concurrency", type=int, default=32)
@@ -73,13 +90,15 @@ def main() -> None:
             _wait_ready(url, proc)
         targets = {n: asyncio.run(v2_target(url, args.model, seq=1, binary=args.binary))
                    for n, (_, url) in servers.items()}
-        cpu0 = {n: sum(psutil.Process(p.pid).cpu_times()[:2]) for n, (p, _) in servers.items()}
+        cpu0 = {n: _cpu(p.pid) for n, (p, _) in servers.items()}
         res = asyncio.run(interleaved(targets, args.concurrency, args.rounds, args.burst))
         for n, (p, _) in servers.items():
-            cpu = sum(psutil.Process(p.pid).cpu_times()[:2]) - cpu0[n]
+            own, kids = (a - b for a, b in zip(_cpu(p.pid), cpu0[n]))
             r = res[n]
+            per = 1e6 / max(r.ok, 1)
             print(f"{n}: {r.throughput:.0f} req/s, p50 {r.p50_ms:.2f} ms, mean batch {r.mean_batch or 0:.1f}, "
-                  f"ok {r.ok}, errors {r.errors}, server CPU per request {cpu / max(r.ok, 1) * 1e6:.0f} us")
+                  f"ok {r.ok}, errors {r.errors}, server CPU per request {own * per:.0f} us, "
+                  f"workers {kids * per:.0f} us")
     finally:
         for p, _ in servers.values():
             os.killpg(p.pid, signal.SIGKILL)

@@ -306,3 +306,47 @@ def test_failed_requests_are_freed_without_the_cycle_collector():
         finally:
             gc.enable()
     assert live == 0
+
+
+def test_repeated_raw_layout_is_validated_once_and_every_request_still_checked(mlp, monkeypatch):
+    """tritonclient.grpc repeats one layout: the second request of a layout skips the full parse
+    (RawParser keeps its decisions), a changed shape or parameter takes the full path again, and a
+    bad request inside a cached stream gets its own INVALID_ARGUMENT without spoiling the layout."""
+    import torchnitro.serve.grpc_server as gs
+
+    srv, c, base = mlp
+    full = []
+    real = gs.request_to_body
+    monkeypatch.setattr(gs, "request_to_body", lambda req: full.append(1) or real(req))
+    parser, rng = srv.grpc.parser, np.random.default_rng(7)
+    hits0 = parser.hits
+    xs = [rng.standard_normal((2, 512)).astype(np.float32) for _ in range(3)]
+    outs = [np.frombuffer(c.ModelInfer(_raw_request(x)).raw_output_contents[0], "<f4").reshape(2, 512) for x in xs]
+    assert len(full) == 1 and parser.hits == hits0 + 2  # one full parse, two reuses of its decisions
+    for x, got in zip(xs, outs):
+        np.testing.assert_array_equal(got, _http(base, x))  # each answer is its own request's
+    bad = xs[0].copy()
+    bad[1, 7] = np.nan
+    for broken, match in [(_raw_request(bad), "NaN"), (_raw_request(xs[0]), "holds 4092 bytes")]:
+        if match.startswith("holds"):
+            broken.raw_input_contents[0] = broken.raw_input_contents[0][:-4]
+        with pytest.raises(grpc.RpcError) as e:
+            c.ModelInfer(broken)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and match in e.value.details()
+    assert len(full) == 1  # both refused on the kept layout, by their own bytes
+    again = np.frombuffer(c.ModelInfer(_raw_request(xs[1])).raw_output_contents[0], "<f4").reshape(2, 512)
+    np.testing.assert_array_equal(again, outs[1])  # the layout still answers correctly after the refusals
+    one = rng.standard_normal((6, 512)).astype(np.float32)  # a changed shape: a new layout, parsed in full
+    got = np.frombuffer(c.ModelInfer(_raw_request(one)).raw_output_contents[0], "<f4").reshape(6, 512)
+    np.testing.assert_array_equal(got, _http(base, one))
+    req = _raw_request(one)
+    req.parameters["timeout"].int64_param = 10_000_000  # a changed parameter: parsed in full as well
+    c.ModelInfer(req)
+    c.ModelInfer(_raw_request(one, id="with-id"))  # an id is never kept
+    c.ModelInfer(_raw_request(one, id="with-id"))
+    assert len(full) == 5
+    with pytest.raises(grpc.RpcError) as e:  # a layout the full path refuses is never kept
+        c.ModelInfer(_raw_request(np.zeros((1, 511), np.float32)))
+    with pytest.raises(grpc.RpcError):
+        c.ModelInfer(_raw_request(np.zeros((1, 511), np.float32)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and len(full) == 7

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
 
-from torchnitro.errors import BackendUnavailableError
+from torchnitro.errors import BackendUnavailableError, ConfigError
 from torchnitro.nn.zoo import get_builtin
 from torchnitro.serve.models import resolve_model
 from torchnitro.serve.protocol import InferItem
@@ -136,7 +137,16 @@ def test_make_pool_device_choice():
     with pytest.raises(ConfigError, match="'tpu'"):
         ServeConfig(device="tpu")
     cpu = make_pool("mlp", "mlp", ServeConfig(device="cpu", workers=0))
-    assert isinstance(cpu, InlinePool)
+    assert isinstance(cpu, InlinePool) and cpu.loop_max_s == 0.005  # ServeConfig.inline_loop_ms's default
+    before = torch.get_num_threads()
+    try:  # in-process, --threads is the server process's own torch thread count (the model's)
+        torch.set_num_threads(2)
+        one = make_pool("mlp", "mlp", ServeConfig(device="cpu", workers=0, threads=1, inline_loop_ms=None))
+        assert torch.get_num_threads() == 1 and one.loop_max_s is None
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ConfigError, match="inline_loop_ms: received -1"):
+        ServeConfig(inline_loop_ms=-1)
     if not torch.cuda.is_available():
         with pytest.raises(BackendUnavailableError, match="CUDA"):
             make_pool("mlp", "mlp", ServeConfig(device="cuda"))
@@ -206,3 +216,46 @@ def test_replacement_workers_reuse_the_arena_and_dead_ones_are_freed_at_once():
         gc.enable()
     assert restarts == 2
     assert len(arenas) == 1 and procs == 1
+
+
+def test_inline_pool_runs_cheap_batches_on_the_loop_and_slow_ones_on_its_thread():
+    """loop_max_ms: the first batch (nothing measured yet) and any predicted over the limit run on
+    the pool's thread; the rest on the event loop's own thread, with the same answers."""
+    import threading
+
+    from torchnitro.serve.models import ServedModel
+    from torchnitro.serve.protocol import ModelSignature, TensorSpec
+
+    seen: list[str] = []
+    slow = {"rows": None}
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        seen.append(threading.current_thread().name)
+        if slow["rows"] is not None and x.shape[0] >= slow["rows"]:
+            time.sleep(0.05)  # 50 ms: far over the 20 ms limit
+        return x * 2 + 1
+
+    sig = ModelSignature("m", [TensorSpec("x", "FP32", (-1, 3))], [TensorSpec("y", "FP32", (-1, 3))])
+    xs = [torch.arange(3 * r, dtype=torch.float32).reshape(r, 3) + r for r in (1, 2, 3)]
+    items = [InferItem([x], x.shape[0], None) for x in xs]
+
+    async def main():
+        pool = InlinePool(ServedModel(model, sig), loop_max_ms=20)
+        await pool.start()
+        loop_thread = threading.current_thread().name
+        outs = [await pool.run(items) for _ in range(3)]
+        where = ["loop" if n == loop_thread else "thread" for n in seen]
+        slow["rows"] = 6
+        await pool.run(items)  # predicted fast, runs on the loop, measured slow
+        await pool.run(items)  # now predicted slow: back on the thread
+        where += ["loop" if n == loop_thread else "thread" for n in seen[3:]]
+        return outs, where, pool.on_loop
+
+    outs, where, on_loop = asyncio.run(main())
+    assert where == ["thread", "loop", "loop", "loop", "thread"] and on_loop == 3
+    for out in outs:
+        for o, x in zip(out, xs):
+            torch.testing.assert_close(o[0], x * 2 + 1)
+    with pytest.raises(ConfigError, match="loop_max_ms: received -1"):
+        InlinePool(ServedModel(model, sig), loop_max_ms=-1)
+    assert InlinePool(ServedModel(model, sig), replicas=2, loop_max_ms=5).loop_max_s is None  # threads only

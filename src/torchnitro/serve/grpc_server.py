@@ -9,7 +9,8 @@ model, so gRPC and HTTP requests share batches, the queue bound, deadlines and d
 Inputs come either typed (``contents.fp32_contents`` ...) or as ``raw_input_contents`` (little-endian
 bytes per input, as ``tritonclient.grpc`` sends by default); both go through the HTTP path's
 validation (``protocol.parse_infer_request``), so a request is accepted or refused the same way on
-either transport. Outputs are raw (``raw_output_contents``) when the request sent raw inputs or an
+either transport. A raw request whose layout (input names, datatypes, shapes, parameters, outputs;
+no id) was seen before reuses that validation and only checks its own bytes (``RawParser``). Outputs are raw (``raw_output_contents``) when the request sent raw inputs or an
 output has no typed field (FP16, BF16), else typed. Errors map HTTP status -> gRPC code: 400
 INVALID_ARGUMENT, 401 UNAUTHENTICATED, 404 NOT_FOUND, 429 RESOURCE_EXHAUSTED, 500 INTERNAL, 503
 UNAVAILABLE, 504 DEADLINE_EXCEEDED. A client deadline becomes the request's deadline in the batcher;
@@ -31,14 +32,16 @@ from torch import Tensor
 import torchnitro
 from torchnitro.errors import InputError, NitroError, ServeError
 from torchnitro.serve.access import Refusal, bearer, find_model, not_accepting, token_ok
-from torchnitro.serve.protocol import DATATYPES, ModelSignature, array_from_bytes, parse_infer_request
+from torchnitro.serve.binary import _Plan
+from torchnitro.serve.protocol import (_NP, DATATYPES, InferItem, ModelSignature, _checked, array_from_bytes,
+                                      parse_infer_request)
 from torchnitro.serve.proto import grpc_predict_v2_pb2 as pb
 from torchnitro.serve.triton import model_config, model_stats
 
 if TYPE_CHECKING:  # pragma: no cover
     from torchnitro.serve.server import InferenceServer, ModelEndpoint
 
-__all__ = ["SERVICE", "GRPCFrontend", "request_to_body", "encode_response"]
+__all__ = ["SERVICE", "GRPCFrontend", "RawParser", "request_to_body", "encode_response"]
 
 SERVICE = "inference.GRPCInferenceService"
 _CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
@@ -113,6 +116,57 @@ def request_to_body(req: Any) -> dict[str, Any]:
     return body
 
 
+_MAX_CACHED = 256  # distinct request layouts kept per front-end; beyond it the cache starts afresh
+
+
+class RawParser:
+    """``parse(request, sig)`` -> ``InferItem``, reusing what an earlier request of the same layout
+    decided, as ``binary.BinaryParser`` does for HTTP: ``tritonclient.grpc`` repeats the same
+    inputs (names, datatypes, shapes), parameters and outputs with only the raw bytes changing.
+
+    Only id-less requests whose every input comes in ``raw_input_contents`` are kept, keyed by that
+    layout; a repeat checks its own bytes (byte count, NaN, the model's value limits) and skips the
+    rest. Anything else, or a changed layout, takes the full path (``request_to_body`` +
+    ``parse_infer_request``); a request refused there is never kept.
+    """
+
+    def __init__(self, max_entries: int = _MAX_CACHED):
+        self.max_entries = max_entries
+        self._plans: dict[tuple[Any, ...], _Plan] = {}
+        self.hits = 0  # requests answered from a kept layout (tests read it)
+
+    def parse(self, req: Any, sig: ModelSignature) -> InferItem:
+        raw = req.raw_input_contents
+        key = None
+        if not req.id and raw and len(raw) == len(req.inputs):
+            key = (sig.name, tuple((t.name, t.datatype, tuple(t.shape), t.HasField("contents")) for t in req.inputs),
+                   tuple(sorted((k, _param(v)) for k, v in req.parameters.items())),
+                   tuple(o.name for o in req.outputs))
+            plan = self._plans.get(key)
+            if plan is not None and plan.sig is sig:
+                tensors = []
+                for spec, (idx, nbytes), shape, count in zip(sig.inputs, plan.slices, plan.shapes, plan.counts):
+                    data = raw[idx]
+                    if len(data) != nbytes:
+                        raise InputError(f"input {spec.name!r}: raw_input_contents holds {len(data)} bytes, shape "
+                                         f"{shape} of {spec.datatype} needs {nbytes} (little-endian)")
+                    arr = array_from_bytes(spec.name, spec.datatype, data)
+                    tensors.append(_checked(spec.name, spec, arr, shape, count, sig.allow_nan))
+                self.hits += 1
+                return InferItem(tensors, plan.rows, plan.length, None, plan.priority, plan.timeout_ms,
+                                 plan.outputs, plan.binary_outputs)
+        item = parse_infer_request(request_to_body(req), sig)
+        if key is not None and not any(k[3] for k in key[1]) and all(s.datatype in _NP for s in sig.inputs):
+            order = {t.name: i for i, t in enumerate(req.inputs)}
+            if len(self._plans) >= self.max_entries:
+                self._plans.clear()
+            self._plans[key] = _Plan(sig, 0, tuple((order[s.name], len(raw[order[s.name]])) for s in sig.inputs),
+                                     tuple(list(t.shape) for t in item.tensors),
+                                     tuple(t.numel() for t in item.tensors), item.rows, item.length, item.priority,
+                                     item.timeout_ms, item.outputs, item.binary_outputs)
+        return item
+
+
 def _bytes(t: Tensor) -> bytes:
     t = t.detach().contiguous().cpu()
     if t.dtype == torch.bfloat16:
@@ -143,6 +197,7 @@ class GRPCFrontend:
         self.port: int | None = None
         self._grpc: Any = None
         self._token = bearer(server.config.auth_token)
+        self.parser = RawParser()  # request layouts seen before: validated once (RawParser)
 
     async def start(self, port: int | None = None, host: str | None = None) -> "GRPCFrontend":
         """Listen on ``host:port`` (default: ``ServeConfig.host`` and ``grpc_port``; 0 = any free port)."""
@@ -273,7 +328,7 @@ class GRPCFrontend:
             if unknown:
                 raise InputError(f"requested outputs {unknown} are unknown; model {ep.name!r} returns "
                                  f"{[s.name for s in sig.outputs]}")
-            item = parse_infer_request(request_to_body(request), sig)
+            item = self.parser.parse(request, sig)
             left = context.time_remaining()  # the client's gRPC deadline (client_timeout), if it set one
             req = ep.enqueue(item, left * 1e3 if left is not None and left > 0 else None)
         except InputError as exc:

@@ -67,6 +67,9 @@ class ServeConfig:
     worker_timeout_s: float | None = 120.0  # a worker holding one batch longer is killed and replaced
     trust_code: bool = False  # artifact dirs may run code (.py factory, TorchScript): only from trusted sources
     grpc_port: int | None = None  # also serve KServe v2 gRPC (serve/grpc_server.py) here; 0 = any free port
+    # workers=0: a batch predicted to take at most this long runs on the event loop, not a thread
+    # (no hand-off, no GIL contention; InlinePool); None: always a thread
+    inline_loop_ms: float | None = 5.0
 
     def __post_init__(self) -> None:
         if self.workers < 0:
@@ -87,6 +90,9 @@ class ServeConfig:
                 raise ConfigError(f"ServeConfig.{name}: received {getattr(self, name)}, expected seconds > 0")
         if self.max_connections is not None and self.max_connections < 1:
             raise ConfigError(f"ServeConfig.max_connections: received {self.max_connections}, expected >= 1")
+        if self.inline_loop_ms is not None and self.inline_loop_ms < 0:
+            raise ConfigError(f"ServeConfig.inline_loop_ms: received {self.inline_loop_ms}, expected "
+                              "milliseconds >= 0, or None to run every in-process batch on a thread")
         if self.worker_timeout_s is not None and self.worker_timeout_s <= 0:
             raise ConfigError(f"ServeConfig.worker_timeout_s: received {self.worker_timeout_s}, expected "
                               "seconds > 0, or None for no watchdog")
@@ -111,7 +117,10 @@ def make_pool(spec: Any, name: str, config: ServeConfig,
         else:
             return DevicePool(sm, sm.module, streams=config.streams)
     if config.workers == 0 or not isinstance(spec, str):
-        return InlinePool(resolve_model(spec, name, trust_code=config.trust_code), replicas=max(1, config.workers))
+        if config.threads is not None:  # in-process: the server's own torch threads are the model's
+            torch.set_num_threads(config.threads)
+        return InlinePool(resolve_model(spec, name, trust_code=config.trust_code), replicas=max(1, config.workers),
+                          loop_max_ms=config.inline_loop_ms)
     return ProcessPool(spec, name, config.workers, threads=config.threads, on_restart=on_restart,
                        trust_code=config.trust_code, batch_timeout_s=config.worker_timeout_s)
 

@@ -14,7 +14,13 @@ longer than ``batch_timeout_s`` (stopped with SIGSTOP, deadlocked, swapping): it
 replaced. ``ready`` is False while no worker is up (all being replaced).
 
 ``InlinePool``: the model runs in the server process on a thread per replica (torch releases the
-GIL in its kernels); used for callables that cannot be pickled and for one-process setups.
+GIL in its kernels); used for callables that cannot be pickled and for one-process setups
+(``--workers 0``). With ``loop_max_ms`` (one replica), a batch predicted to take at most that long
+runs on the event loop itself: no thread hand-off per batch and no contention for the GIL between
+the loop and the model thread. The prediction is the batch's rows times the per-row time of recent
+batches (it rises at once after a slow batch and decays slowly); with no measurement yet, or over
+the limit, the batch runs on the thread as before. A batch on the loop holds every other request's
+I/O for its duration, which is why the limit is small (``ServeConfig.inline_loop_ms``).
 
 ``DevicePool``: one replica per (GPU, stream), inputs staged through pinned host buffers and
 copied with ``non_blocking=True`` on the replica's stream.
@@ -28,6 +34,7 @@ import itertools
 import multiprocessing as mp
 import os
 import signal
+import time
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -97,11 +104,15 @@ class WorkerPool(Protocol):
 
 
 class InlinePool:
-    """Replicas in this process, each on its own thread with its own reused input buffers."""
+    """Replicas in this process, each on its own thread with its own reused input buffers; cheap
+    batches of a single replica on the event loop (``loop_max_ms``, module docstring)."""
 
-    def __init__(self, model: ServedModel, replicas: int = 1):
+    def __init__(self, model: ServedModel, replicas: int = 1, *, loop_max_ms: float | None = None):
         if replicas < 1:
             raise ConfigError(f"replicas: received {replicas}, expected >= 1")
+        if loop_max_ms is not None and loop_max_ms < 0:
+            raise ConfigError(f"loop_max_ms: received {loop_max_ms}, expected milliseconds >= 0, or None "
+                              "(every batch on a thread)")
         self.model = model
         self.signature: ModelSignature = model.signature
         self.size = replicas
@@ -109,6 +120,10 @@ class InlinePool:
         self.ready = True  # threads in this process: nothing to replace
         self.on_restart: Callable[[int], None] | None = None  # never called: nothing here is replaced
         self._free: asyncio.Queue[list[Tensor]] | None = None
+        # several replicas compute at once on threads; the loop can only hold one batch
+        self.loop_max_s = None if loop_max_ms is None or replicas > 1 else loop_max_ms / 1e3
+        self.row_s: float | None = None  # per-row seconds of recent batches (rises fast, decays slowly)
+        self.on_loop = 0  # batches computed on the event loop (the rest went to a thread)
 
     async def start(self) -> None:
         self._free = asyncio.Queue()
@@ -121,8 +136,28 @@ class InlinePool:
         # outputs may alias input buffers (identity-like models): copy before the buffer is reused
         return split_outputs([o.clone() for o in outs], items, self.signature, padded)
 
+    def _timed(self, items: list[InferItem], buffers: list[Tensor]) -> list[list[Tensor]]:
+        t0 = time.perf_counter()
+        out = self._compute(items, buffers)
+        per_row = (time.perf_counter() - t0) / max(1, sum(it.rows for it in items))
+        prev = self.row_s
+        self.row_s = per_row if prev is None or per_row > prev else 0.9 * prev + 0.1 * per_row
+        return out
+
     async def run(self, items: list[InferItem]) -> list[list[Tensor]]:
-        return await _run_on_free_slot(self._free, lambda buffers: self._compute(items, buffers))
+        if self.loop_max_s is None:
+            return await _run_on_free_slot(self._free, lambda buffers: self._compute(items, buffers))
+        est = self.row_s
+        if est is None or est * sum(it.rows for it in items) > self.loop_max_s:
+            return await _run_on_free_slot(self._free, lambda buffers: self._timed(items, buffers))
+        if self._free is None:
+            raise ServeError("the worker pool is not started; `await pool.start()` first")
+        buffers = self._free.get_nowait()  # one replica, one batch at a time: its buffers are free
+        try:
+            self.on_loop += 1
+            return self._timed(items, buffers)
+        finally:
+            self._free.put_nowait(buffers)
 
     async def close(self) -> None:
         return None
