@@ -152,7 +152,11 @@ def profiler_rows(table: ResultTable, quick: bool) -> None:
               detail=f"categories / profiled step {min(closure):.3f}-{max(closure):.3f}; ratio of means "
                      f"{statistics.median(acc_mean):.3f}; per round " + ", ".join(f"{r:.3f}" for r in acc) +
                      "; shares " + ", ".join(f"{k} {v:.1%}" for k, v in prof.shares.items()))
-    n = 512 if quick else 1024
+    gemm_mfu_row(table, 512 if quick else 1024, steps)
+
+
+def gemm_mfu_row(table: ResultTable, n: int, steps: int) -> None:
+    """MFU of an n^2 float32 GEMM against the peak the profiler times around its recorded steps."""
     a_, b_ = torch.randn(n, n), torch.randn(n, n)
     roofline = machine_roofline("cpu").peak_flops["float32"]  # measured once per process, for reference
     gemm = profile(lambda: torch.mm(a_, b_), config=ProfileConfig(warmup=3, steps=2 * steps, monitor=False,
