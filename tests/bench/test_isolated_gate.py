@@ -264,3 +264,18 @@ def test_reading_a_process_that_is_gone_is_zero():
     proc.wait()
     assert quiet.process_cpu_ns(proc.pid) == 0
     assert Path("/proc/self/task").exists()
+
+
+def test_runnable_threads_sees_a_busy_process_and_not_a_blocked_one(tmp_path):
+    busy = _spawn(_BUSY_UNTIL_FILE, str(tmp_path / "never"))
+    blocked = _spawn("import sys; print('up', flush=True); sys.stdin.readline()")
+    try:
+        assert busy.stdout.readline().strip() == "busy" and blocked.stdout.readline().strip() == "up"
+        assert quiet.runnable_threads(busy.pid) >= 1  # running or waiting for a CPU: state R either way
+        deadline = time.monotonic() + 30  # the blocked one settles into its read
+        while quiet.runnable_threads(blocked.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert quiet.runnable_threads(blocked.pid) == 0
+    finally:
+        _end(busy)
+        _end(blocked)
