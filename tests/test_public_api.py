@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -35,3 +38,29 @@ def test_every_module_declares_all(modname):
     assert hasattr(mod, "__all__"), f"{modname} has no __all__"
     for n in mod.__all__:
         assert hasattr(mod, n), f"{modname}.__all__ lists {n!r} but it is not defined"
+
+
+def test_every_subpackage_is_a_top_level_name():
+    """Each subpackage is reachable as ``torchnitro.<name>`` after a plain ``import torchnitro`` (README's entry points)."""
+    root = Path(torchnitro.__file__).parent
+    subpackages = {d.name for d in root.iterdir() if (d / "__init__.py").is_file()}
+    assert {"distributed", "xla", "serve", "profile"} <= subpackages
+    missing = subpackages - set(torchnitro.__all__)
+    assert not missing, f"subpackages not in torchnitro.__all__: {sorted(missing)}"
+
+
+def test_subpackages_resolve_lazily_without_jax():
+    """``torchnitro.distributed`` and ``torchnitro.xla`` resolve as attributes; neither ``import torchnitro`` nor
+    ``torchnitro.xla`` imports jax, and ``import torchnitro`` alone imports neither torch nor a subpackage."""
+    code = ("import sys, torchnitro\n"
+            "eager, torch_loaded = sorted(m for m in sys.modules if m.startswith('torchnitro.')), 'torch' in sys.modules\n"
+            "d, x = torchnitro.distributed, torchnitro.xla\n"
+            "print(eager, torch_loaded, d.__name__, x.__name__, 'jax' in sys.modules, 'MeshConfig' in dir(x))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]", "False", "torchnitro.distributed", "torchnitro.xla", "False",
+                                  "True"], out.stdout + out.stderr
+
+
+def test_unknown_top_level_name_raises_attribute_error():
+    with pytest.raises(AttributeError, match="'torchnitro' has no attribute 'nope'"):
+        torchnitro.nope  # noqa: B018

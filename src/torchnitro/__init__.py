@@ -40,7 +40,7 @@ _EXPORTS: dict[str, str] = {
 }
 # "profile" is both the subpackage and its function: the package module is callable (profile/__init__.py)
 _SUBMODULES = ("bench", "errors", "config", "hardware", "nn", "kernels", "autotune", "serve", "hrr",
-               "memory", "precision", "profile")
+               "memory", "precision", "profile", "distributed", "xla")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
 
