@@ -57,10 +57,23 @@ def test_subpackages_resolve_lazily_without_jax():
             "d, x = torchnitro.distributed, torchnitro.xla\n"
             "print(eager, torch_loaded, d.__name__, x.__name__, 'jax' in sys.modules, 'MeshConfig' in dir(x))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["[]", "False", "torchnitro.distributed", "torchnitro.xla", "False",
+    assert out.stdout.split() == ["['torchnitro._lazy']", "False", "torchnitro.distributed", "torchnitro.xla", "False",
                                   "True"], out.stdout + out.stderr
 
 
 def test_unknown_top_level_name_raises_attribute_error():
     with pytest.raises(AttributeError, match="'torchnitro' has no attribute 'nope'"):
         torchnitro.nope  # noqa: B018
+
+
+def test_lazy_names_import_on_first_read_and_cache_in_the_package():
+    from torchnitro._lazy import lazy_names
+    from torchnitro.errors import InputError
+
+    ns: dict = {"__name__": "torchnitro"}
+    names, getattr_, dir_ = lazy_names(ns, {"InputError": "torchnitro.errors"}, ["hardware"], eager=["__version__"])
+    assert names == dir_() == ["InputError", "__version__", "hardware"]
+    assert getattr_("InputError") is InputError and ns["InputError"] is InputError
+    assert getattr_("hardware").__name__ == "torchnitro.hardware" and "hardware" in ns
+    with pytest.raises(AttributeError, match="module 'torchnitro' has no attribute 'hard'"):
+        getattr_("hard")

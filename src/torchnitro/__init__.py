@@ -6,8 +6,7 @@ stays cheap and optional extras (ONNX Runtime, HTTP serving) are imported only w
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchnitro._lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -42,20 +41,4 @@ _EXPORTS: dict[str, str] = {
 _SUBMODULES = ("bench", "errors", "config", "hardware", "nn", "kernels", "autotune", "serve", "hrr",
                "memory", "precision", "profile", "distributed", "xla")
 
-__all__ = sorted([*_EXPORTS, *_SUBMODULES, "__version__"])
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    if name in _SUBMODULES:
-        mod = importlib.import_module(f"torchnitro.{name}")
-        globals()[name] = mod
-        return mod
-    raise AttributeError(f"module 'torchnitro' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__, __getattr__, __dir__ = lazy_names(globals(), _EXPORTS, _SUBMODULES, eager=["__version__"])

@@ -7,8 +7,7 @@ name below does. See docs/xla.md for what exists and what does not yet.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchnitro._lazy import lazy_names
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
@@ -47,20 +46,4 @@ _EXPORTS: dict[str, str] = {
 _SUBMODULES = ("mesh", "rules", "model", "remat", "train", "lm", "layout", "memory", "checkpoint", "flash", "estimate",
                "liveness", "options", "profile", "cli")
 
-__all__ = sorted([*_EXPORTS, *_SUBMODULES])
-
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    if name in _SUBMODULES:
-        mod = importlib.import_module(f"torchnitro.xla.{name}")
-        globals()[name] = mod
-        return mod
-    raise AttributeError(f"module 'torchnitro.xla' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return __all__
+__all__, __getattr__, __dir__ = lazy_names(globals(), _EXPORTS, _SUBMODULES)
