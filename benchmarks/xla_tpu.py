@@ -268,12 +268,19 @@ def _seed(targets: list[str], out: str) -> list[dict]:
     return rows
 
 
+def _with_header(md: str) -> str:
+    """``md`` with the provenance lines (command, machine, versions, commit, time, load) under its title."""
+    title, rest = md.split("\n", 1)
+    head = provenance("benchmarks/xla_tpu.py", packages=("jax", "jaxlib", "libtpu", "optax", "orbax-checkpoint"))
+    return title + "\n\n" + "".join(f"- {k}: {v}\n" for k, v in head.items()) + rest
+
+
 def _write_seed(rows: list[dict], out: str) -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "xla_tpu_seed.json"), "w") as f:
         json.dump(dict(model=dataclasses.asdict(SEED_MODEL[0]), seq=SEED_MODEL[1], rows=rows), f, indent=1)
     with open(os.path.join(out, "xla_tpu_seed.md"), "w") as f:
-        f.write(_seed_md(rows))
+        f.write(_with_header(_seed_md(rows)))
 
 
 def _seed_md(rows: list[dict]) -> str:
@@ -373,9 +380,10 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "xla_throughput_cpu.json"), "w") as f:
             json.dump(t, f, indent=1)
+        md = _with_header(_throughput_md(t))
         with open(os.path.join(args.out, "xla_throughput_cpu.md"), "w") as f:
-            f.write(_throughput_md(t))
-        print(_throughput_md(t))
+            f.write(md)
+        print(md)
         return
     if args.seed_claim:  # v5p:2x2x2 is 8 chips, one device each; v4:2x2x1 is 4 chips, two cores (devices) each
         _seed(args.targets.split(","), args.out)
@@ -399,10 +407,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{name}.json"), "w") as f:
         json.dump(dict(model=dataclasses.asdict(cfg), rows=rows, padding=pad), f, indent=1)
-    md = _md(rows, pad, cfg)
-    title, rest = md.split("\n", 1)
-    head = provenance("benchmarks/xla_tpu.py", packages=("jax", "jaxlib", "libtpu", "optax", "orbax-checkpoint"))
-    md = title + "\n\n" + "".join(f"- {k}: {v}\n" for k, v in head.items()) + rest
+    md = _with_header(_md(rows, pad, cfg))
     if args.reestimate:
         md += (f"\nCompiled columns from an earlier run ({os.path.basename(args.reestimate)}); the estimate columns "
                "recomputed by the current model with `--reestimate`.\n")
