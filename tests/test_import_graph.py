@@ -31,9 +31,8 @@ KNOWN_MODULE_CYCLES: set[frozenset[str]] = set()
 # issue 17: cycles that close only through an import inside a function; remove an entry when fixed
 KNOWN_FUNCTION_CYCLES: set[frozenset[str]] = set()
 
-# cycles between subpackages (both kinds of edge); remove an entry when fixed. kernels -> nn: kernels.patch
-# imports nn.layers inside patch_ to swap modules, while nn builds its modules on kernels
-KNOWN_PACKAGE_CYCLES: set[frozenset[str]] = {frozenset({"torchnitro.kernels", "torchnitro.nn"})}
+# cycles between subpackages (both kinds of edge); remove an entry when fixed
+KNOWN_PACKAGE_CYCLES: set[frozenset[str]] = set()
 
 
 def _module_name(path: Path) -> str:

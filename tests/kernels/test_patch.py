@@ -31,7 +31,7 @@ def test_patch_reference_lm_keeps_outputs(backend, monkeypatch):
     summary, before, after = _parity(model, torch.randint(0, 64, (1, 12)))
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
     assert summary.replaced["RMSNorm -> RMSNorm"] == 3
-    assert summary.replaced["_SwiGLU -> SwiGLU"] == 1
+    assert summary.replaced["_SwiGLU -> FusedSwiGLU"] == 1
     assert summary.replaced["_CausalSelfAttention -> FusedRefAttention"] == 1
     assert set(model.state_dict()) == keys
 

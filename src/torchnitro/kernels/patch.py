@@ -99,6 +99,20 @@ class _FusedGatedMLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+class _FusedSwiGLU(nn.Module):
+    """``nn.models`` SwiGLU MLP (w1 gate, w3 up, w2 down) with the gate fused; same names, same state-dict keys.
+
+    Defined here rather than reusing ``torchnitro.nn.SwiGLU``: nn builds on kernels, so kernels must not import nn.
+    """
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.w1, self.w3, self.w2 = mlp.w1, mlp.w3, mlp.w2
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(swiglu(self.w1(x), self.w3(x)))
+
+
 class _Conv1DGELU(nn.Module):
     """GPT-2 ``Conv1D`` (weight stored (in, out)) followed by GELU, as one fused GEMM."""
 
@@ -143,12 +157,7 @@ def _replacement(name: str, m: nn.Module, attention: bool = True) -> nn.Module |
             type(getattr(m, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation"):
         return _FusedGatedMLP(m)
     if cls == "_SwiGLU" and all(isinstance(getattr(m, a, None), nn.Linear) for a in ("w1", "w2", "w3")):
-        from torchnitro.nn.layers import SwiGLU
-
-        new = SwiGLU.__new__(SwiGLU)
-        nn.Module.__init__(new)
-        new.w1, new.w3, new.w2 = m.w1, m.w3, m.w2
-        return new
+        return _FusedSwiGLU(m)
     if attention and cls == "_CausalSelfAttention" and hasattr(m, "cfg") and hasattr(m, "wq"):
         return _FusedRefAttention(m)
     return None

@@ -27,7 +27,7 @@ def test_build_patches_the_private_copy(tmp_path, monkeypatch):
     ctx = BuildContext(model=model, example_inputs=(tokens,), hardware=hardware_info(), device=torch.device("cpu"),
                        workdir=tmp_path)
     built = get_recipe("fused-kernels").build(ctx)
-    assert built.meta["replaced"]["_SwiGLU -> SwiGLU"] == 1
+    assert built.meta["replaced"]["_SwiGLU -> FusedSwiGLU"] == 1
     torch.testing.assert_close(built.fn(tokens), expected, atol=1e-5, rtol=1e-5)
     assert dataclasses.is_dataclass(built)
 
