@@ -1,7 +1,8 @@
 """What this machine is: CPU flags, cores, GPU name and capability, library versions.
 
 One ``HardwareInfo`` is computed per process (``hardware_info()`` caches it). Recipes use it to say
-whether they apply; ``torchnitro doctor`` prints it; caches key on its ``fingerprint``.
+whether they apply; ``torchnitro doctor`` prints it; caches key on its ``fingerprint``. ``roofline_gemm_n``
+is the size of the GEMM whose rate counts as this machine's peak (``autotune.analyze`` and ``profile.peak``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-__all__ = ["HardwareInfo", "hardware_info", "library_versions", "has_cuda", "cpu_supports_bf16"]
+__all__ = ["HardwareInfo", "hardware_info", "library_versions", "has_cuda", "cpu_supports_bf16", "roofline_gemm_n"]
 
 _INTERESTING_FLAGS = (
     "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
@@ -102,6 +103,13 @@ def has_cuda() -> bool:
 
 def cpu_supports_bf16() -> bool:
     return hardware_info().cpu_bf16
+
+
+def roofline_gemm_n(device: str) -> int:
+    """The side n of the square (n, n) @ (n, n) GEMM whose rate is the peak on ``device`` (``analyze.machine_roofline``
+    and ``profile.peak`` time the same one): large enough to be compute-bound, small enough to time in well under a
+    second."""
+    return 4096 if torch.device(device).type == "cuda" else 1024
 
 
 @functools.lru_cache(maxsize=1)

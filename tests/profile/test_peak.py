@@ -34,10 +34,12 @@ def test_probe_finish_keeps_mfu_at_most_one():
 
 
 def test_probe_default_size_is_the_rooflines(monkeypatch):
+    from torchnitro import hardware
     from torchnitro.autotune import analyze
     from torchnitro.profile import peak
 
-    assert analyze.roofline_gemm_n("cpu") == 1024 and analyze.roofline_gemm_n("cuda:0") == 4096
+    assert hardware.roofline_gemm_n("cpu") == 1024 and hardware.roofline_gemm_n("cuda:0") == 4096
+    assert analyze.roofline_gemm_n is peak.roofline_gemm_n is hardware.roofline_gemm_n  # one size for both peaks
     monkeypatch.setattr(peak, "roofline_gemm_n", lambda device: 16)  # one source: the probe follows it
     assert PeakProbe("cpu", "float32").n == 16 and PeakProbe("cpu", "float32", n=8).n == 8
 

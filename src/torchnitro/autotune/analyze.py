@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from torchnitro.bench import TimingConfig, measure
 from torchnitro.errors import InputError
+from torchnitro.hardware import roofline_gemm_n
 
 __all__ = ["Analysis", "Finding", "MachineRoofline", "analyze", "machine_roofline", "trace_ops"]
 
@@ -148,12 +149,6 @@ class Analysis:
 
 
 # ---- the machine -------------------------------------------------------------------------------
-
-def roofline_gemm_n(device: str) -> int:
-    """The side n of the square (n, n) @ (n, n) GEMM whose rate is the peak on ``device`` (shared with
-    ``profile.peak``): large enough to be compute-bound, small enough to time in well under a second."""
-    return 4096 if torch.device(device).type == "cuda" else 1024
-
 
 @functools.lru_cache(maxsize=4)
 def machine_roofline(device: str = "cpu") -> MachineRoofline:

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchnitro.autotune.analyze import roofline_gemm_n
 from torchnitro.errors import InputError
+from torchnitro.hardware import roofline_gemm_n
 
 if TYPE_CHECKING:
     from torchnitro.profile.profiler import ProfileConfig
