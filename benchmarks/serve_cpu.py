@@ -11,6 +11,8 @@ For each model (all-MiniLM-L6-v2 with real weights, 32-token requests; the built
   5. LitServe with its own batching (max_batch_size=32, batch_timeout=5 ms, fast_queue) on the same model;
   3b, 4b. the same dynamic and adaptive servers with requests and answers in the v2 binary tensor
      extension (checked first: one request both ways must come back binary with the JSON answer's numbers);
+  3c. "inproc" / "inproc binary": the dynamic server with ``--workers 0`` (the model in the server
+     process, cheap batches on its event loop: no worker hand-off), JSON and binary;
   6. "http+json floor" / "binary floor": a bare uvicorn app that reads the same request into numpy
      and writes a same-size answer (JSON, or the binary extension) with no model at all, the most
      any HTTP server in Python can do on this machine with this client.
@@ -22,9 +24,10 @@ their burst): an idle LitServe polls and would otherwise take CPU from whichever
 Concurrency 32 for throughput, concurrency 1 for per-request overhead.
 The ceiling is the model alone at the served row's mean batch, on the same torch threads as a
 worker, measured after the servers stop (batch 1 and 32 also before they start: the faster of the
-two counts); the served rows share the machine's cores with the load generator. At concurrency 32 each row also gets the CPU it cost per request: the load generator
-(this process), the server's main process and its workers (cpu_us_* columns), next to the CPU the
-machine has per request at 0.85x of the binary ceiling (cores / (0.85 x offline rate)).
+two counts); the served rows share the machine's cores with the load generator. At concurrency 32 each
+row also gets the CPU it cost per request: the load generator (this process), the server's main
+process and its workers (cpu_us_* columns; the inproc rows' server column holds the model too), next
+to the CPU the machine has per request at 0.85x of the binary ceiling (cores / (0.85 x offline rate)).
 Writes results/serve_cpu.{json,md,png}.
 """
 
@@ -404,6 +407,11 @@ def start_servers(model: str, args: argparse.Namespace) -> dict[str, tuple[subpr
         procs[label] = (start([sys.executable, "-m", "torchnitro", "serve", spec(model), "--name", model,
                                "--port", str(port), "--workers", str(args.workers), "--threads", threads, *flags]),
                         f"http://127.0.0.1:{port}", "/v2/health/ready")
+    if not args.no_inproc:  # the model in the server process: no worker hand-off (--workers 0)
+        port = free_port()
+        procs["inproc"] = (start([sys.executable, "-m", "torchnitro", "serve", spec(model), "--name", model,
+                                  "--port", str(port), "--workers", "0", "--threads", threads,
+                                  *configs["dynamic"]]), f"http://127.0.0.1:{port}", "/v2/health/ready")
     if not args.no_litserve and ls is not None:
         port = free_port()
         procs["litserve"] = (start([sys.executable, __file__, "--litserve-server", spec(model), "--port", str(port),
@@ -438,7 +446,9 @@ def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: d
         # the dynamic and adaptive servers again, spoken to in the binary tensor extension (both
         # ways), and the no-model floor in the binary extension
         same = {"dynamic binary": "dynamic", "adaptive binary": "adaptive", "binary floor": "http+json floor"}
-        for label in ("dynamic binary", "adaptive binary"):
+        if "inproc" in procs:
+            same["inproc binary"] = "inproc"
+        for label in [k for k, v in same.items() if v != "http+json floor"]:
             targets[label] = asyncio.run(v2_target(procs[same[label]][1], model, seq=SEQ[model] or 1, binary=True))
         targets["binary floor"] = LoadTarget(procs["http+json floor"][1], "/infer", targets["dynamic binary"].body,
                                              targets["dynamic binary"].headers, metrics_path=None)
@@ -461,7 +471,9 @@ def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: d
         return max(1, round(res[label][c].mean_batch or 1.0))
 
     mean_b = res["dynamic"][c].mean_batch or 1.0
-    sizes = sorted({1, 32, *(at(k) for k in ("dynamic", "adaptive", "dynamic binary", "adaptive binary"))})
+    served = [k for k in ("dynamic", "adaptive", "dynamic binary", "adaptive binary", "inproc", "inproc binary")
+              if k in res]
+    sizes = sorted({1, 32, *(at(k) for k in served)})
     off = offline(model, sizes, args.threads, args.quick)
     raw_meta["offline_before_servers"] = {str(k): v.to_dict() for k, v in early.items()}
     off.update({bs: t for bs, t in early.items() if t.throughput > off[bs].throughput})
@@ -497,9 +509,17 @@ def bench_model(model: str, args: argparse.Namespace, table: ResultTable, raw: d
         # what the load generator and the no-model binary floor server spend per request
         "cpu_budget_us_at_0.85x_binary": (os.cpu_count() or 1) * 1e6 / (0.85 * off[at("dynamic binary")].throughput),
         "offline_b32_vs_b1": off[32].throughput / off[1].throughput,
+        # the goal's ceiling: the model alone at batch 32, whatever batch the row served
+        "dynamic_binary_vs_offline_b32": dbin.throughput / off[32].throughput,
         "dynamic_mean_batch": mean_b,
         "offline_batch1_ms": off[1].median * 1e3,
     }
+    if "inproc binary" in res:
+        ib = res["inproc binary"][c]
+        summary["inproc_binary_vs_offline_same_batch"] = ib.throughput / off[at("inproc binary")].throughput
+        summary["inproc_binary_vs_offline_b32"] = ib.throughput / off[32].throughput
+        summary["inproc_vs_offline_same_batch"] = res["inproc"][c].throughput / off[at("inproc")].throughput
+        summary["inproc_binary_mean_batch"] = ib.mean_batch or 0.0
     for label in ("no batching", "adaptive"):
         s = server_side[label]
         if s.get("request_seconds_count"):
@@ -566,6 +586,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)  # 2 OMP threads collapse on a shared 2-core box
     ap.add_argument("--target-ms", type=float, default=300.0)
     ap.add_argument("--no-litserve", action="store_true")
+    ap.add_argument("--no-inproc", action="store_true", help="skip the --workers 0 (in-process) rows")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--name", default="serve_cpu", help="results/<name>.{json,md,png}")
     ap.add_argument("--int8-artifact", help="serve this bert-unpad-int8 artifact directory as minilm-int8 instead "
