@@ -12,6 +12,9 @@ import fails too when it is new; both known lists below may only shrink (issue 1
 fails, and a fixed one must be taken off its list. The same holds one level up, between subpackages
 (a lower layer importing a higher one, even inside a function), with its own known list.
 
+Layers (``LAYERS``, lowest first): no module imports a higher layer at module level; imports of a higher
+layer inside a function and module-level imports of the ``torchnitro`` facade have shrink-only known lists.
+
 The graph is every ``*.py`` below ``src/torchnitro`` (every subpackage: a test checks none is missed).
 Names resolved lazily through a package's ``__getattr__`` (``torchnitro.optimize``) are not import
 statements and are not edges; tests/test_public_api.py resolves each of them.
@@ -33,6 +36,31 @@ KNOWN_FUNCTION_CYCLES: set[frozenset[str]] = set()
 
 # cycles between subpackages (both kinds of edge); remove an entry when fixed
 KNOWN_PACKAGE_CYCLES: set[frozenset[str]] = set()
+
+# the layers, lowest first: a module imports only its own layer and those below it (same rank: either way,
+# the cycle tests above still apply). A new subpackage or top-level module must be placed here.
+LAYERS: dict[str, int] = {
+    "_lazy": 0, "errors": 0, "checksum": 0,
+    "config": 1, "hardware": 1,
+    "bench": 2,
+    "kernels": 3,
+    "nn": 4, "precision": 4, "hrr": 4, "memory": 4,
+    "profile": 5, "hf": 5,
+    "autotune": 6, "distributed": 6, "xla": 6,
+    "serve": 7, "cli": 7, "__main__": 7,
+}
+
+# imports of a higher layer inside a function (never at module level), as (module, package); may only shrink.
+# bench.suites: the built-in suites time kernels and nn models, imported when a suite runs. profile.cli: the
+# `torchnitro profile` verb loads artifacts and models through autotune (the verb belongs in the CLI layer).
+KNOWN_UPWARD_FUNCTION_IMPORTS: set[tuple[str, str]] = {
+    ("torchnitro.bench.suites", "torchnitro.kernels"), ("torchnitro.bench.suites", "torchnitro.nn"),
+    ("torchnitro.profile.cli", "torchnitro.autotune"),
+}
+
+# modules that import the ``torchnitro`` facade itself at module level (its lazy names hide which layer they
+# reach; import the defining module instead); may only shrink
+KNOWN_FACADE_IMPORTS: set[str] = {"torchnitro.serve.server", "torchnitro.serve.grpc_server"}
 
 
 def _module_name(path: Path) -> str:
@@ -264,3 +292,47 @@ def test_private_use_reader_finds_both_forms(tmp_path):
     f.write_text("from torchnitro.hrr import ops\nfrom torchnitro.hrr.ops import _EPS\nops._check(1)\nops.bind\n")
     got = _private_uses(f, {"torchnitro.hrr.ops"})
     assert got == ["from torchnitro.hrr.ops import _EPS (line 2)", "torchnitro.hrr.ops._check (line 3)"]
+
+
+def _layer(module: str) -> int:
+    return LAYERS[module.split(".")[1]]
+
+
+def upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
+    """(module, package of the target) for each import of a higher layer (the facade left out)."""
+    return {(m, _package(t)) for m, targets in graph.items() if m != PACKAGE
+            for t in targets if t != PACKAGE and _layer(t) > _layer(m)}
+
+
+def test_every_subpackage_and_top_level_module_has_a_layer():
+    top, _ = import_graph()
+    unplaced = {m.split(".")[1] for m in top if m != PACKAGE} - set(LAYERS)
+    assert not unplaced, f"place these in LAYERS (tests/test_import_graph.py): {sorted(unplaced)}"
+
+
+def test_no_module_level_import_of_a_higher_layer():
+    top, _ = import_graph()
+    up = upward_imports(top)
+    assert not up, "module-level imports of a higher layer:\n" + "\n".join(f"  {m} -> {p}" for m, p in sorted(up))
+
+
+def test_function_level_imports_of_a_higher_layer_only_shrink():
+    _, inner = import_graph()
+    up = upward_imports(inner)
+    new, gone = up - KNOWN_UPWARD_FUNCTION_IMPORTS, KNOWN_UPWARD_FUNCTION_IMPORTS - up
+    assert not new, f"new imports of a higher layer inside functions: {sorted(new)}"
+    assert not gone, f"gone; take them off KNOWN_UPWARD_FUNCTION_IMPORTS: {sorted(gone)}"
+
+
+def test_module_level_imports_of_the_facade_only_shrink():
+    top, _ = import_graph()
+    facade = {m for m, targets in top.items() if m != PACKAGE and PACKAGE in targets}
+    new, gone = facade - KNOWN_FACADE_IMPORTS, KNOWN_FACADE_IMPORTS - facade
+    assert not new, f"import the defining module, not the torchnitro facade: {sorted(new)}"
+    assert not gone, f"gone; take them off KNOWN_FACADE_IMPORTS: {sorted(gone)}"
+
+
+def test_upward_imports_are_found():
+    graph = {"torchnitro.bench.x": {"torchnitro.autotune.api", "torchnitro.errors", "torchnitro"},
+             "torchnitro.autotune.api": {"torchnitro.bench.x"}}
+    assert upward_imports(graph) == {("torchnitro.bench.x", "torchnitro.autotune")}

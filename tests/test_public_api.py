@@ -41,7 +41,7 @@ def test_every_module_declares_all(modname):
 
 
 def test_every_subpackage_is_a_top_level_name():
-    """Each subpackage is reachable as ``torchnitro.<name>`` after a plain ``import torchnitro`` (README's entry points)."""
+    """Each subpackage is ``torchnitro.<name>`` after a plain ``import torchnitro`` (README's entry points)."""
     root = Path(torchnitro.__file__).parent
     subpackages = {d.name for d in root.iterdir() if (d / "__init__.py").is_file()}
     assert {"distributed", "xla", "serve", "profile"} <= subpackages
@@ -53,7 +53,8 @@ def test_subpackages_resolve_lazily_without_jax():
     """``torchnitro.distributed`` and ``torchnitro.xla`` resolve as attributes; neither ``import torchnitro`` nor
     ``torchnitro.xla`` imports jax, and ``import torchnitro`` alone imports neither torch nor a subpackage."""
     code = ("import sys, torchnitro\n"
-            "eager, torch_loaded = sorted(m for m in sys.modules if m.startswith('torchnitro.')), 'torch' in sys.modules\n"
+            "eager = sorted(m for m in sys.modules if m.startswith('torchnitro.'))\n"
+            "torch_loaded = 'torch' in sys.modules\n"
             "d, x = torchnitro.distributed, torchnitro.xla\n"
             "print(eager, torch_loaded, d.__name__, x.__name__, 'jax' in sys.modules, 'MeshConfig' in dir(x))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
