@@ -58,7 +58,7 @@ def test_subpackages_resolve_lazily_without_jax():
             "d, x = torchnitro.distributed, torchnitro.xla\n"
             "print(eager, torch_loaded, d.__name__, x.__name__, 'jax' in sys.modules, 'MeshConfig' in dir(x))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["['torchnitro._lazy']", "False", "torchnitro.distributed", "torchnitro.xla", "False",
+    assert out.stdout.split() == ["['torchnitro._lazy',", "'torchnitro.version']", "False", "torchnitro.distributed", "torchnitro.xla", "False",
                                   "True"], out.stdout + out.stderr
 
 
@@ -78,3 +78,9 @@ def test_lazy_names_import_on_first_read_and_cache_in_the_package():
     assert getattr_("hardware").__name__ == "torchnitro.hardware" and "hardware" in ns
     with pytest.raises(AttributeError, match="module 'torchnitro' has no attribute 'hard'"):
         getattr_("hard")
+
+
+def test_version_matches_pyproject():
+    tomllib = pytest.importorskip("tomllib", reason="Python < 3.11 has no tomllib")
+    pyproject = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    assert torchnitro.__version__ == tomllib.loads(pyproject.read_text())["project"]["version"]

@@ -7,8 +7,7 @@ stays cheap and optional extras (ONNX Runtime, HTTP serving) are imported only w
 from __future__ import annotations
 
 from torchnitro._lazy import lazy_names
-
-__version__ = "0.1.0"
+from torchnitro.version import __version__
 
 # public name -> module that defines it
 _EXPORTS: dict[str, str] = {
