@@ -9,7 +9,7 @@ jax = pytest.importorskip("jax", reason="jax is not installed: pip install 'torc
 import jax.numpy as jnp  # noqa: E402
 
 from torchnitro.errors import ConfigError  # noqa: E402
-from torchnitro.xla.dump import read_buffer_dump  # noqa: E402
+from torchnitro.xla.dump import read_buffer_dump, read_schedule  # noqa: E402
 
 # the shape of libtpu's dump: an HBM temp allocation (color 0) and a VMEM one (color 1); a.1 and b.2 share
 # offset 0 with overlapping ranges (one buffer updated in place), c.3 lives after them at the same offset
@@ -81,3 +81,61 @@ def test_host_compile_temp_is_the_preallocated_temp_allocation(tmp_path):
     d = read_buffer_dump(str(tmp_path), module="jit_f")
     assert d.temp_by_color[0] == c.memory_analysis().temp_size_in_bytes
     assert 256 * 128 * 4 <= d.live_peak_by_color[0] <= d.temp_by_color[0]
+
+
+# a scheduled entry computation as libtpu prints it: a gradient matmul run as a while loop (a collective
+# matmul) after the peak, a combined gradient all-reduce, and an async copy whose source is a remat product
+HLO = """HloModule jit_step, is_scheduled=true
+
+%body (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+}
+
+ENTRY %main (param: f32[1024]) -> f32[1024] {
+  %param = f32[1024]{0} parameter(0), metadata={op_name="params['w']"}
+  %fusion.1 = bf16[250]{0} fusion(%param), kind=kLoop, calls=%body, metadata={op_name="jit(step)/transpose(jvp())/checkpoint/rematted_computation/mul"}
+  %copy-start = (bf16[250]{0}, bf16[250]{0:S(1)}, u32[]{:S(2)}) copy-start(%fusion.1)
+  %all-reduce.3 = (f32[256]{0}, f32[128]{0}) all-reduce(%fusion.1, %param), metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+  %while.4 = (f32[8]{0}) while(%param), body=%body, metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
+  %while.5 = (f32[8]{0}) while(%param), body=%body, metadata={op_name="jit(step)/jvp()/dot_general"}
+}
+"""
+SCHEDULE = """HloLiveRange (max 6):
+  InstructionSequence:
+    0:param
+    1:fusion.1
+    2:copy-start
+    3:all-reduce.3
+    4:while.4
+    5:while.5
+  BufferLiveRange:
+    param{}:0-6
+    fusion.1{}:1-2
+    copy-start{0}:2-5
+  Live ranges at 2 (peak):
+    param{}: 4096 bytes (cumulative: 4096 bytes)
+    copy-start{0}: 500 bytes (cumulative: 4596 bytes)
+    fusion.1{}: 500 bytes (cumulative: 5096 bytes)
+"""
+
+
+def test_schedule_names_the_peaks_sources_and_the_gradient_sync(tmp_path):
+    stem = "module_0001.jit_step.cl_1"
+    _write(tmp_path, stem)
+    (tmp_path / f"{stem}.after_optimizations-live-range.txt").write_text(SCHEDULE)
+    (tmp_path / f"{stem}.after_optimizations.txt").write_text(HLO)
+    s = read_schedule(str(tmp_path))
+    assert (s.length, s.peak_step) == (6, 2)
+    by_name = {v.name: v for v in s.peak}
+    # the async copy is named by the value it copies; the parameter keeps its own name
+    assert by_name["copy-start{0}"].source.endswith("rematted_computation/mul")
+    assert (by_name["copy-start{0}"].first, by_name["copy-start{0}"].last) == (2, 5)
+    assert by_name["param{}"].source == "params['w']"
+    assert s.grad_all_reduces == ((3, 256 * 4 + 128 * 4),)
+    assert s.grad_loops == (4,)  # the forward's while loop (position 5) is not a gradient matmul
+
+
+def test_schedule_without_the_optimised_hlo_names_the_flag(tmp_path):
+    _write(tmp_path)
+    with pytest.raises(ConfigError, match="xla_dump_hlo_as_text"):
+        read_schedule(str(tmp_path))

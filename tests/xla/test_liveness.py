@@ -80,3 +80,47 @@ def test_lm_walk_orders_remat_policies(mesh, rules):
     # the walk keeps matmul outputs and recomputes elementwise residuals: none and dots_saveable keep the
     # same buffers; nothing_saveable keeps only each block's input
     assert temp["none"] >= temp["dots_saveable"] > temp["nothing_saveable"], temp
+
+
+def _two_layer_grads(w1, w2, x):
+    def loss(w1, w2):
+        return jnp.sum(jnp.tanh(x @ w1) @ w2)
+
+    return jax.value_and_grad(loss, argnums=(0, 1))(w1, w2)
+
+
+def _sharded_grads(i, shape):
+    return ("grads", 16) if i in (1, 2) else ("", 0)  # both gradients are synchronised as 16-byte shards
+
+
+def test_grad_sync_scatter_keeps_shards_combined_keeps_whole_gradients_to_the_end():
+    args = (W, W, X)
+    scatter = simulate(_two_layer_grads, args, _args, False, _sharded_grads, grad_sync="scatter")
+    combined = simulate(_two_layer_grads, args, _args, False, _sharded_grads, grad_sync="combined")
+    # scatter: at the peak only the finished gradient's shard waits; combined: w2's whole (32, 32) gradient,
+    # finished first, waits for the one all-reduce at the end beside w1's
+    assert scatter.at_peak["grads"] == 16
+    assert combined.at_peak["grads"] == 2 * 32 * 32 * 4
+    assert combined.peak == scatter.peak - 16 - 32 * 32 * 4 + 2 * 32 * 32 * 4
+
+
+def test_grad_sync_deferred_moves_the_gradient_matmuls_and_keeps_their_operands():
+    walk = simulate(_two_layer_grads, (W, W, X), _args, False, _sharded_grads, grad_sync="deferred")
+    # the two weight-gradient matmuls leave their place (no (32, 32) buffer is live before the end); their
+    # operands that are not inputs wait, stored at their own size: tanh(x @ w1) and the back-propagated
+    # (64, 32) gradient; x is an input and the all-ones cotangent is built from a constant
+    assert walk.at_peak["deferred"] == 2 * 64 * 32 * 4
+    assert all(shape != (32, 32) for _, shape, *_ in walk.live)
+
+
+def test_grad_sync_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="grad_sync='eager'"):
+        simulate(_two_layer_grads, (W, W, X), _args, False, _sharded_grads, grad_sync="eager")
+
+
+def test_lm_fsdp_estimate_keeps_whole_gradients_by_default():
+    step = lm_train_step(CFG, optax.adamw(1e-3), make_mesh("1x8x1"), "fsdp", 16, 128, remat="nothing_saveable")
+    default = estimate_memory(CFG, step, 16, 128, "nothing_saveable")
+    scatter = estimate_memory(CFG, step, 16, 128, "nothing_saveable", grad_sync="scatter")
+    assert default.temp >= scatter.temp
+    assert default == estimate_memory(CFG, step, 16, 128, "nothing_saveable", grad_sync="combined")

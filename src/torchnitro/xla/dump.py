@@ -18,6 +18,13 @@ module into a ``BufferDump``:
 
 ``temp_by_color[0]`` over ``values_peak_by_color[0]`` is the fragmentation of XLA's HBM heap.
 None of this is ``compiled.memory_analysis()``: results/xla_tpu_buffers.md compares all three.
+
+``read_schedule`` reads what the optimised program does around its peak, from the same module's
+``*after_optimizations.txt`` (the scheduled HLO) and live-range file: the values live at XLA's peak
+with the JAX operation each comes from (a ``copy-start`` named by the value it copies), and how the
+gradients are synchronised: all-reduces of the backward (XLA's combiner merges them into few, late
+ones) and ``while`` loops of gradient matmuls (reduce-scatter collective matmuls, "windowed
+einsums"), with their schedule positions. results/xla_tpu_peak.md holds them for the 4x512 LM.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from dataclasses import dataclass, field
 
 from torchnitro.errors import ConfigError
 
-__all__ = ["BufferDump", "read_buffer_dump", "find_module_files"]
+__all__ = ["BufferDump", "PeakValue", "Schedule", "read_buffer_dump", "read_schedule", "find_module_files"]
 
 _ALLOC = re.compile(r"^allocation \d+: size (\d+), (.*)$", re.M)
 _VALUE = re.compile(r"^ value: <\d+ (\S+) @(\d+)> \(size=(\d+),offset=(\d+)\)", re.M)
@@ -133,3 +140,90 @@ def read_buffer_dump(dump_dir: str, module: str = "jit_step") -> BufferDump:
             best = max(best, cur)
         peaks[color] = best
     return BufferDump(stem, temp, live, peaks, step)
+
+
+_INST = re.compile(r"^\s*(?:ROOT )?%(\S+) = (\(.*?\)|\S+) ([\w-]+)\((.*)$", re.M)
+_SEQ = re.compile(r"^    (\d+):(\S+)$", re.M)
+
+
+@dataclass(frozen=True)
+class PeakValue:
+    """One value live at XLA's peak."""
+
+    name: str  # HLO value, e.g. "fusion.1316{0}"
+    bytes: int
+    first: int  # schedule positions of its live range
+    last: int
+    source: str  # the JAX op_name it comes from (for a copy, that of the copied value)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The optimised entry computation's schedule around its peak (positions index the live-range file)."""
+
+    length: int  # schedule positions
+    peak_step: int
+    peak: tuple[PeakValue, ...] = ()  # values live at the peak, largest first
+    grad_all_reduces: tuple[tuple[int, int], ...] = ()  # (position, bytes) of each all-reduce of a gradient
+    grad_loops: tuple[int, ...] = ()  # positions of while loops computing a gradient matmul (collective matmul)
+
+
+def _entry(hlo: str) -> dict[str, tuple[str, str, str, list[str]]]:
+    """name -> (opcode, shape, op_name, operand names) for the ENTRY computation's instructions."""
+    start = hlo.find("\nENTRY")
+    out = {}
+    for m in _INST.finditer(hlo[start if start >= 0 else 0:]):
+        rest = m.group(4)
+        op = re.search(r'op_name="([^"]*)"', rest)
+        out[m.group(1)] = (m.group(3), m.group(2), op.group(1) if op else "",
+                           re.findall(r"%([\w.-]+)", rest.split("), ")[0]))
+    return out
+
+
+def _source(name: str, inst: dict[str, tuple[str, str, str, list[str]]], depth: int = 4) -> str:
+    """The op_name of a value, following copies and tuple elements to the value they hold."""
+    while depth and name in inst:
+        op, _, op_name, operands = inst[name]
+        if op_name or not operands or op not in ("copy-start", "copy", "copy-done", "get-tuple-element", "bitcast"):
+            return op_name
+        name, depth = operands[0], depth - 1
+    return inst.get(name, ("", "", "", []))[2]
+
+
+def _bytes_of(shape: str) -> int:
+    sizes = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "pred": 1}
+    total = 0
+    for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * sizes.get(dt, 4)
+    return total
+
+
+def read_schedule(dump_dir: str, module: str = "jit_step") -> Schedule:
+    """The peak's values and the gradient synchronisation of ``module``'s optimised, scheduled program."""
+    ba, lr = find_module_files(dump_dir, module)
+    hlo_path = ba.replace("-buffer-assignment.txt", ".txt")
+    if lr is None or not os.path.exists(hlo_path):
+        raise ConfigError(f"no live-range or optimised-HLO file beside {ba}: dump with --xla_dump_hlo_as_text")
+    inst, lt = _entry(open(hlo_path).read()), open(lr).read()
+    pos = {m.group(2): int(m.group(1)) for m in _SEQ.finditer(lt)}
+    ranges = {m.group(1): (int(m.group(2)), int(m.group(3))) for m in _RANGE.finditer(lt)}
+    pk = _PEAK.search(lt)
+    peak = []
+    for e in _PEAK_ENTRY.finditer(pk.group(2) if pk else ""):
+        name = e.group(1).split("{")[0]
+        a, b = ranges.get(e.group(1), (-1, -1))
+        peak.append(PeakValue(e.group(1), int(e.group(2)), a, b, _source(name, inst)))
+    peak.sort(key=lambda v: -v.bytes)
+
+    def grad(n: str) -> bool:
+        return "transpose(" in inst[n][2]
+
+    reduces = tuple(sorted((pos[n], _bytes_of(inst[n][1])) for n in inst
+                           if inst[n][0] in ("all-reduce", "all-reduce-start", "reduce-scatter") and n in pos
+                           and grad(n)))
+    loops = tuple(sorted(pos[n] for n in inst if inst[n][0] == "while" and n in pos and grad(n)
+                         and "dot_general" in inst[n][2]))
+    return Schedule(len(pos), int(pk.group(1)) if pk else -1, tuple(peak), reduces, loops)

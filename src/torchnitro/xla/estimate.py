@@ -12,7 +12,9 @@ Nothing is compiled: every term comes from shapes, shardings and JAX's own trace
   at the best-fitting offset as XLA's buffer assignment does. No fitted constants.
 * ``at_peak`` says what is live at that peak: FSDP-gathered weights, matmul outputs (``dots``,
   mostly residuals saved for the backward), other materialised values (reductions, the embedding
-  gather and its scatter-add gradient, the stored residual stream) and gradient shards.
+  gather and its scatter-add gradient, the stored residual stream) and gradients: an FSDP
+  gradient waits whole from its completion to XLA's combined all-reduce at the end of the backward
+  (``grad_sync``, results/xla_tpu_peak.md).
 
 ``layer_residual_bytes`` is JAX's own list of what one block saves for its backward under a
 policy (before XLA fuses anything); results/xla_tpu.md compares the walk with the compile.
@@ -97,12 +99,15 @@ def layer_residual_bytes(cfg: LMConfig, policy: str, seqs: int, seq_len: int, tp
 
 
 def estimate_memory(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: int,
-                    remat: str | Sequence[str] = "none") -> MemoryEstimate:
-    """The analytic per-device estimate for ``step`` (built by lm_train_step) at this batch shape."""
+                    remat: str | Sequence[str] = "none", grad_sync: str = "combined") -> MemoryEstimate:
+    """The analytic per-device estimate for ``step`` (built by lm_train_step) at this batch shape.
+
+    ``grad_sync``: when FSDP gradients are synchronised (``torchnitro.xla.liveness.simulate``).
+    """
     tpu = step.mesh.devices.flat[0].platform == "tpu"
     params = param_spec(cfg)
     opt = jax.eval_shape(step.optimizer.init, params)
-    walk = simulated_temp(cfg, step, batch_size, seq_len, remat)
+    walk = simulated_temp(cfg, step, batch_size, seq_len, remat, grad_sync)
     return MemoryEstimate(params=_tree_bytes(params, step.param_shardings, tpu),
                           opt_state=_tree_bytes(opt, step.opt_shardings, tpu),
                           batch=_tree_bytes(batch_spec(batch_size, seq_len), step.batch_shardings, tpu),
@@ -121,8 +126,13 @@ def _local_leaf(shape: tuple[int, ...], sharding: Any) -> tuple[tuple[int, ...],
 
 
 def simulated_temp(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: int,
-                   remat: str | Sequence[str] = "none") -> Liveness:
-    """torchnitro.xla.liveness's walk over one device's loss-and-gradient program for this step."""
+                   remat: str | Sequence[str] = "none", grad_sync: str = "combined") -> Liveness:
+    """torchnitro.xla.liveness's walk over one device's loss-and-gradient program for this step.
+
+    ``grad_sync`` (``liveness.GRAD_SYNC``) says when FSDP gradients are synchronised; the default,
+    "combined", is what XLA compiled in 38 of the 42 v5p programs of results/xla_tpu_peak.md (the
+    other 4 ran their gradient matmuls as deferred collective matmuls: "deferred").
+    """
     tpu = step.mesh.devices.flat[0].platform == "tpu"
     seqs, tp, fsdp, vocab = _local(step, cfg, batch_size)
     params = param_spec(cfg)
@@ -153,4 +163,4 @@ def simulated_temp(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: int
     # a vocab split over the tensor axis: the partitioner turns the target gather (and its scatter
     # transpose) on the split dim into a masked select, elementwise
     extra = frozenset({"scatter-add", "gather"}) if vocab != cfg.padded_vocab else frozenset()
-    return simulate(fn, (local, {"tokens": toks, "targets": toks}), kinds, tpu, outputs, extra)
+    return simulate(fn, (local, {"tokens": toks, "targets": toks}), kinds, tpu, outputs, extra, grad_sync)

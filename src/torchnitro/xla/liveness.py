@@ -19,13 +19,19 @@ Which values get a buffer follows what XLA's fusion passes do:
   ``x + f(x)``: the next norm's reduction, its scaling and the next add) is stored once;
 * FSDP: a weight split over ``fsdp`` is all-gathered before its first forward use and freed after
   its last, and gathered again for the backward (each pass has its own all-gather; keeping the
-  forward's copy instead put every layer's weights in the peak, up to 64% over the compile); its
-  gradient is reduce-scattered as soon as it is complete, and the shard waits for the optimizer;
-  unsplit gradients wait whole. The optimizer update is elementwise into donated buffers: no temp.
+  forward's copy instead put every layer's weights in the peak, up to 64% over the compile); when
+  its gradient is synchronised is ``simulate``'s ``grad_sync``: XLA's all-reduce combiner merges the
+  gradients' all-reduces into one at the end of the backward, so each FSDP gradient waits whole
+  ("combined", what 38 of the 42 v5p compiles of results/xla_tpu_peak.md do), or the gradient
+  matmuls become reduce-scatter collective matmuls that the TPU scheduler runs after the whole
+  activation-gradient chain, their operands waiting ("deferred", the other 4: the 4x512 LM under
+  FSDP at batch 32); unsplit gradients wait whole. The optimizer update is elementwise into
+  donated buffers: no temp.
 * buffer sizes are TPU-tiled (``tpu_array_bytes``) on a TPU target; ``pack`` then places the
   buffers as XLA's heap assignment does (largest first, best fit).
 
-Not modelled: XLA's scheduler reordering the walk (and the holes its order leaves in the heap),
+Not modelled: which of the two gradient syncs XLA picks (its TPU cost model for collective
+matmuls is not public), XLA's scheduler reordering the walk otherwise (and the holes its order leaves in the heap),
 memory-space assignment moving buffers to on-chip VMEM, bf16 operand copies XLA keeps across the
 forward and backward, collective buffers other than the gathered weights, and fixed scratch
 (results/xla_tpu_buffers.md compares the walk with XLA's own buffer assignment).
@@ -41,7 +47,7 @@ from typing import Any, Callable, Sequence
 import jax
 from jax.extend import core as jcore
 
-__all__ = ["FUSIBLE", "INLINED", "Liveness", "pack", "simulate", "tpu_array_bytes"]
+__all__ = ["FUSIBLE", "GRAD_SYNC", "INLINED", "Liveness", "pack", "simulate", "tpu_array_bytes"]
 
 # primitives XLA fuses into their consumers (loop fusion): no buffer of their own
 FUSIBLE = frozenset("""
@@ -55,6 +61,7 @@ FUSIBLE = frozenset("""
 INLINED = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint", "custom_jvp_call",
                      "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})
 DOTS = frozenset({"dot_general", "conv_general_dilated"})
+GRAD_SYNC = ("scatter", "combined", "deferred")  # when sharded gradients are synchronised (see simulate)
 
 
 @dataclass
@@ -202,9 +209,30 @@ def pack(buffers: Sequence[tuple[int, int, int]]) -> int:
     return top
 
 
+def _synced_outputs(closed: Any, env: dict[Any, int],
+                    outputs: Callable[[int, tuple[int, ...]], tuple[str, int]] | None) -> dict[int, tuple[str, int]]:
+    """Flat output index -> (kind, shard bytes) for the outputs ``outputs`` says are synchronised as shards."""
+    out: dict[int, tuple[str, int]] = {}
+    for m, ov in enumerate(closed.jaxpr.outvars):
+        if outputs is None or isinstance(ov, jcore.Literal) or ov not in env:
+            continue
+        k, b = outputs(m, tuple(ov.aval.shape))
+        if b:
+            out[m] = (k, b)
+    return out
+
+
+def _deferred_dots(f: _Flat, out_ids: Sequence[int]) -> dict[int, None]:
+    """Equations (in order) of the matmuls whose outputs are the materialised values of these outputs."""
+    made = {o: k for k, e in enumerate(f.eqns) for o in e.outs}
+    found = {made[r]: None for i in out_ids for r in f.values[i].roots
+             if r in made and f.eqns[made[r]].prim in DOTS}
+    return dict(sorted(found.items()))
+
+
 def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], str], tpu: bool,
              outputs: Callable[[int, tuple[int, ...]], tuple[str, int]] | None = None,
-             fusible_extra: frozenset[str] = frozenset()) -> Liveness:
+             fusible_extra: frozenset[str] = frozenset(), grad_sync: str = "scatter") -> Liveness:
     """Walk ``jax.make_jaxpr(fn)(*args)`` and return the peak of live temp bytes.
 
     ``kinds(i, shape)`` names flat input ``i``: "arg" for an argument (not temp) or another kind
@@ -213,7 +241,20 @@ def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], 
     (kind, bytes) of what waits until the end of the step once flat output ``i`` is complete (a
     gradient shard), or ("", 0) for the output itself to wait. ``fusible_extra`` names primitives
     to treat as fused in this program (e.g. a gather the partitioner turns into a masked select).
+
+    ``grad_sync`` says when the outputs that ``outputs`` names with bytes (sharded gradients) are
+    synchronised (results/xla_tpu_grad_sync.md shows each in XLA's schedule):
+
+    * "scatter": each is reduce-scattered as soon as it is complete; only the shard waits;
+    * "combined": XLA's all-reduce combiner merges them into one all-reduce at the end of the
+      backward, so each waits whole from its completion to the end;
+    * "deferred": the matmuls that produce them become reduce-scatter collective matmuls that the
+      TPU scheduler runs after the activation-gradient chain: those matmuls leave their place, and
+      each of their operands waits, stored at its own size and dtype, from where it is computed to
+      the end (the shard itself is small and waits after).
     """
+    if grad_sync not in GRAD_SYNC:
+        raise ValueError(f"grad_sync={grad_sync!r} is not one of {GRAD_SYNC}")
     closed = jax.make_jaxpr(fn)(*args)
     f = _Flat()
     env: dict[Any, int] = {}
@@ -229,9 +270,13 @@ def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], 
     n = len(f.eqns)
     first_out = env.get(closed.jaxpr.outvars[0]) if not isinstance(closed.jaxpr.outvars[0], jcore.Literal) else None
     bound = next((k for k, e in enumerate(f.eqns) if first_out in e.outs), n)  # forward | backward
+    synced = _synced_outputs(closed, env, outputs)  # flat output -> (kind, shard bytes)
+    moved = _deferred_dots(f, [env[closed.jaxpr.outvars[m]] for m in synced]) if grad_sync == "deferred" else {}
     ranges: dict[int, list[list[int]]] = {}  # buffer -> [first, last] equation of each live range
     kind: dict[int, str] = {}
     for idx, e in enumerate(f.eqns):
+        if idx in moved:  # runs at the end: its reads and its (full-size) output are not here
+            continue
         for o in e.outs:
             if o in vals[o].roots:
                 ranges[o] = [[idx, idx]]
@@ -246,14 +291,28 @@ def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], 
                     ranges[r].append([idx, idx])
                 ranges[r][-1][1] = idx
     extra: list[tuple[int, int, str]] = []  # (from, bytes, kind) live until the end
+    made = {o: k for k, e in enumerate(f.eqns) for o in e.outs}
+    done: set[int] = set()
+    for idx in moved:  # a deferred matmul's operands wait, each stored once, from where it is computed
+        for i in f.eqns[idx].ins:
+            if in_kind.get(i) == "arg" or not vals[i].roots or i in done:  # an input, or built from constants
+                continue
+            done.add(i)
+            if vals[i].roots == frozenset({i}) and i in ranges:  # a buffer already: it lives on
+                ranges[i][-1][1] = n - 1
+                kind[i] = "deferred"
+            else:
+                extra.append((made.get(i, 0), _bytes(vals[i].shape, vals[i].itemsize, tpu), "deferred"))
     for m, ov in enumerate(closed.jaxpr.outvars):
         if isinstance(ov, jcore.Literal) or ov not in env:
             continue
-        k, b = outputs(m, tuple(ov.aval.shape)) if outputs else ("", 0)
+        k, b = synced.get(m, ("", 0))
         roots = vals[env[ov]].roots
-        if b:
+        if b and grad_sync == "deferred":
+            extra.append((n - 1, b, k))
+        elif b and grad_sync == "scatter":
             extra.append((max((ranges[r][-1][1] for r in roots if r in ranges), default=0), b, k))
-        else:  # the output itself waits whole
+        else:  # the output itself waits whole (for "combined": the full gradient until the all-reduce)
             for r in roots:
                 if r in ranges:
                     ranges[r][-1][1] = n - 1
