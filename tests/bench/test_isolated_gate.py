@@ -257,6 +257,8 @@ def test_reading_foreign_share_against_ours_and_the_machine():
     assert quiet.Reading(1.0, {}, 0.5, 0.0).foreign(cfg) == "machine"
     assert quiet.Reading(1.0, {}, 0.5, 0.0).foreign(quiet.GateConfig(machine=False)) is None
     assert quiet.Reading(0.005, {}, 0.01, 0.0).foreign(cfg) is None  # within /proc/stat's two-tick resolution
+    assert quiet.Reading(0.005, {}, 0.0, 0.001).foreign(cfg) == "run-queue delay"  # 20% of the sample waited
+    assert quiet.Reading(0.005, {}, 0.0, 0.0002).foreign(cfg) is None
 
 
 def test_reading_a_process_that_is_gone_is_zero():

@@ -12,7 +12,8 @@ fixed settle pause guesses how long that lasts; the gate measures it instead:
    ``window_s`` window and none of their threads is runnable, or after ``cap_s`` (the sample is then marked);
 2. around the sample the same counters are read again, and the machine's busy time from ``/proc/stat``
    (10 ms ticks, so only a gross excess beyond its resolution counts per sample): "foreign CPU" is what
-   our other processes and the rest of the machine ran during the sample's wall time;
+   our other processes and the rest of the machine ran during the sample's wall time; the timed process's
+   run-queue delay (second field of schedstat, ns) shows foreign work a short sample's ticks cannot;
 3. a sample with foreign CPU above ``foreign_share`` of its wall time is discarded and taken again, at
    most ``retakes`` times; the last one is kept and counted as taken under foreign load. Load of the rest of
    the machine that outlasted every retake of two samples in a row is not a burst: from then on such a
@@ -57,7 +58,8 @@ class GateConfig:
     # readings only)
     foreign_share: float = 0.05  # a sample with more foreign CPU than this share of its wall time is retaken
     retakes: int = 3  # at most this many retakes of one sample; the last one is kept (counted)
-    machine: bool = True  # also retake on machine-wide foreign CPU beyond /proc/stat's resolution
+    machine: bool = True  # also retake on the rest of the machine: its CPU beyond /proc/stat's resolution, or the
+    # timed process waiting for a CPU (run-queue delay) for more than foreign_share of the sample
 
 
 @dataclass
@@ -87,9 +89,15 @@ class Reading:
         """Why this sample counts as taken under foreign load, or None."""
         if self.ours_share() > cfg.foreign_share:
             return "ours"
+        if not cfg.machine:
+            return None
         slack = 2 * _TICK_S  # two /proc/stat readings, each truncated to a tick
-        if cfg.machine and self.machine_s is not None and self.machine_s - slack > cfg.foreign_share * self.wall_s:
+        if self.machine_s is not None and self.machine_s - slack > cfg.foreign_share * self.wall_s:
             return "machine"
+        # /proc/stat cannot see a few ms of foreign work in a short sample; the timed process's own run-queue
+        # delay (ns) can: its threads waited for a CPU that something else held
+        if self.delay_s > cfg.foreign_share * self.wall_s:
+            return "run-queue delay"
         return None
 
 
@@ -134,6 +142,9 @@ class GateStats:
                f"in kept samples: ours median {statistics.median(ours):.1%} (max {max(ours):.1%})")
         if mach:
             out += f", rest of the machine median {statistics.median(mach):.0%} (10 ms ticks)"
+        delay = [r.delay_s / r.wall_s for r in rs if r.wall_s > 0]
+        if delay:
+            out += f"; the timed process's run-queue delay median {statistics.median(delay):.1%} of the sample"
         if top:
             out += "; our other processes' CPU during others' samples: " + ", ".join(
                 f"{k} {v * 1e3:.1f} ms" for k, v in top)
@@ -328,12 +339,12 @@ class Gate:
             why = reading.foreign(cfg)
             # load of the rest of the machine that outlasted every retake of the last two samples is not a
             # burst: retaking into it only multiplies the run time (each such sample is still counted)
-            persistent = why == "machine" and self._machine_streak >= 2
+            persistent = why not in (None, "ours") and self._machine_streak >= 2
             kept = why is None or attempt >= cfg.retakes or persistent
             for stats in [self.stats, *_COLLECTORS]:
                 stats.add(reading, kept=kept, why=why)
             if kept:
-                self._machine_streak = self._machine_streak + 1 if why == "machine" else 0
+                self._machine_streak = self._machine_streak + 1 if why not in (None, "ours") else 0
                 return value
             attempt += 1
 
