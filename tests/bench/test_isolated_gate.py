@@ -182,6 +182,21 @@ def test_retakes_are_bounded_and_the_last_sample_is_kept_marked():
     assert gate.stats.samples == 1 and gate.stats.retaken == 2 and gate.stats.kept_foreign == 1
 
 
+def test_a_sibling_busy_throughout_costs_two_capped_samples_then_one_window_each(tmp_path):
+    busy = _spawn(_BUSY_UNTIL_FILE, str(tmp_path / "never"))
+    polls: list[int] = []
+    try:
+        assert busy.stdout.readline().strip() == "busy"
+        gate = quiet.Gate(quiet.GateConfig(window_s=0.02, cap_s=0.2, retakes=0, machine=False))
+        for _ in range(5):
+            gate.sample(os.getpid(), lambda: 1e-3)
+            polls.append(gate.stats.readings[-1].polls)
+    finally:
+        _end(busy)
+    assert gate.stats.samples == 5 and gate.stats.capped == 5
+    assert min(polls[:2]) > 1 and polls[2:] == [1, 1, 1]  # after two capped samples: one window each
+
+
 def spinning_loader(spin_s: float) -> Callable[..., Any]:
     """A ChildTimer loader (run in the child): each call leaves a thread burning ``spin_s`` of CPU after it
     returns, as a runtime pool spins after its call."""
