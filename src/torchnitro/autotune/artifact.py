@@ -124,7 +124,7 @@ def _write_weights(source: EagerSource, path: Path, recipe: str) -> None:
 
 
 def _version() -> str:
-    from torchnitro import __version__
+    from torchnitro.version import __version__
 
     return __version__
 
