@@ -4,12 +4,15 @@ a 2-stage pipeline on two real gloo ranks. Plus the peak bookkeeping on a synthe
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from torchnitro.distributed import ParallelConfig
-from torchnitro.distributed.measure import _live, measure_isolated, measure_ranks
+from torchnitro.distributed.measure import _live, _unseen_frees, measure_isolated, measure_ranks
 from torchnitro.distributed.plan import rank_memory
 from torchnitro.nn.models import TransformerConfig
+from tests.distributed.spawn import run_ranks
 
 # activations dominate the peak at 4 samples x 32 tokens per rank: an error in their model shows
 MODEL = TransformerConfig(vocab_size=100, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=160, max_seq_len=32)
@@ -27,6 +30,24 @@ def test_live_bytes_peak_inside_the_window_only():
               (11, 50), (15, 30), (21, 70), (22, -30), (31, 5), (41, 1000)]
     peak, phase, start, forward_left = _live(allocs, marks)
     assert (peak, phase, start, forward_left) == (250, "backward", 100, 80)
+
+
+def test_live_bytes_end_a_block_whose_free_went_unrecorded_at_its_address_reuse():
+    marks = {"nitro.start": 10, "nitro.forward_end": 20, "nitro.backward_end": 30, "nitro.end": 40}
+    # A's free happened on a thread the profiler does not see: its address comes back without one
+    allocs = [(11, 100, 0xA), (12, 50, 0xB), (13, -50, 0xB), (21, 100, 0xA), (22, 30, 0xC), (31, -100, 0xA)]
+    assert _unseen_frees(allocs) == 100
+    assert _live(allocs, marks) == (150, "forward", 0, 100)  # 100 + 30 at most after the reuse, not 230
+
+
+@pytest.mark.timeout(60)
+def test_measured_collectives_return_after_gloo_lets_go_of_their_tensors():
+    """gloo's worker thread holds a collective's tensors for a moment after the call returns (about one call in
+    five on 2 ranks here); a tensor it frees is a free the profiler never records. Under measure's wrapper no
+    call returns before the worker lets go, sums stay right, and async callers (FSDP) still get a work object."""
+    outs = run_ranks("released.py", 2, "500", "1", timeout=50)
+    for out in outs:
+        assert json.loads(out.strip().splitlines()[-1]) == {"held": 0, "sums_ok": True, "async_ok": True}
 
 
 @pytest.mark.timeout(60)
@@ -54,23 +75,17 @@ def test_pipeline_times_replicas_peak_within_5_percent():
     """PP x DDP has no DDP buckets (its replicas average in one flat all-reduce after the schedule): counting
     buckets as for DDP put the plan 13-15% over the measured peak here (8.8% on the benchmark's shapes).
 
-    Some runs, one replica of a stage peaks one stage-gradient-sized block higher than its twin (-8.5% in one
-    benchmark run, results/distributed_memory.md, -14.6% on these smaller shapes in a CI run; which replica
-    varies; the previous step's flat all-reduce buffer, not modelled): so every rank's measured peak must lie
-    within 5% of the plan, or of the plan plus that one block, and per stage the closer replica within 5%."""
+    Every rank, the planner alone: one replica of a stage used to measure one stage-gradient block above its
+    twin, at random (-14.6% in a CI run, -8.5% in results/distributed_memory.md): the previous step's flat
+    all-reduce buffer, freed by gloo's worker thread, a free the profiler did not record (its address was
+    allocated again in the next step's forward); measure.py now waits for the worker to let go."""
     cfg = ParallelConfig(pp=2, dp_replicate=2, microbatches=2)
     runs = measure_ranks(MODEL, cfg, batch=2 * PER_RANK, seq=SEQ, timeout=140)
     assert sorted(m.pp_rank for m in runs) == [0, 0, 1, 1]
-    errors: dict[int, list[float]] = {}
     for m in runs:
-        plan = rank_memory(MODEL, cfg, batch=m.batch, seq=m.seq, pp_rank=m.pp_rank,
-                           dp_shard_index=m.dp_shard_index, device="cpu")
-        planned, block = plan.total, plan.gradients
+        planned = _planned(cfg, m)
         err = (planned - m.peak) / m.peak
-        assert planned <= 1.05 * m.peak and m.peak <= 1.05 * (planned + block), \
-            f"rank {m.rank}: planned {planned} (+ a gradient block {block}), measured {m.peak} ({err:+.2%})"
-        errors.setdefault(m.pp_rank, []).append(abs(err))
-    assert all(min(e) <= 0.05 for e in errors.values()), errors
+        assert abs(err) <= 0.05, f"rank {m.rank}: planned {planned}, measured {m.peak} ({err:+.2%})"
 
 
 def test_peak_terms_add_up_and_follow_the_layout():

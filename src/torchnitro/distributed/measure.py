@@ -14,6 +14,18 @@ Alongside the peak: the parameter, gradient and optimizer-state storages (as ``v
 the bytes the forward left alive (live at the end of forward minus live at the step's start: saved
 activations, the logits, FSDP groups not yet resharded), and the phase the peak fell in.
 
+Frees on other threads: the profiler records an allocation or free only on a thread it profiles, and gloo
+runs each collective on a worker thread of its own that holds the collective's tensors until it loops back.
+When that thread lets go last (the caller already dropped the tensor: PP x DDP's flat all-reduce buffer, an
+FSDP all-gather output), the free is never recorded and the block would count as live for the rest of the
+window: one replica of a stage then measured one stage-gradient block (or FSDP group) above its twin, at
+random (results/distributed_memory.md). ``measure_step`` therefore runs every ``torch.distributed``
+collective to completion and returns only once the worker has released its tensors
+(``_released_collectives``), so every free happens, and is recorded, on the rank's own thread. A free still
+missing (the profiler itself lost 7 frees in 86,000 wrapped all-reduces of a tight loop on a world-1 gloo
+group, each right after a call; cause not found) shows up as ``unseen_frees`` when the address is allocated
+again, and the block stops counting there.
+
 Ranks: ``measure_fake`` runs one rank of any layout without pipeline stages in this process on the fake
 process group (collectives return at once; the buffers are allocated as on a real run);
 ``measure_isolated`` does so in a fresh process (DTensor caches sharding by mesh shape, see ``validate``);
@@ -23,10 +35,14 @@ stages infer shapes by communicating). Tiny models only: this is a CPU check of 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import os
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -51,10 +67,70 @@ class StepMemory:
     start: int  # bytes live when the measured step began (parameters, optimizer state, buffers kept)
     forward_left: int  # bytes the forward left alive (0 for pipelines: forward and backward interleave)
     state: RankState  # parameter, gradient and optimizer-state storages
+    unseen_frees: int = 0  # bytes allocated again at an address whose free was never recorded (should be 0)
 
 
-def _allocations(prof) -> tuple[list[tuple[int, int]], dict[str, int]]:
-    """[(time ns, signed bytes)] of every CPU allocation/free in time order, and {marker: start ns}."""
+# the torch.distributed collectives a training step may call (the names this torch has are wrapped)
+_COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "_all_gather_base", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                "_reduce_scatter_base", "all_to_all_single", "gather", "scatter")
+
+
+def _tensor_args(values) -> list[torch.Tensor]:
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out
+
+
+def _released(fn, timeout: float):
+    """``fn`` run to completion, returning once no other thread holds its tensors (see the module docstring).
+
+    A tensor's ``_use_count`` counts the C++ references to it: the collective's work object (held by gloo's
+    worker until it loops back) adds to it, so the count falling back to its value before the call is the
+    worker letting go. An asynchronous caller (FSDP's prefetch) gets an already completed work object: it
+    still sees an async op (FSDP frees its gather buffers by that), and its ``wait()`` returns at once.
+    """
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        wanted_async = bool(bound.arguments.pop("async_op", False))
+        tensors = _tensor_args(bound.arguments.values())
+        before = [t._use_count() for t in tensors]
+        fn(*bound.args, **bound.kwargs)
+        deadline = time.monotonic() + timeout
+        while any(t._use_count() > b for t, b in zip(tensors, before)) and time.monotonic() < deadline:
+            time.sleep(0)  # gloo's worker drops its work object right after the collective completes
+        if not wanted_async:
+            return None
+        done = torch.futures.Future()
+        done.set_result(None)
+        return torch._C._distributed_c10d._create_work_from_future(done)
+
+    return call
+
+
+@contextmanager
+def _released_collectives(timeout: float = 10.0):
+    """Inside: every ``torch.distributed`` collective (called as ``torch.distributed.<name>``) returns only after
+    gloo's worker has released its tensors, so their frees happen on, and are recorded for, this thread."""
+    saved = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
+    try:
+        for name, fn in saved.items():
+            setattr(dist, name, _released(fn, timeout))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def _allocations(prof) -> tuple[list[tuple[int, int, int]], dict[str, int]]:
+    """[(time ns, signed bytes, address)] of every CPU allocation/free in time order, and {marker: start ns}."""
     from torch._C._profiler import _EventType
 
     allocs, marks = [], {}
@@ -64,22 +140,46 @@ def _allocations(prof) -> tuple[list[tuple[int, int]], dict[str, int]]:
         stack.extend(e.children)
         if e.tag == _EventType.Allocation:
             if e.extra_fields.device.type == "cpu":
-                allocs.append((e.start_time_ns, e.extra_fields.alloc_size))
+                allocs.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr))
         elif e.name.startswith("nitro."):
             marks[e.name] = e.start_time_ns
     allocs.sort()
     return allocs, marks
 
 
+def _unseen_frees(allocs) -> int:
+    """Bytes of blocks whose address was allocated again with no free recorded in between: frees the profiler
+    did not record (another thread's, or an event it lost; ``_live`` ends such a block at the reuse)."""
+    live: dict[int, int] = {}
+    unseen = 0
+    for _, d, ptr in allocs:
+        if d > 0:
+            unseen += live.get(ptr, 0)
+            live[ptr] = d
+        else:
+            live.pop(ptr, None)
+    return unseen
+
+
 def _live(allocs, marks: dict[str, int]) -> tuple[int, str, int, int]:
-    """(peak inside the measured step, its phase, live at the step's start, live at the end of forward)."""
+    """(peak inside the measured step, its phase, live at the step's start, live at the end of forward).
+
+    ``allocs``: (time, signed bytes[, address]). With addresses, a block whose free was never recorded stops
+    counting when its address is allocated again at the latest (``_unseen_frees``): it cannot outlive that.
+    """
     t0, t_fwd, t_bwd, t1 = (marks.get(f"nitro.{k}") for k in ("start", "forward_end", "backward_end", "end"))
     live, peak, phase, at_start, at_fwd = 0, 0, "", None, None
-    for t, d in allocs:
+    sizes: dict[int, int] = {}
+    for t, d, *ptr in allocs:
         if at_start is None and t >= t0:
             at_start = live
         if t_fwd is not None and at_fwd is None and t >= t_fwd:
             at_fwd = live
+        if ptr and d > 0:
+            live -= sizes.pop(ptr[0], 0)
+            sizes[ptr[0]] = d
+        elif ptr:
+            sizes.pop(ptr[0], None)
         live += d
         if t0 <= t <= t1 and live > peak:
             peak = live
@@ -109,7 +209,7 @@ def measure_step(model_config, cfg: ParallelConfig, mesh, *, batch: int, seq: in
     shard = mesh.get_local_rank("dp_shard") if cfg.dp_shard > 1 else 0
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randint(0, model_config.vocab_size, (b, seq + 1), generator=g)  # (b, T+1): inputs and targets
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _released_collectives(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         torch.manual_seed(seed)
         model = TransformerLM(model_config)
         if cfg.pp > 1:
@@ -147,8 +247,10 @@ def measure_step(model_config, cfg: ParallelConfig, mesh, *, batch: int, seq: in
     moments = _storages(v for s in opt.state.values() for k, v in s.items() if k != "step")
     counters = sum(4 for s in opt.state.values() if "step" in s)
     state = RankState(_storages(params), grads, moments + counters)
-    peak, phase, start, forward_left = _live(*_allocations(prof))
-    return StepMemory(cfg, dist.get_rank(), pp_rank, shard, batch, seq, peak, phase, start, forward_left, state)
+    allocs, marks = _allocations(prof)
+    peak, phase, start, forward_left = _live(allocs, marks)
+    return StepMemory(cfg, dist.get_rank(), pp_rank, shard, batch, seq, peak, phase, start, forward_left, state,
+                      _unseen_frees(allocs))
 
 
 def measure_fake(model_config, cfg: ParallelConfig, *, rank: int = 0, batch: int = 0, seq: int = 16) -> StepMemory:

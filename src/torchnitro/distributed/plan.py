@@ -172,7 +172,8 @@ def rank_memory(model_config, cfg: ParallelConfig, *, batch: int, seq: int, dtyp
         grads = unsharded if cfg.strategy in ("fsdp", "hsdp") else state.gradients
         cands += [(min(held, chunks - 1) * chunk - freed, t, kept + g, grads) for freed, t, g in moments]
     if cfg.pp > 1 and cfg.strategy == "ddp":  # the replicas' all-reduce after the schedule: activations are gone,
-        # every gradient and one flat copy of them live (Pipeline._average_replicas)
+        # every gradient and one flat copy of them live (Pipeline._average_replicas); the copy is freed as the
+        # step ends, not carried into the next one (a measurement that once said so: distributed/measure.py)
         cands.append((0, state.gradients, kept, state.gradients))
     acts, temps, buffers, grads = max(cands, key=sum)
     return RankMemory(state.parameters, state.gradients, state.optimizer_state, int(acts), buffers, int(temps), grads,
