@@ -198,3 +198,97 @@ def test_tritonclient_http_defaults(binary):
         res = client.infer("affine", [inp])  # no outputs named: tritonclient asks for all, binary
         np.testing.assert_allclose(res.as_numpy("y"), x * 2 + 1, rtol=1e-6)
         client.close()
+
+
+@pytest.mark.parametrize("bad, refused", [(np.inf, True), (-np.inf, True), (np.nan, True), (3e38, False),
+                                          (-3e38, False)])
+def test_kept_header_refuses_nan_and_infinity_and_takes_huge_finite_values(bad, refused):
+    """The kept-header path reads the body's bytes in place and still refuses NaN and infinity (and
+    only them: values near the FP32 limit are data), with no warning beside the 400."""
+    import warnings
+
+    parser, params = BinaryParser(), {"binary_data_output": True}
+    parser.parse(*x_ids(np.ones((2, 4)), np.ones((2, 3)), parameters=params), SIG)  # keeps the header
+    x = np.full((2, 4), 3e38, np.float32)
+    x[1, 2] = bad
+    with warnings.catch_warnings(record=True) as seen:  # the refusal is the answer: nothing in the log beside it
+        if refused:
+            with pytest.raises(InputError, match="'x': contains NaN or infinity"):
+                parser.parse(*x_ids(x, np.ones((2, 3)), parameters=params), SIG)
+        else:
+            item = parser.parse(*x_ids(x, np.ones((2, 3)), parameters=params), SIG)
+            assert torch.equal(item.tensors[0], torch.from_numpy(x))
+    assert [str(w.message) for w in seen] == []
+    assert len(parser._plans) == 1  # a refused body leaves the kept header as it was
+
+
+@pytest.mark.parametrize("outputs", [None, [{"name": "n"}, {"name": "y"}], [{"name": "y"}]])
+def test_kept_answer_layouts_write_what_the_full_encoder_writes(outputs):
+    """encode_response's kept layouts (header + each tensor's bytes) equal the full encoder's answer
+    byte for byte, for views of a batch, outputs in another order, a dtype to convert, a bf16 output
+    and tensors that need grad; a changed shape or dtype is a new layout."""
+    extra = {"parameters": {"binary_data_output": True}}
+    if outputs is not None:
+        extra["outputs"] = [{**o, "parameters": {"binary_data": True}} for o in outputs]
+    item = parse_infer_request(read_request(*x_ids(np.ones((2, 4)), np.ones((2, 3)), **extra)), SIG)
+    batch_y, batch_n = torch.arange(24.0).view(6, 4), torch.arange(6)
+    cases = [[batch_y[2:4], batch_n[2:4]], [batch_y[4:6], batch_n[4:6]],  # views of one batch: a kept layout
+             [batch_y[:3], batch_n[:3]],  # another row count
+             [batch_y[:2].double(), batch_n[:2].int()],  # dtypes the encoder converts
+             [batch_y[:2].clone().requires_grad_(), batch_n[:2]], [batch_y[1:3], batch_n[1:3]]]
+    for outs in cases:
+        fast = encode_response(SIG, outs, item)
+        assert fast == binary._encode(SIG, outs, item)
+        assert encode_response(SIG, outs, item) == fast  # the second time from the kept layout
+    bf = ModelSignature("b", SIG.inputs, [TensorSpec("y", "BF16", (-1, 4)), TensorSpec("n", "INT64", (-1,))])
+    outs = [batch_y[:2].bfloat16(), batch_n[:2]]
+    assert encode_response(bf, outs, item) == binary._encode(bf, outs, item) == encode_response(bf, outs, item)
+
+
+def test_batched_binary_and_json_answers_equal_the_model_row_by_row():
+    """mlp in the server process (--workers 0, its batches on the event loop once measured):
+    48 concurrent requests, binary and JSON mixed into the same batches with different data, each
+    answered with its own rows; binary answers equal JSON answers for the same input."""
+    import asyncio
+
+    from torchnitro.nn.zoo import get_builtin
+    from torchnitro.serve.batcher import BatchingConfig
+
+    rng = np.random.default_rng(5)
+    xs = [rng.standard_normal((1 + i % 3, 512)).astype(np.float32) for i in range(24)]
+    model = get_builtin("mlp").build().eval()
+    cfg = ServeConfig(port=0, workers=0, threads=1, inline_loop_ms=1000)  # on the loop once measured
+    pool = make_pool("mlp", "mlp", cfg)
+    srv = InferenceServer([ModelEndpoint("mlp", pool, BatchingConfig(max_batch_size=16, max_wait_ms=20))],
+                          cfg).start_in_thread()
+
+    async def one(client, x, binary_: bool):
+        if binary_:
+            xb = x.tobytes()
+            body, n = binary_body({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                               "parameters": {"binary_data_size": len(xb)}}],
+                                   "parameters": {"binary_data_output": True}}, xb)
+            r = await client.post("/v2/models/mlp/infer", content=body, headers={"Inference-Header-Content-Length": n})
+            assert r.status_code == 200, r.text
+            hlen = int(r.headers["inference-header-content-length"])
+            return np.frombuffer(r.content[hlen:], "<f4").reshape(x.shape)
+        r = await client.post("/v2/models/mlp/infer", json={"inputs": [
+            {"name": "x", "shape": list(x.shape), "datatype": "FP32", "data": x.reshape(-1).tolist()}]})
+        assert r.status_code == 200, r.text
+        return np.asarray(r.json()["outputs"][0]["data"], np.float32).reshape(x.shape)
+
+    async def main():
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{srv.port}", timeout=30) as client:
+            await one(client, xs[0], True)  # first batch: measured on the pool's thread
+            return await asyncio.gather(*(one(client, x, b) for b in (True, False) for x in xs))
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        srv.stop()
+    assert pool.on_loop >= 1  # later batches ran on the event loop
+    with torch.inference_mode():
+        for k, (b, j) in enumerate(zip(got[:24], got[24:])):
+            want = model(torch.from_numpy(xs[k])).numpy()
+            np.testing.assert_allclose(b, j, rtol=1e-5, atol=1e-6)  # in other batches: BLAS blocking differs
+            np.testing.assert_allclose(b, want, rtol=1e-4, atol=1e-5)

@@ -15,9 +15,11 @@ per output, ``"outputs": [{"name": ..., "parameters": {"binary_data": true}}]`` 
 A client's binary requests mostly repeat the same JSON header byte for byte (same names, shapes,
 sizes and parameters; no ``id``), and so do the answers' headers. ``BinaryParser`` keeps what a
 header decided (validated shapes, where each input's bytes lie, parameters, outputs asked for) and
-``encode_response`` keeps the answer header it wrote, so a repeat costs a dict lookup instead of a
-JSON parse, the shape and parameter checks and a JSON write; the checks on the data itself (size,
-NaN, the model's value limits) still run on every request.
+``encode_response`` keeps the answer header it wrote (and which outputs follow it), so a repeat costs
+a dict lookup instead of a JSON parse, the shape and parameter checks and a JSON write: a repeated
+request's inputs are read straight from the body's bytes (``fast_input``), a repeated answer is the
+kept header and each output tensor's bytes. The checks on the data itself (size, NaN, the model's
+value limits) still run on every request.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ import torch
 from torch import Tensor
 
 from torchnitro.errors import InputError
-from torchnitro.serve.protocol import (_NP, InferItem, ModelSignature, _checked, _loads, array_from_bytes,
-                                      encode_infer_response, orjson, parse_infer_request)
+from torchnitro.serve.protocol import (_NP, InferItem, ModelSignature, TensorSpec, _check_range, _loads,
+                                      array_from_bytes, encode_infer_response, orjson, parse_infer_request)
 
-__all__ = ["read_request", "encode_response", "BinaryParser"]
+__all__ = ["read_request", "encode_response", "BinaryParser", "fast_input"]
 
 _MAX_CACHED = 256  # distinct headers kept (per parser, and for answers); beyond it the cache starts afresh
 _MAX_HEADER = 4096  # longer request headers are not kept: the cache holds at most 256 x 4 KB
@@ -102,6 +104,21 @@ class _Plan:
     binary_outputs: frozenset[str]
 
 
+def fast_input(spec: TensorSpec, buf: bytes | memoryview, off: int, shape: list[int], count: int,
+               allow_nan: bool) -> Tensor:
+    """One input of a request whose layout a kept header fixed: a view of its bytes (no parse, no
+    dtype object built per call), checked for NaN and the model's value limits as
+    ``protocol._checked`` does, then copied once into a writable tensor. Little-endian hosts only
+    (parsers keep layouts only there)."""
+    flat = np.frombuffer(buf, _NP[spec.datatype], count, off)
+    if flat.dtype.kind == "f" and not allow_nan and not np.isfinite(flat).all():
+        raise InputError(f"input {spec.name!r}: contains NaN or infinity; this model expects finite values")
+    arr = flat.reshape(shape)
+    if spec.value_range is not None:
+        _check_range(spec.name, spec.value_range, arr)
+    return torch.from_numpy(arr.copy())
+
+
 class BinaryParser:
     """``parse(body, declared, sig)`` -> ``InferItem`` for a binary-extension request, with the
     decisions of a header seen before reused (module docstring). One per server: keyed by model
@@ -116,15 +133,14 @@ class BinaryParser:
         key = (sig.name, body[:n])
         plan = self._plans.get(key)
         if plan is not None and plan.sig is sig and len(body) == plan.size:
-            view, tensors = memoryview(body), []
-            for spec, (off, size), shape, count in zip(sig.inputs, plan.slices, plan.shapes, plan.counts):
-                arr = array_from_bytes(spec.name, spec.datatype, view[off:off + size])
-                tensors.append(_checked(spec.name, spec, arr, shape, count, sig.allow_nan))
+            tensors = [fast_input(spec, body, off, shape, count, sig.allow_nan)
+                       for spec, (off, _), shape, count in zip(sig.inputs, plan.slices, plan.shapes, plan.counts)]
             return InferItem(tensors, plan.rows, plan.length, None, plan.priority, plan.timeout_ms, plan.outputs,
                              plan.binary_outputs)
         where: dict[str, tuple[int, int]] = {}
         item = parse_infer_request(_read(body, n, where), sig)
-        if item.id is None and n <= _MAX_HEADER and all(s.name in where and s.datatype in _NP for s in sig.inputs):
+        if (_LE and item.id is None and n <= _MAX_HEADER
+                and all(s.name in where and s.datatype in _NP for s in sig.inputs)):
             if len(self._plans) >= self.max_entries:
                 self._plans.clear()
             shapes = tuple(list(t.shape) for t in item.tensors)
@@ -145,10 +161,37 @@ def _raw(t: Tensor) -> bytes:
     return (arr if _LE else arr.astype(arr.dtype.newbyteorder("<"))).tobytes()
 
 
+# all-binary, id-less answers by (model, version, outputs asked, binary outputs, each output's shape
+# and dtype): (answer header, which outputs in which order); their bytes are the tensors' own
+_FAST: dict[tuple[Any, ...], tuple[bytes, tuple[int, ...]]] = {}
+
+
 def encode_response(sig: ModelSignature, outputs: Sequence[Tensor], item: InferItem) -> tuple[bytes, int | None]:
     """(body, JSON header length or None): plain JSON unless outputs were chosen or asked binary."""
     if item.outputs is None and not item.binary_outputs:
         return encode_infer_response(sig, outputs, item.id), None
+    if item.id is None:  # a repeat of an answer layout seen before: its header and the raw bytes
+        key = (sig.name, sig.versions[0], item.outputs, item.binary_outputs,
+               *[(t.shape, t.dtype, t.device.type) for t in outputs])
+        hit = _FAST.get(key)
+        if hit is not None:
+            header, picks = hit
+            return b"".join([header, *[outputs[i].detach().numpy().tobytes() for i in picks]]), len(header)
+        body, n = _encode(sig, outputs, item)
+        if n is not None and _LE and all(t.device.type == "cpu" and t.dtype == s.dtype and t.dtype != torch.bfloat16
+                                         for s, t in zip(sig.outputs, outputs)):
+            names = [s.name for s in sig.outputs]
+            order = item.outputs if item.outputs is not None else names
+            if all(name in item.binary_outputs for name in order):
+                if len(_FAST) >= _MAX_CACHED:
+                    _FAST.clear()
+                _FAST[key] = (body[:n], tuple(names.index(name) for name in order))
+        return body, n
+    return _encode(sig, outputs, item)
+
+
+def _encode(sig: ModelSignature, outputs: Sequence[Tensor], item: InferItem) -> tuple[bytes, int | None]:
+    """``encode_response`` without the kept answer layouts."""
     by_name = {spec.name: (spec, t) for spec, t in zip(sig.outputs, outputs)}
     order = item.outputs if item.outputs is not None else [s.name for s in sig.outputs]
     if item.id is None and all(name in item.binary_outputs for name in order):

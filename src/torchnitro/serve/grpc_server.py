@@ -32,8 +32,8 @@ from torch import Tensor
 import torchnitro
 from torchnitro.errors import InputError, NitroError, ServeError
 from torchnitro.serve.access import Refusal, bearer, find_model, not_accepting, token_ok
-from torchnitro.serve.binary import _Plan
-from torchnitro.serve.protocol import (_NP, DATATYPES, InferItem, ModelSignature, _checked, array_from_bytes,
+from torchnitro.serve.binary import _LE, _Plan, fast_input
+from torchnitro.serve.protocol import (_NP, DATATYPES, InferItem, ModelSignature, array_from_bytes,
                                       parse_infer_request)
 from torchnitro.serve.proto import grpc_predict_v2_pb2 as pb
 from torchnitro.serve.triton import model_config, model_stats
@@ -150,13 +150,13 @@ class RawParser:
                     if len(data) != nbytes:
                         raise InputError(f"input {spec.name!r}: raw_input_contents holds {len(data)} bytes, shape "
                                          f"{shape} of {spec.datatype} needs {nbytes} (little-endian)")
-                    arr = array_from_bytes(spec.name, spec.datatype, data)
-                    tensors.append(_checked(spec.name, spec, arr, shape, count, sig.allow_nan))
+                    tensors.append(fast_input(spec, data, 0, shape, count, sig.allow_nan))
                 self.hits += 1
                 return InferItem(tensors, plan.rows, plan.length, None, plan.priority, plan.timeout_ms,
                                  plan.outputs, plan.binary_outputs)
         item = parse_infer_request(request_to_body(req), sig)
-        if key is not None and not any(k[3] for k in key[1]) and all(s.datatype in _NP for s in sig.inputs):
+        if (_LE and key is not None and not any(k[3] for k in key[1])
+                and all(s.datatype in _NP for s in sig.inputs)):
             order = {t.name: i for i, t in enumerate(req.inputs)}
             if len(self._plans) >= self.max_entries:
                 self._plans.clear()

@@ -18,8 +18,8 @@ GIL in its kernels); used for callables that cannot be pickled and for one-proce
 (``--workers 0``). With ``loop_max_ms`` (one replica), a batch predicted to take at most that long
 runs on the event loop itself: no thread hand-off per batch and no contention for the GIL between
 the loop and the model thread. The prediction is the batch's rows times the per-row time of recent
-batches (it rises at once after a slow batch and decays slowly); with no measurement yet, or over
-the limit, the batch runs on the thread as before. A batch on the loop holds every other request's
+batches (it rises at once after a slow batch and halves its distance to each faster one); with no
+measurement yet, or over the limit, the batch runs on the thread as before. A batch on the loop holds every other request's
 I/O for its duration, which is why the limit is small (``ServeConfig.inline_loop_ms``).
 
 ``DevicePool``: one replica per (GPU, stream), inputs staged through pinned host buffers and
@@ -122,7 +122,7 @@ class InlinePool:
         self._free: asyncio.Queue[list[Tensor]] | None = None
         # several replicas compute at once on threads; the loop can only hold one batch
         self.loop_max_s = None if loop_max_ms is None or replicas > 1 else loop_max_ms / 1e3
-        self.row_s: float | None = None  # per-row seconds of recent batches (rises fast, decays slowly)
+        self.row_s: float | None = None  # per-row seconds of recent batches (rises at once, falls by halves)
         self.on_loop = 0  # batches computed on the event loop (the rest went to a thread)
 
     async def start(self) -> None:
@@ -141,7 +141,7 @@ class InlinePool:
         out = self._compute(items, buffers)
         per_row = (time.perf_counter() - t0) / max(1, sum(it.rows for it in items))
         prev = self.row_s
-        self.row_s = per_row if prev is None or per_row > prev else 0.9 * prev + 0.1 * per_row
+        self.row_s = per_row if prev is None or per_row > prev else 0.5 * (prev + per_row)
         return out
 
     async def run(self, items: list[InferItem]) -> list[list[Tensor]]:
