@@ -401,7 +401,8 @@ def main() -> None:
             (cfg, seq), targets, batches = MODELS[args.model], args.targets.split(","), [8, 32]
         rule_sets = tuple(args.rules.split(","))
         rows = [r for t in targets for r in _grid(cfg, t, batches, seq, rule_sets)]
-        name += ("_" + "_".join(rule_sets) if rule_sets != ("fsdp", "fsdp_tp") else "") + \
+        name += ("_" + "_".join(t.replace(":", "_") for t in targets) if targets != ["v5p:2x2x2"] and not args.quick
+                 else "") + ("_" + "_".join(rule_sets) if rule_sets != ("fsdp", "fsdp_tp") else "") + \
             ("_buffers" if args.buffers else "")
         pad = _padding(LMConfig(vocab_size=1000, dim=200, n_layers=2, n_heads=5, max_seq_len=64))
     os.makedirs(args.out, exist_ok=True)

@@ -78,7 +78,7 @@ def _row(base: LMConfig, r: dict) -> dict:
 
 def _md(rows: list[dict]) -> str:
     pct = lambda a, b: f"{100 * (a / b - 1):+.0f}%" if b else "n/a"  # noqa: E731
-    out = ["# What the TPU compile keeps at its peak (v5p:2x2x2, from XLA's dumps), and the walk's gradient-sync models",
+    out = ["# What the TPU compile keeps at its peak (from XLA's dumps), and the walk's gradient-sync models",
            "", "MiB per device. **peak at**: XLA's peak step over its schedule length. **gradient sync in the compile**: "
            "the largest all-reduce of the backward (MiB at its position; XLA's combiner merges the gradients' "
            "all-reduces into it) and the gradient matmuls compiled as `while` loops (reduce-scatter collective "
@@ -86,9 +86,9 @@ def _md(rows: list[dict]) -> str:
            "combined / deferred (`torchnitro.xla.liveness.simulate`), error against memory_analysis temp and "
            "[against XLA's HBM temp allocation]. **at XLA's peak**: count x source (the JAX op, last two parts), "
            "MiB; parameters left out.", "",
-           "| model | rules | remat | attention | batch | memory_analysis temp | HBM alloc | peak at | gradient sync in "
-           "the compile | walk scatter | walk combined | walk deferred | at XLA's peak |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| target | model | rules | remat | attention | batch | memory_analysis temp | HBM alloc | peak at | gradient "
+           "sync in the compile | walk scatter | walk combined | walk deferred | at XLA's peak |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         m = r["model"]
         w, hbm = r["walk"], r.get("xla_hbm_temp") or 0
@@ -101,8 +101,13 @@ def _md(rows: list[dict]) -> str:
                 f"; {r['grad_loops']} matmul loops ({r['grad_loops_after_peak']} after the peak)"
             at = f"{r['peak_step']} / {r['length']}"
             grp = "; ".join(f"{c}x {k}: {b / MIB:.1f}" for k, c, b in r["groups"])
-        out.append(f"| {m['n_layers']}x{m['dim']} | {r['rules']} | {r['remat']} | {r['attention']} | {r['batch']} | "
-                   f"{r['temp'] / MIB:.1f} | {hbm / MIB:.1f} | {at} | {sync} | " + " | ".join(cells) + f" | {grp} |")
+        out.append(f"| {r['target']} | {m['n_layers']}x{m['dim']} | {r['rules']} | {r['remat']} | {r['attention']} | "
+                   f"{r['batch']} | {r['temp'] / MIB:.1f} | {hbm / MIB:.1f} | {at} | {sync} | " + " | ".join(cells) + f" | {grp} |")
+    read = [r for r in rows if "schedule_error" not in r]
+    loops = [f"{r['target']} {r['model']['n_layers']}x{r['model']['dim']} {r['rules']} {r['remat']} {r['attention']} "
+             f"B={r['batch']}" for r in read if r["grad_loops"]]
+    out += ["", f"Gradient synchronisation in the {len(read)} compiles read: {len(read) - len(loops)} by all-reduces "
+            f"only, {len(loops)} with gradient matmul loops ({'; '.join(loops) or 'none'})."]
     return "\n".join(out) + "\n"
 
 
