@@ -259,3 +259,34 @@ def test_inline_pool_runs_cheap_batches_on_the_loop_and_slow_ones_on_its_thread(
     with pytest.raises(ConfigError, match="loop_max_ms: received -1"):
         InlinePool(ServedModel(model, sig), loop_max_ms=-1)
     assert InlinePool(ServedModel(model, sig), replicas=2, loop_max_ms=5).loop_max_s is None  # threads only
+
+
+def test_inline_pool_keeps_batches_on_its_thread_while_other_requests_wait():
+    """With requests pending besides the batch (more clients than a batch holds), the loop must stay
+    free to read them and write answers while the model computes: the batch goes to the thread."""
+    import threading
+
+    from torchnitro.serve.models import ServedModel
+    from torchnitro.serve.protocol import ModelSignature, TensorSpec
+
+    seen: list[str] = []
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        seen.append(threading.current_thread().name)
+        return x + 1
+
+    sig = ModelSignature("m", [TensorSpec("x", "FP32", (-1, 2))], [TensorSpec("y", "FP32", (-1, 2))])
+    items = [InferItem([torch.ones(1, 2)], 1, None)]
+    waiting = {"n": 0}
+
+    async def main():
+        pool = InlinePool(ServedModel(model, sig), loop_max_ms=1000)
+        pool.others = lambda n: waiting["n"]
+        await pool.start()
+        for n in (0, 0, 5, 0):
+            waiting["n"] = n
+            await pool.run(items)
+        return threading.current_thread().name
+
+    loop_thread = asyncio.run(main())
+    assert ["loop" if n == loop_thread else "thread" for n in seen] == ["thread", "loop", "thread", "loop"]

@@ -141,6 +141,9 @@ class ModelEndpoint:
         exact = any(s.ragged for s in sig.inputs) and not sig.padding_safe
         observer = metrics.observer(self.name)
         self.batcher = await DynamicBatcher(self.pool.run, cfg, observer=observer, exact_lengths=exact).start()
+        if hasattr(self.pool, "others"):  # InlinePool: a batch runs on the loop only with nothing else pending
+            batcher = self.batcher
+            self.pool.others = lambda n: batcher.pending - n
         observer.watch(self.batcher)
         self.ready = True
 

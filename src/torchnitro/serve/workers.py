@@ -16,8 +16,11 @@ replaced. ``ready`` is False while no worker is up (all being replaced).
 ``InlinePool``: the model runs in the server process on a thread per replica (torch releases the
 GIL in its kernels); used for callables that cannot be pickled and for one-process setups
 (``--workers 0``). With ``loop_max_ms`` (one replica), a batch predicted to take at most that long
-runs on the event loop itself: no thread hand-off per batch and no contention for the GIL between
-the loop and the model thread. The prediction is the batch's rows times the per-row time of recent
+runs on the event loop itself when nothing else is pending (``others``: the batcher holds no other
+accepted request, so there is no I/O to overlap with): no thread hand-off per batch and no
+contention for the GIL between the loop and the model thread. Under a deeper load (more clients
+than a batch holds) batches stay on the thread, so the loop reads the next batch's requests and
+writes the last one's answers while the model computes. The prediction is the batch's rows times the per-row time of recent
 batches (it rises at once after a slow batch and halves its distance to each faster one); with no
 measurement yet, or over the limit, the batch runs on the thread as before. A batch on the loop holds every other request's
 I/O for its duration, which is why the limit is small (``ServeConfig.inline_loop_ms``).
@@ -124,6 +127,8 @@ class InlinePool:
         self.loop_max_s = None if loop_max_ms is None or replicas > 1 else loop_max_ms / 1e3
         self.row_s: float | None = None  # per-row seconds of recent batches (rises at once, falls by halves)
         self.on_loop = 0  # batches computed on the event loop (the rest went to a thread)
+        # requests accepted besides a batch of n (ModelEndpoint sets it to the batcher's): any -> thread
+        self.others: Callable[[int], int] | None = None
 
     async def start(self) -> None:
         self._free = asyncio.Queue()
@@ -148,7 +153,10 @@ class InlinePool:
         if self.loop_max_s is None:
             return await _run_on_free_slot(self._free, lambda buffers: self._compute(items, buffers))
         est = self.row_s
-        if est is None or est * sum(it.rows for it in items) > self.loop_max_s:
+        if est is not None and est * sum(it.rows for it in items) <= self.loop_max_s:
+            await asyncio.sleep(0)  # answers of the previous batch, already set, are written first
+        if (est is None or est * sum(it.rows for it in items) > self.loop_max_s
+                or (self.others is not None and self.others(len(items)) > 0)):
             return await _run_on_free_slot(self._free, lambda buffers: self._timed(items, buffers))
         if self._free is None:
             raise ServeError("the worker pool is not started; `await pool.start()` first")
