@@ -225,7 +225,7 @@ def memory_section(args, meta) -> None:
     table = ResultTable("Planner vs measured peak memory per rank, one training step on CPU",
                         ["layout", "ranks", "rank", "ranks run as", "peak in", "state measured = planned",
                          "forward left (measured)", "activations held (planned)", "activation error",
-                         "peak measured", "peak planned", "peak error"], meta=meta)
+                         "peak measured", "peak planned", "peak error", "unseen frees"], meta=meta)
     failures, errors = [], []
     for kw in track(layouts, description="memory checks"):
         cfg = ParallelConfig(**kw)
@@ -254,7 +254,8 @@ def memory_section(args, meta) -> None:
                          else f"no ({m.state.total} vs {planned_state})",
                          "forward left (measured)": m.forward_left if cfg.pp == 1 else "n/a (pipeline)",
                          "activations held (planned)": left, "activation error": act_err,
-                         "peak measured": m.peak, "peak planned": p.total, "peak error": f"{err:+.2%}"})
+                         "peak measured": m.peak, "peak planned": p.total, "peak error": f"{err:+.2%}",
+                         "unseen frees": m.unseen_frees})
     within = sum(abs(e) <= 0.05 for e in errors)
     table.meta.update(model=MEM_MODEL, per_rank_batch=per_rank, seq=seq, layouts=len(layouts), checks=len(errors),
                       within_5_percent=within, worst_peak_error=max(map(abs, errors), default=None),
@@ -264,7 +265,11 @@ def memory_section(args, meta) -> None:
                                "src/torchnitro/distributed/measure.py",
                       forward_left="live at the end of forward minus live at the step's start: saved activations, "
                                    "the loss, FSDP groups not resharded after forward (planned: the held "
-                                   "activations, plus the gathered groups without resharding)")
+                                   "activations, plus the gathered groups without resharding)",
+                      unseen_frees="bytes allocated again at an address whose free the profiler never recorded "
+                                   "(the block stops counting there); collectives return only once gloo's worker "
+                                   "thread has let go of their tensors, so frees happen on the measured thread",
+                      load_average_at_end=" ".join(f"{x:.2f}" for x in os.getloadavg()))
     _emit(table, "distributed_memory_quick" if args.quick else "distributed_memory")
     if not args.quick:
         _attach("distributed_planner", "distributed_memory")
