@@ -296,3 +296,23 @@ def test_runnable_threads_sees_a_busy_process_and_not_a_blocked_one(tmp_path):
     finally:
         _end(busy)
         _end(blocked)
+
+
+def test_a_busy_machine_stops_retakes_but_never_the_wait_for_our_siblings(tmp_path, monkeypatch):
+    clock = iter(range(0, 10**6, 100))  # every reading of the machine: 100 s more busy time (always loaded)
+    monkeypatch.setattr(quiet, "_machine_busy_s", lambda: float(next(clock)))
+    gate = quiet.Gate(quiet.GateConfig(window_s=0.05, cap_s=120.0, retakes=1, machine=True))
+    for _ in range(2):  # retaken once each, kept under the machine's load
+        gate.sample(os.getpid(), lambda: 1e-3)
+    assert gate.stats.retaken == 2 and gate.stats.kept_foreign == 2
+    flag = tmp_path / "stop"
+    busy = _spawn(_BUSY_UNTIL_FILE, str(flag))
+    events: list[str] = []
+    try:
+        assert busy.stdout.readline().strip() == "busy"
+        threading.Timer(0.5, lambda: (events.append("released"), flag.touch())).start()
+        gate.sample(os.getpid(), lambda: events.append("sample") or 1e-3)
+    finally:
+        _end(busy)
+    assert events == ["released", "sample"]  # still waited for the busy sibling
+    assert gate.stats.retaken == 2 and gate.stats.kept_foreign == 3  # but not retaken into the machine's load

@@ -15,9 +15,11 @@ fixed settle pause guesses how long that lasts; the gate measures it instead:
    our other processes and the rest of the machine ran during the sample's wall time; the timed process's
    run-queue delay (second field of schedstat, ns) shows foreign work a short sample's ticks cannot;
 3. a sample with foreign CPU above ``foreign_share`` of its wall time is discarded and taken again, at
-   most ``retakes`` times; the last one is kept and counted as taken under foreign load. Load that outlasted
-   the waits and retakes of two samples in a row is not a burst: from then on a sample waits at most one
-   window and is kept at once (and counted) until one comes clean, instead of multiplying the run time.
+   most ``retakes`` times; the last one is kept and counted as taken under foreign load. Load that outlasts
+   two samples in a row is not a burst: a sibling busy through two capped waits costs one window per sample
+   from then on (until it goes idle in time), the rest of the machine busy through every retake of two
+   samples is not retaken into any more (until a sample comes clean); both are counted. Our own siblings'
+   spin is still waited out and retaken while the rest of the machine is busy.
 
 Our own processes cannot be quieted at the source without changing what is timed: a torch-based child's
 libgomp team spins ~3 ms after each sample (its deployed default), an ONNX Runtime or OpenVINO child's pool
@@ -324,7 +326,8 @@ class Gate:
     def __init__(self, cfg: GateConfig | None = None):
         self.cfg = cfg or GateConfig()
         self.stats = GateStats()
-        self._streak = 0  # samples in a row kept under foreign load or after the idle wait's cap
+        self._machine_streak = 0  # samples in a row kept with the rest of the machine busy after their retakes
+        self._capped_streak = 0  # samples in a row taken after the idle wait's cap
 
     def sample(self, timed_pid: int, take: Callable[[], float]) -> float:
         """Wait for the others to idle, run ``take()`` (one sample, its seconds per call), read what ran beside it;
@@ -333,20 +336,24 @@ class Gate:
         attempt = 0
         while True:
             others = _Others(timed_pid)
-            # foreign load or a busy sibling that outlasted the waits and retakes of the last two samples is not
-            # a burst: waiting and retaking into it only multiplies the run time (each such sample is counted)
-            persistent = self._streak >= 2
-            waited, capped, polls = others.wait_idle(cfg if not persistent else
-                                                     dataclasses.replace(cfg, cap_s=min(cfg.cap_s, cfg.window_s)))
+            # a sibling busy throughout (two samples in a row after the cap) costs one window per sample from
+            # then on, until one goes idle in time; the rest of the machine busy throughout (two samples in a row
+            # kept under its load after every retake) is not retaken into any more: each would only multiply
+            # the run time; such samples are still counted
+            short = self._capped_streak >= 2
+            waited, capped, polls = others.wait_idle(dataclasses.replace(cfg, cap_s=min(cfg.cap_s, cfg.window_s))
+                                                     if short else cfg)
             value, reading = self._window(others, take)
             reading.waited_s, reading.capped, reading.polls = waited, capped, polls
             reading.timed = _NAMES.get(timed_pid, "this process" if timed_pid == os.getpid() else str(timed_pid))
             why = reading.foreign(cfg)
-            kept = why is None or attempt >= cfg.retakes or persistent
+            machine_busy = why not in (None, "ours") and self._machine_streak >= 2
+            kept = why is None or attempt >= cfg.retakes or machine_busy
             for stats in [self.stats, *_COLLECTORS]:
                 stats.add(reading, kept=kept, why=why)
             if kept:
-                self._streak = self._streak + 1 if why is not None or capped else 0
+                self._machine_streak = self._machine_streak + 1 if why not in (None, "ours") else 0
+                self._capped_streak = self._capped_streak + 1 if capped else 0
                 return value
             attempt += 1
 
