@@ -9,7 +9,7 @@ import json
 import pytest
 
 from torchnitro.distributed import ParallelConfig
-from torchnitro.distributed.measure import _live, _unseen_frees, measure_isolated, measure_ranks
+from torchnitro.distributed.measure import _freed_by_call_end, _live, _unseen_frees, measure_isolated, measure_ranks
 from torchnitro.distributed.plan import rank_memory
 from torchnitro.nn.models import TransformerConfig
 from tests.distributed.spawn import run_ranks
@@ -32,6 +32,16 @@ def test_live_bytes_peak_inside_the_window_only():
     assert (peak, phase, start, forward_left) == (250, "backward", 100, 80)
 
 
+def test_a_block_made_inside_a_collective_call_without_a_recorded_free_ends_with_the_call():
+    calls = [(100, 200)]
+    allocs = [(50, 10, 0xA), (110, 20, 0xB), (120, 30, 0xC), (150, -30, 0xC), (300, 5, 0xD)]
+    # B (the backend's copy) has no free: it ends at 200; A and D were made outside a call and are left alone
+    assert _freed_by_call_end(allocs, calls) == sorted(allocs + [(200, -20, 0xB)])
+    # its address came back inside the call: the free goes just before that allocation
+    back = [(110, 20, 0xB), (150, 8, 0xB)]
+    assert _freed_by_call_end(back, calls) == [(110, 20, 0xB), (149, -20, 0xB), (150, 8, 0xB), (200, -8, 0xB)]
+
+
 def test_live_bytes_end_a_block_whose_free_went_unrecorded_at_its_address_reuse():
     marks = {"nitro.start": 10, "nitro.forward_end": 20, "nitro.backward_end": 30, "nitro.end": 40}
     # A's free happened on a thread the profiler does not see: its address comes back without one
@@ -44,10 +54,15 @@ def test_live_bytes_end_a_block_whose_free_went_unrecorded_at_its_address_reuse(
 def test_measured_collectives_return_after_gloo_lets_go_of_their_tensors():
     """gloo's worker thread holds a collective's tensors for a moment after the call returns (about one call in
     five on 2 ranks here); a tensor it frees is a free the profiler never records. Under measure's wrapper no
-    call returns before the worker lets go, sums stay right, and async callers (FSDP) still get a work object."""
+    call returns before the worker lets go, sums stay right, and async callers (FSDP) still get a work object.
+    gloo's reduce-scatter also copies its input into the work object: without ending those copies at the call's
+    end, 125 calls left 160 KB-1.7 MB counted live; at most one 32 KB input may be left (the profiler's own
+    rare lost free, see measure.py)."""
     outs = run_ranks("released.py", 2, "500", "1", timeout=50)
     for out in outs:
-        assert json.loads(out.strip().splitlines()[-1]) == {"held": 0, "sums_ok": True, "async_ok": True}
+        r = json.loads(out.strip().splitlines()[-1])
+        assert (r["held"], r["sums_ok"], r["async_ok"]) == (0, True, True), r
+        assert 0 <= r["rs_left"] <= 2 * 4096 * 4, r
 
 
 @pytest.mark.timeout(60)

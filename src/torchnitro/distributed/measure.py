@@ -24,7 +24,8 @@ collective to completion and returns only once the worker has released its tenso
 (``_released_collectives``), so every free happens, and is recorded, on the rank's own thread. A free still
 missing (the profiler itself lost 7 frees in 86,000 wrapped all-reduces of a tight loop on a world-1 gloo
 group, each right after a call; cause not found) shows up as ``unseen_frees`` when the address is allocated
-again, and the block stops counting there.
+again, and the block stops counting there; a block made inside a wrapped call whose free is missing (gloo's
+reduce-scatter clones its input into its work object) is freed at the call's end (``_freed_by_call_end``).
 
 Ranks: ``measure_fake`` runs one rank of any layout without pipeline stages in this process on the fake
 process group (collectives return at once; the buffers are allocated as on a real run);
@@ -35,6 +36,7 @@ stages infer shapes by communicating). Tiny models only: this is a CPU check of 
 
 from __future__ import annotations
 
+import bisect
 import functools
 import inspect
 import json
@@ -76,6 +78,9 @@ _COLLECTIVES = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_i
                 "_reduce_scatter_base", "all_to_all_single", "gather", "scatter")
 
 
+_CALL = "nitro_collective"  # the profiler span of one wrapped collective call (not a "nitro." step marker)
+
+
 def _tensor_args(values) -> list[torch.Tensor]:
     out = []
     for v in values:
@@ -102,10 +107,11 @@ def _released(fn, timeout: float):
         wanted_async = bool(bound.arguments.pop("async_op", False))
         tensors = _tensor_args(bound.arguments.values())
         before = [t._use_count() for t in tensors]
-        fn(*bound.args, **bound.kwargs)
-        deadline = time.monotonic() + timeout
-        while any(t._use_count() > b for t, b in zip(tensors, before)) and time.monotonic() < deadline:
-            time.sleep(0)  # gloo's worker drops its work object right after the collective completes
+        with torch.profiler.record_function(_CALL):
+            fn(*bound.args, **bound.kwargs)
+            deadline = time.monotonic() + timeout
+            while any(t._use_count() > b for t, b in zip(tensors, before)) and time.monotonic() < deadline:
+                time.sleep(0)  # gloo's worker drops its work object right after the collective completes
         if not wanted_async:
             return None
         done = torch.futures.Future()
@@ -133,7 +139,7 @@ def _allocations(prof) -> tuple[list[tuple[int, int, int]], dict[str, int]]:
     """[(time ns, signed bytes, address)] of every CPU allocation/free in time order, and {marker: start ns}."""
     from torch._C._profiler import _EventType
 
-    allocs, marks = [], {}
+    allocs, marks, calls = [], {}, []
     stack = list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
@@ -141,10 +147,36 @@ def _allocations(prof) -> tuple[list[tuple[int, int, int]], dict[str, int]]:
         if e.tag == _EventType.Allocation:
             if e.extra_fields.device.type == "cpu":
                 allocs.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr))
+        elif e.name == _CALL:
+            calls.append((e.start_time_ns, e.end_time_ns))
         elif e.name.startswith("nitro."):
             marks[e.name] = e.start_time_ns
-    allocs.sort()
-    return allocs, marks
+    return _freed_by_call_end(sorted(allocs), sorted(calls)), marks
+
+
+def _freed_by_call_end(allocs, calls: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``allocs`` plus a free at the end of the wrapped collective call for each block made inside one whose free
+    was never recorded: the backend's own copies (gloo's reduce-scatter clones its input) belong to the work
+    object, which was gone when the call returned (``_released``). If the address came back sooner, the free
+    goes just before that."""
+    made: dict[int, tuple[int, int]] = {}  # address -> (time, bytes) of the block there with no free yet
+    lost = []  # (time, bytes, address, time the address came back or None)
+    for t, d, ptr in allocs:
+        if d > 0:
+            if ptr in made:
+                lost.append((*made[ptr], ptr, t))
+            made[ptr] = (t, d)
+        else:
+            made.pop(ptr, None)
+    lost += [(t, d, ptr, None) for ptr, (t, d) in made.items()]
+    starts = [a for a, _ in calls]
+    extra = []
+    for t, d, ptr, back in lost:
+        i = bisect.bisect_right(starts, t) - 1
+        if i >= 0 and t <= calls[i][1]:
+            end = calls[i][1] if back is None else min(calls[i][1], back - 1)
+            extra.append((end, -d, ptr))
+    return sorted(allocs + extra) if extra else allocs
 
 
 def _unseen_frees(allocs) -> int:
