@@ -20,6 +20,9 @@
   samples (the built-in encoder's 21 MiB against a 32 MiB L3) and its threads asleep, so a sample's first
   call measured the switch, not the variant as a server runs it back to back; results/timing_fairness.md
   shows the effect: eager solo 43 ms, the same eager in rotation 51-57 ms, whatever ran beside it.
+  Every sample, in a child or in this process, is gated (``bench.quiet``): it starts once the other timing
+  processes are idle (a torch-based child's libgomp team spins ~3 ms after its own sample, its deployed
+  default) and is retaken when foreign CPU ran beside it; the report's "timing gate" note has the counts.
 - Eager's p50 inside the comparison must match eager alone within ``max(5%, 2 x eager's cv)``, at most
   25% (``check_eager``); otherwise eager alone and the comparison are both measured again after ``SETTLE_S``
   (the machine may have changed between them) and the report says so. Eager alone is a short solo run of
