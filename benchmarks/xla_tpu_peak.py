@@ -71,7 +71,7 @@ def _row(base: LMConfig, r: dict) -> dict:
     except Exception as exc:  # a dump that is gone or unreadable is reported, never fatal to the table
         return out | dict(schedule_error=f"{type(exc).__name__}: {exc}"[:300])
     last_ar = max(s.grad_all_reduces, key=lambda t: t[1], default=(-1, 0))
-    return out | dict(length=s.length, peak_step=s.peak_step, groups=_groups(s.peak),
+    return out | dict(length=s.length, peak_step=s.peak_step, groups=_groups(s.peak), gathers=s.gathers,
                       largest_grad_all_reduce=last_ar, n_grad_all_reduces=len(s.grad_all_reduces),
                       grad_loops=len(s.grad_loops), grad_loops_after_peak=sum(p > s.peak_step for p in s.grad_loops))
 
@@ -108,6 +108,12 @@ def _md(rows: list[dict]) -> str:
              f"B={r['batch']}" for r in read if r["grad_loops"]]
     out += ["", f"Gradient synchronisation in the {len(read)} compiles read: {len(read) - len(loops)} by all-reduces "
             f"only, {len(loops)} with gradient matmul loops ({'; '.join(loops) or 'none'})."]
+    gathers: dict[str, int] = {}
+    for r in read:
+        for k, c in r.get("gathers", {}).items():
+            gathers[k] = gathers.get(k, 0) + c
+    out += ["", "All-gathers in those compiles by element type and the JAX op they serve: " +
+            ", ".join(f"{k}: {c}" for k, c in sorted(gathers.items(), key=lambda t: -t[1])) + "."]
     return "\n".join(out) + "\n"
 
 

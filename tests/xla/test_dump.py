@@ -98,6 +98,7 @@ ENTRY %main (param: f32[1024]) -> f32[1024] {
   %all-reduce.3 = (f32[256]{0}, f32[128]{0}) all-reduce(%fusion.1, %param), metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
   %while.4 = (f32[8]{0}) while(%param), body=%body, metadata={op_name="jit(step)/transpose(jvp())/dot_general"}
   %while.5 = (f32[8]{0}) while(%param), body=%body, metadata={op_name="jit(step)/jvp()/dot_general"}
+  %all-gather.6 = bf16[4096]{0} all-gather(%fusion.1), dimensions={0}, metadata={op_name="jit(step)/jvp()/dot_general"}
 }
 """
 SCHEDULE = """HloLiveRange (max 6):
@@ -133,6 +134,7 @@ def test_schedule_names_the_peaks_sources_and_the_gradient_sync(tmp_path):
     assert by_name["param{}"].source == "params['w']"
     assert s.grad_all_reduces == ((3, 256 * 4 + 128 * 4),)
     assert s.grad_loops == (4,)  # the forward's while loop (position 5) is not a gradient matmul
+    assert s.gathers == {"bf16 dot_general": 1}
 
 
 def test_schedule_without_the_optimised_hlo_names_the_flag(tmp_path):

@@ -63,9 +63,9 @@ def test_gathered_inputs_live_from_first_to_last_use_and_count_as_weights():
 
     walk = simulate(f, (X, W), lambda i, s: "weights" if i == 1 else "arg", tpu=False)
     assert walk.at_peak["weights"] == 32 * 32 * 4
-    # on a TPU the (32, 32) weight is stored in (8, 128) tiles: 4x its bytes
+    # on a TPU the (32, 32) weight is stored in (8, 128) tiles, and gathered in bf16 (only matmuls read it)
     tpu = simulate(f, (X, W), lambda i, s: "weights" if i == 1 else "arg", tpu=True)
-    assert tpu.at_peak["weights"] == 32 * 128 * 4
+    assert tpu.at_peak["weights"] == 32 * 128 * 2
 
 
 @pytest.mark.parametrize("mesh,rules", [("1x8x1", "fsdp"), ("2x2x2", "fsdp_tp")])
@@ -124,3 +124,36 @@ def test_lm_fsdp_estimate_keeps_whole_gradients_by_default():
     scatter = estimate_memory(CFG, step, 16, 128, "nothing_saveable", grad_sync="scatter")
     assert default.temp >= scatter.temp
     assert default == estimate_memory(CFG, step, 16, 128, "nothing_saveable", grad_sync="combined")
+
+
+def test_on_a_tpu_weights_read_only_by_matmuls_are_gathered_in_bf16():
+    def f(x, w):
+        return jnp.sum(x @ w.T)  # read through a transpose by a matmul only
+
+    gathered = lambda i, s: "weights" if i == 1 else "arg"  # noqa: E731
+    tpu = simulate(f, (X, W), gathered, tpu=True)
+    assert tpu.at_peak["weights"] == 32 * 128 * 2  # (32, 32) in (8, 128) tiles, bf16
+    assert simulate(f, (X, W), gathered, tpu=False).at_peak["weights"] == 32 * 32 * 4  # host: as traced
+
+    def g(x, w):
+        return jnp.sum(x @ w) + jnp.sum(jnp.exp(w))  # an elementwise reader needs the f32 values
+
+    assert simulate(g, (X, W), gathered, tpu=True).at_peak["weights"] == 32 * 128 * 4
+
+
+def test_lookups_of_a_row_local_table_read_its_shards():
+    table = jax.ShapeDtypeStruct((512, 32), jnp.float32)  # 64 KiB
+    idx = jax.ShapeDtypeStruct((64,), jnp.int32)
+
+    def f(t, i, w):
+        e = jnp.take(t, i, axis=0)  # (64, 32) lookup at the start
+        h = e @ w  # (64, 32)
+        return jnp.sum(h @ t.T)  # (64, 512): the table as the tied output head
+
+    gathered = lambda i, s: "weights" if i == 0 else "arg"  # noqa: E731
+    whole = simulate(f, (table, idx, W), gathered, tpu=False)
+    local = simulate(f, (table, idx, W), gathered, tpu=False, row_local=frozenset({0}))
+    # gathered for the lookup, the table lives from the gather (equation 4) through the matmul after it (5) to
+    # the head; looked up on the shards, only from the head's transpose (6)
+    assert [r[4] for r in whole.live if r[0].startswith("weights")] == [4]
+    assert [r[4] for r in local.live if r[0].startswith("weights")] == [6]

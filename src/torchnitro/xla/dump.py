@@ -166,6 +166,7 @@ class Schedule:
     peak: tuple[PeakValue, ...] = ()  # values live at the peak, largest first
     grad_all_reduces: tuple[tuple[int, int], ...] = ()  # (position, bytes) of each all-reduce of a gradient
     grad_loops: tuple[int, ...] = ()  # positions of while loops computing a gradient matmul (collective matmul)
+    gathers: dict[str, int] = field(default_factory=dict)  # all-gathers by element type and JAX op ("bf16 dot_general")
 
 
 def _entry(hlo: str) -> dict[str, tuple[str, str, str, list[str]]]:
@@ -226,4 +227,9 @@ def read_schedule(dump_dir: str, module: str = "jit_step") -> Schedule:
                            and grad(n)))
     loops = tuple(sorted(pos[n] for n in inst if inst[n][0] == "while" and n in pos and grad(n)
                          and "dot_general" in inst[n][2]))
-    return Schedule(len(pos), int(pk.group(1)) if pk else -1, tuple(peak), reduces, loops)
+    gathers: dict[str, int] = {}
+    for n, (op, shape, op_name, _) in inst.items():
+        if op in ("all-gather", "all-gather-start"):
+            key = f"{shape.lstrip('(').split('[')[0]} {op_name.rsplit('/', 1)[-1] or '?'}"
+            gathers[key] = gathers.get(key, 0) + 1
+    return Schedule(len(pos), int(pk.group(1)) if pk else -1, tuple(peak), reduces, loops, gathers)

@@ -163,4 +163,6 @@ def simulated_temp(cfg: LMConfig, step: TrainStep, batch_size: int, seq_len: int
     # a vocab split over the tensor axis: the partitioner turns the target gather (and its scatter
     # transpose) on the split dim into a masked select, elementwise
     extra = frozenset({"scatter-add", "gather"}) if vocab != cfg.padded_vocab else frozenset()
-    return simulate(fn, (local, {"tokens": toks, "targets": toks}), kinds, tpu, outputs, extra, grad_sync)
+    # an FSDP table split along its width keeps whole rows on every device: lookups stay on the shards
+    rows = frozenset(k for k, (g, s) in enumerate(shapes) if len(g) == 2 and s[0] == g[0] and s[1] < g[1])
+    return simulate(fn, (local, {"tokens": toks, "targets": toks}), kinds, tpu, outputs, extra, grad_sync, rows)

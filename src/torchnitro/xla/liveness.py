@@ -19,7 +19,10 @@ Which values get a buffer follows what XLA's fusion passes do:
   ``x + f(x)``: the next norm's reduction, its scaling and the next add) is stored once;
 * FSDP: a weight split over ``fsdp`` is all-gathered before its first forward use and freed after
   its last, and gathered again for the backward (each pass has its own all-gather; keeping the
-  forward's copy instead put every layer's weights in the peak, up to 64% over the compile); when
+  forward's copy instead put every layer's weights in the peak, up to 64% over the compile); on a
+  TPU a weight only matmuls read is gathered in bf16 (the f32 product runs in one bf16 pass and XLA
+  casts the shard before gathering), and a table whose shards hold whole rows is looked up on the
+  shards (an all-to-all), not gathered for the lookup; when
   its gradient is synchronised is ``simulate``'s ``grad_sync``: XLA's all-reduce combiner merges the
   gradients' all-reduces into one at the end of the backward, so each FSDP gradient waits whole
   ("combined", what 38 of the 42 v5p compiles of results/xla_tpu_peak.md do), or the gradient
@@ -230,9 +233,34 @@ def _deferred_dots(f: _Flat, out_ids: Sequence[int]) -> dict[int, None]:
     return dict(sorted(found.items()))
 
 
+_LAYOUT = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "convert_element_type"})
+
+
+def _gathered_itemsize(f: _Flat, i: int, tpu: bool, local_rows: frozenset[int]) -> int:
+    """Bytes per element of a gathered f32 input: 2 on a TPU when only matmuls read it (through layout ops).
+
+    A TPU multiplies f32 at default precision in one bf16 pass, and XLA casts the shard before the
+    all-gather: every weight all-gather in the compiles of results/xla_tpu_peak.md is bf16.
+    """
+    item = f.values[i].itemsize
+    if not tpu or item != 4:
+        return item
+    frontier, ends = [i], []
+    while frontier:
+        v = frontier.pop()
+        for e in f.eqns:
+            if v in e.ins and not (e.prim == "gather" and i in local_rows):  # a lookup on the shards (simulate)
+                if e.prim in _LAYOUT:
+                    frontier.extend(e.outs)
+                else:
+                    ends.append(e.prim)
+    return 2 if ends and all(p in DOTS for p in ends) else item
+
+
 def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], str], tpu: bool,
              outputs: Callable[[int, tuple[int, ...]], tuple[str, int]] | None = None,
-             fusible_extra: frozenset[str] = frozenset(), grad_sync: str = "scatter") -> Liveness:
+             fusible_extra: frozenset[str] = frozenset(), grad_sync: str = "scatter",
+             row_local: frozenset[int] = frozenset()) -> Liveness:
     """Walk ``jax.make_jaxpr(fn)(*args)`` and return the peak of live temp bytes.
 
     ``kinds(i, shape)`` names flat input ``i``: "arg" for an argument (not temp) or another kind
@@ -243,7 +271,7 @@ def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], 
     to treat as fused in this program (e.g. a gather the partitioner turns into a masked select).
 
     ``grad_sync`` says when the outputs that ``outputs`` names with bytes (sharded gradients) are
-    synchronised (results/xla_tpu_grad_sync.md shows each in XLA's schedule):
+    synchronised (results/xla_tpu_peak.md shows each in XLA's schedule):
 
     * "scatter": each is reduce-scattered as soon as it is complete; only the shard waits;
     * "combined": XLA's all-reduce combiner merges them into one all-reduce at the end of the
@@ -252,6 +280,10 @@ def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], 
       TPU scheduler runs after the activation-gradient chain: those matmuls leave their place, and
       each of their operands waits, stored at its own size and dtype, from where it is computed to
       the end (the shard itself is small and waits after).
+
+    ``row_local`` names flat inputs (gathered tables) whose shards hold whole rows: a ``gather``
+    (embedding lookup) reads the shards and exchanges the rows (an all-to-all, as the partitioner
+    compiles it), so only their other readers need the gathered table.
     """
     if grad_sync not in GRAD_SYNC:
         raise ValueError(f"grad_sync={grad_sync!r} is not one of {GRAD_SYNC}")
@@ -259,9 +291,12 @@ def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], 
     f = _Flat()
     env: dict[Any, int] = {}
     in_kind: dict[int, str] = {}
+    local_rows: set[int] = set()
     for n, v in enumerate(closed.jaxpr.invars):
         env[v] = f.new(v.aval, "arg")
         in_kind[env[v]] = kinds(n, tuple(v.aval.shape))
+        if n in row_local:
+            local_rows.add(env[v])
     for v in closed.jaxpr.constvars:
         env[v] = f.new(v.aval, "const")
     f.walk(closed.jaxpr, env)
@@ -284,6 +319,8 @@ def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], 
         for i in e.ins:
             for r in vals[i].roots:
                 if in_kind.get(r) == "arg" or vals[r].op == "const":
+                    continue
+                if e.prim == "gather" and r in local_rows:  # rows are looked up on the shards (then an all-to-all)
                     continue
                 if r not in ranges:  # a gathered input: made just before its first use
                     ranges[r], kind[r] = [[idx, idx]], in_kind.get(r, "other")
@@ -317,7 +354,8 @@ def simulate(fn: Callable, args: tuple, kinds: Callable[[int, tuple[int, ...]], 
                 if r in ranges:
                     ranges[r][-1][1] = n - 1
                     kind[r] = "grads" if m else kind[r]
-    size = {r: _bytes(vals[r].shape, vals[r].itemsize, tpu) for r in ranges}
+    size = {r: _bytes(vals[r].shape, _gathered_itemsize(f, r, tpu, local_rows) if in_kind.get(r, "arg") != "arg"
+                      else vals[r].itemsize, tpu) for r in ranges}
     delta = [0] * (n + 1)
     for r, rs in ranges.items():
         for a, b in rs:
