@@ -9,6 +9,12 @@ timed interleaved with eager in this process (``bench.compare``: rotating order,
 drift hits every variant alike. ``bert-unpad-int8 (before)`` is the built int8 variant as it ran
 before its FFN up-projections handed bf16 on to a bf16 down-projection (an fp32 round trip between them). Accuracy is measured on held-out text (other seeds): the worst
 mean-pooled embedding cosine and the worst token-row cosine at real positions (what the gate checks).
+
+The peer (issue 15's "ahead of the peer" goal): ``openvino-int8`` built by its recipe from the same model
+(``--no-peer`` leaves it out), timed in the same rounds. ``bert-unpad-int8 (all Linears int8)`` is a bound,
+not a variant: the built plan with the Linears it keeps in bf16 also in int8 (unsmoothed), which fails the
+gate; it shows how far int8 Linears alone could take ours. ``cpu ms (1 thread)``: ``time.process_time`` per
+call at one torch/OpenVINO thread, interleaved rounds (other sessions' load moves it least).
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ from torchnitro.bench import ResultTable, TimingConfig, compare  # noqa: E402
 from torchnitro.bench.provenance import provenance  # noqa: E402
 from torchnitro.hardware import hardware_info  # noqa: E402
 
-COLUMNS = ("inputs", "variant", "median ms", "p90 ms", "x eager", "emb cos (held-out)", "token cos (held-out)",
-           "build s", "notes")
+COLUMNS = ("inputs", "variant", "median ms", "p90 ms", "x eager", "cpu ms (1 thread)", "x peer (cpu)",
+           "emb cos (held-out)", "token cos (held-out)", "build s", "notes")
+PEER = "openvino-int8"
+CPU_ROUNDS = 9
 TIMING = TimingConfig(warmup=2, min_iters=9, max_iters=40, min_time_s=3.0, max_time_s=120.0)
 
 
@@ -64,33 +72,80 @@ def int8_unchained(built: nn.Module) -> nn.Module:
     return m
 
 
-def variants(model: nn.Module, x: tuple, tmp: Path) -> dict[str, tuple[Any, str, float]]:
-    """name -> (callable, notes, build seconds)."""
+def int8_everywhere(model: nn.Module, meta: dict[str, Any], workdir: Path) -> nn.Module:
+    """The built int8 plan with the Linears it keeps out of int8 in int8 too (no smoothing, no outlier
+    channels): a speed bound for int8 Linears, which the gate rejects."""
+    from torchnitro.autotune.recipes.bert_unpad import _int8, unpad_model
+    from torchnitro.autotune.recipes.int8_mixed import load_scales
+
+    base = unpad_model(copy.deepcopy(model))
+    return _int8(base, meta["int8"] + meta["fp32"], load_scales(workdir / "smooth_scales.safetensors"),
+                 meta["full_range"], meta["engine"].split(":")[0], None, False)
+
+
+def one_thread_peer(workdir: Path, meta: dict[str, Any]) -> Any:
+    """The built OpenVINO artifact compiled again at one inference thread (for the CPU-time column)."""
+    from torchnitro.autotune.recipes.openvino import OvRunner, ov_config
+
+    cfg = dict(meta["ov_config"], INFERENCE_NUM_THREADS=1)
+    return OvRunner.from_dir(workdir, dict(meta, ov_config=cfg))
+
+
+def variants(model: nn.Module, x: tuple, tmp: Path, peer: bool) -> dict[str, tuple[Any, str, float]]:
+    """name -> (callable, notes, build seconds); the peer's one-thread runner under ``PEER + " 1t"``."""
     out: dict[str, tuple[Any, str, float]] = {"eager": (model, "", 0.0)}
-    for name in ("bert-unpad-int8", "bert-unpad-bf16", "bert-unpad"):
+    for name in ("bert-unpad-int8", "bert-unpad-bf16", "bert-unpad") + ((PEER,) if peer else ()):
         t0 = time.perf_counter()
         built = get_recipe(name).build(_ctx(model, x, tmp / name))
         out[name] = (built.fn, built.notes, time.perf_counter() - t0)
         if name == "bert-unpad-int8":
             out["bert-unpad-int8 (before)"] = (int8_unchained(built.fn), "the same plan, fp32 between the FFN's "
                                                "Linears", 0.0)
+            out["bert-unpad-int8 (all Linears int8)"] = (
+                int8_everywhere(model, built.meta, tmp / name), "a bound, not a variant: the kept Linears in int8 "
+                "too (fails the gate)", 0.0)
+        if name == PEER:
+            out[PEER + " 1t"] = (one_thread_peer(tmp / name, built.meta), "", 0.0)
     return out
 
 
-def rows_for(kind: str, model: nn.Module, tmp: Path) -> list[dict[str, Any]]:
+def cpu_times(fns: dict[str, Any], x: tuple, rounds: int = CPU_ROUNDS) -> dict[str, float]:
+    """Median ``time.process_time`` per call at one torch thread, the order rotated each round."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        names, out = list(fns), {n: [] for n in fns}
+        with torch.inference_mode():
+            for n in names:
+                fns[n](*x)  # warm-up at this thread count
+            for r in range(rounds):
+                for n in names[r % len(names):] + names[:r % len(names)]:
+                    t0 = time.process_time()
+                    fns[n](*x)
+                    out[n].append(time.process_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return {n: sorted(v)[len(v) // 2] for n, v in out.items()}
+
+
+def rows_for(kind: str, model: nn.Module, tmp: Path, peer: bool = True) -> list[dict[str, Any]]:
     x = minilm_inputs(kind, 32, 128, 0)
     held = [minilm_inputs(kind, 32, 128, s) for s in (501, 502)]
-    built = variants(model, x, tmp / kind)
+    built = variants(model, x, tmp / kind, peer)
+    one = built.pop(PEER + " 1t", None)  # the peer at one thread: CPU time only
     with torch.inference_mode():
         t = compare({n: (lambda f=f: f(*x)) for n, (f, _, _) in built.items()}, TIMING, baseline="eager")
+    cpu = cpu_times({n: (one[0] if n == PEER and one else f) for n, (f, _, _) in built.items()}, x)
     rows = []
     for n, (f, notes, build_s) in built.items():
         rows.append({"inputs": kind, "variant": n, "median ms": t[n].median * 1e3, "p90 ms": t[n].p90 * 1e3,
-                     "x eager": t["eager"].median / t[n].median,
+                     "x eager": t["eager"].median / t[n].median, "cpu ms (1 thread)": cpu[n] * 1e3,
+                     "x peer (cpu)": cpu[PEER] / cpu[n] if PEER in cpu else "",
                      "emb cos (held-out)": emb_cosine(f, model, held, _positional) if n != "eager" else 1.0,
                      "token cos (held-out)": token_cosine(f, model, held, _positional) if n != "eager" else 1.0,
                      "build s": build_s, "notes": notes})
-        print(f"{kind} {n}: {rows[-1]['median ms']:.0f} ms, {rows[-1]['x eager']:.2f}x", file=sys.stderr, flush=True)
+        print(f"{kind} {n}: {rows[-1]['median ms']:.0f} ms, {rows[-1]['x eager']:.2f}x, cpu {cpu[n] * 1e3:.0f} ms",
+              file=sys.stderr, flush=True)
     return rows
 
 
@@ -109,17 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's own); one thread suffers least from a loaded machine")
     ap.add_argument("--name", default="encoder_full_length", help="results file stem")
+    ap.add_argument("--no-peer", action="store_true", help=f"leave out the peer ({PEER})")
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    meta = provenance("benchmarks/encoder_full_length.py", argv, device="cpu", packages=("torch", "transformers"))
+    meta = provenance("benchmarks/encoder_full_length.py", argv, device="cpu", packages=("torch", "transformers", "openvino", "nncf"))
     model = load_minilm()
     rows: list[dict[str, Any]] = []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for kind in args.kinds:  # the table is written after each kind: a long run keeps what it measured
-            rows += rows_for(kind, model, Path(tmp))
+            rows += rows_for(kind, model, Path(tmp), not args.no_peer)
             meta["load average at end"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
             table = ResultTable("all-MiniLM-L6-v2 as a user wraps it, batch 32 x 128: own padding-free paths, "
                                 "timed interleaved with eager", COLUMNS, rows, meta)
