@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from torchnitro.bench import ResultTable
+from torchnitro.bench.growth import fit_growth, memory_sample
 from torchnitro.bench.provenance import provenance
 from torchnitro.distributed import ModelState, ParallelConfig, init, save, shutdown
 from torchnitro.nn.models import TransformerConfig, TransformerLM
@@ -76,66 +77,109 @@ def _setup(quick: bool):
     return {"train": ModelState(model, opt)}, step, n
 
 
-def _run(state, step, saves: int, async_: bool, directory: str) -> dict:
-    blocks, waits, rss, idle = [], [], [], []
-    proc = psutil.Process()
+SERIES = {"rss": "RSS", "uss": "USS", "pss": "PSS", "malloc_in_use": "malloc in use"}
+WARMUP = 5  # cycles left out of the fit: the first saves build DCP's planner caches and the allocator's pools
+
+
+def _state_bytes(state) -> int:
+    """Bytes of one host copy of the state: what an async save stages, and what a leak of one copy would add."""
+    def walk(x) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.nbytes
+        if isinstance(x, dict):
+            return sum(walk(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return sum(walk(v) for v in x)
+        return 0
+    return sum(walk(v.state_dict() if isinstance(v, ModelState) else v) for v in state.values())
+
+
+def _run(state, step, saves: int, async_: bool, directory: str, leak_bytes: int = 0) -> dict:
+    """``leak_bytes`` > 0 keeps that many bytes alive per save (an injected leak: the statistic must see it)."""
+    blocks, waits, samples, leaked = [], [], [], []
     pending = None
     for i in range(saves):
         t0 = time.perf_counter()
         if pending is not None:  # what the next save would wait for anyway, timed on its own
             pending.wait()
         t1 = time.perf_counter()
-        idle.append(proc.memory_info().rss)  # no save in flight: every sample at the same point of the cycle
+        samples.append(memory_sample())  # no save in flight: every sample at the same point of the cycle
         out = save(state, directory, step=i + 1, async_=async_, keep=2)
         t2 = time.perf_counter()
+        if leak_bytes:
+            leaked.append(torch.ones(leak_bytes // 4))  # touched, so resident
         pending = out if async_ else None
         blocks.append(t2 - t1)
         waits.append(t1 - t0)
         step()
-        rss.append(proc.memory_info().rss)  # a background write may still hold its host copy here
     if pending is not None:
         pending.wait()
-    idle.append(proc.memory_info().rss)
-    # growth: the last 5 idle samples against samples 5-9 (the first saves build DCP's caches), medians so one
-    # sample taken while the allocator has not yet returned a freed copy does not decide it
-    late, early = statistics.median(idle[-5:]), statistics.median(idle[4:9] or idle)
-    xs = list(range(4, len(idle)))
-    slope = _slope(xs, [idle[x] for x in xs]) if len(xs) > 1 else 0.0
+    samples.append(memory_sample())
+    fits = {}
+    for key in SERIES:
+        ys = [s[key] for s in samples]
+        if None not in ys and len(ys) - WARMUP >= 7:
+            g = fit_growth(ys, warmup=WARMUP)
+            fits[key] = {"slope_mib": g.slope / 2**20, "low_mib": g.low / 2**20, "high_mib": g.high / 2**20, "n": g.n}
     return {"block_median_s": statistics.median(blocks), "block_max_s": max(blocks),
             "wait_median_s": statistics.median(waits[1:]) if async_ and len(waits) > 1 else 0.0,
-            "rss_growth": late / early - 1, "rss_slope_mib_per_save": slope / 2**20, "rss_last_mib": idle[-1] / 2**20,
-            "rss_idle_mib": [round(r / 2**20) for r in idle], "rss_after_step_mib": [round(r / 2**20) for r in rss]}
+            "leak_injected_mib_per_save": leak_bytes / 2**20, "fits": fits,
+            "samples_mib": {k: [None if s[k] is None else round(s[k] / 2**20, 2) for s in samples] for k in SERIES}}
 
 
-def _slope(xs: list[int], ys: list[float]) -> float:
-    """Least-squares slope of ys over xs."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+def _verdict(r: dict, copy_mib: float) -> str:
+    """What the fits say: any growth the interval proves, and whether one state copy per save is ruled out."""
+    fits = r["fits"]
+    if not fits:
+        return "too few saves to fit"
+    parts = [f"grows {f['slope_mib'] * 1024:.0f} KiB/save in {SERIES[k]} ({f['slope_mib'] / copy_mib:.3%} of a copy)"
+             for k, f in fits.items() if f["low_mib"] > 0]
+    bound = max(f["high_mib"] for f in fits.values())
+    ruled = "rules out" if bound < copy_mib else "cannot rule out"
+    parts.append(f"{ruled} one copy per save (highest upper bound {bound:+.2f} MiB/save = {bound / copy_mib:.1%} "
+                 "of a copy)")
+    return "; ".join(parts)
 
 
 def checkpoint_section(args, meta) -> None:
-    saves = 6 if args.quick else args.saves
+    saves = 12 if args.quick else args.saves
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         os.environ.pop(k, None)
     init(ParallelConfig())
     try:
         state, step, n = _setup(args.quick)
+        copy = _state_bytes(state)
+        # the injected leak: one tensor the size of the embedding table per save, ~1/22 of a state copy
+        leak = state["train"].model.embed.weight.nbytes
         rows = {}
-        for mode in ("sync", "async"):
+        for mode, async_, leak_bytes in (("sync", False, 0), ("async", True, 0),
+                                         ("async + injected leak", True, leak)):
             with tempfile.TemporaryDirectory() as d:
-                rows[mode] = _run(state, step, saves, mode == "async", d)
+                rows[mode] = _run(state, step, saves, async_, d, leak_bytes)
     finally:
         shutdown()
-    table = ResultTable(f"DCP save: {n / 1e6:.1f} M params + AdamW state, {saves} saves, one process",
-                        ["mode", "save blocks (median s)", "save blocks (max s)", "next wait (median s)",
-                         "RSS growth (last 5 vs saves 5-9, idle)", "RSS slope (MiB per save)"], meta=meta)
+    copy_mib = copy / 2**20
+
+    def ci(r, key):
+        f = r["fits"].get(key)
+        return "n/a" if f is None else f"{f['slope_mib']:+.2f} [{f['low_mib']:+.2f}, {f['high_mib']:+.2f}]"
+
+    cols = [f"{name} slope MiB/save [95% CI]" for name in SERIES.values()]
+    table = ResultTable(f"DCP save: {n / 1e6:.1f} M params + AdamW state ({copy_mib:.0f} MiB a copy), {saves} saves, "
+                        "one process", ["mode", "save blocks (median s)", "save blocks (max s)",
+                                        "next wait (median s)", *cols, "injected leak (MiB/save)", "verdict"],
+                        meta=meta)
     for mode, r in rows.items():
         table.add(**{"mode": mode, "save blocks (median s)": round(r["block_median_s"], 4),
                      "save blocks (max s)": round(r["block_max_s"], 4),
                      "next wait (median s)": round(r["wait_median_s"], 4),
-                     "RSS growth (last 5 vs saves 5-9, idle)": f"{r['rss_growth']:+.1%}",
-                     "RSS slope (MiB per save)": round(r["rss_slope_mib_per_save"], 2)})
-    table.meta.update(params=n, saves=saves, raw=rows, quick=args.quick)
+                     **{c: ci(r, k) for c, k in zip(cols, SERIES)},
+                     "injected leak (MiB/save)": round(r["leak_injected_mib_per_save"], 2),
+                     "verdict": _verdict(r, copy_mib)})
+    table.meta.update(params=n, saves=saves, warmup=WARMUP, state_copy_mib=copy_mib, raw=rows, quick=args.quick,
+                      note="slopes fitted over the idle samples after the warm-up (one per save, taken once the "
+                           "previous save has finished, plus one after the last); a leak of one state copy per save "
+                           f"would be a slope of {copy_mib:.0f} MiB/save in every column")
     _emit(table, "distributed_cpu_quick" if args.quick else "distributed_cpu")
 
 
@@ -549,7 +593,7 @@ def _attach(host: str, part: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="tiny model, 6 saves, 4 planner layouts: a smoke run")
-    ap.add_argument("--saves", type=int, default=20)
+    ap.add_argument("--saves", type=int, default=40)
     ap.add_argument("--section", choices=("all", "checkpoint", "planner", "memory", "scaling", "resume"),
                     default="all")
     ap.add_argument("--trials", type=int, default=20, help="kill-and-resume trials")
