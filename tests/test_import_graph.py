@@ -60,7 +60,7 @@ KNOWN_UPWARD_FUNCTION_IMPORTS: set[tuple[str, str]] = {
 
 # modules that import the ``torchnitro`` facade itself at module level (its lazy names hide which layer they
 # reach; import the defining module instead: ``torchnitro.version`` for ``__version__``); may only shrink
-KNOWN_FACADE_IMPORTS: set[str] = {"torchnitro.serve.server", "torchnitro.serve.grpc_server"}
+KNOWN_FACADE_IMPORTS: set[str] = set()
 
 
 def _module_name(path: Path) -> str:

@@ -29,7 +29,7 @@ from google.protobuf import json_format
 import torch
 from torch import Tensor
 
-import torchnitro
+from torchnitro.version import __version__
 from torchnitro.errors import InputError, NitroError, ServeError
 from torchnitro.serve.access import Refusal, bearer, find_model, not_accepting, token_ok
 from torchnitro.serve.binary import _LE, _Plan, fast_input
@@ -276,7 +276,7 @@ class GRPCFrontend:
         return pb.ModelReadyResponse(ready=ep.serving and not self.server.draining)
 
     async def server_metadata(self, request: Any, context: Any) -> Any:
-        return pb.ServerMetadataResponse(name="torchnitro", version=torchnitro.__version__, extensions=[])
+        return pb.ServerMetadataResponse(name="torchnitro", version=__version__, extensions=[])
 
     async def model_metadata(self, request: Any, context: Any) -> Any:
         ep = self._endpoint(request.name)

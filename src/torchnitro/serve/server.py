@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-import torchnitro
+from torchnitro.version import __version__
 from torchnitro.errors import ConfigError, DrainingError, ServeError
 from torchnitro.serve.access import UNAUTHORIZED, Refusal, bearer, find_model, token_ok
 from torchnitro.serve.batcher import BatchingConfig, DynamicBatcher, Request
@@ -303,7 +303,7 @@ class InferenceServer:
         return _error(f"{request.method} {request.url.path}: {exc.detail}", exc.status_code)
 
     async def server_meta(self, request: Request) -> Response:
-        return self._auth(request) or _json({"name": "torchnitro", "version": torchnitro.__version__,
+        return self._auth(request) or _json({"name": "torchnitro", "version": __version__,
                                              "extensions": ["binary_tensor_data"]})
 
     async def live(self, request: Request) -> Response:
