@@ -156,12 +156,14 @@ def collectives(model_config, cfg: ParallelConfig, *, batch: int, seq: int, dtyp
     out: list[Collective] = []
     if fsdp:
         n, pe = cfg.dp_shard, DTYPE_BYTES[cfg.mixed_precision] if cfg.mixed_precision != "fp32" else e
-        # gathers per micro-batch; the reduce-scatter only after the last one (PP runs the others without sync)
+        # forward gathers per micro-batch; in backward one gather per group, as a pipeline schedule keeps the
+        # parameters unsharded from the first micro-batch's backward to the last (counted on gloo ranks:
+        # results/distributed_planner.md); the reduce-scatter only after the last one
         for name, shapes in fsdp_groups(model_config, cfg, pp_rank):
             elems = padded_elements(shapes, n)
             out.append(Collective("all_gather", "dp_shard", n, elems * pe, mb, "forward", name))
             if cfg.reshard_after_forward:
-                out.append(Collective("all_gather", "dp_shard", n, elems * pe, mb, "backward", name))
+                out.append(Collective("all_gather", "dp_shard", n, elems * pe, 1, "backward", name))
             out.append(Collective("reduce_scatter", "dp_shard", n, elems * 4, 1, "backward", name))
             if cfg.dp_replicate > 1:
                 out.append(Collective("all_reduce", "dp_replicate", cfg.dp_replicate, elems // n * 4, 1,

@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["CommCounter"]
 
@@ -20,22 +22,46 @@ class CommCounter(CommDebugMode):
 
     A ``CommDebugMode`` (torch.distributed.tensor.debug) that also reads each collective's tensors:
     ``totals()`` -> {(kind, group name): (count, bytes)}. c10d ops (FSDP2, DDP) and functional
-    collectives (DTensor) are both seen; it works on gloo and on the fake process group.
+    collectives (DTensor) are both seen, and point-to-point sends (pipeline schedules; received bytes are
+    the peer's sends, not counted twice); it works on gloo and on the fake process group.
+
+    ``track_modules=False`` leaves out ``CommDebugMode``'s per-module tracker, whose forward hooks fail
+    (IndexError on its parent list) inside a ``torch.distributed.pipelining`` schedule; the totals do not use it.
     """
 
     _KINDS = {"_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
               "all_gather_into_tensor": "all_gather", "_reduce_scatter_base_": "reduce_scatter",
               "reduce_scatter_tensor_coalesced_": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
               "allreduce_": "all_reduce", "all_reduce": "all_reduce", "allreduce_coalesced_": "all_reduce",
-              "all_reduce_coalesced": "all_reduce", "broadcast_": "broadcast", "broadcast": "broadcast"}
+              "all_reduce_coalesced": "all_reduce", "broadcast_": "broadcast", "broadcast": "broadcast", "send": "send"}
 
-    def __init__(self) -> None:
+    def __init__(self, track_modules: bool = True) -> None:
         super().__init__()
+        self.track_modules = track_modules
         self.bytes: Counter = Counter()
         self.calls: Counter = Counter()
 
+    def __enter__(self):
+        if self.track_modules:
+            return super().__enter__()
+        self.comm_counts.clear()
+        TorchDispatchMode.__enter__(self)
+        return self
+
+    def __exit__(self, *args):
+        if self.track_modules:
+            return super().__exit__(*args)
+        return TorchDispatchMode.__exit__(self, *args)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.track_modules:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        elif isinstance(func, torch._ops.HigherOrderOperator):  # no overload packet, never a collective
+            return func(*args, **(kwargs or {}))
+        elif any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor desugar into collectives first, as CommDebugMode does
+        else:
+            out = func(*args, **(kwargs or {}))
         if out is not NotImplemented:
             op = str(func._overloadpacket).rsplit(".", 1)[-1]
             kind = self._KINDS.get(op)
