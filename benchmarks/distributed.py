@@ -5,7 +5,9 @@
 - ``planner``: the planner against real steps, one rank at a time on the fake process group (CPU, one
   process per check): per-rank parameter + gradient + AdamW-state bytes measured from the storages vs
   ``rank_state_bytes``, and the bytes of every collective of one step counted by ``CommCounter`` vs
-  ``comm.collectives``, for 16 layouts (DP, FSDP, HSDP, TP, PP and mixes) at their first and last rank.
+  ``comm.collectives``, for 18 layouts (DP, FSDP, HSDP, TP, PP and mixes) at their first and last rank. A
+  pipeline's sends carry no data on the fake backend: pipeline layouts of up to ``GLOO_MAX_WORLD`` ranks run
+  on real gloo ranks instead (``pp_comm.check_pipeline_comm``: one warm-up step, one counted step, every rank).
   Writes results/distributed_planner.{json,md}.
 - ``memory``: the planner's per-rank peak memory (``plan.rank_memory``) against the peak a real training step
   reaches (``distributed/measure.py``: the CPU allocator's live bytes, counted from its own allocation
@@ -22,16 +24,18 @@
   constant, ``TORCHTITAN_LLAMA3_8B_FSDP``) beside plan-parallel's simulated ones from 8 to 128 GPUs (nothing
   measured here), and the weak-scaling efficiency of each. Writes results/distributed_scaling.{json,md}.
 
-    flock /tmp/torchnitro-bench.lock python benchmarks/distributed.py [--quick] [--saves 20] [--section planner]
+    flock /tmp/torchnitro-bench.lock python benchmarks/distributed.py [--quick] [--saves 40] [--section planner]
 
 One process (world 1, in-memory store); the state is a TransformerLM and its AdamW state. Each save
 is followed by one training step, as in a loop; "blocks" is the time save() takes to return (sync: the
 whole write; async: the copy to host memory), "wait" the time the next PendingSave.wait() still
-blocks. RSS is sampled before every save, once the previous one has finished (no host copy in flight,
-the same point of every cycle); growth is the median of the last 5 samples against that of samples 5-9,
-and the least-squares slope per save from the 5th on (a sample taken while a background write still
-holds its copy moved by up to 20% between saves: results/distributed_cpu.md). Writes
-results/distributed_<device>.{json,md}.
+blocks. Memory is sampled before every save, once the previous one has finished (no host copy in flight,
+the same point of every cycle), and once after the last: RSS, USS, PSS and the bytes glibc malloc holds in
+use (``bench/growth.py``). Per series, the least-squares slope per save after a 5-save warm-up with its 95%
+confidence interval; "no growth" means the interval's upper end lies far below the slope a leak of one state
+copy per save would give (the copy's size is in the title). Two control rows: async with ``malloc_trim(0)``
+before each sample (allocator retention vs live memory) and async with an injected leak of one
+embedding-sized tensor per save (the statistic must find it). Writes results/distributed_<device>.{json,md}.
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from torchnitro.bench import ResultTable
-from torchnitro.bench.growth import fit_growth, memory_sample
+from torchnitro.bench.growth import fit_growth, memory_sample, trim_heap
 from torchnitro.bench.provenance import provenance
 from torchnitro.distributed import ModelState, ParallelConfig, init, save, shutdown
 from torchnitro.nn.models import TransformerConfig, TransformerLM
@@ -94,8 +98,9 @@ def _state_bytes(state) -> int:
     return sum(walk(v.state_dict() if isinstance(v, ModelState) else v) for v in state.values())
 
 
-def _run(state, step, saves: int, async_: bool, directory: str, leak_bytes: int = 0) -> dict:
-    """``leak_bytes`` > 0 keeps that many bytes alive per save (an injected leak: the statistic must see it)."""
+def _run(state, step, saves: int, async_: bool, directory: str, leak_bytes: int = 0, trim: bool = False) -> dict:
+    """``leak_bytes`` > 0 keeps that many bytes alive per save (an injected leak: the statistic must see it);
+    ``trim`` returns malloc's free heap pages to the system before each sample (allocator retention vs live)."""
     blocks, waits, samples, leaked = [], [], [], []
     pending = None
     for i in range(saves):
@@ -103,6 +108,8 @@ def _run(state, step, saves: int, async_: bool, directory: str, leak_bytes: int 
         if pending is not None:  # what the next save would wait for anyway, timed on its own
             pending.wait()
         t1 = time.perf_counter()
+        if trim:
+            trim_heap()
         samples.append(memory_sample())  # no save in flight: every sample at the same point of the cycle
         out = save(state, directory, step=i + 1, async_=async_, keep=2)
         t2 = time.perf_counter()
@@ -114,6 +121,8 @@ def _run(state, step, saves: int, async_: bool, directory: str, leak_bytes: int 
         step()
     if pending is not None:
         pending.wait()
+    if trim:
+        trim_heap()
     samples.append(memory_sample())
     fits = {}
     for key in SERIES:
@@ -152,10 +161,11 @@ def checkpoint_section(args, meta) -> None:
         # the injected leak: one tensor the size of the embedding table per save, ~1/22 of a state copy
         leak = state["train"].model.embed.weight.nbytes
         rows = {}
-        for mode, async_, leak_bytes in (("sync", False, 0), ("async", True, 0),
-                                         ("async + injected leak", True, leak)):
+        for mode, async_, leak_bytes, trim in (("sync", False, 0, False), ("async", True, 0, False),
+                                               ("async, malloc_trim(0) before each sample", True, 0, True),
+                                               ("async + injected leak", True, leak, False)):
             with tempfile.TemporaryDirectory() as d:
-                rows[mode] = _run(state, step, saves, async_, d, leak_bytes)
+                rows[mode] = _run(state, step, saves, async_, d, leak_bytes, trim)
     finally:
         shutdown()
     copy_mib = copy / 2**20
@@ -191,25 +201,37 @@ PLAN_LAYOUTS = [
     dict(dp_shard=2, tp=2), dict(dp_replicate=2, dp_shard=2, tp=2), dict(dp_shard=32),
     dict(dp_replicate=4, dp_shard=4, tp=2), dict(dp_shard=4, checkpointing="selective"), dict(pp=2),
     dict(pp=2, pp_schedule="interleaved1f1b", stages_per_rank=2), dict(pp=2, dp_shard=4),
-    dict(pp=2, dp_replicate=2, dp_shard=2), dict(pp=4, dp_shard=8),
+    dict(pp=2, dp_replicate=2, dp_shard=2), dict(pp=4, dp_shard=8), dict(pp=2, dp_replicate=2),
+    dict(pp=2, dp_shard=2),
 ]
+GLOO_MAX_WORLD = 4  # pipeline layouts up to this many ranks also run on real gloo ranks, to count their collectives
 
 
 def planner_section(args, meta) -> None:
     from rich.progress import track
 
     from torchnitro.distributed.plan import layout_name
+    from torchnitro.distributed.pp_comm import LOSS_KEY, check_pipeline_comm
     from torchnitro.distributed.validate import check_layout_isolated
     from torchnitro.nn.models import TransformerConfig
 
     mc = TransformerConfig(**PLAN_MODEL)
     layouts = PLAN_LAYOUTS[:4] if args.quick else PLAN_LAYOUTS
     jobs = [(kw, r) for kw in layouts for r in sorted({0, ParallelConfig(**kw).world_size - 1})]
-    table = ResultTable("Planner vs measured, one rank per check on the fake process group (CPU)",
+    table = ResultTable("Planner vs measured, one rank per check on the fake process group (CPU); pipeline "
+                        "collectives counted on real gloo ranks",
                         ["layout", "ranks", "rank", "state bytes measured", "state bytes planned", "memory error",
-                         "collective bytes counted", "collective bytes planned", "worst collective error",
-                         "calls counted / planned"], meta=meta)
+                         "collectives counted on", "collective bytes counted", "collective bytes planned",
+                         "worst collective error", "calls counted / planned"], meta=meta)
     worst_mem, worst_comm, failures = 0.0, 0.0, []
+    gloo: dict[str, dict[int, object]] = {}  # pipeline layout -> rank -> RankComm
+    for kw in layouts:
+        cfg = ParallelConfig(**kw)
+        if cfg.pp > 1 and cfg.world_size <= GLOO_MAX_WORLD:
+            try:
+                gloo[layout_name(cfg)] = {r.rank: r for r in check_pipeline_comm(mc, cfg, timeout=240)}
+            except Exception as e:  # one failing layout must not take the table down
+                failures.append(f"{layout_name(cfg)} on gloo: {str(e)[-300:]}")
     for kw, rank in track(jobs, description="planner checks"):
         cfg = ParallelConfig(**kw)
         try:
@@ -218,24 +240,40 @@ def planner_section(args, meta) -> None:
             failures.append(f"{layout_name(cfg)} rank {rank}: {str(e)[-300:]}")
             continue
         worst_mem = max(worst_mem, c.memory_error)
-        pipelined = cfg.pp > 1
-        if not pipelined:
-            worst_comm = max(worst_comm, c.comm_error)
-        counted = sum(b for _, b in c.comm_counted.values())
-        planned = sum(b for _, b in c.comm_predicted.values())
-        calls = f"{sum(n for n, _ in c.comm_counted.values())} / {sum(n for n, _ in c.comm_predicted.values())}"
-        table.add(**{"layout": layout_name(cfg), "ranks": cfg.world_size, "rank": rank,
-                     "state bytes measured": c.measured.total, "state bytes planned": c.predicted.total,
-                     "memory error": f"{c.memory_error:.2%}",
-                     "collective bytes counted": "n/a (pipeline)" if pipelined else counted,
-                     "collective bytes planned": "n/a (pipeline)" if pipelined else planned,
-                     "worst collective error": "n/a" if pipelined else f"{c.comm_error:.2%}",
-                     "calls counted / planned": "n/a" if pipelined else calls})
+        row = {"layout": layout_name(cfg), "ranks": cfg.world_size, "rank": rank,
+               "state bytes measured": c.measured.total, "state bytes planned": c.predicted.total,
+               "memory error": f"{c.memory_error:.2%}"}
+        if cfg.pp == 1:
+            counted_d, planned_d, err, where = c.comm_counted, c.comm_predicted, c.comm_error, "fake"
+        elif rank in gloo.get(layout_name(cfg), {}):
+            r = gloo[layout_name(cfg)][rank]
+            counted_d = {k: v for k, v in r.counted.items() if k != LOSS_KEY}
+            planned_d, err, where = r.predicted, r.error, f"gloo, {cfg.world_size} ranks"
+        else:
+            table.add(**row, **{"collectives counted on": f"not counted (pipeline, > {GLOO_MAX_WORLD} ranks)",
+                                "collective bytes counted": "n/a", "collective bytes planned": "n/a",
+                                "worst collective error": "n/a", "calls counted / planned": "n/a"})
+            continue
+        worst_comm = max(worst_comm, err)
+        table.add(**row, **{"collectives counted on": where,
+                            "collective bytes counted": sum(b for _, b in counted_d.values()),
+                            "collective bytes planned": sum(b for _, b in planned_d.values()),
+                            "worst collective error": f"{err:.2%}",
+                            "calls counted / planned": f"{sum(n for n, _ in counted_d.values())} / "
+                                                       f"{sum(n for n, _ in planned_d.values())}"})
+    pipeline_gloo = {name: {rank: {"pp_rank": r.pp_rank, "error": r.error,
+                                   "counted": [[*k, *v] for k, v in r.counted.items()],
+                                   "predicted": [[*k, *v] for k, v in r.predicted.items()]}
+                            for rank, r in ranks.items()} for name, ranks in gloo.items()}
     table.meta.update(model=PLAN_MODEL, layouts=len(layouts), checks=len(jobs), failures=failures,
                       worst_memory_error=worst_mem, worst_collective_error=worst_comm,
-                      goal="memory within 5%, bytes per collective within 1%",
-                      note="pipeline layouts: state bytes only; their schedule's sends carry no data on the fake "
-                           "backend, so their collectives are not counted here")
+                      goal="memory within 5%, bytes per collective within 1%", pipeline_gloo=pipeline_gloo,
+                      note="layouts without pipeline stages: collectives counted on the fake backend (one rank per "
+                           "process); pipeline layouts of up to "
+                           f"{GLOO_MAX_WORLD} ranks: on real gloo ranks (pp_comm.check_pipeline_comm: one warm-up "
+                           "step, then one counted step; every rank's counts in meta pipeline_gloo), larger ones "
+                           "not counted (their sends carry no data on the fake backend). Not in the comparison: "
+                           "the 4-byte loss broadcast over pp that Pipeline.step runs for logging")
     _emit(table, "distributed_planner_quick" if args.quick else "distributed_planner")
     if not args.quick:
         _attach("distributed_planner", "distributed_memory")
