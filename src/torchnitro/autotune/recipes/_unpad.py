@@ -120,6 +120,8 @@ class PackedLayer(nn.Module):
         # that LayerNorm then emits x / s, and the residual adds x back as addcmul(y, x / s, s).
         self.res_in: Tensor | None = None
         self.res_mid: Tensor | None = None
+        # _graph_attention.GraphAttention: fused bf16 attention for a batch without padding (None: SDPA)
+        self.graph_attention = None
 
     @staticmethod
     def _plus_residual(lin: nn.Module, inp: Tensor, x: Tensor, scale: Tensor | None) -> Tensor:
@@ -171,7 +173,13 @@ class PackedLayer(nn.Module):
         return torch.cat(outs)  # (N, D)
 
     def forward(self, x: Tensor, buckets: list[_Bucket]) -> Tensor:
-        ctx = self._attend(self.qkv(x), buckets)  # x: (N, D) real tokens
+        ga = getattr(self, "graph_attention", None) if buckets[0].rows is None else None  # no padding only
+        if ga is not None and getattr(self.qkv, "takes_out_dtype", False):
+            qkv = self.qkv(x, out_dtype=torch.bfloat16)  # x: (N, D) real tokens; the fused attention reads bf16
+        else:
+            qkv = self.qkv(x)
+        o = ga(qkv, buckets[0].g, buckets[0].l) if ga is not None else None  # None: it cannot run, SDPA does
+        ctx = o.to(x.dtype) if o is not None else self._attend(qkv.to(x.dtype), buckets)
         x = self.ln1(self._plus_residual(self.out, ctx, x, self.res_in))
         return self.ln2(self._ffn_residual(x))
 

@@ -131,6 +131,34 @@ def _int8(base: nn.Module, names: list[str], scales: dict[str, Tensor], full_ran
     return q
 
 
+def _graph_attention_(ctx: BuildContext, base: nn.Module, q: nn.Module, meta: dict[str, Any]) -> str:
+    """Switch ``q``'s attention of batches without padding to the fused bf16 kernel (``_graph_attention``)
+    when it runs here, engages on a calibration set and keeps the calibration cosine at the target;
+    records the outcome in ``meta`` and returns a note."""
+    from torchnitro.autotune.recipes._graph_attention import (GraphAttention, enable_graph_attention_,
+                                                              graph_attention_reason)
+    from torchnitro.autotune.recipes.int8_mixed import (_references, calibration_cosine, int8_target,
+                                                       varied_calibration_inputs)
+
+    meta["graph_attention"] = False
+    why = graph_attention_reason()
+    if why is not None:
+        return f"attention: SDPA ({why})"
+    enable_graph_attention_(q)
+    calib, target = varied_calibration_inputs(ctx), int8_target(ctx)
+    cos = calibration_cosine(q, calib, _references(base, calib))
+    gas = [m.graph_attention for m in q.modules() if isinstance(m, PackedLayer)]
+    failed = next((g.failed for g in gas if isinstance(g, GraphAttention) and g.failed), None)
+    used = any(isinstance(g, GraphAttention) and g._graphs for g in gas)
+    if failed or not used or cos < target:
+        enable_graph_attention_(q, on=False)
+        return "attention: SDPA (fused bf16 attention " + (
+            f"failed: {failed})" if failed else "not engaged: every calibration set has padding)" if not used
+            else f"kept calibration cosine {cos:.4f} < {target:.4f})")
+    meta["graph_attention"], meta["calib_cosine"] = True, cos
+    return "attention without padding: fused bf16 (oneDNN Graph)"
+
+
 def _bf16_rest_reason() -> str | None:
     """None when the Linears an int8 plan keeps out of int8 can run in bf16 here (native bf16 oneDNN)."""
     from torchnitro.autotune.recipes.onednn_bf16 import onednn_bf16_reason
@@ -196,6 +224,10 @@ class UnpaddedBertInt8(Recipe):
     version = "5"  # 2: fused oneDNN int8 Linear; 3: encoders anywhere in the model; 4: per-token int8 (rowwise);
     # 5: SmoothQuant folded into in-place encoders too; feature-dict models calibrated on varied lengths against
     # copied references; the Linears the plan keeps out of int8 in bf16 where the CPU has it
+    # fused bf16 attention (oneDNN Graph) for batches without padding: off. 1.34x less CPU time than SDPA alone
+    # at all-MiniLM-L6-v2's shapes, but the whole int8 variant took 7% more CPU time with it (one loaded run:
+    # results/encoder_full_length.md); an artifact that recorded it on still loads it on
+    graph_attention = False
 
     def unavailable_reason(self, hw: Any) -> str | None:
         return int8_unavailable_reason()
@@ -212,6 +244,8 @@ class UnpaddedBertInt8(Recipe):
             ctx, base, lambda plan, e, k="fp32": _int8(base, plan["int8"], plan["scales"], plan["full_range"], e,
                                                        plan["outliers"], k == "bf16"), kept)
         rest = meta["bf16_rest"] = meta["kept"] == "bf16"
+        meta["graph_attention"] = False
+        attention = _graph_attention_(ctx, base, q, meta) if self.graph_attention else "attention: SDPA"
         n_out = sum(len(v) for v in meta["outliers"].values())
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
                      notes=f"{len(meta['int8'])}/{len(linear_names(base))} Linear int8 ({engine}), "
@@ -219,13 +253,18 @@ class UnpaddedBertInt8(Recipe):
                            f"{', '.join(meta['fp32']) or 'none'}; "
                            + (f"{n_out} outlier input channels in fp32 in {len(meta['outliers'])} Linears; "
                               if n_out else "")
-                           + f"calibration cosine {meta['calib_cosine']:.4f}")
+                           + f"{attention}; calibration cosine {meta['calib_cosine']:.4f}")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
+        from torchnitro.autotune.recipes._graph_attention import enable_graph_attention_, graph_attention_reason
+
         base = unpad_model(copy.deepcopy(self.require_model(model)).eval())
-        return _int8(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"), load_full_range(meta),
-                     load_engine(meta, self.name), load_outliers(meta),
-                     bool(meta.get("bf16_rest")) and _bf16_rest_reason() is None)
+        q = _int8(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"), load_full_range(meta),
+                  load_engine(meta, self.name), load_outliers(meta),
+                  bool(meta.get("bf16_rest")) and _bf16_rest_reason() is None)
+        if meta.get("graph_attention") and graph_attention_reason() is None:
+            enable_graph_attention_(q)
+        return q
 
 
 @register_recipe

@@ -153,6 +153,8 @@ class OneDnnInt8Linear(SharesPackedWeight, Int8LinearBase):
     symmetric) and uint8 activations (per tensor, asymmetric, range taken from each call's input),
     smoothed by ``scale`` per input channel (SmoothQuant: the weights carry ``W * s``)."""
 
+    takes_out_dtype = True  # forward(..., out_dtype=) overrides out_dtype for one call
+
     def __init__(self, lin: nn.Linear, scale: Tensor | None = None, outliers: Tensor | None = None):
         super().__init__(lin, scale, outliers)
         # opaque oneDNN layout: not a buffer (see __deepcopy__)
@@ -167,8 +169,11 @@ class OneDnnInt8Linear(SharesPackedWeight, Int8LinearBase):
         zp = int(min(255, max(0, round(-lo_f / scale))))
         return _uint8_view(quiet_quantize(torch.quantize_per_tensor, x, scale, zp, torch.quint8)), scale, zp
 
-    def forward(self, x: Tensor, *, gelu: bool = False, add: Tensor | None = None) -> Tensor:
-        """``W x + b``, then ``gelu`` (exact erf) or ``+ add`` (a (N, out) residual) in the GEMM epilogue."""
+    def forward(self, x: Tensor, *, gelu: bool = False, add: Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> Tensor:
+        """``W x + b``, then ``gelu`` (exact erf) or ``+ add`` (a (N, out) residual) in the GEMM epilogue;
+        written as ``out_dtype`` (default ``self.out_dtype``)."""
+        want = self.out_dtype if out_dtype is None else out_dtype
         lead = x.shape[:-1]
         x2, part = self._prepared(self._rows(x, gelu, add))
         qx, sx, zx = self._quantize(x2)
@@ -184,6 +189,6 @@ class OneDnnInt8Linear(SharesPackedWeight, Int8LinearBase):
             torch._C._nn.gelu_(y.add_(part))
         else:  # the GEMM writes out_dtype itself: a bf16 consumer needs no conversion pass
             y = torch.ops.onednn.qlinear_pointwise(qx, sx, zx, self.packed, self.w_scale, self.w_zp, self.bias, 1.0,
-                                                   0, self.out_dtype, "gelu" if gelu else "none", [], "none")
-        y = y if y.dtype == self.out_dtype else y.to(self.out_dtype)
+                                                   0, want, "gelu" if gelu else "none", [], "none")
+        y = y if y.dtype == want else y.to(want)
         return y if len(lead) == 1 else y.reshape(*lead, self.out_features)
