@@ -504,9 +504,13 @@ def goal_rows(minilm: list[dict], peer: list[dict], parity: list[dict] = ()) -> 
             continue
         best = max(ok, key=lambda r: r["speedup"])
         ratio = chosen["speedup"] / best["speedup"]
+        recipe = str(chosen["variant"]).partition("(")[2].rstrip(")")
+        own = recipe not in OPENVINO  # a chosen OpenVINO variant is the peer itself: not ahead of it by construction
         rows.append({"goal": f"ahead of the peer (best OpenVINO at {label} >= 0.99)", "target": ">= 1.1x",
                      "measured": f"{ratio:.2f}x ({chosen['speedup']:.2f}x vs {best['variant']} "
-                                 f"{best['speedup']:.2f}x)", "met": ratio >= 1.1})
+                                 f"{best['speedup']:.2f}x)" + ("" if own else f"; the chosen variant is {recipe}, "
+                                 "OpenVINO itself, so no own path is ahead (our best own path: the candidates "
+                                 "table)"), "met": own and ratio >= 1.1})
     return rows
 
 
