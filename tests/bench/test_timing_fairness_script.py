@@ -19,11 +19,15 @@ def test_timing_fairness_quick_writes_both_tables(tmp_path, monkeypatch):
     spec.loader.exec_module(tf)
     monkeypatch.setattr(tf, "QUICK_WORKLOADS", {"mlp": ("mlp", 2, 0)})
     monkeypatch.setattr(tf, "FAMILIES", {"torchscript": "torchscript"})
-    assert tf.main(["--quick", "--out", str(tmp_path)]) == 0
+    assert tf.main(["--quick", "--repeat", "2", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "timing_fairness_quick.json").read_text())
     rows = data["variants"]["rows"]
     assert [r["variant"] for r in rows] == ["eager", "torchscript"]
     assert all(r["p50 in comparison ms"] > 0 and r["p50 alone ms"] > 0 for r in rows)
+    # the alone side: two independent sets of fresh processes, p50 alone their median (of two: the mean)
+    for r in rows:
+        per = [float(x) for x in r["alone per process ms"].split("/")]
+        assert len(per) == 2 and abs(r["p50 alone ms"] - sum(per) / 2) < 0.01 * max(per), r
     assert [r["timed in comparison"].split(",")[0] for r in rows] == ["own process", "own process"]  # eager too
     # the alone side times the artifact the optimizer saved, as torchnitro.load runs it (not a rebuild)
     assert [r["alone"] for r in rows] == ["built-in rebuilt from its factory", "artifact (torchnitro.load)"]
