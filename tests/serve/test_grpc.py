@@ -11,6 +11,8 @@ import torch
 
 grpc = pytest.importorskip("grpc")
 httpx = pytest.importorskip("httpx")
+pytest.importorskip("starlette")  # the HTTP side the gRPC front-end runs beside
+pytest.importorskip("uvicorn")
 
 from torchnitro.errors import ConfigError  # noqa: E402
 from torchnitro.serve.batcher import BatchingConfig  # noqa: E402

@@ -111,7 +111,7 @@ def linear_gelu_backward(dy: Tensor, x2: Tensor, weight: Tensor, z: Tensor, appr
     dz = gelu_backward(dy, z, approximate)  # (M, N)
     dx = dz @ weight
     dw = dz.t() @ x2
-    db = dz.sum(0, dtype=torch.float32).to(weight.dtype) if need_bias else None
+    db = dz.sum(0) if need_bias else None  # accumulates in fp32 inside, like eager addmm backward: no fp32 (N,) buffer
     return dx, dw, db
 
 
@@ -180,7 +180,7 @@ class LinearGeluFunction(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = (dz @ weight).view(ctx.x_shape) if need_x else None
         dw = dz.t() @ x2 if need_w else None
-        db = dz.sum(0, dtype=torch.float32).to(bias.dtype) if need_b else None
+        db = dz.sum(0) if need_b else None  # fp32 accumulation inside the reduction, as eager; no fp32 copy
         return dx, dw, db, None
 
 
