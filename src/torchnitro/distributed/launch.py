@@ -26,12 +26,13 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 
 from torchnitro.errors import InputError
 
-__all__ = ["LaunchConfig", "torchrun_args", "launch", "launch_env", "free_port"]
+__all__ = ["LaunchConfig", "torchrun_args", "launch", "launch_env", "free_port", "RankRun", "run_local_ranks"]
 
 _PYTHONS = ("python", "python3", os.path.basename(sys.executable))
 
@@ -62,6 +63,54 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@dataclass
+class RankRun:
+    """What the ranks of one ``run_local_ranks`` call left, in rank order."""
+
+    returncodes: list[int]  # each rank's exit code (negative: killed by that signal)
+    outputs: list[str]  # each rank's stdout and stderr together
+    timed_out: bool  # the deadline passed and every rank was killed
+
+    @property
+    def failed(self) -> bool:
+        return self.timed_out or any(rc != 0 for rc in self.returncodes)
+
+    def log(self, tail: int) -> str:
+        """Each rank's exit code and the last ``tail`` characters of its output, for an error message."""
+        return "\n".join(f"--- rank {r} (rc={rc}) ---\n{out[-tail:]}"
+                         for r, (rc, out) in enumerate(zip(self.returncodes, self.outputs)))
+
+
+def run_local_ranks(argv: list[str], world: int, timeout: float) -> RankRun:
+    """Run ``argv`` as ``world`` ranks on this machine, the way torchrun starts them, and wait for all of them.
+
+    Every rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE and an env:// rendezvous on 127.0.0.1 at a free
+    port, one OpenMP thread and no GPU (gloo on CPU). The group shares one deadline of ``timeout`` seconds; when it
+    passes, every rank is killed. A failed or killed rank does not raise: the caller reads ``RankRun``.
+    """
+    if world < 1:
+        raise InputError(f"run_local_ranks: received world={world}, expected the number of ranks (>= 1).")
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                   LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+        procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    deadline = time.monotonic() + timeout
+    outs, timed_out = [], False
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for q in procs:
+                q.kill()
+            out, _ = p.communicate()
+        outs.append(out)
+    return RankRun([p.returncode for p in procs], outs, timed_out)
 
 
 def torchrun_args(cfg: LaunchConfig, command: list[str]) -> list[str]:

@@ -13,10 +13,7 @@ scalar, for logging) is counted but is not part of the planner's model; it is re
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 
@@ -101,36 +98,17 @@ def check_pipeline_comm(model_config, cfg: ParallelConfig, *, seq: int = 16, tim
     Raises ``RuntimeError`` with every rank's output tail when a rank fails or the deadline passes (every rank
     is then killed).
     """
-    from torchnitro.distributed.launch import free_port
+    from torchnitro.distributed.launch import run_local_ranks
 
     if cfg.pp < 2:
         raise ValueError(f"check_pipeline_comm: received pp={cfg.pp}, expected a pipeline layout (pp >= 2); "
                          "validate.check_layout counts the other layouts on the fake process group.")
     arg = json.dumps({"model": asdict(model_config), "cfg": asdict(cfg), "seq": seq})
-    port = free_port()
-    procs = []
-    for rank in range(cfg.world_size):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(cfg.world_size),
-                   LOCAL_WORLD_SIZE=str(cfg.world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-        procs.append(subprocess.Popen([sys.executable, "-m", "torchnitro.distributed.pp_comm", arg], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    deadline = time.monotonic() + timeout
-    outs, timed_out = [], False
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            for q in procs:
-                q.kill()
-            out, _ = p.communicate()
-        outs.append(out)
-    lines = [[ln for ln in o.splitlines() if ln.startswith("{")] for o in outs]
-    if timed_out or any(p.returncode for p in procs) or not all(lines):
-        log = "\n".join(f"--- rank {r} (rc={p.returncode}) ---\n{o[-2000:]}" for r, (p, o) in enumerate(zip(procs, outs)))
-        why = f"timed out after {timeout:.0f} s" if timed_out else "failed"
-        raise RuntimeError(f"check_pipeline_comm of {cfg} on {cfg.world_size} gloo ranks {why}:\n{log}")
+    run = run_local_ranks([sys.executable, "-m", "torchnitro.distributed.pp_comm", arg], cfg.world_size, timeout)
+    lines = [[ln for ln in o.splitlines() if ln.startswith("{")] for o in run.outputs]
+    if run.failed or not all(lines):
+        why = f"timed out after {timeout:.0f} s" if run.timed_out else "failed"
+        raise RuntimeError(f"check_pipeline_comm of {cfg} on {cfg.world_size} gloo ranks {why}:\n{run.log(2000)}")
     return [_from_json(json.loads(ls[-1])) for ls in lines]
 
 
