@@ -11,8 +11,9 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -61,6 +62,17 @@ def _end(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+@contextmanager
+def _busy_sibling(flag: Path) -> Iterator[subprocess.Popen]:
+    """A child of this process that burns CPU until ``flag`` exists; yields once it runs, ends it on exit."""
+    busy = _spawn(_BUSY_UNTIL_FILE, str(flag))
+    try:
+        assert busy.stdout.readline().strip() == "busy"
+        yield busy
+    finally:
+        _end(busy)
+
+
 def test_cpu_reading_of_a_process_sums_its_threads_and_reads_what_it_burnt():
     proc = _spawn(_BURN_UNTIL, "0.3")
     try:
@@ -104,10 +116,8 @@ def test_descendants_lists_children_and_grandchildren():
 
 def test_gate_waits_while_a_sibling_burns_cpu_and_samples_once_it_stops(tmp_path):
     flag = tmp_path / "stop"
-    busy = _spawn(_BUSY_UNTIL_FILE, str(flag))
     events: list[str] = []
-    try:
-        assert busy.stdout.readline().strip() == "busy"
+    with _busy_sibling(flag):
 
         def release() -> None:
             time.sleep(0.5)  # the gate polls meanwhile; it must not sample before this
@@ -119,22 +129,16 @@ def test_gate_waits_while_a_sibling_burns_cpu_and_samples_once_it_stops(tmp_path
         th.start()
         value = gate.sample(os.getpid(), lambda: events.append("sample") or 1e-3)
         th.join()
-    finally:
-        _end(busy)
     assert events == ["released", "sample"] and value == 1e-3
     assert gate.stats.samples == 1 and gate.stats.capped == 0 and gate.stats.waited_s > 0
 
 
 def test_gate_takes_the_sample_after_its_cap_and_marks_it(tmp_path):
-    busy = _spawn(_BUSY_UNTIL_FILE, str(tmp_path / "never"))
-    try:
-        assert busy.stdout.readline().strip() == "busy"
+    with _busy_sibling(tmp_path / "never") as busy:
         gate = quiet.Gate(quiet.GateConfig(window_s=0.05, cap_s=0.2, machine=False, retakes=0))
         assert gate.sample(os.getpid(), lambda: 2e-3) == 2e-3
         with quiet.ignore(busy.pid):  # a deliberate competitor is not ours: no wait
             gate.sample(os.getpid(), lambda: 2e-3)
-    finally:
-        _end(busy)
     assert gate.stats.samples == 2 and gate.stats.capped == 1
 
 
@@ -183,16 +187,12 @@ def test_retakes_are_bounded_and_the_last_sample_is_kept_marked():
 
 
 def test_a_sibling_busy_throughout_costs_two_capped_samples_then_one_window_each(tmp_path):
-    busy = _spawn(_BUSY_UNTIL_FILE, str(tmp_path / "never"))
     polls: list[int] = []
-    try:
-        assert busy.stdout.readline().strip() == "busy"
+    with _busy_sibling(tmp_path / "never"):
         gate = quiet.Gate(quiet.GateConfig(window_s=0.02, cap_s=0.2, retakes=0, machine=False))
         for _ in range(5):
             gate.sample(os.getpid(), lambda: 1e-3)
             polls.append(gate.stats.readings[-1].polls)
-    finally:
-        _end(busy)
     assert gate.stats.samples == 5 and gate.stats.capped == 5
     assert min(polls[:2]) > 1 and polls[2:] == [1, 1, 1]  # after two capped samples: one window each
 
@@ -240,15 +240,11 @@ def test_child_samples_wait_for_a_sibling_child_that_spins_after_its_own(tmp_pat
 
 def test_steady_gates_work_timed_in_this_process_against_the_children(tmp_path):
     flag = tmp_path / "stop"
-    busy = _spawn(_BUSY_UNTIL_FILE, str(flag))
     events: list[str] = []
-    try:
-        assert busy.stdout.readline().strip() == "busy"
+    with _busy_sibling(flag):
         threading.Timer(0.5, lambda: (events.append("released"), flag.touch())).start()
         here = fair.Steady(lambda: events.append("call"), gate=_SLOW)
         here(2)
-    finally:
-        _end(busy)
     assert events == ["released", "call", "call", "call"]  # one untimed call, then the sample's two
     assert here.gate.stats.samples == 1
 
@@ -284,18 +280,17 @@ def test_reading_a_process_that_is_gone_is_zero():
 
 
 def test_runnable_threads_sees_a_busy_process_and_not_a_blocked_one(tmp_path):
-    busy = _spawn(_BUSY_UNTIL_FILE, str(tmp_path / "never"))
-    blocked = _spawn("import sys; print('up', flush=True); sys.stdin.readline()")
-    try:
-        assert busy.stdout.readline().strip() == "busy" and blocked.stdout.readline().strip() == "up"
-        assert quiet.runnable_threads(busy.pid) >= 1  # running or waiting for a CPU: state R either way
-        deadline = time.monotonic() + 30  # the blocked one settles into its read
-        while quiet.runnable_threads(blocked.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert quiet.runnable_threads(blocked.pid) == 0
-    finally:
-        _end(busy)
-        _end(blocked)
+    with _busy_sibling(tmp_path / "never") as busy:
+        blocked = _spawn("import sys; print('up', flush=True); sys.stdin.readline()")
+        try:
+            assert blocked.stdout.readline().strip() == "up"
+            assert quiet.runnable_threads(busy.pid) >= 1  # running or waiting for a CPU: state R either way
+            deadline = time.monotonic() + 30  # the blocked one settles into its read
+            while quiet.runnable_threads(blocked.pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert quiet.runnable_threads(blocked.pid) == 0
+        finally:
+            _end(blocked)
 
 
 def test_a_busy_machine_stops_retakes_but_never_the_wait_for_our_siblings(tmp_path, monkeypatch):
@@ -306,13 +301,9 @@ def test_a_busy_machine_stops_retakes_but_never_the_wait_for_our_siblings(tmp_pa
         gate.sample(os.getpid(), lambda: 1e-3)
     assert gate.stats.retaken == 2 and gate.stats.kept_foreign == 2
     flag = tmp_path / "stop"
-    busy = _spawn(_BUSY_UNTIL_FILE, str(flag))
     events: list[str] = []
-    try:
-        assert busy.stdout.readline().strip() == "busy"
+    with _busy_sibling(flag):
         threading.Timer(0.5, lambda: (events.append("released"), flag.touch())).start()
         gate.sample(os.getpid(), lambda: events.append("sample") or 1e-3)
-    finally:
-        _end(busy)
     assert events == ["released", "sample"]  # still waited for the busy sibling
     assert gate.stats.retaken == 2 and gate.stats.kept_foreign == 3  # but not retaken into the machine's load
