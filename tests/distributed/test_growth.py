@@ -39,6 +39,15 @@ def test_synthetic_rss_noise(leak):
         assert not g.grows and g.rules_out(16 * MiB)
 
 
+def _assert_leak_seen_or_ruled_out(samples: list[float], *, warmup: int, leak: int) -> None:
+    """With a leak of ``leak`` bytes per sample, the fitted slope shows it; without, a 1 MiB leak is ruled out."""
+    g = fit_growth(samples, warmup=warmup)
+    if leak:  # the leaked buffer plus its tensor's and the list's few hundred bytes (and DCP's ~17 KiB/save)
+        assert g.grows and g.slope == pytest.approx(leak, rel=0.05)
+    else:
+        assert g.rules_out(MiB)
+
+
 def _cycle(keep: list, leak_bytes: int) -> None:
     tmp = torch.ones(2 * MiB // 4)  # freed every cycle: churn the allocator the way a staged copy does
     if leak_bytes:
@@ -55,11 +64,7 @@ def test_real_allocations_malloc_in_use(leak):
     for _ in range(20):
         _cycle(keep, leak)
         samples.append(memory_sample()["malloc_in_use"])
-    g = fit_growth(samples, warmup=3)
-    if leak:  # the leaked buffer plus its tensor's and the list's few hundred bytes (and DCP's ~17 KiB/save)
-        assert g.grows and g.slope == pytest.approx(leak, rel=0.05)
-    else:
-        assert g.rules_out(MiB)
+    _assert_leak_seen_or_ruled_out(samples, warmup=3, leak=leak)
 
 
 @pytest.fixture
@@ -97,8 +102,4 @@ def test_async_saves_with_an_injected_leak(world_one, tmp_path, leak):
             keep.append(torch.ones(leak // 4))
     pending.wait()
     samples.append(memory_sample()["malloc_in_use"])
-    g = fit_growth(samples, warmup=4)
-    if leak:  # the leaked buffer plus its tensor's and the list's few hundred bytes (and DCP's ~17 KiB/save)
-        assert g.grows and g.slope == pytest.approx(leak, rel=0.05)
-    else:
-        assert g.rules_out(MiB)
+    _assert_leak_seen_or_ruled_out(samples, warmup=4, leak=leak)
