@@ -31,13 +31,14 @@ dp_shard, tp``).
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from torchnitro.distributed.config import MESH_DIMS, ParallelConfig
 from torchnitro.errors import InputError
 
-__all__ = ["Link", "Cluster", "Collective", "collectives", "collective_time", "link_of", "fsdp_groups",
-           "DTYPE_BYTES", "padded_elements"]
+__all__ = ["Link", "Cluster", "Collective", "collectives", "collective_totals", "collective_time", "link_of",
+           "fsdp_groups", "DTYPE_BYTES", "padded_elements"]
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _FIRST_BUCKET = 1024 * 1024  # DDP's first gradient bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
@@ -203,3 +204,14 @@ def collectives(model_config, cfg: ParallelConfig, *, batch: int, seq: int, dtyp
                 model_config.vocab_size * model_config.dim
             out.append(Collective("all_reduce", "pp", 2, shard * 4, 1, "backward", "tied embedding/head gradient"))
     return out
+
+
+def collective_totals(model_config, cfg: ParallelConfig, *, batch: int, seq: int, dtype: str = "fp32",
+                      pp_rank: int = 0) -> dict[tuple[str, str], tuple[int, int]]:
+    """{(kind, mesh dim): (calls, bytes)} of ``collectives(...)``, the form ``CommCounter.by_dim`` counts a step in."""
+    calls: Counter = Counter()
+    nbytes: Counter = Counter()
+    for c in collectives(model_config, cfg, batch=batch, seq=seq, dtype=dtype, pp_rank=pp_rank):
+        calls[(c.kind, c.dim)] += c.count
+        nbytes[(c.kind, c.dim)] += c.bytes * c.count
+    return {k: (calls[k], nbytes[k]) for k in nbytes}

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["CommCounter"]
+__all__ = ["CommCounter", "group_dims"]
 
 
 class CommCounter(CommDebugMode):
@@ -74,6 +74,23 @@ class CommCounter(CommDebugMode):
     def totals(self) -> dict[tuple[str, str], tuple[int, int]]:
         """{(kind, group name): (calls, bytes)}."""
         return {k: (self.calls[k], self.bytes[k]) for k in self.calls}
+
+    def by_dim(self, dims: dict[str, str]) -> dict[tuple[str, str], tuple[int, int]]:
+        """{(kind, mesh dim): (calls, bytes)}: ``totals()`` with each group name read through ``dims`` (group name
+        -> mesh dim, e.g. ``group_dims(mesh)``; a group not in it keeps its name). ``comm.collective_totals`` gives
+        the planner's side in the same form."""
+        calls: Counter = Counter()
+        nbytes: Counter = Counter()
+        for (kind, group), (n, size) in self.totals().items():
+            key = (kind, dims.get(group, group))
+            calls[key] += n
+            nbytes[key] += size
+        return {k: (calls[k], nbytes[k]) for k in calls}
+
+
+def group_dims(mesh) -> dict[str, str]:
+    """{process group name: mesh dim name} of a ``DeviceMesh``, for ``CommCounter.by_dim``."""
+    return {mesh[d].get_group().group_name: d for d in mesh.mesh_dim_names or ()}
 
 
 def _tensors(x) -> list[torch.Tensor]:

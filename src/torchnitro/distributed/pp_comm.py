@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from dataclasses import asdict, dataclass
 
 from torchnitro.distributed.config import ParallelConfig
@@ -49,8 +48,8 @@ def _count(model_config, cfg: ParallelConfig, seq: int) -> RankComm:
     import torch.distributed as dist
 
     from torchnitro import distributed as D
-    from torchnitro.distributed.comm import collectives
-    from torchnitro.distributed.counter import CommCounter
+    from torchnitro.distributed.comm import collective_totals
+    from torchnitro.distributed.counter import CommCounter, group_dims
     from torchnitro.nn.models import TransformerLM
 
     mesh = D.init(cfg)
@@ -64,7 +63,7 @@ def _count(model_config, cfg: ParallelConfig, seq: int) -> RankComm:
         gen = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, model_config.vocab_size, (b, seq), generator=gen)
         targets = torch.randint(0, model_config.vocab_size, (b, seq), generator=gen)
-        names = {mesh[d].get_group().group_name: d for d in mesh.mesh_dim_names or ()}
+        names = group_dims(mesh)
         if pipe.tied_group is not None:
             names[pipe.tied_group.group_name] = "pp"  # the planner books the tied weight's sum on the pp dim
         for p in pipe.model.parameters():
@@ -74,20 +73,9 @@ def _count(model_config, cfg: ParallelConfig, seq: int) -> RankComm:
             p.grad = None
         with CommCounter(track_modules=False) as counter:
             pipe.step(tokens, targets)
-        calls: Counter = Counter()
-        nbytes: Counter = Counter()
-        for (kind, group), (n, size) in counter.totals().items():
-            key = (kind, names.get(group, group))
-            calls[key] += n
-            nbytes[key] += size
         pp_rank = mesh.get_local_rank("pp")
-        pred_n: Counter = Counter()
-        pred_b: Counter = Counter()
-        for c in collectives(model_config, cfg, batch=batch, seq=seq, pp_rank=pp_rank):
-            pred_n[(c.kind, c.dim)] += c.count
-            pred_b[(c.kind, c.dim)] += c.bytes * c.count
-        return RankComm(dist.get_rank(), pp_rank, {k: (calls[k], nbytes[k]) for k in calls},
-                        {k: (pred_n[k], pred_b[k]) for k in pred_b})
+        return RankComm(dist.get_rank(), pp_rank, counter.by_dim(names),
+                        collective_totals(model_config, cfg, batch=batch, seq=seq, pp_rank=pp_rank))
     finally:
         D.shutdown()
 

@@ -21,7 +21,6 @@ handed the first group's process-group names. ``check_layout_isolated`` runs eac
 
 from __future__ import annotations
 
-from collections import Counter
 import json
 import subprocess
 import sys
@@ -31,8 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from torchnitro.distributed.comm import collectives
-from torchnitro.distributed.counter import CommCounter
+from torchnitro.distributed.comm import collective_totals
+from torchnitro.distributed.counter import CommCounter, group_dims
 from torchnitro.distributed.config import ParallelConfig
 from torchnitro.distributed.planner import RankState, rank_state_bytes
 
@@ -82,13 +81,6 @@ def storage_bytes(tensors) -> int:
         st = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
-
-
-def _dims_of_groups(mesh) -> dict[str, str]:
-    names = {}
-    for d in mesh.mesh_dim_names or ():
-        names[mesh[d].get_group().group_name] = d
-    return names
 
 
 def _record_ddp(model, group) -> None:
@@ -158,20 +150,8 @@ def check_layout(model_config, cfg: ParallelConfig, *, rank: int = 0, batch: int
         predicted = rank_state_bytes(model_config, cfg, dp_shard_index=shard_index, pp_rank=pp_rank)
         check = LayoutCheck(cfg, rank, measured, predicted, placements=_placements(owner))
         if cfg.pp == 1:
-            dims = _dims_of_groups(mesh)
-            counted: Counter = Counter()
-            calls: Counter = Counter()
-            for (kind, group), (n, nbytes) in counter.totals().items():
-                key = (kind, dims.get(group, group))
-                counted[key] += nbytes
-                calls[key] += n
-            check.comm_counted = {k: (calls[k], counted[k]) for k in counted}
-            pred_b: Counter = Counter()
-            pred_n: Counter = Counter()
-            for c in collectives(model_config, cfg, batch=batch, seq=seq):
-                pred_b[(c.kind, c.dim)] += c.bytes * c.count
-                pred_n[(c.kind, c.dim)] += c.count
-            check.comm_predicted = {k: (pred_n[k], pred_b[k]) for k in pred_b}
+            check.comm_counted = counter.by_dim(group_dims(mesh))
+            check.comm_predicted = collective_totals(model_config, cfg, batch=batch, seq=seq)
         return check
     finally:
         dist.destroy_process_group()
