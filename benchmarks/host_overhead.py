@@ -43,10 +43,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import math
 import os
 import pstats
-import statistics
 import sys
 import time
 from collections import Counter
@@ -61,7 +59,7 @@ torch.set_num_threads(1)  # small ATen ops stand for CUDA launches: no intra-op 
 
 from torchnitro.bench import ResultTable  # noqa: E402
 from torchnitro.bench.provenance import provenance  # noqa: E402
-from torchnitro.bench.timing import percentile  # noqa: E402
+from torchnitro.bench.timing import Timing  # noqa: E402
 
 ROWS = 16  # rows (norms) and positions (RoPE): the host path is the same for 4096 of them
 _LAUNCHES = Counter()
@@ -171,32 +169,9 @@ def phases(fn: Callable[..., Any], inputs: list[torch.Tensor]) -> dict[str, Call
     return {"fwd": lambda: fn(*inputs), "bwd": bwd, "fwd+bwd": fwdbwd}
 
 
-class CpuTiming:
-    """Per-call thread CPU times (seconds), one per sample."""
-
-    def __init__(self, samples: list[float]):
-        self.samples = samples
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.samples)
-
-    @property
-    def min(self) -> float:
-        return min(self.samples)
-
-    @property
-    def p90(self) -> float:
-        return percentile(self.samples, 90)
-
-    @property
-    def cv(self) -> float:
-        m = statistics.fmean(self.samples)
-        return statistics.pstdev(self.samples) / m if m > 0 else math.inf
-
-
-def cpu_compare(fns: dict[str, Callable[[], Any]], rounds: int, calls: int, warmup: int = 50) -> dict[str, CpuTiming]:
-    """Thread CPU time per call of each function, ``rounds`` samples of ``calls`` calls, interleaved."""
+def cpu_compare(fns: dict[str, Callable[[], Any]], rounds: int, calls: int, warmup: int = 50) -> dict[str, Timing]:
+    """Thread CPU time per call of each function, ``rounds`` samples of ``calls`` calls, interleaved (``Timing``'s
+    statistics over CPU seconds per call)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -209,7 +184,7 @@ def cpu_compare(fns: dict[str, Callable[[], Any]], rounds: int, calls: int, warm
             for _ in range(calls):
                 fn()
             samples[n].append((time.thread_time_ns() - t0) / 1e9 / calls)
-    return {n: CpuTiming(v) for n, v in samples.items()}
+    return {n: Timing(v) for n, v in samples.items()}
 
 
 def count(call: Callable[[], Any]) -> tuple[int, int, int, str]:
