@@ -135,8 +135,9 @@ class InferPath:
         self._limit = cfg.max_body_bytes
         self._body_timeout = cfg.body_timeout_s
         self._retry = [(b"retry-after", str(cfg.retry_after_s).encode())]
-        self._counters: dict[tuple[str, int], Any] = {}  # (model, status) -> prometheus child
-        self._latency: dict[str, Any] = {}
+        # per-request metrics as tallies (metrics.Tally: no lock per request), added on each render
+        self._counters: dict[tuple[str, int], Any] = {}  # (model, status) -> requests_total tally
+        self._latency: dict[str, Any] = {}  # model -> request_seconds tally
         self._binary = BinaryParser()  # binary-extension headers seen before: parsed and checked once
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -152,8 +153,9 @@ class InferPath:
     def _count(self, model: str, status: int) -> None:
         c = self._counters.get((model, status))
         if c is None:
-            c = self._counters[(model, status)] = self.server.metrics.requests.labels(model, str(status))
-        c.inc()
+            m = self.server.metrics
+            c = self._counters[(model, status)] = m.tally(m.requests.labels(model, str(status)), counter=True)
+        c.total += 1
 
     async def _infer(self, name: str, scope: Scope, receive: Receive, send: Send) -> None:
         t0 = time.monotonic()
@@ -167,7 +169,7 @@ class InferPath:
         if status == 200:
             h = self._latency.get(model)
             if h is None:
-                h = self._latency[model] = self.server.metrics.latency.labels(model)
+                h = self._latency[model] = self.server.metrics.tally(self.server.metrics.latency.labels(model))
             h.observe(time.monotonic() - t0)
         ctype = _BINARY if headers and headers[0][0] == _HEADER_LENGTH else _JSON
         await send({"type": "http.response.start", "status": status,
