@@ -240,5 +240,8 @@ def test_planner_matches_tracker_on_cuda(dtype, policy):
     with track(model, opt) as t:
         step()
     p = plan(c, batch=3, seq=200, dtype=dtype, checkpointing=policy, foreach=True, device="cuda")
-    # 10%, not PEAK_TOL: this grid has not been rerun on a GPU since the bound was tightened
-    assert abs(p.peak_bytes / t.report().peak.bytes - 1) < 0.10, p.table()
+    # fp32 without checkpointing is this config's H200_PEAKS_MIB row (56.61 MiB, the tracker on an H200):
+    # PEAK_TOL. The other seven cases keep 10% until a GPU run records their errors (the 27 Nov H200 run,
+    # results/gpu_tests_nvidia_h200.md, passed them at 10% without printing the error).
+    tol = PEAK_TOL if (dtype, policy) == ("fp32", "none") else 0.10
+    assert abs(p.peak_bytes / t.report().peak.bytes - 1) < tol, p.table()
