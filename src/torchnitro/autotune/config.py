@@ -71,6 +71,7 @@ class OptimizeConfig:
     final_min_iters: int = 10  # samples per finalist in the interleaved comparison
     final_min_time_s: float = 1.0  # measured seconds per finalist in the interleaved comparison
     final_alone: bool = True  # CPU: time eager and each finalist alone in its own fresh process, as deployed
+    eager_processes: int = 3  # CPU: eager's p50 = median over this many fresh timing processes (one = one draw)
     tune_allocator: bool = True  # CPU: try glibc's allocator setting on the chosen variant; keep it when it helps
     progress: bool = True  # rich progress display while searching (on a terminal)
     seed: int = 1234  # base seed of the held-out inputs
@@ -87,6 +88,10 @@ class OptimizeConfig:
             raise ConfigError(
                 f"budget_s={self.budget_s}, candidate_timeout_s={self.candidate_timeout_s}: expected positive "
                 "seconds; raise them or remove the keys for the defaults")
+        if isinstance(self.eager_processes, bool) or not isinstance(self.eager_processes, int) \
+                or self.eager_processes < 1:
+            raise ConfigError(f"eager_processes: received {self.eager_processes!r}, expected an integer >= 1 "
+                              "(1: eager timed in one process, as before)")
         if self.held_out < 1:
             raise ConfigError(f"held_out: received {self.held_out}, expected >= 1 (verification needs inputs)")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -127,4 +132,5 @@ class OptimizeConfig:
             "min_speedup": self.min_speedup, "threads": self.threads, "finalists": self.finalists,
             "padding_mask": self.padding_mask, "compare_padding": self.compare_padding, "classifier": self.classifier,
             "final_alone": self.final_alone, "tune_allocator": self.tune_allocator,
+            "eager_processes": self.eager_processes,
         }

@@ -23,11 +23,15 @@
   Every sample, in a child or in this process, is gated (``bench.quiet``): it starts once the other timing
   processes are idle (a torch-based child's libgomp team spins ~3 ms after its own sample, its deployed
   default) and is retaken when foreign CPU ran beside it; the report's "timing gate" note has the counts.
+- Eager timed alone runs in ``OptimizeConfig.eager_processes`` fresh processes, every one in every round;
+  its p50 for every speedup is the median of the per-process p50s (``autotune.fair_eager``: why every
+  process in every round, and how the bootstrap pairs rounds then).
 - Eager's p50 inside the comparison must match eager alone within ``max(5%, 2 x eager's cv)``, at most
   25% (``check_eager``); otherwise eager alone and the comparison are both measured again after ``SETTLE_S``
   (the machine may have changed between them) and the report says so. Eager alone is a short solo run of
-  eager's own timing process just before the comparison (or, for eager timed in this process, its
-  search-time p50), sampled like the comparison (``Steady``).
+  eager's own timing processes just before the comparison (nothing else timed; with several, the median of
+  their p50s, as inside), or, for eager timed in this process, its search-time p50; sampled like the
+  comparison (``Steady``).
 - The chosen variant is timed once more in a fresh process under glibc's ``ALLOCATOR_SETTING``
   (``tune_allocator``); the setting goes into the artifact's meta (``environment``) when it made that
   variant faster by more than the noise, and ``torchnitro.load`` / ``serve`` apply it
@@ -46,6 +50,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from torchnitro.autotune.fair_eager import EagerBaseline
 from torchnitro.autotune.recipe import Recipe
 from torchnitro.bench.environment import ALLOCATOR_SETTING
 from torchnitro.bench.isolated import ChildTimer
@@ -241,10 +246,11 @@ def start_alone(recipe: Recipe, directory: Path, meta: dict[str, Any], inputs: P
 class EagerCheck:
     """Eager alone against eager inside the comparison."""
 
-    alone_ms: float  # eager alone: a solo run of its own process before the comparison, or its search-time p50
-    inside_ms: float  # eager's p50 inside the comparison
+    alone_ms: float  # eager alone: a solo run of its own processes before the comparison, or its search-time p50
+    inside_ms: float  # eager's p50 inside the comparison (several processes: the median of their p50s)
     band: float  # allowed relative difference
     where: str = ""  # how eager alone was measured, for the report
+    inside_where: str = ""  # how eager inside was summarised (several processes: their p50s), for the report
 
     @property
     def drift(self) -> float:
@@ -256,18 +262,21 @@ class EagerCheck:
 
     def text(self) -> str:
         where = f" {self.where}" if self.where else ""
-        return (f"eager p50 alone{where} {self.alone_ms:.3f} ms, inside the comparison {self.inside_ms:.3f} ms "
-                f"({self.drift:+.1%}; allowed ±{self.band:.1%})")
+        inside = f" {self.inside_where}" if self.inside_where else ""
+        return (f"eager p50 alone{where} {self.alone_ms:.3f} ms, inside the comparison{inside} {self.inside_ms:.3f} "
+                f"ms ({self.drift:+.1%}; allowed ±{self.band:.1%})")
 
 
-def check_eager(alone_ms: float, alone_cv: float | None, inside: Timing, where: str = "") -> EagerCheck:
-    """Compare eager's p50 inside the comparison with eager alone; the band is ``max(5%, 2 x cv)`` of eager
-    alone, at most 25%."""
+def check_eager(alone_ms: float, alone_cv: float | None, inside: Timing | EagerBaseline, where: str = "",
+                inside_where: str = "") -> EagerCheck:
+    """Compare eager's p50 inside the comparison (``inside.median``: one process's p50, or the median of its
+    processes' p50s) with eager alone; the band is ``max(5%, 2 x cv)`` of eager alone, at most 25%."""
     if not alone_ms or alone_ms <= 0:
         from torchnitro.errors import InputError
 
         raise InputError(f"eager's p50 alone must be a positive number of ms; received {alone_ms!r}")
-    return EagerCheck(alone_ms, inside.median * 1e3, min(MAX_BAND, max(MIN_BAND, 2.0 * (alone_cv or 0.0))), where)
+    return EagerCheck(alone_ms, inside.median * 1e3, min(MAX_BAND, max(MIN_BAND, 2.0 * (alone_cv or 0.0))), where,
+                      inside_where)
 
 
 @dataclass

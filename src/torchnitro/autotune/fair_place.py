@@ -1,10 +1,12 @@
 """Where the final comparison times each variant, and the timing processes that do it (``autotune.fair``'s rules).
 
+``plan`` places eager (and its further processes, ``fair_eager``) and every finalist of a search;
 ``place`` decides per variant: its own fresh child process (a standalone artifact, or an artifact rebuilt
 from the eager model re-created there, ``fair.ChildModel``) or this process, with the report's reason.
 ``start_children`` starts one ``ChildTimer`` per placed variant, all at once; ``ready_children`` waits for
-them, checks eager's child's first outputs against this process's eager (``outputs_differ``) and moves
-every child that failed, or that was rebuilt from an unchecked eager, back to this process.
+them, checks the first outputs of eager's child (and of its further copies, ``fair_eager``) against this
+process's eager (``outputs_differ``) and moves every child that failed, or that was rebuilt from an
+unchecked eager, back to this process (a failed eager copy is dropped: eager goes on with the others).
 ``memory_fits`` keeps the number of processes that each hold a copy of the model within available memory.
 """
 
@@ -12,16 +14,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import nn
 
-from torchnitro.autotune.fair import ChildModel, runs_alone
-from torchnitro.autotune.recipe import Recipe
+from torchnitro.autotune.fair import ChildModel, child_model, runs_alone
+from torchnitro.autotune.fair_eager import process_names
+from torchnitro.autotune.recipe import EAGER, Recipe, get_recipe
 from torchnitro.bench.isolated import ChildTimer
 
-__all__ = ["Placement", "place", "memory_fits", "outputs_differ", "start_children", "ready_children"]
+if TYPE_CHECKING:
+    from torchnitro.autotune.report import CandidateResult
+    from torchnitro.autotune.search import _Search
+
+__all__ = ["Placement", "place", "plan", "memory_fits", "outputs_differ", "start_children", "ready_children"]
 
 _CHILD_RUNTIME_BYTES = 400 << 20  # an interpreter with torch imported, before the model
 
@@ -64,6 +71,43 @@ def place(recipe: Recipe, files: Any, eager: ChildModel, *, device: str, all_alo
     return Placement({"recipe": qual, "directory": str(files.dir), "meta": files.meta, "eager": eager.kwargs},
                      "alone in its own process (its artifact rebuilt from the re-created eager model)",
                      needs_eager=True)
+
+
+def plan(s: _Search, cands: list[CandidateResult]) -> dict[str, Placement]:
+    """Where the final comparison times eager and each of ``cands`` (``autotune.fair``), eager first, then
+    eager's further processes (``OptimizeConfig.eager_processes``, ``fair_eager``) when eager runs alone.
+    When the copies of the model do not fit in memory, eager's further processes go first."""
+    cfg, device = s.cfg, s.device.type
+    if cfg.final_alone and device == "cpu":
+        try:
+            limit = s.cfg.candidate_timeout_s  # usually prepared already, for an isolated candidate
+            eager = child_model(s.model, s.info.spec, s.info.extra, Path(s.tmp.name) / "_final",
+                                program=lambda: s.programs.get("exported", limit, limit)[0])
+        except Exception as exc:  # noqa: BLE001 - e.g. a full disk: time here, say why
+            eager = ChildModel(None, f"preparing the eager model for a child failed ({type(exc).__name__}: "
+                                     f"{exc})"[:200])
+    else:
+        eager = ChildModel(None, "")
+    places = {EAGER: place(get_recipe(EAGER), None, eager, device=device, all_alone=cfg.final_alone)}
+    first = places[EAGER]
+    copies = process_names(cfg.eager_processes)[1:] if first.kwargs is not None else []
+    for name in copies:  # eager's further processes, loaded the same way (``fair_eager``)
+        places[name] = Placement(dict(first.kwargs), first.why, needs_eager=True)  # type: ignore[arg-type]
+    for c in cands:
+        cf = s.where.get(c.recipe)
+        places[c.recipe] = place(get_recipe(c.recipe), cf, eager, device=device, all_alone=cfg.final_alone) \
+            if cf is not None else Placement(None, "timed in this process: no files of it were kept")
+    heavy = [n for n, p in places.items() if p.needs_eager]
+    too_big = memory_fits(s.model, len(heavy)) if heavy else None
+    if too_big and copies:  # fewer copies of the model first: eager from one process
+        for n in copies:
+            del places[n]
+        first.why += f"; in one process, not {len(copies) + 1}: {too_big}"
+        heavy = [n for n in heavy if n not in copies]
+        too_big = memory_fits(s.model, len(heavy))
+    for n in heavy if too_big else []:
+        places[n] = Placement(None, f"timed in this process: {too_big}")
+    return places
 
 
 def memory_fits(model: nn.Module, children: int) -> str | None:
@@ -121,21 +165,34 @@ def ready_children(timers: dict[str, ChildTimer], places: dict[str, Placement], 
                    eager_outputs: Callable[[], Any], rel: float) -> dict[str, str]:
     """Wait for every child; returns name -> why it is timed in this process after all (its timer closed and
     removed from ``timers``). When eager's child fails or its outputs differ from ``eager_outputs()`` (this
-    process's eager on the first timing set), every child that re-created the eager model is dropped too."""
+    process's eager on the first timing set), every child that re-created the eager model is dropped too.
+    Eager's further copies (placements with no recipe besides ``eager``) are checked the same way; a copy
+    that fails is dropped alone (its reason returned under its name), all of them when eager's own fails."""
     fallen: dict[str, str] = {}
+    reference: list[Any] = []  # this process's eager outputs, computed once
 
     def drop(name: str, why: str) -> None:
         timers.pop(name).close()
         fallen[name] = why
 
-    if eager in timers:
+    def differs(name: str) -> str | None:
         try:
-            timers[eager].wait_ready()
-            why = outputs_differ(places[eager].outputs, eager_outputs(), rel)  # type: ignore[arg-type]
+            timers[name].wait_ready()
+            if not reference:
+                reference.append(eager_outputs())
+            return outputs_differ(places[name].outputs, reference[0], rel)  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - RecipeError from the child, or this process's eager failing
-            why = str(exc)
+            return str(exc)
+
+    copies = [n for n in timers if n != eager and (places[n].kwargs or {}).get("recipe", "") is None]
+    if eager in timers:
+        why = differs(eager)
         if why is not None:
             drop(eager, f"timed in this process: eager re-created in a child failed ({why})"[:300])
+    for name in copies:
+        why = differs(name) if eager in timers else "eager itself is timed in this process (see eager's row)"
+        if why is not None:
+            drop(name, f"eager's timing process {name} was dropped: {why}"[:300])
     if eager not in timers:  # the re-created eager was not checked: nothing rebuilt from it is trusted
         for name in [n for n in timers if places[n].needs_eager]:
             drop(name, "timed in this process: the eager model it is rebuilt from could not be re-created "

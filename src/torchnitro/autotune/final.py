@@ -7,7 +7,9 @@ outnumber ``finalists``; the best ``finalists`` by that ratio are re-timed inter
 (``bench.ratio``: paired bootstrap over the rounds), otherwise eager. On the CPU eager and every finalist are
 timed alone, each in its own fresh process, in both runs (``autotune.fair``: where a variant cannot be loaded
 in a child it is timed here and its row says why; eager re-created from its torch.export program only
-when that runs alone at eager's search-time speed); each sample follows one untimed call (``fair.Steady``);
+when that runs alone at eager's search-time speed); eager alone runs in ``eager_processes`` fresh processes,
+every one in every round, and every speedup divides the median of their p50s (``autotune.fair_eager``);
+each sample follows one untimed call (``fair.Steady``);
 eager inside the comparison is checked against eager alone (both measured again, once, when it drifted);
 the chosen variant is then tried under glibc's allocator setting. Every timing process runs the OpenMP wait
 setting it is deployed with (``bench.environment``: nothing added), and every sample, in a child or here, is
@@ -25,13 +27,13 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from torchnitro.autotune import fair, fair_place
+from torchnitro.autotune.fair_eager import EagerBaseline, is_copy, is_eager
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.recipe import EAGER, Recipe, get_recipe
 from torchnitro.autotune.report import CandidateResult, Report, Status
 from torchnitro.bench.environment import describe_environment
 from torchnitro.bench.isolated import ChildTimer, save_inputs
 from torchnitro.bench.quiet import recording
-from torchnitro.bench.ratio import paired_ratio
 from torchnitro.bench.timing import Timing, TimingConfig, compare
 from torchnitro.errors import InputError, RecipeError
 
@@ -71,37 +73,12 @@ def _local(s: _Search, c: CandidateResult) -> Callable[[], Any] | None:
     return lambda: [fn(*x) for x in sets]
 
 
-def _places(s: _Search, cands: list[CandidateResult]) -> dict[str, fair_place.Placement]:
-    """Where the comparison times eager and each of ``cands`` (``autotune.fair``), eager first."""
-    cfg, device = s.cfg, s.device.type
-    if cfg.final_alone and device == "cpu":
-        try:
-            limit = s.cfg.candidate_timeout_s  # usually prepared already, for an isolated candidate
-            eager = fair.child_model(s.model, s.info.spec, s.info.extra, Path(s.tmp.name) / "_final",
-                                     program=lambda: s.programs.get("exported", limit, limit)[0])
-        except Exception as exc:  # noqa: BLE001 - e.g. a full disk: time here, say why
-            eager = fair.ChildModel(None, f"preparing the eager model for a child failed ({type(exc).__name__}: "
-                                          f"{exc})"[:200])
-    else:
-        eager = fair.ChildModel(None, "")
-    places = {EAGER: fair_place.place(get_recipe(EAGER), None, eager, device=device, all_alone=cfg.final_alone)}
-    for c in cands:
-        cf = s.where.get(c.recipe)
-        places[c.recipe] = fair_place.place(get_recipe(c.recipe), cf, eager, device=device, all_alone=cfg.final_alone) \
-            if cf is not None else fair_place.Placement(None, "timed in this process: no files of it were kept")
-    heavy = [n for n, p in places.items() if p.needs_eager]
-    too_big = fair_place.memory_fits(s.model, len(heavy)) if heavy else None
-    for n in heavy if too_big else []:
-        places[n] = fair_place.Placement(None, f"timed in this process: {too_big}")
-    return places
-
-
 def _callables(s: _Search, report: Report, cands: list[CandidateResult],
                timers: dict[str, ChildTimer]) -> dict[str, Callable[..., Any]]:
     """What the comparison times, eager first, then ``cands`` in order: a ready ``ChildTimer`` (also put in
     ``timers``, for the caller to close) per variant timed alone, a closure per variant timed here. Each row
     of the report says which, and why."""
-    places = _places(s, cands)
+    places = fair_place.plan(s, cands)
     work = Path(s.tmp.name) / "_final"
     work.mkdir(parents=True, exist_ok=True)
     inputs = work / "_timing_inputs.pt"
@@ -122,12 +99,23 @@ def _callables(s: _Search, report: Report, cands: list[CandidateResult],
     if EAGER in timers and ((places[EAGER].kwargs or {}).get("eager") or {}).get("how") == "program":
         why = _program_parity(s, report, timers[EAGER])
         if why is not None:
-            timers.pop(EAGER).close()
+            for name in [n for n in timers if is_eager(n)]:  # its copies run the same program
+                timers.pop(name).close()
             fallen[EAGER] = why
     fns: dict[str, Callable[..., Any]] = {}
+    copies = [n for n in timers if is_copy(n)]
     for name in places:
+        if is_copy(name):  # eager's further processes: no report row of their own
+            if name in timers:
+                fns[name] = _steady(s, timers[name])
+            elif name in fallen and EAGER in timers:
+                _note(report.get(EAGER), fallen[name])
+            continue
         c = report.get(name)
         _note(c, "final comparison: " + fallen.get(name, places[name].why))
+        if name == EAGER and name in timers and s.cfg.eager_processes > 1:
+            _note(c, f"in {1 + len(copies)} fresh processes (eager_processes="
+                     f"{s.cfg.eager_processes}): its p50 is the median of theirs")
         if name in timers:
             fns[name], c.alone = _steady(s, timers[name]), True
             continue
@@ -175,8 +163,9 @@ def _compare_finalists(s: _Search, report: Report, fns: dict[str, Callable[..., 
                        tc: TimingConfig) -> dict[str, Timing]:
     """One interleaved run; a ``ChildTimer`` entry is timed by its own process.
 
-    A candidate whose timing process dies is marked failed and dropped from ``fns``; eager's is replaced by eager
-    in this process (noted); the run restarts."""
+    A candidate whose timing process dies is marked failed and dropped from ``fns``; a dead eager process is
+    dropped (noted), its place under ``eager`` taken by another of eager's processes, or, when none is left,
+    by eager in this process; the run restarts."""
     while True:
         try:
             with torch.inference_mode():
@@ -186,25 +175,42 @@ def _compare_finalists(s: _Search, report: Report, fns: dict[str, Callable[..., 
             if not dead:
                 raise
             for n in dead:
-                c, why = report.get(n), fns[n].failed
-                if n == EAGER:
-                    local = _local(s, c)
-                    fns[n], c.alone = (_steady(s, local) if local else local), False  # type: ignore[assignment]
-                    _note(c, f"its timing process died mid-comparison ({why}); timed in this process instead"[:300])
+                why = fns.pop(n).failed
+                if is_eager(n):
+                    _note(report.get(EAGER), f"eager's timing process {n} died mid-comparison ({why})"[:300])
                     continue
-                del fns[n]
+                c = report.get(n)
                 c.status, c.reason = Status.FAILED, f"timing it alone failed: {why}"[:300]
+            if EAGER not in fns:
+                _replace_eager(s, report, fns)
+
+
+def _replace_eager(s: _Search, report: Report, fns: dict[str, Callable[..., Any]]) -> None:
+    """Eager's first process died: another of its processes takes the name, or (none left) eager in this process."""
+    c = report.get(EAGER)
+    spare = [n for n in fns if is_copy(n)]
+    if spare:
+        fns[EAGER] = fns.pop(spare[-1])
+        _note(c, f"eager goes on in {len(spare)} process(es)")
+        return
+    local = _local(s, c)
+    if local is None:
+        raise RecipeError(f"eager's timing processes died and eager cannot be timed in this process: {c.reason}")
+    fns[EAGER], c.alone = _steady(s, local), False
+    _note(c, "timed in this process instead")
 
 
 def _screen(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], k: int) -> dict[str, Callable[..., Any]]:
-    """A short interleaved run of eager and the whole pool; keeps eager and the ``k`` best by median ratio to eager.
+    """A short interleaved run of eager (all its processes) and the whole pool; keeps eager and the ``k`` best by
+    median ratio to eager (``fair_eager.EagerBaseline``).
 
     Ratios from one interleaved run survive load drift that the search-time samples do not."""
     cfg = s.cfg
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=cfg.final_min_time_s / 2,
                       max_time_s=max(3.0, cfg.final_min_time_s * 2), device=s.device.type)
     res = _compare_finalists(s, report, fns, tc)
-    est = {n: paired_ratio(res[EAGER], t) for n, t in res.items() if n != EAGER}
+    base = EagerBaseline.of(res)
+    est = {n: base.ratio(t) for n, t in res.items() if not is_eager(n)}
     keep = sorted(est, key=lambda n: est[n].ratio, reverse=True)[:k]
     for name, e in est.items():
         c = report.get(name)
@@ -215,19 +221,39 @@ def _screen(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], k: i
                 t.median * 1e3, t.p99 * 1e3, t.cv, t.throughput, e.ratio, e.noise, True)
     report.notes.append(f"{len(est)} candidates within {NOISE_BAND:g}x of the best search estimate were screened in "
                         f"a short interleaved run with eager; the best {len(keep)} went on to the final comparison")
-    return {n: f for n, f in fns.items() if n == EAGER or n in keep}
+    return {n: f for n, f in fns.items() if is_eager(n) or n in keep}
 
 
-def _eager_alone(s: _Search, eager_fn: Callable[..., Any], search_ms: float,
+def _eager_alone(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], search_ms: float,
                  search_cv: float | None) -> tuple[float, float | None, str]:
-    """Eager alone for the drift check: a short solo run of eager's own timing process (nothing else runs),
-    or, for eager timed in this process, its search-time p50 (measured before any candidate ran)."""
-    if _child(eager_fn) is None:
-        return search_ms, search_cv, "(search time: this process, before any candidate ran)"
+    """Eager alone for the drift check: a short solo run of eager's own timing processes (nothing else is
+    timed; with several, the median of their p50s, as inside the comparison), or, for eager timed in this
+    process, its search-time p50 (measured before any candidate ran). A process that dies is dropped from
+    ``fns`` as in the comparison."""
+    here = (search_ms, search_cv, "(search time: this process, before any candidate ran)")
+    if _child(fns[EAGER]) is None:
+        return here
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=s.cfg.final_min_time_s / 2,
                       max_time_s=max(2.0, s.cfg.final_min_time_s), device=s.device.type)
-    t = compare({EAGER: eager_fn}, tc)[EAGER]
-    return t.median * 1e3, t.cv, "(its own process, nothing else running)"
+    solo = {n: f for n, f in fns.items() if is_eager(n)}
+    res = _compare_finalists(s, report, solo, tc)
+    for n in [n for n in fns if is_eager(n) and n not in solo]:
+        del fns[n]
+    fns[EAGER] = solo[EAGER]
+    if _child(solo[EAGER]) is None:  # every eager process died: eager is timed here now
+        return here
+    base = EagerBaseline.of(res)
+    if base.k == 1:
+        return base.median * 1e3, base.cv, "(its own process, nothing else running)"
+    return (base.median * 1e3, base.cv, f"(median of its {base.k} own processes' p50s, nothing else running: "
+                                        f"{base.per_process_text()})")
+
+
+def _check(alone_ms: float, alone_cv: float | None, res: dict[str, Timing], where: str) -> fair.EagerCheck:
+    """Eager alone against eager inside the comparison ``res`` (the median of its processes' p50s)."""
+    base = EagerBaseline.of(res)
+    how = f"(median of the same {base.k} processes' p50s: {base.per_process_text()})" if base.k > 1 else ""
+    return fair.check_eager(alone_ms, alone_cv, base, where, how)
 
 
 def _checked_comparison(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], search_ms: float,
@@ -237,19 +263,19 @@ def _checked_comparison(s: _Search, report: Report, fns: dict[str, Callable[...,
     iters = max(cfg.final_min_iters, 30) if cfg.percentile == "p99" else cfg.final_min_iters  # a p99 needs samples
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=iters, min_time_s=cfg.final_min_time_s,
                       max_time_s=max(5.0, cfg.final_min_time_s * 3), device=s.device.type)
-    alone_ms, alone_cv, where = _eager_alone(s, fns[EAGER], search_ms, search_cv)
+    alone_ms, alone_cv, where = _eager_alone(s, report, fns, search_ms, search_cv)
     res = _compare_finalists(s, report, fns, tc)
-    check = fair.check_eager(alone_ms, alone_cv, res[EAGER], where)
+    check = _check(alone_ms, alone_cv, res, where)
     if not check.ok:
         report.notes.append(f"final comparison redone after a {fair.SETTLE_S:g} s pause: first run's {check.text()}")
         time.sleep(fair.SETTLE_S)
         # eager alone again too: between it and the comparison the machine may have changed, not only the
         # comparison (a fixed reference from before a load change can never be matched by a redo)
-        alone_ms, alone_cv, where = _eager_alone(s, fns[EAGER], search_ms, search_cv)
+        alone_ms, alone_cv, where = _eager_alone(s, report, fns, search_ms, search_cv)
         res = _compare_finalists(s, report, fns, tc)
-        check = fair.check_eager(alone_ms, alone_cv, res[EAGER], where)
+        check = _check(alone_ms, alone_cv, res, where)
         for name in res:
-            report.get(name).redone = True
+            report.get(EAGER if is_eager(name) else name).redone = True
     report.notes.append(check.text() + ("" if check.ok else ": still outside the band after the redo, so the "
                                         "speedups below carry that error"))
     return res
@@ -318,18 +344,23 @@ def _run_pool(s: _Search, report: Report, pool: list[CandidateResult], timers: d
     eager_res = report.get(EAGER)
     search_ms, search_cv = eager_res.p50_ms, eager_res.cv  # eager in this process, before any candidate ran
     fns = _callables(s, report, pool, timers)
-    if len(fns) == 1:
+    if not [n for n in fns if not is_eager(n)]:
         return get_recipe(EAGER)
-    if len(fns) > cfg.finalists + 1:
+    if len([n for n in fns if not is_eager(n)]) > cfg.finalists:
         fns = _screen(s, report, fns, cfg.finalists)
-        for name in [n for n in timers if n not in fns]:  # screened out: its process is no longer needed
+        used = {id(_child(f)) for f in fns.values()}  # an eager copy may have taken eager's name
+        for name in [n for n, t in timers.items() if id(t) not in used]:  # screened out (or dead): not needed
             timers.pop(name).close()
     res = _checked_comparison(s, report, fns, search_ms, search_cv)
     best = pick_winner(res, report, cfg)
+    base = EagerBaseline.of(res)
+    if base.k > 1:
+        report.notes.append(base.text())
     if cfg.tune_allocator and s.device.type == "cpu":
         _tune_allocator(s, report, best or EAGER, fns[best or EAGER])
-    alone = [n for n in res if report.get(n).alone]
-    here = [n for n in res if not report.get(n).alone]
+    rows = [n for n in res if not is_copy(n)]
+    alone = [n for n in rows if report.get(n).alone]
+    here = [n for n in rows if not report.get(n).alone]
     report.notes.append("finalists re-timed interleaved with eager, rounds alternating (A B A B)"
                         + (f"; each alone in its own fresh process: {', '.join(alone)}" if alone else "")
                         + (f"; in this process: {', '.join(here)} (each row says why)" if here else "")
@@ -345,20 +376,22 @@ def _bar_text(cfg: OptimizeConfig) -> str:
 
 
 def pick_winner(res: dict[str, Timing], report: Report, cfg: OptimizeConfig) -> str | None:
-    """Fill each finalist's interleaved numbers, speedup and noise (``bench.ratio``); return the fastest
-    that reaches ``min_speedup`` and is faster than eager by more than its noise, or None (eager).
+    """Fill each finalist's interleaved numbers, speedup and noise (``bench.ratio``; several eager processes in
+    ``res``, ``eager-2``, ...: ``fair_eager.EagerBaseline``); return the fastest that reaches ``min_speedup``
+    and is faster than eager by more than its noise, or None (eager).
 
     ``min_speedup < 1`` is a user accepting a slower verified candidate on purpose: no noise bar then."""
     q = 99.0 if cfg.objective == "latency" and cfg.percentile == "p99" else 50.0  # objective_stat's statistic
+    base = EagerBaseline.of(res)  # eager's processes: the median of their statistics (``fair_eager``)
+    base.fill(report.get(EAGER))
     best, best_speed = None, 0.0
     for name, t in res.items():
+        if is_eager(name):
+            continue
         c = report.get(name)
         c.p50_ms, c.p99_ms, c.cv, c.throughput = t.median * 1e3, t.p99 * 1e3, t.cv, t.throughput
         c.interleaved = True
-        if name == EAGER:
-            c.speedup = 1.0
-            continue
-        est = paired_ratio(res[EAGER], t, q)
+        est = base.ratio(t, q)
         c.speedup, c.noise = est.ratio, est.noise
         clears = c.speedup >= cfg.min_speedup and (cfg.min_speedup < 1 or est.beats_noise)
         if clears and c.speedup > best_speed:

@@ -45,6 +45,7 @@ class CandidateResult:
     redone: bool = False  # the final comparison was redone: eager inside it differed from eager alone
     cached: bool = False
     notes: str = ""
+    process_p50_ms: list[float] = field(default_factory=list)  # eager: p50 of each final-comparison process (p50_ms: median)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
