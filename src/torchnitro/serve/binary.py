@@ -153,6 +153,12 @@ class BinaryParser:
 _HEADS: dict[tuple[Any, ...], bytes] = {}  # answer headers of all-binary, id-less answers
 
 
+def _bytes(t: Tensor) -> bytes:
+    """A CPU tensor's bytes as a kept answer layout sends them (little-endian host, no bf16); no
+    ``detach`` (a new tensor object per call) for the usual output computed without grad."""
+    return (t.detach() if t.requires_grad else t).numpy().tobytes()
+
+
 def _raw(t: Tensor) -> bytes:
     t = t.detach().contiguous()
     if t.dtype == torch.bfloat16:
@@ -172,11 +178,11 @@ def encode_response(sig: ModelSignature, outputs: Sequence[Tensor], item: InferI
         return encode_infer_response(sig, outputs, item.id), None
     if item.id is None:  # a repeat of an answer layout seen before: its header and the raw bytes
         key = (sig.name, sig.versions[0], item.outputs, item.binary_outputs,
-               *[(t.shape, t.dtype, t.device.type) for t in outputs])
+               *[(t.shape, t.dtype, t.is_cpu) for t in outputs])
         hit = _FAST.get(key)
         if hit is not None:
             header, picks = hit
-            return b"".join([header, *[outputs[i].detach().numpy().tobytes() for i in picks]]), len(header)
+            return b"".join([header, *[_bytes(outputs[i]) for i in picks]]), len(header)
         body, n = _encode(sig, outputs, item)
         if n is not None and _LE and all(t.device.type == "cpu" and t.dtype == s.dtype and t.dtype != torch.bfloat16
                                          for s, t in zip(sig.outputs, outputs)):
