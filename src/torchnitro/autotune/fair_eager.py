@@ -76,7 +76,8 @@ class EagerBaseline:
         """The eager entries of one ``compare`` result (``is_eager``), in its order."""
         got = tuple(t for n, t in res.items() if is_eager(n))
         if not got:
-            raise InputError(f"the comparison has no eager entry; received {sorted(res)}, expected {EAGER!r} among them")
+            raise InputError(f"the comparison has no eager entry; received {sorted(res)}, expected {EAGER!r} "
+                             "among them")
         return cls(got)
 
     @property
@@ -110,7 +111,8 @@ class EagerBaseline:
             raise InputError(f"the eager processes and the candidate must come from the same rounds; received "
                              f"{[t.n for t in self.timings]} eager and {n} candidate samples (expected equal counts)")
         if not 0.0 < confidence < 1.0 or not 0.0 <= q <= 100.0:
-            raise InputError(f"confidence must lie in (0, 1) and q in [0, 100]; received confidence={confidence}, q={q}")
+            raise InputError(f"confidence must lie in (0, 1) and q in [0, 100]; received confidence={confidence}, "
+                             f"q={q}")
         ratio = self.stat(q) / percentile(candidate.samples, q)
         if n < 2:
             return RatioEstimate(ratio, -math.inf, math.inf, n)
