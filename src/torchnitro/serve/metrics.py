@@ -45,8 +45,8 @@ class Tally:
     """Pending observations of one labelled histogram (or, ``counter``, counter) child: counted here
     without a lock (one thread only: the event loop's) and added to the child by ``flush``.
 
-    A histogram's counts go straight into its buckets (prometheus_client's ``_buckets``/``_sum``, in
-    place since 0.1); where those are missing the values are kept and observed one by one.
+    A histogram's counts go straight into its buckets (prometheus_client's ``_buckets`` and ``_sum``
+    internals); a client without those gets the kept values observed one by one instead.
     """
 
     __slots__ = ("child", "counts", "total", "values", "_bounds")
@@ -73,22 +73,22 @@ class Tally:
             self.values.append(v)
 
     def flush(self) -> None:
-        child = self.child
+        # what is pending is taken first and then added, so an observation made meanwhile (a
+        # render from another thread, as tests do) waits for the next flush instead of being lost
+        child, total, self.total = self.child, self.total, 0.0
         if self.counts is not None:
-            for i, n in enumerate(self.counts):
+            counts, self.counts = self.counts, [0] * len(self.counts)
+            for i, n in enumerate(counts):
                 if n:
                     child._buckets[i].inc(n)
-                    self.counts[i] = 0
-            if self.total:
-                child._sum.inc(self.total)
+            if total:
+                child._sum.inc(total)
         elif self.values is not None:
             values, self.values = self.values, []
             for v in values:
                 child.observe(v)
-            return
-        elif self.total:
-            child.inc(self.total)
-        self.total = 0.0
+        elif total:
+            child.inc(total)
 
 
 class ModelStats:
@@ -203,6 +203,7 @@ class ServeMetrics:
         return _Observer(self, model)
 
     def render(self) -> bytes:
+        """The /metrics page, with the pending tallies added first."""
         self.flush()
         return generate_latest(self.registry)
 
