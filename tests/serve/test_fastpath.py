@@ -184,3 +184,43 @@ def test_failed_requests_are_freed_without_the_cycle_collector():
         gc.enable()
     assert statuses == [500 if v % 3 == 0 else 200 for v in range(1, 13)]
     assert live == [0, 0]
+
+
+def test_a_receive_that_never_waits_does_not_hold_the_loop():
+    """Outside torchnitro's own connections a waiting request's client is watched by awaiting
+    ``receive()``; one that answers at once with a body message again and again (not a disconnect)
+    must not spin the event loop: the request still gets its answer. Run in a thread, so a loop
+    that spins fails the test (join times out) instead of hanging it."""
+    model = Gated()
+    sig = ModelSignature("g", [TensorSpec("x", "FP32", (-1, 4))], [TensorSpec("y", "FP32", (-1, 4))])
+    ep = ModelEndpoint("g", InlinePool(ServedModel(model, sig)), BatchingConfig(max_batch_size=1, max_wait_ms=0))
+    srv = InferenceServer([ep], ServeConfig(port=0, workers=0))
+    assert not srv.app.own_connections  # the task-based watch, as under another server or Ray's proxy
+    result: list = []
+
+    async def main():
+        await ep.start(srv.metrics)
+        sent: list[dict] = []
+
+        async def receive() -> dict:  # never waits, never reports a disconnect
+            return {"type": "http.request", "body": body(4.0), "more_body": False}
+
+        async def send(msg: dict) -> None:
+            sent.append(msg)
+
+        task = asyncio.create_task(srv.app(scope("/v2/models/g/infer"), receive, send))
+        await asyncio.sleep(0.05)  # past the 10 ms after which the watch starts; the gate holds the batch
+        model.gate.set()
+        await task
+        await ep.batcher.stop()
+        return sent
+
+    def runner():
+        result.append(asyncio.run(main()))
+
+    t = threading.Thread(target=runner, daemon=True)
+    t.start()
+    t.join(15)
+    assert not t.is_alive(), "the event loop is held by the disconnect watch"
+    sent = result[0]
+    assert sent[0]["status"] == 200 and json.loads(sent[1]["body"])["outputs"][0]["data"] == [9.0] * 4
