@@ -9,7 +9,7 @@ alternate between the processes; the parent only waits). Two checks per workload
 - the optimizer's reported speedup agrees with the isolated ratio (eager alone / variant alone) within 10%.
 
 The optimizer's comparison times eager and every finalist alone, each in its own fresh process that loads
-the variant as its artifact would (``autotune.fair``), eager in ``OptimizeConfig.eager_processes`` (3) fresh
+the variant as its artifact would (``autotune.fair``), eager in ``OptimizeConfig.eager_processes`` (default 1) fresh
 processes whose median p50 is the baseline of every speedup (``autotune.fair_eager``); so like is compared
 with like, eager's "p50 in comparison" is that median (the processes' p50s beside it) and its "p50 alone"
 the median over ``--repeat`` sets of fresh processes (theirs beside it). The "alone" side here times each

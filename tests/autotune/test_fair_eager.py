@@ -70,7 +70,7 @@ def test_process_names_and_which_entries_are_eager():
 
 
 def test_config_field_is_checked():
-    assert OptimizeConfig().eager_processes == 3
+    assert OptimizeConfig().eager_processes == 1
     for bad in (0, -1, 2.0, True):
         with pytest.raises(ConfigError, match="eager_processes"):
             OptimizeConfig(eager_processes=bad)

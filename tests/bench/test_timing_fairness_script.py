@@ -19,7 +19,7 @@ def test_timing_fairness_quick_writes_both_tables(tmp_path, monkeypatch):
     spec.loader.exec_module(tf)
     monkeypatch.setattr(tf, "QUICK_WORKLOADS", {"mlp": ("mlp", 2, 0)})
     monkeypatch.setattr(tf, "FAMILIES", {"torchscript": "torchscript"})
-    assert tf.main(["--quick", "--repeat", "2", "--out", str(tmp_path)]) == 0
+    assert tf.main(["--quick", "--repeat", "2", "--eager-processes", "3", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "timing_fairness_quick.json").read_text())
     rows = data["variants"]["rows"]
     assert [r["variant"] for r in rows] == ["eager", "torchscript"]

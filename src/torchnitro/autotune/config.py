@@ -71,7 +71,9 @@ class OptimizeConfig:
     final_min_iters: int = 10  # samples per finalist in the interleaved comparison
     final_min_time_s: float = 1.0  # measured seconds per finalist in the interleaved comparison
     final_alone: bool = True  # CPU: time eager and each finalist alone in its own fresh process, as deployed
-    eager_processes: int = 3  # CPU: eager's p50 = median over this many fresh timing processes (one = one draw)
+    # CPU: eager's p50 = median over this many fresh timing processes (one = one draw). Default 1: three doubled
+    # the search's timing and slowed every timing process on a 2-core machine (results/timing_fairness.md, 02:29)
+    eager_processes: int = 1
     tune_allocator: bool = True  # CPU: try glibc's allocator setting on the chosen variant; keep it when it helps
     progress: bool = True  # rich progress display while searching (on a terminal)
     seed: int = 1234  # base seed of the held-out inputs
