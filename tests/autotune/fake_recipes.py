@@ -17,10 +17,11 @@ from torch import nn
 
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
+from torchnitro.autotune.report import CandidateResult, Report, Status
 
 __all__ = ["Raises", "Hangs", "HangsIsolated", "ExitsIsolated", "SegfaultIsolated", "BadCheck", "Hog", "Wrong", "ReusesBuffer",
            "Faster", "Slower", "SlowModel", "NoisyStart", "DecoyA", "DecoyB", "NOISY", "tiny_model", "tiny_inputs",
-           "fast_config"]
+           "fast_config", "eager_and_cand_report"]
 
 
 def fast_config(tmp_path, **kw) -> OptimizeConfig:
@@ -31,6 +32,14 @@ def fast_config(tmp_path, **kw) -> OptimizeConfig:
                 final_alone=False, tune_allocator=False)
     base.update(kw)
     return OptimizeConfig(**base)
+
+
+def eager_and_cand_report() -> Report:
+    """A report with two verified rows, ``eager`` and ``cand``, for ``final.pick_winner`` tests."""
+    rep = Report(model="m", inputs="f32[2x4]", objective="latency p50", hardware="cpu")
+    rep.candidates = [CandidateResult("eager", "exact", Status.VERIFIED),
+                      CandidateResult("cand", "exact", Status.VERIFIED)]
+    return rep
 
 
 def tiny_model() -> nn.Module:

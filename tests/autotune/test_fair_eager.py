@@ -12,9 +12,11 @@ import torch
 
 import torchnitro
 from torchnitro.autotune import fair_eager, fair_place
+from fake_recipes import eager_and_cand_report
+
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.fair_eager import EagerBaseline
-from torchnitro.autotune.report import CandidateResult, Report, Status
+from torchnitro.autotune.report import Status
 from torchnitro.bench.isolated import ChildTimer
 from torchnitro.bench.ratio import paired_ratio
 from torchnitro.bench.timing import Timing, TimingConfig
@@ -79,11 +81,6 @@ def test_config_field_is_checked():
 
 # ---- pick_winner with several eager processes -------------------------------------------------------
 
-def _report() -> Report:
-    rep = Report(model="m", inputs="f32[2x4]", objective="latency p50", hardware="cpu")
-    rep.candidates = [CandidateResult("eager", "exact", Status.VERIFIED),
-                      CandidateResult("cand", "exact", Status.VERIFIED)]
-    return rep
 
 
 def test_pick_winner_divides_the_median_eager_process_and_fills_eagers_row():
@@ -92,14 +89,14 @@ def test_pick_winner_divides_the_median_eager_process_and_fills_eagers_row():
     drift = _drift()
     res = {"eager": Timing([x * 1.0 for x in drift]), "eager-2": Timing([x * 1.5 for x in drift]),
            "eager-3": Timing([x * 1.2 for x in drift]), "cand": Timing(drift)}
-    rep = _report()
+    rep = eager_and_cand_report()
     assert pick_winner(res, rep, OptimizeConfig()) == "cand"  # 1.2x by the median; 1.0x by eager's first process
     e, c = rep.get("eager"), rep.get("cand")
     assert c.speedup == pytest.approx(1.2) and c.noise < 0.01
     assert e.p50_ms == pytest.approx(res["eager-3"].median * 1e3) and e.speedup == 1.0 and e.interleaved
     assert e.process_p50_ms == pytest.approx([res[n].median * 1e3 for n in ("eager", "eager-2", "eager-3")])
     one = {"eager": res["eager"], "cand": res["cand"]}
-    rep1 = _report()
+    rep1 = eager_and_cand_report()
     assert pick_winner(one, rep1, OptimizeConfig()) is None  # one process: the old result (1.0x: eager)
     assert rep1.get("eager").p50_ms == pytest.approx(res["eager"].median * 1e3)
     assert rep1.get("cand").speedup == pytest.approx(paired_ratio(res["eager"], res["cand"]).ratio)
@@ -126,7 +123,7 @@ class _Fake:
 def test_a_dead_eager_process_is_dropped_and_another_takes_eagers_name():
     from torchnitro.autotune import final
 
-    rep = _report()
+    rep = eager_and_cand_report()
     fns = {"eager": _Fake(1e-3, lives=2), "eager-2": _Fake(3e-3), "eager-3": _Fake(2e-3), "cand": _Fake(1e-3)}
     s = SimpleNamespace(wl=SimpleNamespace(items_per_call=1))
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=4, min_time_s=0.0, max_time_s=5.0, min_sample_s=1e-4)

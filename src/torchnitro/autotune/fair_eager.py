@@ -6,6 +6,9 @@ process hangs on which draw it got. On the CPU, when eager is timed alone, the c
 ``K`` eager timing processes (``process_names``: ``eager``, ``eager-2``, ...) loaded the same way, and
 eager's statistic for every speedup is the **median of the per-process statistics** (p50, or p99 for a p99
 objective): ``EagerBaseline``.
+The default is ``K`` = 1: a quiet run with ``K`` = 3 (docs/optimize.md, "Measured, and why the default is
+1") made the searches 1.5-2x longer and slowed every timing process on a 2-core machine without closing the
+gap between sets of fresh processes.
 
 **Every eager process in every round.** ``bench.compare`` takes one sample of every entry per round, so the
 ``K`` processes are ``K`` entries: a round holds one sample of each eager process and of each finalist. The
