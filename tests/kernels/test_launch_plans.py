@@ -1,5 +1,6 @@
 """Launch plans: after the first call a launcher skips pick_config and the key building, and still computes
-the reference; plans are kept only for final configs; the cheap env read and the cached SM count."""
+the reference; plans are kept only for final configs; make_plan (hit and miss by key, what it keeps);
+the cheap env read and the cached SM count."""
 
 from __future__ import annotations
 
@@ -22,15 +23,16 @@ def fresh():
     _triton.clear_tuned_configs()
 
 
-def _counting(monkeypatch, mod):
+def _counting(monkeypatch):
+    """Tuning keys passed to pick_config (every launcher reaches it through _triton.make_plan)."""
     calls = []
-    real = mod.pick_config
+    real = _triton.pick_config
 
     def pick(key, *args, **kwargs):
         calls.append(key)
         return real(key, *args, **kwargs)
 
-    monkeypatch.setattr(mod, "pick_config", pick)
+    monkeypatch.setattr(_triton, "pick_config", pick)
     return calls
 
 
@@ -48,7 +50,7 @@ def _grads(fn, inputs):
     (ln_mod, layer_norm, reference.layer_norm, lambda: [torch.randn(6, 40), torch.randn(40), torch.randn(40)]),
 ])
 def test_norm_second_call_uses_the_plan_and_matches_reference(triton_cpu, fresh, monkeypatch, mod, fn, ref, make):
-    calls = _counting(monkeypatch, mod)
+    calls = _counting(monkeypatch)
     inputs = make()
     _grads(fn, inputs)
     first = len(calls)
@@ -63,7 +65,7 @@ def test_norm_second_call_uses_the_plan_and_matches_reference(triton_cpu, fresh,
 
 
 def test_rope_second_call_uses_the_plan_and_matches_reference(triton_cpu, fresh, monkeypatch):
-    calls = _counting(monkeypatch, rope_mod)
+    calls = _counting(monkeypatch)
     q, k = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8)
     ang = torch.randn(6, 4)
     cos, sin = ang.cos(), ang.sin()
@@ -97,6 +99,63 @@ def test_plans_are_kept_only_for_final_configs(fresh):
     assert [_triton.cached_plan(k) for k in ("timed", "small", "cpu")] == ["p", "p", "p"]
     _triton.clear_tuned_configs()
     assert _triton.cached_plan("timed") is None
+
+
+CANDS = ({"ROWS": 1}, {"ROWS": 2}, {"ROWS": 4})
+
+
+def _build(cfg):
+    return ("plan", cfg["ROWS"])
+
+
+def _never(plan):
+    raise AssertionError(f"executed {plan}; expected no timing run")
+
+
+def test_make_plan_keeps_the_plan_of_the_pick_under_the_exact_key(fresh, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(_triton, "tuning_enabled", lambda device: True)
+    executed = []
+
+    def fake_time(cands, run):  # runs each candidate once, as the CUDA-event timer does
+        for c in cands:
+            run(c)
+        return {0: 3.0, 1: 1.0, 2: 2.0}
+
+    monkeypatch.setattr(_triton, "_time_candidates", fake_time)
+    assert _triton.cached_plan(("op", 8)) is None  # miss before the first call
+    plan = _triton.make_plan(("op", 8), None, ("tune", 8), CANDS, "cuda", None, build=_build,
+                             execute=executed.append)
+    assert plan == ("plan", 2)  # built from the fastest candidate
+    assert executed == [("plan", 1), ("plan", 2), ("plan", 4)]  # timing launched execute(build(cfg)) of each
+    assert _triton.cached_plan(("op", 8)) is plan  # hit: the very object make_plan built
+    assert _triton.cached_plan(("op", 9)) is None  # another exact key misses
+    assert _triton.cached_plan(("op", 8), {"ROWS": 1}) is None  # a forced config never hits
+    assert _triton.tuned_configs()["('tune', 8)"]["config"] == {"ROWS": 2}
+    again = _triton.make_plan(("op", 9), None, ("tune", 8), CANDS, "cuda", None, build=_build, execute=_never)
+    assert again == ("plan", 2) and _triton.cached_plan(("op", 9)) is again  # same tuning key: no new timing
+
+
+def test_make_plan_with_a_forced_config_builds_it_and_keeps_nothing(fresh, monkeypatch):
+    calls = _counting(monkeypatch)
+    plan = _triton.make_plan(("op", 1), {"ROWS": 4}, ("tune", 1), CANDS, "cpu", 10, build=_build, execute=_never)
+    assert plan == ("plan", 4) and calls == [] and not _triton._PLANS
+
+
+def test_make_plan_keeps_a_default_only_where_it_is_final(fresh, monkeypatch):
+    monkeypatch.setenv("TORCHNITRO_KERNEL_TUNE", "0")  # CUDA default only because timing is off: not kept
+    big = _triton.TUNE_MIN_SIZE
+    cuda = _triton.make_plan(("op", 2), None, ("tune", 2), CANDS, "cuda", big, build=_build, execute=_never)
+    assert cuda == ("plan", 1) and _triton.cached_plan(("op", 2)) is None
+    cpu = _triton.make_plan(("op", 3), None, ("tune", 3), CANDS, "cpu", big, build=_build, execute=_never)
+    assert cpu == ("plan", 1) and _triton.cached_plan(("op", 3)) is cpu  # CPU is never timed: final
+
+
+def test_plan_cache_starts_over_when_full(fresh, monkeypatch):
+    monkeypatch.setattr(_triton, "_MAX_PLANS", 2)
+    for i in range(3):
+        _triton.make_plan(("op", i), None, ("tune", i), CANDS, "cpu", 1, build=_build, execute=_never)
+    assert [_triton.cached_plan(("op", i)) for i in range(3)] == [None, None, ("plan", 1)]
 
 
 def test_getenv_sees_every_change(monkeypatch):

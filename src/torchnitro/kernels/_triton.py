@@ -13,8 +13,10 @@ interpreter, while a CUDA graph is being captured, or with ``TORCHNITRO_KERNEL_T
 candidate (the fixed default) is used and nothing is timed.
 
 Host time matters: at 4096 x 4096 a norm kernel runs in tens of microseconds, about what the Python
-around it costs, so the launchers keep a per-shape launch plan (:func:`cached_plan`): once a config
-is final, a call is one dict lookup, the allocations and the launch (benchmarks/host_overhead.py).
+around it costs, so the launchers keep a per-shape launch plan: a launcher looks its exact key up with
+:func:`cached_plan` and only on a miss calls :func:`make_plan` (pick the config, build the plan, keep
+it once final). Once a config is final, a call is one dict lookup, the allocations and the launch
+(benchmarks/host_overhead.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["triton_importable", "interpreting", "getenv", "LazyKernel", "jit", "cdiv", "next_pow2", "num_programs",
            "row_config", "tuning_enabled", "pick_config", "tuned_configs", "clear_tuned_configs", "cached_plan",
-           "store_plan", "TUNE_MIN_SIZE", "TUNE_MARGIN"]
+           "make_plan", "store_plan", "TUNE_MIN_SIZE", "TUNE_MARGIN"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -246,9 +248,28 @@ _PLANS: dict[Hashable, Any] = {}  # (op, exact sizes, dtype, device, flags, inte
 _MAX_PLANS = 4096  # distinct shapes kept; past it the cache starts over (shapes that vary per step)
 
 
-def cached_plan(key: Hashable) -> Any:
-    """The launch plan stored under ``key`` by :func:`store_plan`, or None."""
-    return _PLANS.get(key)
+def cached_plan(key: Hashable, config: dict[str, Any] | None = None) -> Any:
+    """The launch plan stored under ``key`` by :func:`store_plan`, or None; always None for a forced
+    ``config`` (a launcher called with one builds its plan from it, see :func:`make_plan`)."""
+    return _PLANS.get(key) if config is None else None
+
+
+def make_plan(key: Hashable, config: dict[str, Any] | None, tune_key: Hashable,
+              candidates: Sequence[dict[str, Any]], device: Any, size: int | None, *,
+              build: Callable[[dict[str, Any]], Any], execute: Callable[[Any], Any]) -> Any:
+    """The launch plan of a call :func:`cached_plan` had none for (launchers look up first, so a hit
+    builds no tuning key, candidate list or closure).
+
+    ``build(cfg)`` turns a launch config into a plan (launch callables, kwargs, grid, ...);
+    ``execute(plan)`` launches a plan once on the call's real tensors. A forced ``config`` gives
+    ``build(config)``, neither looked up nor kept. Otherwise :func:`pick_config` picks among
+    ``candidates`` under ``tune_key`` (timing ``execute(build(cfg))``; ``size`` as there) and the plan
+    of its pick is returned, kept under ``key`` by :func:`store_plan` when that config is final.
+    """
+    if config is not None:
+        return build(config)
+    cfg = pick_config(tune_key, candidates, lambda c: execute(build(c)), device, size)
+    return store_plan(key, build(cfg), tune_key, device, size)
 
 
 def store_plan(key: Hashable, plan: Any, tune_key: Hashable, device: Any, size: int | None) -> Any:

@@ -19,9 +19,9 @@ from torch import Tensor, nn
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float, check_last_dim
 from torchnitro.kernels._partials import partials_launcher
-from torchnitro.kernels._triton import (LazyKernel, as_rows, cached_plan, cdiv, interpreting, next_pow2,
-                                        norm_bwd_candidates, norm_fwd_candidates, num_programs, pick_config,
-                                        row_config, shaped_like, store_plan)
+from torchnitro.kernels._triton import (LazyKernel, as_rows, cached_plan, cdiv, interpreting, make_plan, next_pow2,
+                                        norm_bwd_candidates, norm_fwd_candidates, num_programs, row_config,
+                                        shaped_like)
 from torchnitro.kernels.dispatch import use_triton_rows
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
@@ -144,6 +144,11 @@ def _fwd_plan(cfg: dict[str, int], N: int, C: int) -> tuple:
     return _fwd[(cdiv(N, cfg["ROWS"]),)], {"BLOCK": row_config(C)[0], **cfg}
 
 
+def _run_fwd(plan: tuple, args: tuple, has_w: bool, has_b: bool) -> None:
+    launch, kw = plan
+    launch(*args, HAS_W=has_w, HAS_B=has_b, **kw)
+
+
 def layer_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float,
                        config: dict[str, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (y, mean, rstd); mean and rstd are fp32 (N,). ``config`` forces one of
@@ -158,21 +163,12 @@ def layer_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
         has_w, has_b = weight is not None, bias is not None
         args = (x2, weight if has_w else x2, bias if has_b else x2, y2, mean, rstd, N, C, eps)
         key = ("layer_norm_fwd", N, C, x.dtype, x.device, has_w, has_b, interpreting())
-        plan = cached_plan(key) if config is None else None
+        plan = cached_plan(key, config)
         if plan is None:
-            tune_key = ("layer_norm_fwd", C, next_pow2(N), x.dtype, has_w, has_b, str(x.device))
-
-            def run(cfg: dict[str, int]) -> None:
-                launch, kw = _fwd_plan(cfg, N, C)
-                launch(*args, HAS_W=has_w, HAS_B=has_b, **kw)
-
-            if config is None:
-                plan = store_plan(key, _fwd_plan(pick_config(tune_key, fwd_candidates(C), run, x.device, N * C), N, C),
-                                  tune_key, x.device, N * C)
-            else:
-                plan = _fwd_plan(config, N, C)
-        launch, kw = plan
-        launch(*args, HAS_W=has_w, HAS_B=has_b, **kw)
+            plan = make_plan(key, config, ("layer_norm_fwd", C, next_pow2(N), x.dtype, has_w, has_b, str(x.device)),
+                             fwd_candidates(C), x.device, N * C, build=lambda cfg: _fwd_plan(cfg, N, C),
+                             execute=lambda p: _run_fwd(p, args, has_w, has_b))
+        _run_fwd(plan, args, has_w, has_b)
     return _like(y2, x), mean, rstd
 
 
@@ -221,18 +217,11 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tens
     # kernel arguments but the partials (inserted by _run_bwd): dy, x, w, mean, rstd, dx, | dw, db, | n_rows, C
     args = (dy2, x2, weight if has_w else x2, mean, rstd, dx2, N, C)
     key = ("layer_norm_bwd", N, C, x.dtype, x.device, has_w, interpreting())
-    plan = cached_plan(key) if config is None else None
-    if plan is None:
-        tune_key = ("layer_norm_bwd", C, next_pow2(N), x.dtype, has_w, str(x.device))
-
-        def run(cfg: dict[str, int]) -> tuple[Tensor, Tensor]:  # timed whole: P changes the second stage
-            return _run_bwd(_bwd_plan(cfg, N, C, x.device), args, has_w, w_dtype, b_dtype)
-
-        if config is None:
-            config = pick_config(tune_key, bwd_candidates(C), run, x.device, N * C)
-            plan = store_plan(key, _bwd_plan(config, N, C, x.device), tune_key, x.device, N * C)
-        else:
-            plan = _bwd_plan(config, N, C, x.device)
+    plan = cached_plan(key, config)
+    if plan is None:  # a config is timed with both stages: P changes the cost of the second
+        plan = make_plan(key, config, ("layer_norm_bwd", C, next_pow2(N), x.dtype, has_w, str(x.device)),
+                         bwd_candidates(C), x.device, N * C, build=lambda cfg: _bwd_plan(cfg, N, C, x.device),
+                         execute=lambda p: _run_bwd(p, args, has_w, w_dtype, b_dtype))
     dw, db = _run_bwd(plan, args, has_w, w_dtype, b_dtype)
     return _like(dx2, x), dw, db
 

@@ -19,9 +19,9 @@ from torch import Tensor, nn
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float, check_last_dim, check_same_shape
 from torchnitro.kernels._partials import partials_launcher
-from torchnitro.kernels._triton import (LazyKernel, as_rows, cached_plan, cdiv, interpreting, next_pow2,
-                                        norm_bwd_candidates, norm_fwd_candidates, num_programs, pick_config,
-                                        row_config, shaped_like, store_plan)
+from torchnitro.kernels._triton import (LazyKernel, as_rows, cached_plan, cdiv, interpreting, make_plan, next_pow2,
+                                        norm_bwd_candidates, norm_fwd_candidates, num_programs, row_config,
+                                        shaped_like)
 from torchnitro.kernels.dispatch import use_triton_rows
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
@@ -131,6 +131,11 @@ def _fwd_plan(cfg: dict[str, int], N: int, C: int) -> tuple:
     return _fwd[(cdiv(N, cfg["ROWS"]),)], {"BLOCK": row_config(C)[0], **cfg}
 
 
+def _run_fwd(plan: tuple, args: tuple, has_r: bool, has_w: bool) -> None:
+    launch, kw = plan
+    launch(*args, HAS_RES=has_r, HAS_W=has_w, **kw)
+
+
 def rms_norm_forward(x: Tensor, weight: Tensor | None, eps: float, residual: Tensor | None = None,
                      config: dict[str, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (y, h, rstd): h is x + residual (x itself without residual), rstd is fp32 (N,).
@@ -146,21 +151,12 @@ def rms_norm_forward(x: Tensor, weight: Tensor | None, eps: float, residual: Ten
         has_r, has_w = r2 is not None, weight is not None
         args = (x2, r2 if has_r else x2, h2, weight if has_w else x2, y2, rstd, N, C, eps)
         key = ("rms_norm_fwd", N, C, x.dtype, x.device, has_r, has_w, interpreting())
-        plan = cached_plan(key) if config is None else None
+        plan = cached_plan(key, config)
         if plan is None:
-            tune_key = ("rms_norm_fwd", C, next_pow2(N), x.dtype, has_r, has_w, str(x.device))
-
-            def run(cfg: dict[str, int]) -> None:
-                launch, kw = _fwd_plan(cfg, N, C)
-                launch(*args, HAS_RES=has_r, HAS_W=has_w, **kw)
-
-            if config is None:
-                plan = store_plan(key, _fwd_plan(pick_config(tune_key, fwd_candidates(C), run, x.device, N * C), N, C),
-                                  tune_key, x.device, N * C)
-            else:
-                plan = _fwd_plan(config, N, C)
-        launch, kw = plan
-        launch(*args, HAS_RES=has_r, HAS_W=has_w, **kw)
+            plan = make_plan(key, config, ("rms_norm_fwd", C, next_pow2(N), x.dtype, has_r, has_w, str(x.device)),
+                             fwd_candidates(C), x.device, N * C, build=lambda cfg: _fwd_plan(cfg, N, C),
+                             execute=lambda p: _run_fwd(p, args, has_r, has_w))
+        _run_fwd(plan, args, has_r, has_w)
     return _like(y2, x), _like(h2, x), rstd
 
 
@@ -209,18 +205,11 @@ def rms_norm_backward(dy: Tensor, dh_out: Tensor | None, h: Tensor, weight: Tens
     # kernel arguments but dw_ptr (inserted by _run_bwd): dy, dh, h, w, rstd, dx, | dw, | n_rows, C
     args = (dy2, dh2 if has_dh else dy2, h2, weight if has_w else h2, rstd, dx2, N, C)
     key = ("rms_norm_bwd", N, C, h.dtype, h.device, has_dh, has_w, interpreting())
-    plan = cached_plan(key) if config is None else None
-    if plan is None:
-        tune_key = ("rms_norm_bwd", C, next_pow2(N), h.dtype, has_dh, has_w, str(h.device))
-
-        def run(cfg: dict[str, int]) -> Tensor | None:  # timed whole: P changes the second stage
-            return _run_bwd(_bwd_plan(cfg, N, C, h.device, has_w), args, weight, has_dh)
-
-        if config is None:
-            config = pick_config(tune_key, bwd_candidates(C), run, h.device, N * C)
-            plan = store_plan(key, _bwd_plan(config, N, C, h.device, has_w), tune_key, h.device, N * C)
-        else:
-            plan = _bwd_plan(config, N, C, h.device, has_w)
+    plan = cached_plan(key, config)
+    if plan is None:  # a config is timed with both stages: P changes the cost of the second
+        plan = make_plan(key, config, ("rms_norm_bwd", C, next_pow2(N), h.dtype, has_dh, has_w, str(h.device)),
+                         bwd_candidates(C), h.device, N * C, build=lambda cfg: _bwd_plan(cfg, N, C, h.device, has_w),
+                         execute=lambda p: _run_bwd(p, args, weight, has_dh))
     dw = _run_bwd(plan, args, weight, has_dh)
     return _like(dx2, h), dw
 

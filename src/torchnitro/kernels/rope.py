@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torchnitro.errors import ShapeError
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float
-from torchnitro.kernels._triton import LazyKernel, cached_plan, cdiv, interpreting, next_pow2, pick_config, store_plan
+from torchnitro.kernels._triton import LazyKernel, cached_plan, cdiv, interpreting, make_plan, next_pow2
 from torchnitro.kernels.dispatch import use_triton
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
@@ -122,22 +122,12 @@ def rope_qk_forward(q: Tensor, k: Tensor | None, cos: Tensor, sin: Tensor, sign:
     args = (q, kk, qo, kko, c, s, T, HQ, HK)  # then NQG (from the config), the strides, HALF
     rest = (sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], scb, sct, D // 2)
     key = ("rope", B, HQ, HK, T, D, q.dtype, q.device, sign, interpreting())
-    plan = cached_plan(key) if config is None else None
+    plan = cached_plan(key, config)
     if plan is None:
-        tune_key = ("rope", D, HQ, HK, next_pow2(B * T), q.dtype, str(q.device))
-
-        def run(cfg: dict[str, int]) -> None:
-            launch, nqg, kw = _plan(cfg, B, HQ, HK, T, D, sign)
-            launch(*args, nqg, *rest, **kw)
-
-        if config is None:
-            size = B * T * D * (HQ + HK)
-            plan = store_plan(key, _plan(pick_config(tune_key, candidates(D), run, q.device, size), B, HQ, HK, T, D,
-                                         sign), tune_key, q.device, size)
-        else:
-            plan = _plan(config, B, HQ, HK, T, D, sign)
-    launch, nqg, kw = plan
-    launch(*args, nqg, *rest, **kw)
+        plan = make_plan(key, config, ("rope", D, HQ, HK, next_pow2(B * T), q.dtype, str(q.device)), candidates(D),
+                         q.device, B * T * D * (HQ + HK), build=lambda cfg: _plan(cfg, B, HQ, HK, T, D, sign),
+                         execute=lambda p: _run(p, args, rest))
+    _run(plan, args, rest)
     return qo, ko
 
 
@@ -145,6 +135,11 @@ def _plan(cfg: dict[str, int], B: int, HQ: int, HK: int, T: int, D: int, sign: i
     """(launch, q's head groups, kwargs) for ``cfg``: programs (t block, head group, batch)."""
     nqg, nkg = cdiv(HQ, cfg["HEADS"]), cdiv(HK, cfg["HEADS"])
     return _kernel[(cdiv(T, cfg["BLOCK_T"]), nqg + nkg, B)], nqg, {"SIGN": sign, "BLOCK": next_pow2(D // 2), **cfg}
+
+
+def _run(plan: tuple, args: tuple, rest: tuple) -> None:
+    launch, nqg, kw = plan
+    launch(*args, nqg, *rest, **kw)
 
 
 def rope_forward(x: Tensor, cos: Tensor, sin: Tensor, sign: int = 1) -> Tensor:
