@@ -158,6 +158,30 @@ def test_plan_cache_starts_over_when_full(fresh, monkeypatch):
     assert [_triton.cached_plan(("op", i)) for i in range(3)] == [None, None, ("plan", 1)]
 
 
+class _Grid:
+    """Stands in for a LazyKernel: ``kernel[grid]`` gives (name, grid)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __getitem__(self, grid):
+        return self.name, grid
+
+
+def test_norm_plans_size_the_grid_from_the_config():
+    from torchnitro.kernels import _norm
+
+    assert _norm.norm_fwd_plan(_Grid("fwd"), {"ROWS": 4, "num_warps": 8}, 37, 33) == (
+        ("fwd", (10,)), {"BLOCK": 64, "ROWS": 4, "num_warps": 8})
+    main, pre = _Grid("bwd"), _Grid("prefetch")
+    cpu = torch.device("cpu")  # num_programs: 8 off CUDA
+    assert _norm.norm_bwd_plan(main, pre, {"PER_SM": 2, "ROWS": 2, "num_warps": 8}, 37, 33, cpu) == (
+        ("bwd", (16,)), {"ROWS": 2, "num_warps": 8, "BLOCK": 64}, 16)
+    assert _norm.norm_bwd_plan(main, pre, {"PER_SM": 4, "ROWS": 4, "num_warps": 8}, 37, 33, cpu)[2] == 10  # row steps
+    assert _norm.norm_bwd_plan(main, pre, {"PER_SM": 1, "ROWS": 1, "PREFETCH": 1, "num_warps": 16}, 37, 33, cpu) == (
+        ("prefetch", (8,)), {"num_warps": 16, "BLOCK": 64}, 8)
+
+
 def test_getenv_sees_every_change(monkeypatch):
     monkeypatch.delenv("TORCHNITRO_TEST_FLAG", raising=False)
     assert _triton.getenv("TORCHNITRO_TEST_FLAG") is None

@@ -26,10 +26,7 @@ import functools
 import os
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Sequence
-
-if TYPE_CHECKING:
-    from torch import Tensor
+from typing import Any, Callable, Hashable, Sequence
 
 __all__ = ["triton_importable", "interpreting", "getenv", "LazyKernel", "jit", "cdiv", "next_pow2", "num_programs",
            "row_config", "tuning_enabled", "pick_config", "tuned_configs", "clear_tuned_configs", "cached_plan",
@@ -380,38 +377,3 @@ class LazyKernel:
 
         return launch
 
-
-@functools.lru_cache(maxsize=None)
-def norm_fwd_candidates(C: int) -> tuple[dict[str, int], ...]:
-    """Forward launch configs :func:`pick_config` times for a row-norm kernel (LayerNorm, RMSNorm) (the first, one row per program, is the default)."""
-    _, w0 = row_config(C)
-    out = [{"ROWS": 1, "num_warps": w0}]
-    out += [{"ROWS": r, "num_warps": w} for r in (1, 2, 4) for w in (4, 8, 16) if (r, w) != (1, w0)]
-    return tuple(out)
-
-
-@functools.lru_cache(maxsize=None)
-def norm_bwd_candidates(C: int) -> tuple[dict[str, int], ...]:
-    """Backward configs: PER_SM persistent programs per SM, ROWS rows per loop step (or PREFETCH: the
-    next row loaded during this one), num_warps (the first, one program per SM and one row per step, is the default)."""
-    _, w0 = row_config(C)
-    out = [{"PER_SM": 1, "ROWS": 1, "num_warps": w0}]
-    for per_sm, rows, warps in ((2, 1, 8), (4, 1, 8), (2, 1, 16), (4, 1, 16), (1, 2, 8), (2, 2, 8), (1, 2, 16),
-                                (2, 2, 16), (4, 1, 4), (8, 1, 4), (1, 1, 16), (1, 4, 16), (2, 4, 16)):
-        c = {"PER_SM": per_sm, "ROWS": rows, "num_warps": warps}
-        if c != out[0]:
-            out.append(c)
-    for per_sm, warps in ((1, 8), (2, 8), (1, 16), (2, 16)):  # next-row prefetch, one row per step
-        out.append({"PER_SM": per_sm, "ROWS": 1, "PREFETCH": 1, "num_warps": warps})
-    return tuple(out)
-
-
-def as_rows(t: Tensor, C: int) -> Tensor:
-    """``t`` as contiguous (N, C) rows; ``t`` itself when it already is (a reshape costs microseconds)."""
-    if t.dim() != 2:
-        t = t.reshape(-1, C)
-    return t if t.is_contiguous() else t.contiguous()
-
-
-def shaped_like(t2: Tensor, like: Tensor) -> Tensor:
-    return t2 if t2.dim() == like.dim() else t2.view(like.shape)

@@ -19,9 +19,9 @@ from torch import Tensor, nn
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float, check_last_dim
 from torchnitro.kernels._partials import partials_launcher
-from torchnitro.kernels._triton import (LazyKernel, as_rows, cached_plan, cdiv, interpreting, make_plan, next_pow2,
-                                        norm_bwd_candidates, norm_fwd_candidates, num_programs, row_config,
-                                        shaped_like)
+from torchnitro.kernels._norm import (as_rows, norm_bwd_candidates, norm_bwd_plan, norm_fwd_candidates,
+                                     norm_fwd_plan, shaped_like)
+from torchnitro.kernels._triton import LazyKernel, cached_plan, interpreting, make_plan, next_pow2
 from torchnitro.kernels.dispatch import use_triton_rows
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
@@ -136,12 +136,6 @@ _bwd_prefetch = LazyKernel(_ln_bwd_prefetch_kernel)
 
 
 fwd_candidates, bwd_candidates = norm_fwd_candidates, norm_bwd_candidates  # launch configs pick_config times
-_rows, _like = as_rows, shaped_like
-
-
-def _fwd_plan(cfg: dict[str, int], N: int, C: int) -> tuple:
-    """(launch, kwargs) of the forward for ``cfg``."""
-    return _fwd[(cdiv(N, cfg["ROWS"]),)], {"BLOCK": row_config(C)[0], **cfg}
 
 
 def _run_fwd(plan: tuple, args: tuple, has_w: bool, has_b: bool) -> None:
@@ -154,7 +148,7 @@ def layer_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
     """Returns (y, mean, rstd); mean and rstd are fp32 (N,). ``config`` forces one of
     :func:`fwd_candidates` (default: picked by measurement on CUDA, see ``_triton.pick_config``)."""
     C = x.shape[-1]
-    x2 = _rows(x, C)
+    x2 = as_rows(x, C)
     N = x2.shape[0]
     y2 = torch.empty_like(x2)
     mean = torch.empty(N, device=x.device, dtype=torch.float32)
@@ -166,23 +160,16 @@ def layer_norm_forward(x: Tensor, weight: Tensor | None, bias: Tensor | None, ep
         plan = cached_plan(key, config)
         if plan is None:
             plan = make_plan(key, config, ("layer_norm_fwd", C, next_pow2(N), x.dtype, has_w, has_b, str(x.device)),
-                             fwd_candidates(C), x.device, N * C, build=lambda cfg: _fwd_plan(cfg, N, C),
+                             fwd_candidates(C), x.device, N * C, build=lambda cfg: norm_fwd_plan(_fwd, cfg, N, C),
                              execute=lambda p: _run_fwd(p, args, has_w, has_b))
         _run_fwd(plan, args, has_w, has_b)
-    return _like(y2, x), mean, rstd
+    return shaped_like(y2, x), mean, rstd
 
 
 def _bwd_plan(cfg: dict[str, int], N: int, C: int, device: torch.device) -> tuple:
     """(launch, kwargs, P, sum launch, sum kwargs) of the backward for ``cfg``: P persistent programs,
     then the column sums of their dw and db partials."""
-    P = max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * num_programs(device)))
-    kw = {k: v for k, v in cfg.items() if k not in ("PER_SM", "PREFETCH")}
-    kernel = _bwd
-    if cfg.get("PREFETCH"):
-        kernel = _bwd_prefetch
-        del kw["ROWS"]
-    kw["BLOCK"] = row_config(C)[0]
-    return (kernel[(P,)], kw, P) + partials_launcher(C, True)
+    return norm_bwd_plan(_bwd, _bwd_prefetch, cfg, N, C, device) + partials_launcher(C, True)
 
 
 def _run_bwd(plan: tuple, args: tuple, has_w: bool, w_dtype: torch.dtype, b_dtype: torch.dtype
@@ -205,14 +192,14 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tens
     """Returns (dx, dw, db): dw in ``weight``'s dtype (fp32 without weight), db in ``bias_dtype``
     (fp32 when None). ``config`` forces one of :func:`bwd_candidates`."""
     C = x.shape[-1]
-    x2 = _rows(x, C)
+    x2 = as_rows(x, C)
     N = x2.shape[0]
-    dy2 = _rows(dy, C)
+    dy2 = as_rows(dy, C)
     dx2 = torch.empty_like(x2)
     has_w = weight is not None
     w_dtype, b_dtype = weight.dtype if has_w else torch.float32, bias_dtype or torch.float32
     if not N:
-        return (_like(dx2, x), torch.zeros(C, device=x.device, dtype=w_dtype),
+        return (shaped_like(dx2, x), torch.zeros(C, device=x.device, dtype=w_dtype),
                 torch.zeros(C, device=x.device, dtype=b_dtype))
     # kernel arguments but the partials (inserted by _run_bwd): dy, x, w, mean, rstd, dx, | dw, db, | n_rows, C
     args = (dy2, x2, weight if has_w else x2, mean, rstd, dx2, N, C)
@@ -223,7 +210,7 @@ def layer_norm_backward(dy: Tensor, x: Tensor, weight: Tensor | None, mean: Tens
                          bwd_candidates(C), x.device, N * C, build=lambda cfg: _bwd_plan(cfg, N, C, x.device),
                          execute=lambda p: _run_bwd(p, args, has_w, w_dtype, b_dtype))
     dw, db = _run_bwd(plan, args, has_w, w_dtype, b_dtype)
-    return _like(dx2, x), dw, db
+    return shaped_like(dx2, x), dw, db
 
 
 class LayerNormFunction(torch.autograd.Function):

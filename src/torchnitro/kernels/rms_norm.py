@@ -19,9 +19,9 @@ from torch import Tensor, nn
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_float, check_last_dim, check_same_shape
 from torchnitro.kernels._partials import partials_launcher
-from torchnitro.kernels._triton import (LazyKernel, as_rows, cached_plan, cdiv, interpreting, make_plan, next_pow2,
-                                        norm_bwd_candidates, norm_fwd_candidates, num_programs, row_config,
-                                        shaped_like)
+from torchnitro.kernels._norm import (as_rows, norm_bwd_candidates, norm_bwd_plan, norm_fwd_candidates,
+                                     norm_fwd_plan, shaped_like)
+from torchnitro.kernels._triton import LazyKernel, cached_plan, interpreting, make_plan, next_pow2
 from torchnitro.kernels.dispatch import use_triton_rows
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
@@ -123,12 +123,6 @@ _bwd_prefetch = LazyKernel(_rms_bwd_prefetch_kernel)
 
 
 fwd_candidates, bwd_candidates = norm_fwd_candidates, norm_bwd_candidates  # launch configs pick_config times
-_rows, _like = as_rows, shaped_like
-
-
-def _fwd_plan(cfg: dict[str, int], N: int, C: int) -> tuple:
-    """(launch, kwargs) of the forward for ``cfg``."""
-    return _fwd[(cdiv(N, cfg["ROWS"]),)], {"BLOCK": row_config(C)[0], **cfg}
 
 
 def _run_fwd(plan: tuple, args: tuple, has_r: bool, has_w: bool) -> None:
@@ -141,9 +135,9 @@ def rms_norm_forward(x: Tensor, weight: Tensor | None, eps: float, residual: Ten
     """Returns (y, h, rstd): h is x + residual (x itself without residual), rstd is fp32 (N,).
     ``config`` forces one of :func:`fwd_candidates` (default: picked by measurement on CUDA)."""
     C = x.shape[-1]
-    x2 = _rows(x, C)
+    x2 = as_rows(x, C)
     N = x2.shape[0]
-    r2 = _rows(residual, C) if residual is not None else None
+    r2 = as_rows(residual, C) if residual is not None else None
     h2 = torch.empty_like(x2) if r2 is not None else x2
     y2 = torch.empty_like(x2)
     rstd = torch.empty(N, device=x.device, dtype=torch.float32)
@@ -154,24 +148,17 @@ def rms_norm_forward(x: Tensor, weight: Tensor | None, eps: float, residual: Ten
         plan = cached_plan(key, config)
         if plan is None:
             plan = make_plan(key, config, ("rms_norm_fwd", C, next_pow2(N), x.dtype, has_r, has_w, str(x.device)),
-                             fwd_candidates(C), x.device, N * C, build=lambda cfg: _fwd_plan(cfg, N, C),
+                             fwd_candidates(C), x.device, N * C, build=lambda cfg: norm_fwd_plan(_fwd, cfg, N, C),
                              execute=lambda p: _run_fwd(p, args, has_r, has_w))
         _run_fwd(plan, args, has_r, has_w)
-    return _like(y2, x), _like(h2, x), rstd
+    return shaped_like(y2, x), shaped_like(h2, x), rstd
 
 
 def _bwd_plan(cfg: dict[str, int], N: int, C: int, device: torch.device, has_w: bool) -> tuple:
     """(launch, kwargs, P, sum launch, sum kwargs) of the backward for ``cfg``: P persistent programs,
     then the column sum of their dw partials."""
-    P = max(1, min(cdiv(N, cfg["ROWS"]), cfg["PER_SM"] * num_programs(device)))
-    kw = {k: v for k, v in cfg.items() if k not in ("PER_SM", "PREFETCH")}
-    kernel = _bwd
-    if cfg.get("PREFETCH"):
-        kernel = _bwd_prefetch
-        del kw["ROWS"]
-    kw["BLOCK"] = row_config(C)[0]
-    sum_launch, sum_kw = partials_launcher(C, False) if has_w else (None, None)
-    return kernel[(P,)], kw, P, sum_launch, sum_kw
+    sums = partials_launcher(C, False) if has_w else (None, None)
+    return norm_bwd_plan(_bwd, _bwd_prefetch, cfg, N, C, device) + sums
 
 
 def _run_bwd(plan: tuple, args: tuple, weight: Tensor | None, has_dh: bool) -> Tensor | None:
@@ -193,14 +180,14 @@ def rms_norm_backward(dy: Tensor, dh_out: Tensor | None, h: Tensor, weight: Tens
     """Returns (dx, dw); ``dh_out`` is the gradient flowing into the residual-stream output h.
     ``config`` forces one of :func:`bwd_candidates`."""
     C = h.shape[-1]
-    h2 = _rows(h, C)
+    h2 = as_rows(h, C)
     N = h2.shape[0]
-    dy2 = _rows(dy, C)
-    dh2 = _rows(dh_out, C) if dh_out is not None else None
+    dy2 = as_rows(dy, C)
+    dh2 = as_rows(dh_out, C) if dh_out is not None else None
     dx2 = torch.empty_like(h2)
     if not N:
         dw = torch.zeros(C, device=h.device, dtype=weight.dtype) if weight is not None else None
-        return _like(dx2, h), dw
+        return shaped_like(dx2, h), dw
     has_dh, has_w = dh2 is not None, weight is not None
     # kernel arguments but dw_ptr (inserted by _run_bwd): dy, dh, h, w, rstd, dx, | dw, | n_rows, C
     args = (dy2, dh2 if has_dh else dy2, h2, weight if has_w else h2, rstd, dx2, N, C)
@@ -211,7 +198,7 @@ def rms_norm_backward(dy: Tensor, dh_out: Tensor | None, h: Tensor, weight: Tens
                          bwd_candidates(C), h.device, N * C, build=lambda cfg: _bwd_plan(cfg, N, C, h.device, has_w),
                          execute=lambda p: _run_bwd(p, args, weight, has_dh))
     dw = _run_bwd(plan, args, weight, has_dh)
-    return _like(dx2, h), dw
+    return shaped_like(dx2, h), dw
 
 
 class RMSNormFunction(torch.autograd.Function):
