@@ -153,7 +153,7 @@ def test_real_measurement_path_runs_both_backends(grad, kernel_calls, monkeypatc
         return (time.perf_counter() - t0) * 1e3 / reps
 
     monkeypatch.setattr(P, "_unmeasurable", lambda q: None)
-    monkeypatch.setattr(P, "_cuda_ms", wall_ms)
+    monkeypatch.setattr(P, "cuda_ms", wall_ms)
     q, k, v = _qkv(B=1, H=2, Hkv=1, Tq=16, Tk=16, grad=grad)
     out = P.attention(q, k, v, True, site="measured")
     r = P.attention_routes()[0]

@@ -101,11 +101,9 @@ def test_default_kept_within_the_noise_margin(fresh, monkeypatch):
     assert _triton.pick_config(("k", 6), CANDS, lambda c: None, "cuda") == CANDS[0]
 
 
-def test_timer_skips_candidates_that_raise(monkeypatch):
-    """The CUDA-event timer with fake events: a candidate that fails to build is left out, the rest timed."""
+def _fake_events(monkeypatch, clock):
+    """torch.cuda.Event and synchronize on a fake clock (ms in ``clock["t"]``)."""
     import torch
-
-    clock = {"t": 0.0}
 
     class FakeEvent:
         def __init__(self, enable_timing=False):
@@ -120,13 +118,31 @@ def test_timer_skips_candidates_that_raise(monkeypatch):
         def elapsed_time(self, other):
             return other.t - self.t
 
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+
+
+def test_cuda_ms_is_the_mean_over_the_burst(monkeypatch):
+    clock = {"t": 0.0}
+    _fake_events(monkeypatch, clock)
+    steps = iter([0.5, 1.0, 1.5, 1.0])
+
+    def fn():
+        clock["t"] += next(steps)
+
+    assert _triton.cuda_ms(fn, 4) == pytest.approx(1.0)  # four calls between the events, 4 ms in all
+
+
+def test_timer_skips_candidates_that_raise(monkeypatch):
+    """The CUDA-event timer with fake events: a candidate that fails to build is left out, the rest timed."""
+    clock = {"t": 0.0}
+    _fake_events(monkeypatch, clock)
+
     def run(cfg):
         if cfg["ROWS"] == 2:
             raise RuntimeError("out of resources")
         clock["t"] += 0.01 * cfg["ROWS"]  # ms per launch
 
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     ms = _triton._time_candidates(CANDS, run)
     assert set(ms) == {0, 2}
     assert ms[0] == pytest.approx(0.01) and ms[2] == pytest.approx(0.04)

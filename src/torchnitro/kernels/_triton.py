@@ -29,7 +29,7 @@ import threading
 from typing import Any, Callable, Hashable, Sequence
 
 __all__ = ["triton_importable", "interpreting", "getenv", "LazyKernel", "jit", "cdiv", "next_pow2", "num_programs",
-           "row_config", "tuning_enabled", "pick_config", "tuned_configs", "clear_tuned_configs", "cached_plan",
+           "row_config", "tuning_enabled", "cuda_ms", "pick_config", "tuned_configs", "clear_tuned_configs", "cached_plan",
            "make_plan", "store_plan", "TUNE_MIN_SIZE", "TUNE_MARGIN"]
 
 
@@ -160,6 +160,20 @@ _TUNED: dict[Hashable, dict[str, Any]] = {}  # key -> {"config": winner, "ms": {
 _TUNE_LOCK = threading.RLock()
 
 
+def cuda_ms(fn: Callable[[], Any], reps: int = 1) -> float:
+    """Mean ms per call of ``reps`` back-to-back calls of ``fn``, between two CUDA events on the current
+    stream (no warm-up: callers compile and warm up as they need)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def _time_candidates(candidates: Sequence[dict[str, Any]], run: Callable[[dict[str, Any]], Any],
                      rounds: int = 3, budget_ms: float = 2.0) -> dict[int, float]:
     """Best-of-``rounds`` mean ms per call of each candidate that runs (index -> ms), timed with CUDA
@@ -172,29 +186,19 @@ def _time_candidates(candidates: Sequence[dict[str, Any]], run: Callable[[dict[s
         try:
             run(cfg)  # compiles
             torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run(cfg)
-            end.record()
-            end.synchronize()
-            ok[i] = max(3, min(100, int(budget_ms / max(start.elapsed_time(end), 1e-3))))
+            ok[i] = max(3, min(100, int(budget_ms / max(cuda_ms(lambda: run(cfg)), 1e-3))))
         except Exception:  # a config this device cannot build or launch is simply not a candidate
             continue
     best: dict[int, float] = {}
     for _ in range(rounds):  # rounds interleave candidates, so clock drift hits all alike
         for i, reps in list(ok.items()):
             try:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(reps):
-                    run(candidates[i])
-                end.record()
-                end.synchronize()
+                ms = cuda_ms(lambda: run(candidates[i]), reps)
             except Exception:  # failed on a later launch: dropped like one that never built
                 del ok[i]
                 best.pop(i, None)
                 continue
-            best[i] = min(best.get(i, float("inf")), start.elapsed_time(end) / reps)
+            best[i] = min(best.get(i, float("inf")), ms)
     return best
 
 

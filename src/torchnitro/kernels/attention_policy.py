@@ -33,7 +33,7 @@ from torch import Tensor
 
 from torchnitro.errors import ConfigError, InputError, ShapeError
 from torchnitro.kernels import reference
-from torchnitro.kernels._triton import next_pow2, triton_importable
+from torchnitro.kernels._triton import cuda_ms, next_pow2, triton_importable
 from torchnitro.kernels.dispatch import requested_backend
 from torchnitro.kernels.flash_attention import flash_attention
 
@@ -136,16 +136,6 @@ def _unmeasurable(q: Tensor) -> str | None:
     return None
 
 
-def _cuda_ms(fn: Callable[[], object], reps: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
 def interleaved_medians(a: Callable[[], object], b: Callable[[], object], time_ms: Callable[..., float],
                         rounds: int = ROUNDS, target_ms: float = 2.0) -> tuple[float, float]:
     """Median ms per call of ``a`` and ``b``: warm-up, then ``rounds`` rounds alternating which goes first,
@@ -185,10 +175,10 @@ def _measure(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float | None,
     ours = _timed_call(lambda a, b, c: flash_attention(a, b, c, causal=causal, scale=scale), q, k, v, train)
     theirs = _timed_call(lambda a, b, c: sdpa(a, b, c, causal=causal, scale=scale), q, k, v, train)
     try:
-        t_ours, t_sdpa = interleaved_medians(ours, theirs, _cuda_ms)
+        t_ours, t_sdpa = interleaved_medians(ours, theirs, cuda_ms)
     except Exception as e:  # noqa: BLE001 - a kernel that fails to build or run here must not break the model
         try:
-            interleaved_medians(theirs, theirs, _cuda_ms, rounds=1)
+            interleaved_medians(theirs, theirs, cuda_ms, rounds=1)
         except Exception:  # noqa: BLE001 - SDPA fails too: keep SDPA, whose own error the real call raises
             return AttentionRoute("sdpa", f"measurement failed for both ({type(e).__name__}: {str(e)[:120]})")
         return AttentionRoute("sdpa", f"our kernel failed when measured ({type(e).__name__}: {str(e)[:120]})",

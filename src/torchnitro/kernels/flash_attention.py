@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import autocast_inputs, check_float
-from torchnitro.kernels._triton import LazyKernel, cdiv, interpreting, next_pow2
+from torchnitro.kernels._triton import LazyKernel, cdiv, cuda_ms, interpreting, next_pow2
 from torchnitro.kernels.dispatch import use_triton
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
@@ -357,13 +357,7 @@ def _tuning_enabled(t: Tensor) -> bool:
 
 def _time_ms(launch: Callable[[], None], reps: int = 5) -> float:
     launch()  # compile and warm up
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        launch()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+    return cuda_ms(launch, reps)
 
 
 def _pick_config(name: str, key: tuple, candidates: tuple[KernelConfig, ...], like: Tensor,
