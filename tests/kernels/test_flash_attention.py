@@ -144,7 +144,7 @@ def test_flash_attention_candidate_lists_cover_every_kernel():
 def test_pick_config_times_candidates_once_and_caches(monkeypatch):
     fa = _fa_module()
     monkeypatch.setattr(fa, "_CHOSEN", {})
-    monkeypatch.setattr(fa, "_tuning_enabled", lambda t: True)
+    monkeypatch.setattr(fa, "tuning_enabled", lambda device: True)
     cands = (fa.KernelConfig(16, 16, 4, 1), fa.KernelConfig(32, 16, 4, 2), fa.KernelConfig(64, 16, 4, 3))
     cost = {cands[0]: 3.0, cands[1]: 1.0}
     timed = []
@@ -178,7 +178,7 @@ def test_pick_config_untimed_defaults(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert fa._pick_config("fwd", ("x",), cands, torch.zeros(1), never) == cands[0]  # CPU tensor: fixed default
     monkeypatch.setenv("TORCHNITRO_KERNEL_TUNE", "0")
-    assert not fa._tuning_enabled(torch.zeros(1))
+    assert not fa.tuning_enabled(torch.device("cuda"))  # the switch reaches the picker on CUDA too
 
 
 @pytest.mark.gpu

@@ -19,7 +19,6 @@ first use per (length bucket, dtype, head dim, group, mask kind, GPU) and cached
 from __future__ import annotations
 
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -30,7 +29,7 @@ from torch import Tensor, nn
 from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import autocast_inputs, check_float
-from torchnitro.kernels._triton import LazyKernel, cdiv, cuda_ms, interpreting, next_pow2
+from torchnitro.kernels._triton import LazyKernel, cdiv, cuda_ms, interpreting, next_pow2, tuning_enabled
 from torchnitro.kernels.dispatch import use_triton
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
@@ -350,11 +349,6 @@ def chosen_configs() -> dict[str, str]:
     return {" ".join(map(str, key)): str(cfg) for key, cfg in _CHOSEN.items()}
 
 
-def _tuning_enabled(t: Tensor) -> bool:
-    return (t.is_cuda and not interpreting() and os.environ.get("TORCHNITRO_KERNEL_TUNE", "1").strip() != "0"
-            and not torch.cuda.is_current_stream_capturing())
-
-
 def _time_ms(launch: Callable[[], None], reps: int = 5) -> float:
     launch()  # compile and warm up
     return cuda_ms(launch, reps)
@@ -365,7 +359,8 @@ def _pick_config(name: str, key: tuple, candidates: tuple[KernelConfig, ...], li
     """The fastest of ``candidates`` for ``key``, timed once with CUDA events and cached in-process.
 
     A local version of a config picker (to be unified with the shared one in ``_triton``). The
-    interpreter uses tiny fixed blocks; CPU and ``TORCHNITRO_KERNEL_TUNE=0`` use ``candidates[0]``.
+    interpreter uses tiny fixed blocks; wherever ``_triton.tuning_enabled`` says no (CPU,
+    ``TORCHNITRO_KERNEL_TUNE=0``, CUDA-graph capture, a torch.compile trace) ``candidates[0]`` is used.
     ``launch`` must be safe to repeat (each kernel overwrites its outputs, nothing accumulates).
     """
     if interpreting():
@@ -374,7 +369,7 @@ def _pick_config(name: str, key: tuple, candidates: tuple[KernelConfig, ...], li
     cfg = _CHOSEN.get(full)
     if cfg is not None:
         return cfg
-    if not _tuning_enabled(like):
+    if not tuning_enabled(like.device):
         return candidates[0]
     times: dict[KernelConfig, float] = {}
     errors: list[str] = []
