@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from torchnitro.errors import InputError
 from torchnitro.kernels import reference
 from torchnitro.kernels._common import check_approximate, check_float
 from torchnitro.kernels._triton import LazyKernel, cdiv
@@ -60,18 +61,29 @@ _fwd = LazyKernel(_gelu_fwd_kernel)
 _bwd = LazyKernel(_gelu_bwd_kernel)
 
 
-def gelu_forward(x: Tensor, approximate: str = "none") -> Tensor:
+def _check_out(op: str, out: Tensor, like: Tensor) -> Tensor:
+    if not out.is_contiguous() or out.numel() != like.numel():
+        raise InputError(f"{op}: out has shape {tuple(out.shape)} (contiguous: {out.is_contiguous()}); expected "
+                         f"a contiguous tensor of {like.numel()} elements, like the input")
+    return out
+
+
+def gelu_forward(x: Tensor, approximate: str = "none", out: Tensor | None = None) -> Tensor:
+    """gelu(x), contiguous; written into ``out`` when given (contiguous, x's size; ``out`` may be a
+    contiguous ``x`` itself: each element is read before it is written)."""
     x = x.contiguous()
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else _check_out("gelu_forward", out, x)
     n = x.numel()
     if n:
         _fwd[(cdiv(n, BLOCK),)](x, y, n, APPROX=approximate == "tanh", BLOCK=BLOCK)
     return y
 
 
-def gelu_backward(dy: Tensor, x: Tensor, approximate: str = "none") -> Tensor:
+def gelu_backward(dy: Tensor, x: Tensor, approximate: str = "none", out: Tensor | None = None) -> Tensor:
+    """dy * gelu'(x), contiguous; written into ``out`` when given (as in :func:`gelu_forward`; ``out``
+    may be a contiguous ``x`` or ``dy``)."""
     dy, x = dy.contiguous(), x.contiguous()
-    dx = torch.empty_like(x)
+    dx = torch.empty_like(x) if out is None else _check_out("gelu_backward", out, x)
     n = x.numel()
     if n:
         _bwd[(cdiv(n, BLOCK),)](dy, x, dx, n, APPROX=approximate == "tanh", BLOCK=BLOCK)

@@ -27,10 +27,7 @@ from torchnitro.kernels import reference
 from torchnitro.kernels._common import autocast_inputs, check_approximate, check_float
 from torchnitro.kernels._triton import LazyKernel, cdiv
 from torchnitro.kernels.dispatch import use_triton
-from torchnitro.kernels.gelu import BLOCK as _GELU_BLOCK
-from torchnitro.kernels.gelu import _bwd as _gelu_bwd
-from torchnitro.kernels.gelu import _fwd as _gelu_fwd
-from torchnitro.kernels.gelu import gelu_backward
+from torchnitro.kernels.gelu import gelu_backward, gelu_forward
 
 if TYPE_CHECKING:  # kernels get `tl` when first jitted (LazyKernel), so importing this module stays cheap
     import triton.language as tl
@@ -139,22 +136,6 @@ def _gemm_bias(x2: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.addmm(bias, x2, weight.t()) if bias is not None else x2 @ weight.t()  # (M, N)
 
 
-def _gelu_into(src: Tensor, dst: Tensor, approximate: str) -> Tensor:
-    """dst = gelu(src) elementwise; ``dst is src`` works in place (each element is read before written)."""
-    n = src.numel()
-    if n:
-        _gelu_fwd[(cdiv(n, _GELU_BLOCK),)](src, dst, n, APPROX=approximate == "tanh", BLOCK=_GELU_BLOCK)
-    return dst
-
-
-def _gelu_backward_inplace(dy: Tensor, z: Tensor, approximate: str) -> Tensor:
-    """dz = dy * gelu'(z) written over z (contiguous): no new (M, N) buffer."""
-    n = z.numel()
-    if n:
-        _gelu_bwd[(cdiv(n, _GELU_BLOCK),)](dy, z, z, n, APPROX=approximate == "tanh", BLOCK=_GELU_BLOCK)
-    return z
-
-
 class LinearGeluFunction(torch.autograd.Function):
     """cuBLAS GEMM + bias, Triton GELU; backward turns the saved z into dz in place.
 
@@ -165,7 +146,7 @@ class LinearGeluFunction(torch.autograd.Function):
     def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, approximate: str) -> Tensor:  # type: ignore[override]
         x2 = x.reshape(-1, x.shape[-1])
         z = _gemm_bias(x2, weight, bias).contiguous()  # (M, N) pre-activation, kept for backward
-        y = _gelu_into(z, torch.empty_like(z), approximate)
+        y = gelu_forward(z, approximate)
         ctx.save_for_backward(x2, weight, bias, z)
         ctx.approximate, ctx.x_shape, ctx.z_spent = approximate, x.shape, False
         return y.view(*x.shape[:-1], weight.shape[0])
@@ -176,7 +157,7 @@ class LinearGeluFunction(torch.autograd.Function):
         if ctx.z_spent:  # an earlier backward of this retained graph overwrote z with its dz
             z = _gemm_bias(x2, weight, bias).contiguous()
         ctx.z_spent = True
-        dz = _gelu_backward_inplace(dy.reshape(z.shape).contiguous(), z, ctx.approximate)  # (M, N), aliases z
+        dz = gelu_backward(dy.reshape(z.shape), z, ctx.approximate, out=z)  # (M, N) written over z: no new buffer
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = (dz @ weight).view(ctx.x_shape) if need_x else None
         dw = dz.t() @ x2 if need_w else None
@@ -220,7 +201,7 @@ def linear_gelu(x: Tensor, weight: Tensor, bias: Tensor | None = None, approxima
             warnings.warn(f"linear_gelu: the cuBLASLt GELU epilogue failed ({e}); using GEMM + Triton GELU",
                           stacklevel=2)
     z = _gemm_bias(x2, weight, bias).contiguous()
-    return _gelu_into(z, z, approximate).view(out_shape)
+    return gelu_forward(z, approximate, out=z).view(out_shape)
 
 
 def linear_gelu_triton_gemm(x: Tensor, weight: Tensor, bias: Tensor | None = None, approximate: str = "none"
