@@ -67,6 +67,8 @@ def test_flash_attention_bad_input(triton_cpu):
         flash_attention(torch.randn(2, 8, 16), torch.randn(2, 8, 16), torch.randn(2, 8, 16))
     with pytest.raises(ShapeError, match="multiple of Hkv"):
         flash_attention(torch.randn(1, 3, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16))
+    with pytest.raises(ShapeError, match="multiple of Hkv"):  # no key heads: an error, not a division by zero
+        flash_attention(torch.randn(1, 2, 8, 16), torch.randn(1, 0, 8, 16), torch.randn(1, 0, 8, 16))
     with pytest.raises(InputError, match="window=0"):
         q = torch.randn(1, 1, 8, 16)
         flash_attention(q, q, q, window=0)

@@ -8,7 +8,7 @@ import torch
 
 from torchnitro.errors import InputError, ShapeError
 
-__all__ = ["check_float", "check_same_shape", "check_last_dim", "check_approximate", "autocast_inputs",
+__all__ = ["check_float", "check_same_shape", "check_last_dim", "check_approximate", "check_qkv", "autocast_inputs",
            "FLOAT_DTYPES"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -43,6 +43,20 @@ def check_last_dim(op: str, name: str, t: torch.Tensor | None, size: int) -> Non
 def check_approximate(op: str, approximate: str) -> None:
     if approximate not in ("none", "tanh"):
         raise InputError(f"{op}: approximate={approximate!r}; expected 'none' (exact erf) or 'tanh'")
+
+
+def check_qkv(op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None) -> None:
+    """Attention inputs: q (B, H, Tq, D), k and v (B, Hkv, Tk, D) with H a multiple of Hkv >= 1;
+    ``window`` None or a positive int."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ShapeError(f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected 4-d "
+                         "(B, H, T, D) tensors; transpose (B, T, H, D) inputs with .transpose(1, 2)")
+    B, H, _, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or k.shape[1] < 1 or H % k.shape[1]:
+        raise ShapeError(f"{op}: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected k and v "
+                         "of shape (B, Hkv, Tk, D) with H a multiple of Hkv")
+    if window is not None and window < 1:
+        raise InputError(f"{op}: window={window}; expected a positive int or None")
 
 
 def autocast_inputs(*tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:

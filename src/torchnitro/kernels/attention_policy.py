@@ -31,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from torchnitro.errors import ConfigError, InputError, ShapeError
+from torchnitro.errors import ConfigError
 from torchnitro.kernels import reference
+from torchnitro.kernels._common import check_qkv
 from torchnitro.kernels._triton import cuda_ms, next_pow2, triton_importable
 from torchnitro.kernels.dispatch import requested_backend
 from torchnitro.kernels.flash_attention import flash_attention
@@ -68,18 +69,6 @@ def _requested(backend: str) -> str:
         if value not in ATTENTION_BACKENDS:
             raise ConfigError(f"attention: {source}={value!r}; expected one of {list(ATTENTION_BACKENDS)}")
     return backend if backend != "auto" else env
-
-
-def _check(q: Tensor, k: Tensor, v: Tensor, window: int | None) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ShapeError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected 4-d "
-                         "(B, H, T, D) tensors; transpose (B, T, H, D) inputs with .transpose(1, 2)")
-    B, H, _, D = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or k.shape[1] < 1 or H % k.shape[1]:
-        raise ShapeError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected k and v "
-                         "of shape (B, Hkv, Tk, D) with H a multiple of Hkv")
-    if window is not None and window < 1:
-        raise InputError(f"attention: window={window}; expected a positive int or None")
 
 
 def _effective_window(q: Tensor, k: Tensor, window: int | None) -> int | None:
@@ -222,7 +211,7 @@ def route_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, windo
     """The route of one call (see the module docstring); recorded under ``site`` when given.
 
     May time both backends once (first CUDA call of a shape bucket, ``backend='auto'``)."""
-    _check(q, k, v, window)
+    check_qkv("attention", q, k, v, window)
     window = _effective_window(q, k, window)
     key = _bucket(q, k, causal, window, _wants_grad(q, k, v))
     route = _decide(q, k, v, causal, window, scale, backend, key)

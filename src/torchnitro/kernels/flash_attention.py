@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch import Tensor, nn
 
-from torchnitro.errors import BackendUnavailableError, InputError, ShapeError
+from torchnitro.errors import BackendUnavailableError, InputError
 from torchnitro.kernels import reference
-from torchnitro.kernels._common import autocast_inputs, check_float
+from torchnitro.kernels._common import autocast_inputs, check_float, check_qkv
 from torchnitro.kernels._triton import LazyKernel, cdiv, cuda_ms, interpreting, next_pow2, tuning_enabled
 from torchnitro.kernels.dispatch import use_triton
 
@@ -482,17 +482,9 @@ class FlashAttentionFunction(torch.autograd.Function):
 
 def _check(q: Tensor, k: Tensor, v: Tensor, window: int | None) -> None:
     check_float("flash_attention", q=q, k=k, v=v)
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ShapeError(f"flash_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
-                         "4-d (B, H, T, D) tensors; transpose (B, T, H, D) inputs with .transpose(1, 2)")
-    B, H, _, D = q.shape
-    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or H % k.shape[1]:
-        raise ShapeError(f"flash_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; expected "
-                         "k and v of shape (B, Hkv, Tk, D) with H a multiple of Hkv")
+    check_qkv("flash_attention", q, k, v, window)
     if q.dtype != k.dtype or q.dtype != v.dtype:
         raise InputError(f"flash_attention: dtypes q={q.dtype}, k={k.dtype}, v={v.dtype}; expected one dtype")
-    if window is not None and window < 1:
-        raise InputError(f"flash_attention: window={window}; expected a positive int or None")
 
 
 def flash_attention(q: Tensor, k: Tensor, v: Tensor, causal: bool = False, window: int | None = None,
