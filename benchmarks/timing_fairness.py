@@ -20,9 +20,12 @@ rebuilt). An earlier version rebuilt every variant in the alone child: a rebuilt
 measured its own spinning choice while its sibling processes were building, chose differently from the
 search's build, and ran 7-18% slower than the artifact the optimizer had timed.
 
-A third table times eager alone in fresh processes under glibc allocator settings (the issue measured
-eager MobileNetV3 at 138 ms with glibc's defaults and 66.5 ms with ``MALLOC_MMAP_THRESHOLD_``): the
-setting a number was measured under is part of the number (``--no-allocator`` skips it). Its last row
+Every timing process, the optimizer's and this benchmark's alone side alike, runs under glibc's
+``ALLOCATOR_SETTING`` (``bench.environment.timing_process_env``): with glibc's defaults, fresh processes of
+the same eager differed by 10-20% (results/eager_spread.md). A third table times eager alone in fresh
+processes under glibc allocator settings, glibc's defaults first (the issue measured eager MobileNetV3 at
+138 ms with glibc's defaults and 66.5 ms with ``MALLOC_MMAP_THRESHOLD_``), with the minor page faults per
+call: the setting a number was measured under is part of the number (``--no-allocator`` skips it). Its last row
 applies the setting with ``mallopt`` after the process started, as ``torchnitro.load`` does
 (``bench.environment.apply_allocator``), against the variables read at start.
 
@@ -70,7 +73,8 @@ from torchnitro.autotune.inputs import model_and_inputs
 from torchnitro.autotune.recipe import BuildContext, get_recipe
 from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir
 from torchnitro.bench import quiet
-from torchnitro.bench.environment import ALLOCATOR_SETTING, apply_allocator, describe_environment, timing_process_env
+from torchnitro.bench.environment import (ALLOCATOR_SETTING, GLIBC_DEFAULTS, apply_allocator, describe_environment,
+                                          timing_process_env)
 from torchnitro.bench.isolated import ChildTimer, save_inputs
 from torchnitro.hardware import hardware_info
 
@@ -89,7 +93,7 @@ P50_COLUMNS = ("p50 in comparison ms: the optimizer's own number; for eager the 
                "reported speedup divides; other variants run in one process there. p50 alone ms: the median over "
                "--repeat independent sets of fresh processes (listed in 'alone per process ms')")
 SPEEDUP_COLUMNS = ("workload", "variant", "reported speedup", "isolated ratio", "diff", "within 10%", "chosen")
-ALLOCATOR_COLUMNS = ("workload", "setting", "env", "eager p50 alone ms", "vs glibc defaults")
+ALLOCATOR_COLUMNS = ("workload", "setting", "env", "eager p50 alone ms", "vs glibc defaults", "page faults per call")
 THREAD_COLUMNS = ("workload", "setting", "env", "beside", "eager p50 alone ms", "eager p90 ms",
                   "vs libgomp default, same load")
 THREAD_SETTINGS = {  # name -> (environment of a fresh process (libgomp reads it once, at start-up), no mallopt)
@@ -100,11 +104,13 @@ THREAD_SETTINGS = {  # name -> (environment of a fresh process (libgomp reads it
     "OMP_WAIT_POLICY=PASSIVE (no spin)": ({"OMP_WAIT_POLICY": "PASSIVE"}, {}),
 }
 BUSY = "while True: pass"  # the competitor: one runnable thread that never blocks
-MALLOC_SETTINGS = {  # name -> (environment of a fresh process (glibc reads it once, at start-up), mallopt setting)
-    "glibc defaults": ({}, {}),
-    "mmap threshold 256 MiB": ({"MALLOC_MMAP_THRESHOLD_": "268435456"}, {}),
-    "mmap + trim threshold 256/512 MiB": (ALLOCATOR_SETTING, {}),
-    "same via mallopt after start (torchnitro.load)": ({}, ALLOCATOR_SETTING),
+# name -> (environment of a fresh process (glibc reads it once, at start-up; None: removed), mallopt setting); the
+# timing processes' own setting is ALLOCATOR_SETTING (bench.environment.timing_process_env), so each row says its own
+MALLOC_SETTINGS: dict[str, tuple[dict[str, str | None], dict[str, str]]] = {
+    "glibc defaults": (dict(GLIBC_DEFAULTS), {}),
+    "mmap threshold 256 MiB": ({"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": None}, {}),
+    "mmap + trim threshold 256/512 MiB": (dict(ALLOCATOR_SETTING), {}),
+    "same via mallopt after start (torchnitro.load)": (dict(GLIBC_DEFAULTS), dict(ALLOCATOR_SETTING)),
 }
 
 
@@ -172,7 +178,7 @@ def _families(quick: bool) -> dict[str, str]:
 
 
 def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any, ...], threads: int,
-           tc: TimingConfig, work: Path, envs: dict[str, tuple[dict[str, str], dict[str, str]]] | None = None,
+           tc: TimingConfig, work: Path, envs: dict[str, tuple[dict[str, str | None], dict[str, str]]] | None = None,
            artifacts: dict[str, Path] | None = None, gate: quiet.GateConfig = quiet.GateConfig(),
            notes: list[str] | None = None, label: str = "") -> dict[str, Any]:
     """p50 ms of each variant alone in its own fresh process (all started together, timed in rotation, every
@@ -180,7 +186,7 @@ def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any,
     ``artifacts`` has one, else built in the child. ``notes`` gets the gate's counts.
 
     ``envs``: one process per entry instead, each running eager under that (environment, mallopt setting); then
-    the full ``Timing`` of each is returned instead of its p50."""
+    the full ``Timing`` of each is returned instead of its p50, with its median minor page faults per call."""
     work.mkdir(parents=True, exist_ok=True)
     save_inputs([inputs], work / "inputs.pt")
     jobs = {n: ("eager", *env) for n, env in envs.items()} if envs is not None else {n: (n, {}, {}) for n in names}
@@ -203,10 +209,11 @@ def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any,
             res = compare({n: Steady(t) for n, t in timers.items()}, tc)  # sampled as the optimizer's comparison
         if notes is not None:
             notes.append(f"{label}: {rec.text()}")
+        faults = {n: statistics.median(t.faults) if t.faults else float("nan") for n, t in timers.items()}
     finally:
         for t in timers.values():
             t.close()
-    return res if envs is not None else {n: t.median * 1e3 for n, t in res.items()}
+    return {n: (t, faults[n]) for n, t in res.items()} if envs is not None else {n: t.median * 1e3 for n, t in res.items()}
 
 
 def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], quick: bool,
@@ -246,12 +253,14 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
         if allocator is not None:
             by_env = _alone(spec, batch, seq, [], inputs, cfg.resolved_threads(), tc, Path(tmp) / "malloc",
                             MALLOC_SETTINGS, notes=notes, label=f"{name} allocator table")
-            for setting, ms in {k: t.median * 1e3 for k, t in by_env.items()}.items():
+            base = by_env["glibc defaults"][0].median * 1e3
+            for setting, (t, faults) in by_env.items():
                 env_vars, mallopt = MALLOC_SETTINGS[setting]
-                env = " ".join(f"{k}={v}" for k, v in env_vars.items()) or (
+                env = " ".join(f"{k}={v}" for k, v in env_vars.items() if v is not None) or (
                     "mallopt " + " ".join(f"{k}={v}" for k, v in mallopt.items()) if mallopt else "-")
                 allocator.add(workload=name, setting=setting, env=env, **{
-                    "eager p50 alone ms": ms, "vs glibc defaults": by_env["glibc defaults"].median * 1e3 / ms})
+                    "eager p50 alone ms": t.median * 1e3, "vs glibc defaults": base / (t.median * 1e3),
+                    "page faults per call": faults})
         if "threads" in tables:
             _thread_table(name, spec, batch, seq, inputs, cfg.resolved_threads(), tc, Path(tmp) / "threads",
                           tables["threads"])
@@ -292,8 +301,8 @@ def _thread_table(name: str, spec: str, batch: int, seq: int, inputs: tuple[Any,
             if busy is not None:
                 busy.kill()
                 busy.wait()
-        base = res["libgomp default (~3 ms spin)"].median
-        for setting, t in res.items():
+        base = res["libgomp default (~3 ms spin)"][0].median
+        for setting, (t, _) in res.items():
             env = " ".join(f"{k}={v}" for k, v in THREAD_SETTINGS[setting][0].items())
             table.add(workload=name, setting=setting, env=env, beside=beside, **{
                 "eager p50 alone ms": t.median * 1e3, "eager p90 ms": t.p90 * 1e3,

@@ -504,6 +504,29 @@ def test_tune_allocator_keeps_the_setting_only_when_the_fresh_process_with_it_is
     assert not slightly.keep
 
 
+def test_under_the_setting_the_trial_starts_glibcs_defaults_and_keeps_the_setting_unless_they_win():
+    """Every timing process runs under the setting (bench.environment.timing_process_env): the trial is the same
+    variant with glibc's defaults, and the artifact keeps the setting the comparison's numbers were taken under
+    unless the defaults were faster beyond the noise."""
+    import fake_standalone as fs
+
+    from torchnitro.bench.environment import ALLOCATOR_SETTING, GLIBC_DEFAULTS
+
+    faulting = fs.FakeChild(1e-3, 2e-3, env=dict(ALLOCATOR_SETTING))  # with glibc's defaults: 2 ms
+    trial = fair.tune_allocator(faulting, _FAST)
+    assert faulting.spawned[0].env == GLIBC_DEFAULTS and faulting.spawned[0].closed
+    assert trial.compared_under and trial.keep
+    assert trial.default_ms == pytest.approx(2.0) and trial.tuned_ms == pytest.approx(1.0)
+    assert "timed every process under it; kept in the artifact" in trial.text()
+    assert fair.tune_allocator(fs.FakeChild(2e-3, 2e-3, env=dict(ALLOCATOR_SETTING)), _FAST).keep  # a tie keeps it
+    lost = fair.tune_allocator(fs.FakeChild(2e-3, 1e-3, env=dict(ALLOCATOR_SETTING)), _FAST)
+    assert not lost.keep and "glibc's defaults were faster beyond the noise: not kept" in lost.text()
+    both = fair.tune_allocator({"the chosen variant": fs.FakeChild(1e-3, 1e-3, env=dict(ALLOCATOR_SETTING)),
+                                "eager": fs.FakeChild(4e-3, 6e-3, env=dict(ALLOCATOR_SETTING))}, _FAST)
+    assert set(both) == {"the chosen variant", "eager"}
+    assert both["eager"].default_ms == pytest.approx(6.0) and both["eager"].label == "eager"
+
+
 def _no_malloc_env(monkeypatch) -> None:
     """MALLOC_* absent now and after the test, whatever the code under test puts into os.environ."""
     for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
@@ -511,8 +534,8 @@ def _no_malloc_env(monkeypatch) -> None:
         monkeypatch.delenv(k)
 
 
-def _kept_trial(timer, tc):
-    return fair.AllocatorTrial(2.0, 1.0, 2.0, 0.01, True)
+def _kept_trial(timers, tc):
+    return {name: fair.AllocatorTrial(2.0, 1.0, 2.0, 0.01, True, label=name) for name in timers}
 
 
 @pytest.mark.parametrize("min_speedup, chosen", [(1.03, "test-faster"), (1e6, "eager")])
@@ -527,6 +550,8 @@ def test_kept_allocator_setting_goes_into_the_artifact_and_load_and_serve_apply_
         recipes=["test-faster"], final_alone=True, tune_allocator=True, min_speedup=min_speedup))
     assert opt.recipe == chosen
     assert any(n.startswith("allocator setting MALLOC_MMAP_THRESHOLD_") for n in opt.report.notes)
+    against = [n for n in opt.report.notes if "against eager with glibc's defaults" in n]
+    assert len(against) == (chosen != "eager"), opt.report.notes  # eager's own trial, beside the chosen one's
     assert opt.candidate.meta["environment"] == env_mod.ALLOCATOR_SETTING
     opt.save(tmp_path / "art")
     meta = read_manifest(tmp_path / "art")["meta"]

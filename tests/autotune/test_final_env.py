@@ -1,18 +1,25 @@
 """The optimizer's final comparison starts every timing process with the OpenMP wait setting a deployed process
-has (nothing added) and its report says so."""
+has (nothing added) and under glibc's allocator setting (fresh processes agree), and its report says so."""
 
 from __future__ import annotations
 
+import os
+import platform
+
+import pytest
+
 import torchnitro
 from torchnitro.autotune import fair, fair_place
+from torchnitro.bench.environment import ALLOCATOR_SETTING
 from torchnitro.bench.isolated import ChildTimer
 
 
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the allocator setting is glibc's")
 def test_final_comparison_children_run_libgomps_default_wait_and_the_report_says_so(fake_recipes, fast_cfg,
                                                                                      monkeypatch):
     import fake_standalone as fs
 
-    for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+    for k in ["OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LD_PRELOAD"] + [k for k in os.environ if k.startswith("MALLOC_")]:
         monkeypatch.delenv(k, raising=False)
     started: list[ChildTimer] = []
 
@@ -27,8 +34,10 @@ def test_final_comparison_children_run_libgomps_default_wait_and_the_report_says
                               fast_cfg(recipes=["test-faster"], final_alone=True))
     assert opt.report.get("eager").alone and opt.report.get("test-faster").alone
     assert len(started) >= 2  # eager's process and the candidate's
-    assert all(t.env == {} for t in started), [t.env for t in started]  # the deployed setting: nothing added
+    # OpenMP: the deployed setting (nothing added); glibc: the fixed thresholds
+    assert all(t.env == ALLOCATOR_SETTING for t in started), [t.env for t in started]
     env_notes = [n for n in opt.report.notes if n.startswith("timing environment:")]
     assert env_notes and env_notes[0].endswith("timing processes run libgomp's default OpenMP wait (nothing added)")
+    assert "timing processes started with MALLOC_MMAP_THRESHOLD_=268435456" in env_notes[0]
     gate = [n for n in opt.report.notes if n.startswith("timing gate:")]
     assert gate and "retaken" in gate[0], opt.report.notes  # the report says how many samples were retaken

@@ -74,7 +74,8 @@ class OptimizeConfig:
     # CPU: eager's p50 = median over this many fresh timing processes (one = one draw). Default 1: three doubled
     # the search's timing and slowed every timing process on a 2-core machine (results/timing_fairness.md, 02:29)
     eager_processes: int = 1
-    tune_allocator: bool = True  # CPU: try glibc's allocator setting on the chosen variant; keep it when it helps
+    tune_allocator: bool = True  # CPU: time the chosen variant and eager with glibc's defaults too (timing processes run
+    # under bench.environment.ALLOCATOR_SETTING); the artifact keeps the setting unless the defaults were faster
     progress: bool = True  # rich progress display while searching (on a terminal)
     seed: int = 1234  # base seed of the held-out inputs
     padding_mask: Optional[Union[int, str]] = None  # the attention-mask input (index or forward arg name); None: detect

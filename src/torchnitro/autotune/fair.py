@@ -32,10 +32,15 @@
   eager's own timing processes just before the comparison (nothing else timed; with several, the median of
   their p50s, as inside), or, for eager timed in this process, its search-time p50; sampled like the
   comparison (``Steady``).
-- The chosen variant is timed once more in a fresh process under glibc's ``ALLOCATOR_SETTING``
-  (``tune_allocator``); the setting goes into the artifact's meta (``environment``) when it made that
-  variant faster by more than the noise, and ``torchnitro.load`` / ``serve`` apply it
-  (``bench.environment.apply_allocator``).
+- Every timing process runs under glibc's ``ALLOCATOR_SETTING`` (``bench.environment.timing_process_env``):
+  with glibc's default thresholds, fresh processes of the same eager differed by 10-20% (page faults of
+  returned memory, a different number in each process; results/eager_spread.md), more than any check here
+  allows. The chosen variant and eager are then each timed once more in a fresh process with glibc's
+  defaults, interleaved with their processes under the setting (``tune_allocator``): the report gives both,
+  with the page faults per call, and the setting goes into the artifact's meta (``environment``) unless the
+  defaults were faster by more than the noise; ``torchnitro.load`` / ``serve`` apply it
+  (``bench.environment.apply_allocator``). Where the environment chooses the allocator itself (a
+  ``MALLOC_*`` variable, ``LD_PRELOAD``), timing processes inherit it and the trial starts the setting instead.
 """
 
 from __future__ import annotations
@@ -52,14 +57,15 @@ from torch import nn
 
 from torchnitro.autotune.fair_eager import EagerBaseline
 from torchnitro.autotune.recipe import Recipe
-from torchnitro.bench.environment import ALLOCATOR_SETTING
+from torchnitro.bench.environment import ALLOCATOR_SETTING, GLIBC_DEFAULTS
 from torchnitro.bench.isolated import ChildTimer
 from torchnitro.bench.quiet import Gate, GateConfig
 from torchnitro.bench.ratio import paired_ratio
 from torchnitro.bench.timing import Timing, TimingConfig, compare
 
 __all__ = ["Steady", "runs_alone", "start_alone", "load_standalone", "load_variant", "ChildModel", "child_model",
-           "EagerCheck", "check_eager", "AllocatorTrial", "tune_allocator", "apply_recorded_allocator", "SETTLE_S",
+           "EagerCheck", "check_eager", "AllocatorTrial", "tune_allocator", "under_allocator_setting",
+           "apply_recorded_allocator", "SETTLE_S",
            "MIN_BAND", "MAX_BAND", "MIN_ALLOCATOR_GAIN"]
 
 SETTLE_S = 2.0  # pause before redoing a comparison whose eager drifted (let a burst of other load pass)
@@ -281,36 +287,90 @@ def check_eager(alone_ms: float, alone_cv: float | None, inside: Timing | EagerB
 
 @dataclass
 class AllocatorTrial:
-    """The chosen variant in a fresh process with glibc's defaults against one with ``ALLOCATOR_SETTING``."""
+    """A variant in a fresh process with glibc's defaults against one with ``ALLOCATOR_SETTING``."""
 
     default_ms: float
     tuned_ms: float
     ratio: float  # default / tuned (> 1: the setting made it faster)
     noise: float
-    keep: bool  # faster by MIN_ALLOCATOR_GAIN and beyond the noise: recorded in the artifact
+    keep: bool  # recorded in the artifact (see ``tune_allocator``)
     setting: dict[str, str] = field(default_factory=lambda: dict(ALLOCATOR_SETTING))
+    default_faults: float | None = None  # minor page faults per call, median over the samples
+    tuned_faults: float | None = None
+    compared_under: bool = False  # True: the comparison's processes ran under the setting
+    label: str = "the chosen variant"
 
     def text(self) -> str:
         env = " ".join(f"{k}={v}" for k, v in self.setting.items())
-        verdict = "kept in the artifact (meta 'environment'; torchnitro.load and serve apply it)" if self.keep \
-            else f"not kept (needs >= {MIN_ALLOCATOR_GAIN:.2f}x beyond the noise)"
-        return (f"allocator setting {env}: the chosen variant alone in a fresh process {self.default_ms:.3f} ms with "
-                f"glibc's defaults, {self.tuned_ms:.3f} ms with it ({self.ratio:.2f}x ±{self.noise:.2f}); {verdict}")
+
+        def faults(f: float | None) -> str:
+            return "" if f is None else f", {f:,.0f} page faults per call"
+
+        if not self.compared_under:
+            verdict = "kept in the artifact (meta 'environment'; torchnitro.load and serve apply it)" if self.keep \
+                else f"not kept (needs >= {MIN_ALLOCATOR_GAIN:.2f}x beyond the noise)"
+        else:
+            verdict = ("the comparison timed every process under it; kept in the artifact (meta 'environment'; "
+                       "torchnitro.load and serve apply it)") if self.keep else \
+                ("the comparison timed every process under it, but glibc's defaults were faster beyond the noise: "
+                 "not kept in the artifact")
+        return (f"allocator setting {env}: {self.label} alone in a fresh process {self.default_ms:.3f} ms with "
+                f"glibc's defaults{faults(self.default_faults)}, {self.tuned_ms:.3f} ms with it"
+                f"{faults(self.tuned_faults)} ({self.ratio:.2f}x ±{self.noise:.2f}); {verdict}")
 
 
-def tune_allocator(timer: ChildTimer, tc: TimingConfig) -> AllocatorTrial:
-    """Time ``timer``'s variant against the same variant in a fresh process started with ``ALLOCATOR_SETTING``,
-    interleaved. Raises ``RecipeError`` when the second process fails (the caller notes it and goes on)."""
-    tuned = timer.again(ALLOCATOR_SETTING)
+def _faults(timer: Any) -> float | None:
+    got = getattr(timer, "faults", None)
+    if not got:
+        return None
+    ordered = sorted(got)
+    return ordered[len(ordered) // 2]
+
+
+def under_allocator_setting(timer: Any) -> bool:
+    """Whether a timing process was started under ``ALLOCATOR_SETTING`` (its ``env``: what it added)."""
+    env = getattr(timer, "env", None) or {}
+    return all(env.get(k) == v for k, v in ALLOCATOR_SETTING.items())
+
+
+def tune_allocator(timers: dict[str, ChildTimer] | ChildTimer, tc: TimingConfig) -> dict[str, AllocatorTrial] | AllocatorTrial:
+    """Each timer's variant against the same variant in a fresh process with the other allocator setting: glibc's
+    defaults when the timer runs under ``ALLOCATOR_SETTING`` (every timing process does unless the environment
+    chooses the allocator), the setting otherwise; all interleaved in one run. ``keep``: under the setting, the
+    setting stays unless the defaults were faster by ``MIN_ALLOCATOR_GAIN`` beyond the noise (the comparison's
+    numbers were taken under it); otherwise it is kept when it was that much faster. ``timers``: name -> timer
+    (one ``ChildTimer`` alone: its trial alone). Raises ``RecipeError`` when a second process fails (the caller
+    notes it and goes on)."""
+    single = not isinstance(timers, dict)
+    named: dict[str, ChildTimer] = {"the chosen variant": timers} if single else dict(timers)  # type: ignore[dict-item]
+    others: dict[str, ChildTimer] = {}
     try:
-        tuned.wait_ready()
-        res = compare({"default": Steady(timer), "tuned": Steady(tuned)}, tc)
+        for name, timer in named.items():
+            others[name] = timer.again(GLIBC_DEFAULTS if under_allocator_setting(timer) else ALLOCATOR_SETTING)
+        for other in others.values():
+            other.wait_ready()
+        fns: dict[str, Any] = {}
+        for name, timer in named.items():
+            under = under_allocator_setting(timer)
+            fns[f"{name}/default"] = Steady(others[name] if under else timer)
+            fns[f"{name}/tuned"] = Steady(timer if under else others[name])
+        res = compare(fns, tc)
     finally:
-        tuned.close()
-    est = paired_ratio(res["default"], res["tuned"])
-    keep = est.ratio >= MIN_ALLOCATOR_GAIN and est.beats_noise
-    return AllocatorTrial(res["default"].median * 1e3, res["tuned"].median * 1e3, est.ratio, est.noise, keep)
-
+        for other in others.values():
+            other.close()
+    trials = {}
+    for name, timer in named.items():
+        under = under_allocator_setting(timer)
+        default, tuned = res[f"{name}/default"], res[f"{name}/tuned"]
+        est = paired_ratio(default, tuned)
+        back = paired_ratio(tuned, default)  # > 1: glibc's defaults were the faster
+        faster_default = back.ratio >= MIN_ALLOCATOR_GAIN and back.beats_noise
+        keep = not faster_default if under else (est.ratio >= MIN_ALLOCATOR_GAIN and est.beats_noise)
+        trials[name] = AllocatorTrial(
+            default.median * 1e3, tuned.median * 1e3, est.ratio, est.noise, keep,
+            default_faults=_faults(others[name] if under else timer),
+            tuned_faults=_faults(timer if under else others[name]), compared_under=under, label=name)
+    return trials["the chosen variant"] if single else trials
 
 
 def apply_recorded_allocator(directory: str | Path) -> dict[str, str]:

@@ -11,8 +11,10 @@ when that runs alone at eager's search-time speed); eager alone runs in ``eager_
 every one in every round, and every speedup divides the median of their p50s (``autotune.fair_eager``);
 each sample follows one untimed call (``fair.Steady``);
 eager inside the comparison is checked against eager alone (both measured again, once, when it drifted);
-the chosen variant is then tried under glibc's allocator setting. Every timing process runs the OpenMP wait
-setting it is deployed with (``bench.environment``: nothing added), and every sample, in a child or here, is
+every timing process runs under glibc's allocator setting (``bench.environment``: fixed thresholds, so fresh
+processes agree), and the chosen variant and eager are then timed once more with glibc's defaults (both
+reported; the setting stays in the artifact unless the defaults were faster). Every timing process runs the
+OpenMP wait setting it is deployed with (nothing added), and every sample, in a child or here, is
 gated (``bench.quiet``): it starts once the other timing processes are idle and is retaken when foreign CPU
 ran beside it; the report's "timing environment" and "timing gate" notes say so, with the counts.
 """
@@ -31,7 +33,7 @@ from torchnitro.autotune.fair_eager import EagerBaseline, is_copy, is_eager
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.recipe import EAGER, Recipe, get_recipe
 from torchnitro.autotune.report import CandidateResult, Report, Status
-from torchnitro.bench.environment import describe_environment
+from torchnitro.bench.environment import GLIBC_DEFAULTS, describe_environment
 from torchnitro.bench.isolated import ChildTimer, save_inputs
 from torchnitro.bench.quiet import recording
 from torchnitro.bench.timing import Timing, TimingConfig, compare
@@ -135,10 +137,17 @@ def _program_parity(s: _Search, report: Report, timer: ChildTimer) -> str | None
     e = report.get(EAGER)
     if not e.p50_ms:
         return "timed in this process: eager has no search-time p50 to check its torch.export program against"
+    # like with like: this process runs glibc's defaults, so the program is checked in a process that does too
+    # (the comparison's own process runs under the allocator setting, as every timing process)
+    probe = timer.again(GLIBC_DEFAULTS) if fair.under_allocator_setting(timer) else timer
     try:
-        t = compare({EAGER: fair.Steady(timer)}, tc)[EAGER]
+        probe.wait_ready()
+        t = compare({EAGER: fair.Steady(probe)}, tc)[EAGER]
     except RecipeError as exc:  # the child died: eager is timed here (its row says why)
         return f"timed in this process: its timing process (from the torch.export program) failed ({exc})"[:300]
+    finally:
+        if probe is not timer:
+            probe.close()
     check = fair.check_eager(e.p50_ms, e.cv, t)
     text = (f"eager's torch.export program alone {t.median * 1e3:.3f} ms, eager in this process before any "
             f"candidate ran {e.p50_ms:.3f} ms ({check.drift:+.1%}; allowed ±{check.band:.1%})")
@@ -281,26 +290,39 @@ def _checked_comparison(s: _Search, report: Report, fns: dict[str, Callable[...,
     return res
 
 
-def _tune_allocator(s: _Search, report: Report, name: str, fn: Callable[..., Any]) -> None:
-    """The chosen variant under glibc's allocator setting in a fresh process (``fair.tune_allocator``); the
-    setting goes into its files' meta when it helped."""
+def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]]) -> None:
+    """The chosen variant and eager each in a fresh process with the other glibc allocator setting than their
+    comparison processes (``fair.tune_allocator``); the setting goes into the chosen variant's meta unless it
+    lost there. The report gives both times of each, and the chosen variant against eager with glibc's defaults."""
     from torchnitro.bench.environment import allocator_untunable
 
     cf = s.where.get(name)
-    child = _child(fn)
+    child = _child(fns[name])
     why = allocator_untunable() or (None if child is not None and not child.failed else
                                     "the chosen variant was timed in this process, not in a fresh one")
     if cf is None or why is not None:
         report.notes.append(f"allocator setting not tried: {why or 'no files of the chosen variant were kept'}")
         return
+    timers = {"the chosen variant": child}
+    eager = _child(fns[EAGER]) if name != EAGER and EAGER in fns else None
+    if eager is not None and not eager.failed:
+        timers["eager"] = eager
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=5, min_time_s=s.cfg.final_min_time_s,
                       max_time_s=max(3.0, s.cfg.final_min_time_s * 2), device=s.device.type)
     try:
-        trial = fair.tune_allocator(child, tc)  # type: ignore[arg-type]
+        trials = fair.tune_allocator(timers, tc)  # type: ignore[arg-type]
     except RecipeError as exc:
         report.notes.append(f"allocator setting not tried: its timing process failed ({exc})"[:300])
         return
+    assert isinstance(trials, dict)
+    trial = trials["the chosen variant"]
     report.notes.append(trial.text())
+    if "eager" in trials:
+        e = trials["eager"]
+        deployed = trial.tuned_ms if trial.keep else trial.default_ms
+        report.notes.append(e.text().split(";")[0] + (
+            f"; against eager with glibc's defaults (one fresh process: such processes differ by 10-20% where "
+            f"page faults are many) the chosen variant as deployed is {e.default_ms / deployed:.2f}x"))
     if trial.keep:
         gain = {"default_ms": trial.default_ms, "tuned_ms": trial.tuned_ms, "ratio": trial.ratio, "noise": trial.noise}
         s.where[name] = dataclasses.replace(cf, meta={**cf.meta, "environment": dict(trial.setting),
@@ -357,7 +379,7 @@ def _run_pool(s: _Search, report: Report, pool: list[CandidateResult], timers: d
     if base.k > 1:
         report.notes.append(base.text())
     if cfg.tune_allocator and s.device.type == "cpu":
-        _tune_allocator(s, report, best or EAGER, fns[best or EAGER])
+        _tune_allocator(s, report, best or EAGER, fns)
     rows = [n for n in res if not is_copy(n)]
     alone = [n for n in rows if report.get(n).alone]
     here = [n for n in rows if not report.get(n).alone]

@@ -10,8 +10,12 @@ and reports ready; start-up is never timed. Then each ``timer(k)`` asks the chil
 takes such a timer in place of a function, so rounds alternate this process and the child, or several
 children (A B A B), while this process only waits.
 
-Every child starts with the environment it inherits (``bench.environment.timing_process_env()`` adds
-nothing: a variant is timed with the thread settings it is deployed with) plus the caller's ``env``.
+Every child starts with the environment it inherits plus what ``bench.environment.timing_process_env()`` adds
+(glibc's ``ALLOCATOR_SETTING``, unless the environment chooses the allocator itself; no thread setting: a variant
+is timed with the OpenMP wait it is deployed with) plus the caller's ``env`` (a None value removes a variable:
+``GLIBC_DEFAULTS`` starts a child with glibc's default thresholds). Each sample also reports the minor page
+faults per call the child took during it (``ChildTimer.faults``): returned memory faulting in again is what
+glibc's default thresholds cost.
 
 While this process waits for the child it sleeps in ``read``; the child sleeps in ``readline`` while
 this process times. Each sample goes through ``bench.quiet.Gate``: it starts only once every other process
@@ -29,6 +33,7 @@ import contextlib
 import importlib
 import json
 import os
+import resource
 import select
 import subprocess
 import sys
@@ -82,10 +87,10 @@ class ChildTimer:
 
     def __init__(self, loader: str, kwargs: dict[str, Any], inputs: Path, *, threads: int, device: str = "cpu",
                  gate: GateConfig | None = GateConfig(), timeout_s: float = 120.0, log: Path | None = None,
-                 env: dict[str, str] | None = None, outputs: Path | None = None, name: str | None = None):
-        """``env``: extra environment of the child (e.g. ``MALLOC_MMAP_THRESHOLD_``, read once, when it starts), on
-        top of ``timing_process_env()`` unless ``env`` sets OpenMP's wait itself (``self.env``: what the child
-        added to this environment);
+                 env: dict[str, str | None] | None = None, outputs: Path | None = None, name: str | None = None):
+        """``env``: extra environment of the child (e.g. ``MALLOC_MMAP_THRESHOLD_``, read once, when it starts; None:
+        remove that variable), on top of ``timing_process_env()``, which adds nothing ``env`` decides itself
+        (``self.env``: what the child added to this environment, None for what it removed);
         ``gate``: when a sample may start and when it is retaken (``bench.quiet``; None: ungated samples);
         ``outputs``: a file the child writes its first call's outputs to (the tensors of the first input set,
         in ``torch.utils._pytree`` leaf order) before it reports ready, for the caller to check what it times;
@@ -97,9 +102,10 @@ class ChildTimer:
         self.timeout_s = timeout_s
         self.samples = 0
         self.failed: str | None = None  # why the child stopped answering, once it has
-        # a caller's own OpenMP wait setting in ``env`` replaces the default one (not merged with it)
+        self.faults: list[float] = []  # minor page faults per call, one entry per sample
+        # a caller's own OpenMP wait or allocator setting in ``env`` replaces the default one (not merged with it)
         self.env = {**timing_process_env({**os.environ, **self.extra_env}), **self.extra_env}
-        env = {**os.environ, **self.env}
+        env = {k: v for k, v in {**os.environ, **self.env}.items() if v is not None}
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         self.log = log or inputs.with_suffix(f".{os.getpid()}.{id(self)}.log")
         self._err = open(self.log, "wb")
@@ -111,7 +117,7 @@ class ChildTimer:
         self._stdin, self._stdout = cast(IO[bytes], self.proc.stdin), cast(IO[bytes], self.proc.stdout)  # both PIPE
         self._ready = False
 
-    def again(self, env: dict[str, str]) -> "ChildTimer":
+    def again(self, env: dict[str, str | None]) -> "ChildTimer":
         """A fresh process timing the same function, with ``env`` added to this one's extra environment."""
         sp = self.spec
         return ChildTimer(sp["loader"], sp["kwargs"], Path(sp["inputs"]), threads=sp["threads"], device=sp["device"],
@@ -140,7 +146,10 @@ class ChildTimer:
         self._send(f"{int(k)} {int(warm)}")
         line = self._read(self.timeout_s * max(1, k + warm))
         self.samples += 1
-        return float(self._expect(line, "sample"))
+        seconds, _, faults = self._expect(line, "sample").partition(" ")
+        if faults:
+            self.faults.append(float(faults))
+        return float(seconds)
 
     def _send(self, text: str) -> None:
         try:
@@ -196,6 +205,11 @@ class ChildTimer:
         self.close()
 
 
+def _minor_faults() -> int:
+    """Minor page faults of this process so far (all its threads)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def _load(loader: str, kwargs: dict[str, Any]) -> Callable[..., Any]:
     mod, _, name = loader.partition(":")
     return getattr(importlib.import_module(mod), name)(**kwargs)
@@ -228,7 +242,9 @@ def _child(spec: dict[str, Any]) -> None:
                 k, _, warm = line.strip().partition(" ")
                 for _ in range(int(warm or 0)):
                     call()  # untimed: this process's caches and pool take the switch from the others
-                send(f"sample {sampler(int(k)):.9e}")
+                before = _minor_faults()
+                seconds = sampler(int(k))
+                send(f"sample {seconds:.9e} {(_minor_faults() - before) / max(1, int(k)):.1f}")
     except Exception as exc:  # noqa: BLE001 - reported to the parent as the reason
         send(f"error {type(exc).__name__}: {exc}"[:600])
 
