@@ -315,7 +315,7 @@ class AllocatorTrial:
                 ("the comparison timed every process under it, but glibc's defaults were faster beyond the noise: "
                  "not kept in the artifact")
         return (f"allocator setting {env}: {self.label} alone in a fresh process {self.default_ms:.3f} ms with "
-                f"glibc's defaults{faults(self.default_faults)}, {self.tuned_ms:.3f} ms with it"
+                f"glibc's defaults{faults(self.default_faults)}, {self.tuned_ms:.3f} ms with the setting"
                 f"{faults(self.tuned_faults)} ({self.ratio:.2f}x ±{self.noise:.2f}); {verdict}")
 
 

@@ -320,7 +320,7 @@ def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callab
     if "eager" in trials:
         e = trials["eager"]
         deployed = trial.tuned_ms if trial.keep else trial.default_ms
-        report.notes.append(e.text().split(";")[0] + (
+        report.notes.append(e.text().split(": ", 1)[1].split(";")[0] + (
             f"; against eager with glibc's defaults (one fresh process: such processes differ by 10-20% where "
             f"page faults are many) the chosen variant as deployed is {e.default_ms / deployed:.2f}x"))
     if trial.keep:
