@@ -15,11 +15,13 @@ from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.inputs import (ModelInfo, forward_params, input_signature, inputs_from_mapping,
                                         model_and_inputs, signature_of)
+from torchnitro.autotune.pipelines import (OptimizedPipeline, is_pipeline, model_dir, pipeline_workload,
+                                           rebuild_pipeline, saved_pipeline_model)
 from torchnitro.autotune.recipe import EAGER, CandidateFiles, get_recipe
 from torchnitro.autotune.report import Report
 from torchnitro.errors import InputError
 
-__all__ = ["OptimizedModel", "optimize", "load"]
+__all__ = ["OptimizedModel", "optimize", "load", "load_pipeline"]
 
 
 class OptimizedModel:
@@ -93,18 +95,26 @@ def _as_tuple(model: nn.Module, example_inputs: Any) -> tuple[Any, ...]:
     return example_inputs
 
 
-def optimize(model: nn.Module | str, example_inputs: Any = None, config: OptimizeConfig | None = None, *,
-             info: ModelInfo | None = None) -> OptimizedModel:
+def optimize(model: nn.Module | str | Any, example_inputs: Any = None, config: OptimizeConfig | None = None, *,
+             info: ModelInfo | None = None) -> OptimizedModel | OptimizedPipeline:
     """Return the fastest variant of ``model`` that passes the verification gate on this machine.
 
     ``model`` is an ``nn.Module`` (``example_inputs``: a tensor, a tuple of positional inputs, or a
     dict / ``BatchEncoding`` of them by forward-argument name, as a tokenizer returns) or a model spec
     string (a built-in name, ``'module:function'`` or ``'hf:/path'``). An HF model that returns its
-    key/value cache is optimized with ``use_cache=False`` (a report note says so).
+    key/value cache is optimized with ``use_cache=False`` (a report note says so). A
+    ``transformers.Pipeline`` with ``example_inputs`` as it is called (a string or a list of them)
+    returns an ``OptimizedPipeline`` (``torchnitro.autotune.pipelines``).
     """
     cfg = config or OptimizeConfig()
     if not isinstance(cfg, OptimizeConfig):
         raise InputError(f"config: received {type(cfg).__name__}; expected torchnitro.OptimizeConfig")
+    if is_pipeline(model):
+        from torchnitro.autotune.search import resolve_device
+
+        hf_model, inputs, pipe_info = pipeline_workload(model, example_inputs)
+        om = optimize(hf_model, inputs, cfg, info=pipe_info)
+        return OptimizedPipeline(model, om, inputs=inputs, device=resolve_device(cfg))
     if isinstance(model, str):
         model, resolved, info = model_and_inputs(model)
         example_inputs = example_inputs if example_inputs is not None else resolved
@@ -220,13 +230,14 @@ def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: b
     """Load a saved artifact after checking every file's SHA-256 (``ArtifactError`` on mismatch).
 
     ``model`` is only needed for non-standalone recipes whose artifact has no factory reference.
+    A folder saved by ``OptimizedPipeline.save`` gives its optimized model (``load_pipeline``: the pipeline).
     ``trust_code=True`` lets the artifact run code (a ``.py`` model factory, a TorchScript archive);
     without it an artifact is loaded as data only (see ``torchnitro.autotune.artifact``).
     ``allocator``: apply the glibc allocator setting the optimizer measured to help this variant (meta
     ``environment``) to this process with ``mallopt`` (glibc reads the ``MALLOC_*`` variables only at a
     process's start; ``torchnitro serve`` also sets them for its workers; ``bench.environment.apply_allocator``).
     """
-    d = Path(directory)
+    d = model_dir(directory)  # a saved pipeline: its model artifact
     manifest, fn, eager = load_artifact(d, model, trust_code=trust_code)
     if allocator and manifest.get("meta", {}).get("environment"):
         from torchnitro.bench.environment import apply_allocator
@@ -241,3 +252,13 @@ def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: b
                         manifest["standalone"])
     return OptimizedModel(fn, manifest["recipe"], report, manifest["signature"], cf,
                           EagerSource(eager, manifest.get("model", {}), weights=weights))
+
+
+def load_pipeline(directory: str | Path, pipe: Any = None, *, device: torch.device | str | None = None,
+                  trust_code: bool = False, allocator: bool = True) -> OptimizedPipeline:
+    """Load an artifact saved from an ``OptimizedPipeline``: on ``pipe`` (the original pipeline) when
+    given, else on a pipeline rebuilt from the saved task, tokenizer and model config (``device``:
+    where it runs, default CPU). ``torchnitro.load`` on the same folder returns the optimized model."""
+    hf = pipe.model if pipe is not None else saved_pipeline_model(directory)
+    om = load(directory, model=copy.deepcopy(hf), trust_code=trust_code, allocator=allocator)
+    return rebuild_pipeline(directory, om, pipe, hf_model=hf, device=device)
