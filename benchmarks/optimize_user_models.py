@@ -64,6 +64,7 @@ SECTIONS = ("minilm-short", "minilm-full", "peer", "coverage")
 COVERAGE_BUDGET_S = 60.0  # per coverage search (small models; nine of them). At 25 s the sweep's last recipe for
 # BERT (dynamic-int8) was skipped for the budget in a quiet run and 8 of 9 at a load of 15: an isolated
 # candidate's program and child start alone take 5-15 s on 2 cores
+PADDING_FREE = ("bert-unpad", "bert-unpad-int8", "bert-unpad-bf16")  # every coverage model holding a BERT-family encoder
 QUICK_RECIPES = ["bert-unpad", "dynamic-int8", "onnxruntime"]  # --quick: one padding-free, one int8, one isolated
 OPENVINO = ("openvino", "openvino-bf16", "openvino-int8")
 MINILM_COLUMNS = ("inputs", "real tokens", "held as", "chosen", "speedup", "noise", "emb cos (held-out)",
@@ -433,6 +434,19 @@ def _size(model: nn.Module) -> str:
     return f"{n / 1e6:.2f}M" + (f", {layers} x {width}" if layers and width else "")
 
 
+def coverage_recipes(case: Any, model: nn.Module, quick: bool) -> list[str]:
+    """The recipes a coverage search runs: the case's own list and (not ``--quick``) its sweep, plus the whole
+    padding-free family wherever detection finds a BERT-family encoder in the model (the sweep lists once left
+    ``bert-unpad-bf16`` out for RoBERTa and DistilBERT, the variant that won their searches at 1 thread); only
+    those that can run on this machine."""
+    from torchnitro.autotune.recipes.bert_unpad import bert_inapplicable_reason
+
+    names = case.recipes + ([] if quick else case.sweep)
+    if not quick and bert_inapplicable_reason(model) is None:
+        names += list(PADDING_FREE)
+    return [r for r in dict.fromkeys(names) if get_recipe(r).unavailable_reason(hardware_info()) is None]
+
+
 def coverage_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
     """Each coverage model's search: its row, and every candidate's outcome (``outcome_rows``)."""
     rows, outcomes = [], []
@@ -441,8 +455,7 @@ def coverage_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
             continue
         scale, shape = (1, {"batch": 2, "seq": 16}) if args.quick else (4, {"batch": 8, "seq": 128})
         model, x, _ = held(case, "hf", scale, **shape)
-        recipes = [r for r in dict.fromkeys(case.recipes + ([] if args.quick else case.sweep))
-                   if get_recipe(r).unavailable_reason(hardware_info()) is None]
+        recipes = coverage_recipes(case, model, args.quick)
         cfg = OptimizeConfig(recipes=recipes, budget_s=args.coverage_budget, cache=False, progress=True, **args.cfg)
         t0 = time.perf_counter()
         om = optimize(model, x, cfg)
@@ -572,7 +585,14 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"coverage: search budget per model in seconds (default {COVERAGE_BUDGET_S:.0f})")
     ap.add_argument("--quick", action="store_true", help="tiny random encoder and models, short budgets: a smoke test")
     ap.add_argument("--out", default=None, help="results directory (default: results/)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads for every search and side-by-side run (0: the usable cores, the default "
+                         "config). On a machine other work loads, 1 keeps each timed call off the other work's "
+                         "cores' schedule: 2-thread calls waited on a descheduled OpenMP thread (eager 94-382 ms "
+                         "against 8 ms quiet in the coverage BERT row)")
     args = ap.parse_args(argv)
+    if args.threads < 0:
+        raise SystemExit(f"--threads: received {args.threads}, expected 0 (the usable cores) or a positive count")
     warnings.filterwarnings("ignore")
     sections = args.only or list(SECTIONS)
     # the default config otherwise, with a shorter budget (300 s x 14 searches is too long). At 75 s a MiniLM search
@@ -582,10 +602,15 @@ def main(argv: list[str] | None = None) -> int:
                  "candidate_timeout_s": 30.0, "recipes": list(QUICK_RECIPES)}
                 if args.quick else {})  # the default candidate limit (120 s): an int8 build on full-length
     # text under a load of 10+ took more than 60 s
+    if args.threads:
+        args.cfg["threads"] = args.threads
+        torch.set_num_threads(args.threads)  # the side-by-side tables time in this process and its children
     out = Path(args.out) if args.out else results_dir()
     meta = provenance("benchmarks/optimize_user_models.py", argv, device="cpu",
                       packages=("torch", "transformers", "sentence-transformers", "onnxruntime", "openvino", "nncf"))
     others_at_start = others_running()
+    meta["timing conditions"] = ("quiet: no other busy process at start" if others_at_start == "none" else
+                                 "loaded: other processes were busy at start (below); compare ratios within this run")
     minilm, peer, coverage, parity, candidates = [], [], [], [], []
     peer_meta: dict[str, str] = {}
     parity_meta: dict[str, str] = {}
