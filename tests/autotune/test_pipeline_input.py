@@ -110,6 +110,17 @@ def test_a_tokenizer_dict_is_taken_as_the_example(tokenizer, fast_cfg):
     _assert_same("feature-extraction", opt(HELD), pipe(HELD))
 
 
+def test_held_out_batches_carry_the_example_dicts_keys(tokenizer):
+    from torchnitro.autotune.pipelines import pipeline_workload
+
+    pipe = _pipe("feature-extraction", tokenizer)
+    enc = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    _, inputs, info = pipeline_workload(pipe, {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})
+    assert len(inputs) == 2 and len(info.make_inputs(2, 8, 0)) == 2  # no token_type_ids the example did not have
+    _, inputs, info = pipeline_workload(pipe, {"input_ids": enc["input_ids"], "position_ids": enc["attention_mask"]})
+    assert info.make_inputs is None  # a key the pipeline's preprocessing does not make: random_like instead
+
+
 def test_example_rows_are_the_pipelines_own_preprocessing_padded(tokenizer):
     from torchnitro.autotune.pipelines import pipeline_workload
 
@@ -143,8 +154,21 @@ def test_save_and_load_the_pipeline(tokenizer, fast_cfg, tmp_path):
     rebuilt = load_pipeline(path, trust_code=True)  # task, tokenizer and config from the artifact
     assert rebuilt.pipeline.tokenizer.get_vocab() == tokenizer.get_vocab()
     assert rebuilt.pipeline.model.config.num_labels == 3
-    if opt.optimized.candidate.standalone:  # the answer comes from the artifact alone
-        _assert_same("text-classification", rebuilt(HELD), pipe(HELD))
+    assert opt.optimized.candidate.standalone  # TorchScript: the answer comes from the artifact alone
+    _assert_same("text-classification", rebuilt(HELD), pipe(HELD))
+
+
+def test_padding_free_encoder_behind_a_pipeline_and_its_weights_loaded_back(tokenizer, fast_cfg, tmp_path):
+    from torchnitro.autotune.api import load_pipeline
+
+    pipe = _pipe("feature-extraction", tokenizer)
+    opt = torchnitro.optimize(pipe, TEXTS, fast_cfg(recipes=["bert-unpad"], min_speedup=0.0))
+    assert opt.recipe == "bert-unpad", [(c.recipe, c.status, c.reason) for c in opt.report.candidates]
+    _assert_same("feature-extraction", opt(HELD), pipe(HELD))  # one text per call: no padded positions
+    path = opt.save(tmp_path / "art")
+    assert not opt.optimized.candidate.standalone  # rebuilt from the eager model: the saved weights
+    rebuilt = load_pipeline(path)  # random-init model from the saved config, then the artifact's weights
+    _assert_same("feature-extraction", rebuilt(HELD), pipe(HELD))
 
 
 def test_bad_pipeline_inputs_are_named(tokenizer):

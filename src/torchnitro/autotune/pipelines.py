@@ -85,9 +85,9 @@ def _keys(pipe: Any) -> list[str]:
     return [k for k in getattr(pipe.tokenizer, "model_input_names", ["input_ids", "attention_mask"]) if k in names]
 
 
-def _rows(pipe: Any, texts: list[str]) -> list[dict[str, list[int]]]:
-    """One dict of token lists per model call the pipeline would make (a text may give several chunks)."""
-    keys, rows = _keys(pipe), []
+def _rows(pipe: Any, texts: list[str], keys: list[str]) -> list[dict[str, list[int]]]:
+    """One dict of token lists (``keys``) per model call the pipeline would make (a text may give several chunks)."""
+    rows: list[dict[str, list[int]]] = []
     for text in texts:
         try:
             out = pipe.preprocess(text, **pipe._preprocess_params)
@@ -137,14 +137,15 @@ def pipeline_workload(pipe: Any, example: Any) -> tuple[nn.Module, tuple[Any, ..
     strings, or a tokenizer's dict) tokenized like the pipeline does and padded into one batch;
     ``info.make_inputs`` makes held-out batches from other sentences the same way."""
     _check(pipe)
-    model = pipe.model
+    model, keys = pipe.model, _keys(pipe)
     if isinstance(example, Mapping):
         if not example:
             raise InputError("example_inputs for a pipeline: received an empty dict; expected a string, a list of "
                              "strings, or the tokenizer's output")
-        batch = {k: v for k, v in example.items()}
+        batch = dict(example)
+        keys = list(batch) if set(batch) <= set(keys) else []  # held-out batches carry the same keys, else random_like
     else:
-        batch = _pad(pipe, _rows(pipe, _texts(example)))
+        batch = _pad(pipe, _rows(pipe, _texts(example), keys))
     inputs = inputs_from_mapping(model, batch)
     if not any(isinstance(t, Tensor) for t in inputs):
         raise InputError(f"example_inputs for a pipeline: received a dict of {sorted({type(v).__name__ for v in batch.values()})}; "
@@ -152,9 +153,9 @@ def pipeline_workload(pipe: Any, example: Any) -> tuple[nn.Module, tuple[Any, ..
     dyn = {i: [0, 1] for i, t in enumerate(inputs) if isinstance(t, Tensor) and t.dim() == 2}  # (B, T): both vary
 
     def make_inputs(b: int, s: int, seed: int) -> tuple[Any, ...]:
-        return inputs_from_mapping(model, _pad(pipe, _rows(pipe, _held_out_texts(pipe, b, seed)), max(2, s)))
+        return inputs_from_mapping(model, _pad(pipe, _rows(pipe, _held_out_texts(pipe, b, seed), keys), max(2, s)))
 
-    info = ModelInfo(None, f"{type(pipe).__name__}({type(model).__name__})", make_inputs, dyn,
+    info = ModelInfo(None, f"{type(pipe).__name__}({type(model).__name__})", make_inputs if keys else None, dyn,
                      extra={"pipeline": type(pipe).__name__, "task": str(getattr(pipe, "task", ""))})
     return model, inputs, info
 
