@@ -119,7 +119,8 @@ def optimize(model: nn.Module | str | Any, example_inputs: Any = None, config: O
         model, resolved, info = model_and_inputs(model)
         example_inputs = example_inputs if example_inputs is not None else resolved
     if not isinstance(model, nn.Module):
-        raise InputError(f"model: received {type(model).__name__}; expected a torch.nn.Module or a model spec string")
+        raise InputError(f"model: received {type(model).__name__}; expected a torch.nn.Module, a model spec string "
+                         "or a transformers text pipeline")
     inputs = _as_tuple(model, example_inputs)
     if not inputs:
         raise InputError("example_inputs: received nothing; expected the model's inputs, e.g. (torch.randint(0, 100, (8, 128)),)")

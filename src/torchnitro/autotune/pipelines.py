@@ -33,8 +33,8 @@ from torchnitro.autotune.inputs import ModelInfo, inputs_from_mapping
 from torchnitro.checksum import sha256_file
 from torchnitro.errors import ArtifactError, InputError
 
-__all__ = ["SUPPORTED", "MODEL_DIR", "PIPELINE_DIR", "model_dir", "is_pipeline", "pipeline_workload", "PipelineModel", "OptimizedPipeline",
-           "saved_pipeline_model", "rebuild_pipeline"]
+__all__ = ["SUPPORTED", "MODEL_DIR", "PIPELINE_DIR", "model_dir", "is_pipeline", "pipeline_workload", "PipelineModel",
+           "OptimizedPipeline", "saved_pipeline_model", "rebuild_pipeline"]
 
 # pipeline classes whose model takes the tokenizer's tensors as keywords and whose postprocess reads the
 # model's ModelOutput (logits / last_hidden_state)
@@ -148,8 +148,9 @@ def pipeline_workload(pipe: Any, example: Any) -> tuple[nn.Module, tuple[Any, ..
         batch = _pad(pipe, _rows(pipe, _texts(example), keys))
     inputs = inputs_from_mapping(model, batch)
     if not any(isinstance(t, Tensor) for t in inputs):
-        raise InputError(f"example_inputs for a pipeline: received a dict of {sorted({type(v).__name__ for v in batch.values()})}; "
-                         "expected tensors (the tokenizer's output with return_tensors='pt')")
+        kinds = sorted({type(v).__name__ for v in batch.values()})
+        raise InputError(f"example_inputs for a pipeline: received a dict of {kinds}; expected tensors (the "
+                         "tokenizer's output with return_tensors='pt')")
     dyn = {i: [0, 1] for i, t in enumerate(inputs) if isinstance(t, Tensor) and t.dim() == 2}  # (B, T): both vary
 
     def make_inputs(b: int, s: int, seed: int) -> tuple[Any, ...]:
@@ -180,7 +181,7 @@ class PipelineModel:
         return getattr(self.hf_model, name)
 
     def forward(self, **inputs: Any) -> Any:
-        inputs.pop("use_cache", None)  # the variant was optimized with use_cache=False (a classifier's pipeline sets it)
+        inputs.pop("use_cache", None)  # optimized with use_cache=False (a classifier's pipeline passes it)
         if self.run_device is not None:
             inputs = {k: v.to(self.run_device) if isinstance(v, Tensor) else v for k, v in inputs.items()}
         return self._as_output(self.optimized(**inputs))
