@@ -76,6 +76,7 @@ class OptimizeConfig:
     eager_processes: int = 1
     tune_allocator: bool = True  # CPU: time the chosen variant and eager with glibc's defaults too (timing processes run
     # under bench.environment.ALLOCATOR_SETTING); the artifact keeps the setting unless the defaults were faster
+    tune_threads: bool = True  # CPU: time the chosen variant with fewer intra-op threads; record them when faster
     progress: bool = True  # rich progress display while searching (on a terminal)
     seed: int = 1234  # base seed of the held-out inputs
     padding_mask: Optional[Union[int, str]] = None  # the attention-mask input (index or forward arg name); None: detect
@@ -134,6 +135,6 @@ class OptimizeConfig:
             "metric": _function_id(self.metric_fn), "metric_threshold": self.metric_threshold,
             "min_speedup": self.min_speedup, "threads": self.threads, "finalists": self.finalists,
             "padding_mask": self.padding_mask, "compare_padding": self.compare_padding, "classifier": self.classifier,
-            "final_alone": self.final_alone, "tune_allocator": self.tune_allocator,
+            "final_alone": self.final_alone, "tune_allocator": self.tune_allocator, "tune_threads": self.tune_threads,
             "eager_processes": self.eager_processes,
         }

@@ -13,7 +13,8 @@ each sample follows one untimed call (``fair.Steady``);
 eager inside the comparison is checked against eager alone (both measured again, once, when it drifted);
 every timing process runs under glibc's allocator setting (``bench.environment``: fixed thresholds, so fresh
 processes agree), and the chosen variant and eager are then timed once more with glibc's defaults (both
-reported; the setting stays in the artifact unless the defaults were faster). Every timing process runs the
+reported; the setting stays in the artifact unless the defaults were faster), and the chosen variant with fewer
+intra-op threads (recorded when faster beyond the noise: ``autotune.fair_threads``). Every timing process runs the
 OpenMP wait setting it is deployed with (nothing added), and every sample, in a child or here, is
 gated (``bench.quiet``): it starts once the other timing processes are idle and is retaken when foreign CPU
 ran beside it; the report's "timing environment" and "timing gate" notes say so, with the counts.
@@ -329,6 +330,33 @@ def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callab
                                                       "environment_gain": gain})
 
 
+def _tune_threads(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]]) -> None:
+    """The chosen variant with fewer intra-op threads in fresh processes (``fair_threads.tune_threads``); the
+    artifact's meta records a smaller count only when it was faster beyond the noise."""
+    from torchnitro.autotune import fair_threads
+
+    cf = s.where.get(name)
+    child = _child(fns[name])
+    if cf is None or child is None or child.failed:
+        report.notes.append("thread count not tried: " + ("no files of the chosen variant were kept" if cf is None
+                            else "the chosen variant was timed in this process, not in a fresh one"))
+        return
+    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=5, min_time_s=s.cfg.final_min_time_s,
+                      max_time_s=max(3.0, s.cfg.final_min_time_s * 2), device=s.device.type)
+    try:
+        trial = fair_threads.tune_threads(child, tc)
+    except RecipeError as exc:
+        report.notes.append(f"thread count not tried: its timing process failed ({exc})"[:300])
+        return
+    if trial is None:
+        return
+    report.notes.append(trial.text())
+    if trial.chosen != trial.threads:
+        meta = fair_threads.meta_with_threads(cf.meta, trial.chosen)
+        meta["threads_trial"] = {str(k): ms for k, ms in trial.p50_ms.items()}
+        s.where[name] = dataclasses.replace(cf, meta=meta)
+
+
 def run_finalists(s: _Search, report: Report) -> Recipe:
     """Compare the verified candidates of ``report`` with eager (see the module docstring); returns the winner."""
     cfg = s.cfg
@@ -380,6 +408,8 @@ def _run_pool(s: _Search, report: Report, pool: list[CandidateResult], timers: d
         report.notes.append(base.text())
     if cfg.tune_allocator and s.device.type == "cpu":
         _tune_allocator(s, report, best or EAGER, fns)
+    if cfg.tune_threads and s.device.type == "cpu" and best is not None:
+        _tune_threads(s, report, best, fns)
     rows = [n for n in res if not is_copy(n)]
     alone = [n for n in rows if report.get(n).alone]
     here = [n for n in rows if not report.get(n).alone]

@@ -117,13 +117,16 @@ class ChildTimer:
         self._stdin, self._stdout = cast(IO[bytes], self.proc.stdin), cast(IO[bytes], self.proc.stdout)  # both PIPE
         self._ready = False
 
-    def again(self, env: dict[str, str | None]) -> "ChildTimer":
-        """A fresh process timing the same function, with ``env`` added to this one's extra environment."""
+    def again(self, env: dict[str, str | None], *, threads: int | None = None,
+              kwargs: dict[str, Any] | None = None, name: str | None = None) -> "ChildTimer":
+        """A fresh process timing the same function, with ``env`` added to this one's extra environment
+        (``threads`` / ``kwargs``: other torch threads / loader arguments than this one's)."""
         sp = self.spec
-        return ChildTimer(sp["loader"], sp["kwargs"], Path(sp["inputs"]), threads=sp["threads"], device=sp["device"],
+        return ChildTimer(sp["loader"], sp["kwargs"] if kwargs is None else kwargs, Path(sp["inputs"]),
+                          threads=sp["threads"] if threads is None else threads, device=sp["device"],
                           gate=self.gate.cfg if self.gate else None, timeout_s=self.timeout_s,
                           env={**self.extra_env, **env}, outputs=Path(sp["outputs"]) if sp["outputs"] else None,
-                          name=f"{self.name} (again)")
+                          name=name or f"{self.name} (again)")
 
     def wait_ready(self) -> None:
         """Block until the child has loaded the function and called it once (not timed)."""

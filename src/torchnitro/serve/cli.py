@@ -109,6 +109,10 @@ def serve_command(
     """Serve a model over HTTP (KServe v2 JSON) with dynamic batching."""
     from pathlib import Path
 
+    if threads is None and Path(model).is_dir():  # the thread count the optimizer measured for this artifact
+        from torchnitro.autotune.fair_threads import recorded_threads
+
+        threads = _recorded_threads_per_worker(recorded_threads(model), workers)
     batching, scfg = _serve_configs(
         config, buckets, preferred, timeout_ms, token, host=host, port=port, workers=workers, threads=threads,
         device=device, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue_size=max_queue_size,
@@ -120,6 +124,15 @@ def serve_command(
 
         apply_recorded_allocator(model)
     _start_server(model, mname, batching, scfg, ray, replicas)
+
+
+def _recorded_threads_per_worker(recorded: int | None, workers: int | None) -> int | None:
+    """An artifact's recorded torch thread count, at most the usable cores // workers (None: the default)."""
+    if recorded is None:
+        return None
+    from torchnitro.serve.workers import threads_per_worker
+
+    return min(recorded, threads_per_worker(workers or 1))
 
 
 def loadtest_command(

@@ -1,0 +1,123 @@
+"""The thread-count knob: the chosen variant is timed with fewer intra-op threads in fresh processes, a smaller count
+is recorded only when faster beyond the noise, and ONNX Runtime / OpenVINO / serve read the recorded count."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import torchnitro
+from torchnitro.autotune import fair_threads
+from torchnitro.bench.isolated import ChildTimer, save_inputs
+from torchnitro.bench.timing import TimingConfig
+from torchnitro.errors import InputError
+
+_FAST = TimingConfig(warmup=1, warmup_s=0.0, min_iters=4, min_time_s=0.0, max_time_s=5.0, min_sample_s=1e-4)
+
+
+def thread_probe(path: str, meta: dict[str, Any]) -> Callable[..., Any]:
+    """A ChildTimer loader (run in the child): writes torch's thread count and the meta it was given to ``path``."""
+    Path(path).write_text(json.dumps({"torch_threads": torch.get_num_threads(), "meta": meta}))
+    return lambda x: x
+
+
+class FakeThreads:
+    """Stands for a ChildTimer: ``seconds[k]`` per call with ``k`` threads; ``again`` records what it was given."""
+
+    times_itself = True
+
+    def __init__(self, seconds: dict[int, float], threads: int, kwargs: dict[str, Any] | None = None):
+        self.seconds, self.spec = seconds, {"threads": threads, "kwargs": kwargs or {"meta": {"threads": threads}}}
+        self.name, self.failed, self.closed, self.spawned = "v", None, False, []
+
+    def again(self, env, *, threads=None, kwargs=None, name=None) -> "FakeThreads":
+        child = FakeThreads(self.seconds, threads, kwargs)
+        self.spawned.append(child)
+        return child
+
+    def wait_ready(self) -> None:
+        pass
+
+    def __call__(self, k: int) -> float:
+        return self.seconds[self.spec["threads"]]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_thread_options_are_half_and_one():
+    assert fair_threads.thread_options(1) == []
+    assert fair_threads.thread_options(2) == [1]
+    assert fair_threads.thread_options(3) == [1]
+    assert fair_threads.thread_options(16) == [8, 1]
+
+
+def test_meta_with_threads_sets_torchs_and_each_runtimes_own_count_on_a_copy():
+    ort = {"threads": 2, "ort_spinning": True}
+    got = fair_threads.meta_with_threads(ort, 1)
+    assert got == {"threads": 1, "ort_spinning": True, "torch_threads": 1} and ort["threads"] == 2
+    ov = {"ov_config": {"PERFORMANCE_HINT": "LATENCY", "INFERENCE_NUM_THREADS": 2}}
+    got = fair_threads.meta_with_threads(ov, 1)
+    assert got["ov_config"]["INFERENCE_NUM_THREADS"] == 1 and ov["ov_config"]["INFERENCE_NUM_THREADS"] == 2
+    assert fair_threads.meta_with_threads({}, 3) == {"torch_threads": 3}
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(InputError, match="threads: received"):
+            fair_threads.meta_with_threads({}, bad)
+
+
+def test_fewer_threads_are_recorded_only_when_faster_beyond_the_noise():
+    faster_alone = FakeThreads({2: 2e-3, 1: 1e-3}, 2)
+    trial = fair_threads.tune_threads(faster_alone, _FAST)
+    assert trial.chosen == 1 and trial.threads == 2 and trial.ratio == pytest.approx(2.0)
+    assert trial.p50_ms == pytest.approx({2: 2.0, 1: 1.0})
+    spawned = faster_alone.spawned[0]
+    assert spawned.spec["threads"] == 1 and spawned.spec["kwargs"]["meta"] == {"threads": 1, "torch_threads": 1}
+    assert spawned.closed and not faster_alone.closed
+    assert "1 recorded in the artifact" in trial.text()
+    for seconds in ({2: 1e-3, 1: 2e-3}, {2: 1e-3, 1: 0.99e-3}):  # slower, or faster by 1% (< MIN_THREAD_GAIN)
+        kept = fair_threads.tune_threads(FakeThreads(seconds, 2), _FAST)
+        assert kept.chosen == 2 and "kept 2" in kept.text()
+    assert fair_threads.tune_threads(FakeThreads({1: 1e-3}, 1), _FAST) is None  # nothing fewer to try
+
+
+def test_a_fresh_process_gets_the_fewer_threads_and_the_rewritten_meta(tmp_path):
+    save_inputs([(torch.ones(2),)], tmp_path / "in.pt")
+    out = tmp_path / "probe.json"
+    with ChildTimer("test_fair_threads:thread_probe", {"path": str(out), "meta": {"threads": 2}}, tmp_path / "in.pt",
+                    threads=2, gate=None) as timer:
+        timer.wait_ready()
+        assert json.loads(out.read_text())["torch_threads"] == 2
+        trial = fair_threads.tune_threads(timer, _FAST)
+    got = json.loads(out.read_text())  # the last process to start was the one-thread trial
+    assert got == {"torch_threads": 1, "meta": {"threads": 1, "torch_threads": 1}}
+    assert trial is not None and set(trial.p50_ms) == {2, 1}
+
+
+def _one_thread_wins(timer, tc, options=None):
+    return fair_threads.ThreadTrial(timer.spec["threads"], 1, {2: 2.0, 1: 1.0}, 2.0, 0.01)
+
+
+def test_a_recorded_count_goes_into_the_artifact_and_serve_reads_it(fake_recipes, fast_cfg, monkeypatch, tmp_path):
+    from torchnitro.autotune.artifact import read_manifest
+    from torchnitro.serve.cli import _recorded_threads_per_worker
+
+    monkeypatch.setattr(fair_threads, "tune_threads", _one_thread_wins)
+    opt = torchnitro.optimize(fake_recipes.SlowModel(), fake_recipes.tiny_inputs(), fast_cfg(
+        recipes=["test-faster"], final_alone=True, tune_threads=True, threads=2, min_speedup=1.03))
+    assert opt.recipe == "test-faster"
+    assert any(n.startswith("thread count: ") and "1 recorded in the artifact" in n for n in opt.report.notes)
+    assert opt.candidate.meta["torch_threads"] == 1
+    opt.save(tmp_path / "art")
+    meta = read_manifest(tmp_path / "art")["meta"]
+    assert meta["torch_threads"] == 1 and meta["threads_trial"] == {"2": 2.0, "1": 1.0}
+    assert fair_threads.recorded_threads(tmp_path / "art") == 1
+    assert _recorded_threads_per_worker(1, 1) == 1 and _recorded_threads_per_worker(None, 1) is None
+    off = torchnitro.optimize(fake_recipes.SlowModel(), fake_recipes.tiny_inputs(), fast_cfg(
+        recipes=["test-faster"], final_alone=True, tune_threads=False, threads=2, min_speedup=1.03,
+        cache=False))
+    assert "torch_threads" not in off.candidate.meta
+    assert not any(n.startswith("thread count") for n in off.report.notes)
