@@ -229,6 +229,9 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
         cfg = OptimizeConfig(recipes=list(families.values()), finalists=len(families), min_speedup=1.0,
                              final_min_time_s=final_s, final_min_iters=5 if quick else 15, budget_s=1800.0,
                              candidate_timeout_s=600.0, cache_dir=str(Path(tmp) / "cache"), progress=not quick,
+                             # the artifacts' alone side must run at the comparison's thread count (the knob that
+                             # would record fewer is tested on its own: tests/autotune/test_fair_threads.py)
+                             tune_threads=False,
                              **({} if eager_processes is None else {"eager_processes": eager_processes}))
         t0 = time.perf_counter()
         opt = optimize(model, inputs, cfg, info=info)
