@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 import torchnitro  # noqa: E402
 from torchnitro.autotune.pipelines import OptimizedPipeline, PipelineModel, is_pipeline  # noqa: E402
-from torchnitro.errors import InputError  # noqa: E402
+from torchnitro.errors import ArtifactError, InputError  # noqa: E402
 
 _WORDS = ("the a model runs fast on this machine while every user waits for reply from server batch of sentences "
           "goes through layers attention heads look at each token and pooled vector describes meaning").split()
@@ -156,6 +156,11 @@ def test_save_and_load_the_pipeline(tokenizer, fast_cfg, tmp_path):
     assert rebuilt.pipeline.model.config.num_labels == 3
     assert opt.optimized.candidate.standalone  # TorchScript: the answer comes from the artifact alone
     _assert_same("text-classification", rebuilt(HELD), pipe(HELD))
+    with pytest.raises(ArtifactError, match=r"exists and is not a saved pipeline"):
+        opt.save(tmp_path)  # holds other things: not overwritten
+    (path / "pipeline" / "tokenizer.json").write_text("{}")
+    with pytest.raises(ArtifactError, match=r"files changed or missing \['tokenizer.json'\]"):
+        load_pipeline(path, trust_code=True)
 
 
 def test_padding_free_encoder_behind_a_pipeline_and_its_weights_loaded_back(tokenizer, fast_cfg, tmp_path):
@@ -175,6 +180,8 @@ def test_bad_pipeline_inputs_are_named(tokenizer):
     pipe = _pipe("feature-extraction", tokenizer)
     with pytest.raises(InputError, match=r"received an empty list; expected .* a string"):
         torchnitro.optimize(pipe, [])
+    with pytest.raises(InputError, match=r"received NoneType; expected what the pipeline is called with"):
+        torchnitro.optimize(pipe)
     with pytest.raises(InputError, match=r"received a list holding \['int'\]"):
         torchnitro.optimize(pipe, [1, 2])
     with pytest.raises(InputError, match=r"received an empty dict"):
