@@ -17,6 +17,8 @@ _EXPORTS: dict[str, str] = {
     "analyze": "torchnitro.autotune.analyze",
     "OptimizeConfig": "torchnitro.autotune.config",
     "OptimizedModel": "torchnitro.autotune.api",
+    "OptimizedPipeline": "torchnitro.autotune.pipelines",
+    "load_pipeline": "torchnitro.autotune.api",
     # serving
     "DynamicBatcher": "torchnitro.serve.batcher",
     "BatchingConfig": "torchnitro.serve.batcher",

@@ -3,7 +3,8 @@
 The package is not named ``optimize`` so that ``torchnitro.optimize`` stays the function. Modules:
 ``config`` (OptimizeConfig), ``recipe`` (interface + registry), ``recipes/`` (built-in recipes),
 ``inputs`` (model/input specs), ``verify`` (the gate), ``evaluate`` (one candidate, isolated or
-not), ``workload`` + ``search`` (the loop), ``report``, ``artifact``, ``cache``, ``api``, ``cli``.
+not), ``workload`` + ``search`` (the loop), ``final`` + ``fair*`` (the final comparison and its knobs),
+``report``, ``artifact``, ``cache``, ``pipelines`` (transformers pipelines), ``api``, ``cli``.
 """
 
 from __future__ import annotations
