@@ -140,6 +140,33 @@ def test_steady_samples_follow_an_untimed_call_so_rotation_does_not_time_the_swi
     assert fair.Steady(a).failed == "the timing process exited"  # the comparison reads a dead child through it
 
 
+def test_steady_on_cuda_enqueues_the_untimed_call_before_the_start_event(monkeypatch):
+    """On CUDA a variant timed in this process is timed with events around its k calls; the untimed call comes
+    first, outside them (the rotation's switch is not timed, as on the CPU)."""
+    log: list[str] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool = False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            log.append("record")
+            self.at = len([x for x in log if x == "call"])
+
+        def synchronize(self):
+            log.append("sync")
+
+        def elapsed_time(self, end) -> float:  # ms: 2 ms per call enqueued between the events
+            return 2.0 * (end.at - self.at)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    steady = fair.Steady(lambda: log.append("call"), gate=None, cuda=True)
+    assert steady(3) == pytest.approx(2e-3)
+    assert log == ["call", "record", "call", "call", "call", "record", "sync"]
+    assert fair.Steady(lambda: None).cuda is False  # the CPU path is the default
+
+
 def test_disturbed_eager_in_the_comparison_is_redone_and_reported(fake_recipes, fast_cfg, monkeypatch):
     import torchnitro.autotune.final as final_mod
 

@@ -80,13 +80,17 @@ class Steady:
     state a server running only this variant sees, not the first call after another process had the cores and
     caches. A function timed in this process is gated like a child's sample (``bench.quiet``: every timing
     process started from here idle before it, retaken when foreign CPU ran beside it; ``gate`` None: ungated).
-    Other attributes (``failed``, ``close``, ``again``) are the wrapped timer's. CPU only (no device sync)."""
+    Other attributes (``failed``, ``close``, ``again``) are the wrapped timer's. ``cuda``: a function timed in
+    this process is timed with CUDA events around its ``k`` calls (the untimed call is enqueued before the start
+    event), as ``bench.compare`` times it on CUDA; a child times itself on its own device either way."""
 
     times_itself = True
 
-    def __init__(self, fn: Callable[..., Any], gate: GateConfig | None = GateConfig()):
+    def __init__(self, fn: Callable[..., Any], gate: GateConfig | None = GateConfig(), cuda: bool = False):
         self.inner = fn
         self.gate = Gate(gate) if gate is not None else None
+        self.cuda = cuda
+        self._events: tuple[Any, Any] | None = None
 
     def __call__(self, k: int) -> float:
         fn = self.inner
@@ -102,13 +106,23 @@ class Steady:
     def _here(self, k: int) -> float:
         fn = self.inner
         fn()
+        if self.cuda:
+            if self._events is None:
+                self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            start, end = self._events
+            start.record()
+            for _ in range(k):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / k
         t0 = time.perf_counter_ns()
         for _ in range(k):
             fn()
         return (time.perf_counter_ns() - t0) / 1e9 / k
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("inner", "gate"):
+        if name in ("inner", "gate", "cuda", "_events"):
             raise AttributeError(name)
         return getattr(self.inner, name)
 

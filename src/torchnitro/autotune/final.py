@@ -159,8 +159,13 @@ def _program_parity(s: _Search, report: Report, timer: ChildTimer) -> str | None
 
 
 def _steady(s: _Search, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """On the CPU each sample follows one untimed call (``fair.Steady``); CUDA keeps bench's event timing."""
-    return fair.Steady(fn) if s.device.type == "cpu" else fn
+    """Each sample follows one untimed call of the same variant (``fair.Steady``). On CUDA the sample is timed
+    with CUDA events, ungated: the in-process rotation there (eager beside CUDA-graph replays) measured eager
+    33.5% slower inside the comparison than alone (results/optimize_cuda_encoder_h200.md), the switch cost
+    that the untimed call removed on the CPU; not yet measured on a GPU with it."""
+    if s.device.type == "cpu":
+        return fair.Steady(fn)
+    return fair.Steady(fn, gate=None, cuda=True)
 
 
 def _child(fn: Callable[..., Any]) -> ChildTimer | None:
