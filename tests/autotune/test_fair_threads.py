@@ -121,3 +121,53 @@ def test_a_recorded_count_goes_into_the_artifact_and_serve_reads_it(fake_recipes
         cache=False))
     assert "torch_threads" not in off.candidate.meta
     assert not any(n.startswith("thread count") for n in off.report.notes)
+
+
+def _artifact_with_threads(path: Path, threads: int) -> Path:
+    from torchnitro.autotune.artifact import EagerSource, write_artifact
+    from torchnitro.autotune.recipe import CandidateFiles
+    from torchnitro.autotune.report import Report
+
+    cand = path.parent / f"{path.name}-cand"
+    cand.mkdir()
+    (cand / "model.onnx").write_bytes(b"not really onnx")
+    write_artifact(path, CandidateFiles(cand, ["model.onnx"], {"threads": threads, "torch_threads": threads}, True),
+                   EagerSource(), recipe="onnxruntime", numeric_class="exact", signature={},
+                   report=Report(model="m", inputs="x", objective="o", hardware="h"), hardware="h")
+    return path
+
+
+@pytest.mark.parametrize("args, yaml_text, want", [
+    ([], None, 6),  # recorded 6, 8 cores, one worker
+    (["--workers", "4"], None, 2),  # at most the cores per worker
+    (["--workers", "0"], None, 6),  # in-process: the server's own threads
+    (["--threads", "3"], None, 3),  # the flag wins
+    ([], "serve:\n  workers: 4\n", 2),  # the config file's workers split the cores too
+    ([], "serve:\n  threads: 5\n", 5),  # the config file's own thread count wins over the recorded one
+    (["--workers", "2"], "serve:\n  workers: 4\n", 4),  # the flag's workers over the file's
+])
+def test_serve_gives_workers_the_recorded_count_unless_flag_or_config_set_one(tmp_path, monkeypatch, args, yaml_text,
+                                                                              want):
+    import typer
+    from typer.testing import CliRunner
+
+    import torchnitro.serve.cli as serve_cli
+    import torchnitro.serve.workers as workers_mod
+
+    art = _artifact_with_threads(tmp_path / "art", 6)
+    real = workers_mod.threads_per_worker
+    monkeypatch.setattr(workers_mod, "threads_per_worker", lambda workers, cores=None: real(workers, 8))
+    seen: list[Any] = []
+    monkeypatch.setattr(serve_cli, "_start_server", lambda model, mname, batching, scfg, ray, replicas:
+                        seen.append(scfg))
+    monkeypatch.setattr("torchnitro.autotune.fair.apply_recorded_allocator", lambda d: {})
+    extra = []
+    if yaml_text is not None:
+        (tmp_path / "serve.yaml").write_text(yaml_text)
+        extra = ["--config", str(tmp_path / "serve.yaml")]
+    app = typer.Typer()
+    serve_cli.register(app)
+    app.command("noop")(lambda: None)  # a second command: typer keeps 'serve' as a subcommand
+    result = CliRunner().invoke(app, ["serve", str(art), *args, *extra])
+    assert result.exit_code == 0, result.output
+    assert seen and seen[0].threads == want, (seen[0].threads, seen[0].workers)

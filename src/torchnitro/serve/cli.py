@@ -109,15 +109,12 @@ def serve_command(
     """Serve a model over HTTP (KServe v2 JSON) with dynamic batching."""
     from pathlib import Path
 
-    if threads is None and Path(model).is_dir():  # the thread count the optimizer measured for this artifact
-        from torchnitro.autotune.fair_threads import recorded_threads
-
-        threads = _recorded_threads_per_worker(recorded_threads(model), workers)
     batching, scfg = _serve_configs(
         config, buckets, preferred, timeout_ms, token, host=host, port=port, workers=workers, threads=threads,
         device=device, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue_size=max_queue_size,
         priority_levels=priority_levels, adaptive=adaptive, latency_target_ms=latency_target_ms,
         max_body_bytes=max_body_bytes, trust_code=trust_code, grpc_port=grpc_port)
+    scfg = _with_recorded_threads(model, scfg)
     mname = name or (Path(model).name if Path(model).is_dir() else model.rpartition(":")[2])
     if Path(model).is_dir():  # the artifact's allocator setting, set before any worker process starts (read at start)
         from torchnitro.autotune.fair import apply_recorded_allocator
@@ -127,12 +124,26 @@ def serve_command(
 
 
 def _recorded_threads_per_worker(recorded: int | None, workers: int | None) -> int | None:
-    """An artifact's recorded torch thread count, at most the usable cores // workers (None: the default)."""
+    """An artifact's recorded torch thread count, at most the usable cores // workers (None: the default;
+    workers 0 or None: one process, the server's own)."""
     if recorded is None:
         return None
     from torchnitro.serve.workers import threads_per_worker
 
     return min(recorded, threads_per_worker(workers or 1))
+
+
+def _with_recorded_threads(model: str, scfg: Any) -> Any:
+    """``scfg`` with the thread count the optimizer measured for the artifact ``model`` (``meta["torch_threads"]``)
+    when neither ``--threads`` nor the config file set one, split by the workers the merged config has."""
+    from pathlib import Path
+
+    if scfg.threads is not None or not Path(model).is_dir():
+        return scfg
+    from torchnitro.autotune.fair_threads import recorded_threads
+
+    threads = _recorded_threads_per_worker(recorded_threads(model), scfg.workers)
+    return scfg if threads is None else dataclasses.replace(scfg, threads=threads)
 
 
 def loadtest_command(
