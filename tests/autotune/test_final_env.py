@@ -41,3 +41,25 @@ def test_final_comparison_children_run_libgomps_default_wait_and_the_report_says
     assert "timing processes started with MALLOC_MMAP_THRESHOLD_=268435456" in env_notes[0]
     gate = [n for n in opt.report.notes if n.startswith("timing gate:")]
     assert gate and "retaken" in gate[0], opt.report.notes  # the report says how many samples were retaken
+
+
+def test_program_parity_notes_a_probe_that_cannot_start_instead_of_stopping_the_search():
+    """The program's probe with glibc's defaults is a second process: when it cannot start, eager is timed in the
+    search process and its row says why (the search goes on)."""
+    from types import SimpleNamespace
+
+    from torchnitro.autotune import final
+    from torchnitro.autotune.report import CandidateResult, Report, Status
+    from torchnitro.errors import RecipeError
+
+    class NoSecond:
+        env = dict(ALLOCATOR_SETTING)
+
+        def again(self, env):
+            raise RecipeError("a fresh timing process could not start (Resource temporarily unavailable)")
+
+    report = Report(model="m", inputs="x", objective="o", hardware="h")
+    report.candidates = [CandidateResult("eager", "exact", Status.VERIFIED, p50_ms=1.0)]
+    s = SimpleNamespace(cfg=SimpleNamespace(final_min_time_s=0.01), device=SimpleNamespace(type="cpu"))
+    why = final._program_parity(s, report, NoSecond())
+    assert why is not None and why.startswith("timed in this process") and "could not start" in why

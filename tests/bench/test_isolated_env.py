@@ -162,3 +162,30 @@ def test_recorded_environment_says_what_the_timing_processes_run(monkeypatch, no
                                            "processes inherit this OpenMP wait setting")
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     assert "MALLOC_ARENA_MAX=2, timing processes inherit this allocator setting" in describe_environment()
+
+
+def test_a_process_that_cannot_start_leaves_nothing_open_and_again_raises_recipe_error(tmp_path, no_omp_env,
+                                                                                       monkeypatch):
+    """Popen failing (memory, process limit): the timer's log is closed and removed and the OSError reaches the
+    caller (start_children times that variant here); ``again``, which only the trials call, raises RecipeError,
+    which each trial notes instead of stopping the search."""
+    import subprocess
+
+    from torchnitro.errors import RecipeError
+
+    save_inputs([(torch.ones(2),)], tmp_path / "in.pt")
+
+    def no_process(*a, **kw):
+        raise OSError("Resource temporarily unavailable")
+
+    with ChildTimer("test_isolated_env:env_probe", {"path": str(tmp_path / "env.json")}, tmp_path / "in.pt",
+                    threads=1, gate=None) as timer:
+        timer.wait_ready()
+        monkeypatch.setattr(subprocess, "Popen", no_process)
+        with pytest.raises(OSError, match="Resource temporarily"):
+            ChildTimer("test_isolated_env:env_probe", {"path": "x"}, tmp_path / "in.pt", threads=1,
+                       log=tmp_path / "never.log")
+        assert not (tmp_path / "never.log").exists()
+        with pytest.raises(RecipeError, match="a fresh timing process could not start"):
+            timer.again(dict(GLIBC_DEFAULTS))
+        assert [p for p in tmp_path.iterdir() if p.suffix == ".log" and p != timer.log] == []

@@ -140,8 +140,10 @@ def _program_parity(s: _Search, report: Report, timer: ChildTimer) -> str | None
         return "timed in this process: eager has no search-time p50 to check its torch.export program against"
     # like with like: this process runs glibc's defaults, so the program is checked in a process that does too
     # (the comparison's own process runs under the allocator setting, as every timing process)
-    probe = timer.again(GLIBC_DEFAULTS) if fair.under_allocator_setting(timer) else timer
+    probe = timer
     try:
+        if fair.under_allocator_setting(timer):
+            probe = timer.again(GLIBC_DEFAULTS)
         probe.wait_ready()
         t = compare({EAGER: fair.Steady(probe)}, tc)[EAGER]
     except RecipeError as exc:  # the child died: eager is timed here (its row says why)

@@ -109,9 +109,14 @@ class ChildTimer:
         env["PYTHONPATH"] = os.pathsep.join([p for p in sys.path if p] + [env.get("PYTHONPATH", "")])
         self.log = log or inputs.with_suffix(f".{os.getpid()}.{id(self)}.log")
         self._err = open(self.log, "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "torchnitro.bench.isolated", json.dumps(spec)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env,
-                                     bufsize=0)  # unbuffered: select() sees every line
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "torchnitro.bench.isolated", json.dumps(spec)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env,
+                                         bufsize=0)  # unbuffered: select() sees every line
+        except BaseException:  # no process (memory, process limit): nothing of this timer is left open
+            self._err.close()
+            self.log.unlink(missing_ok=True)
+            raise
         self.name = name or self.log.stem.removeprefix("_timing_")
         name_process(self.proc.pid, self.name)
         self._stdin, self._stdout = cast(IO[bytes], self.proc.stdin), cast(IO[bytes], self.proc.stdout)  # both PIPE
@@ -120,13 +125,17 @@ class ChildTimer:
     def again(self, env: dict[str, str | None], *, threads: int | None = None,
               kwargs: dict[str, Any] | None = None, name: str | None = None) -> "ChildTimer":
         """A fresh process timing the same function, with ``env`` added to this one's extra environment
-        (``threads`` / ``kwargs``: other torch threads / loader arguments than this one's)."""
+        (``threads`` / ``kwargs``: other torch threads / loader arguments than this one's). Raises ``RecipeError``
+        when that process cannot be started (its callers, the trials, note a failed timing process and go on)."""
         sp = self.spec
-        return ChildTimer(sp["loader"], sp["kwargs"] if kwargs is None else kwargs, Path(sp["inputs"]),
-                          threads=sp["threads"] if threads is None else threads, device=sp["device"],
-                          gate=self.gate.cfg if self.gate else None, timeout_s=self.timeout_s,
-                          env={**self.extra_env, **env}, outputs=Path(sp["outputs"]) if sp["outputs"] else None,
-                          name=name or f"{self.name} (again)")
+        try:
+            return ChildTimer(sp["loader"], sp["kwargs"] if kwargs is None else kwargs, Path(sp["inputs"]),
+                              threads=sp["threads"] if threads is None else threads, device=sp["device"],
+                              gate=self.gate.cfg if self.gate else None, timeout_s=self.timeout_s,
+                              env={**self.extra_env, **env}, outputs=Path(sp["outputs"]) if sp["outputs"] else None,
+                              name=name or f"{self.name} (again)")
+        except OSError as exc:
+            raise RecipeError(f"a fresh timing process could not start ({exc})") from exc
 
     def wait_ready(self) -> None:
         """Block until the child has loaded the function and called it once (not timed)."""
