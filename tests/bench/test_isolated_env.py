@@ -189,3 +189,32 @@ def test_a_process_that_cannot_start_leaves_nothing_open_and_again_raises_recipe
         with pytest.raises(RecipeError, match="a fresh timing process could not start"):
             timer.again(dict(GLIBC_DEFAULTS))
         assert [p for p in tmp_path.iterdir() if p.suffix == ".log" and p != timer.log] == []
+
+
+@glibc
+def test_only_a_malloc_replacement_or_glibcs_malloc_tunables_count_as_the_environments_allocator_choice(monkeypatch):
+    """LD_PRELOAD of Intel's OpenMP (as CPU tuning guides suggest) leaves glibc's malloc: timing processes still get
+    the setting; GLIBC_TUNABLES=glibc.malloc.* is the user's threshold choice in glibc's other spelling: inherited."""
+    from torchnitro.bench import environment as env_mod
+
+    assert timing_process_env({"LD_PRELOAD": "/opt/intel/lib/libiomp5.so"}) == ALLOCATOR_SETTING
+    assert timing_process_env({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2:/opt/intel/lib/libiomp5.so"}) == {}
+    assert timing_process_env({"LD_PRELOAD": "libtbbmalloc_proxy.so.2"}) == {}
+    assert timing_process_env({"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=65536"}) == {}
+    assert timing_process_env({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"}) == ALLOCATOR_SETTING
+    why = env_mod.allocator_untunable({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2 /opt/intel/lib/libiomp5.so"})
+    assert why is not None and "libjemalloc.so.2" in why and "libiomp5" not in why
+    why = env_mod.allocator_untunable({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1"})
+    assert why is not None and "glibc.malloc.trim_threshold=1" in why
+    # deploying a recorded setting leaves a threshold the user set through GLIBC_TUNABLES as it is
+    calls: list[tuple[int, int]] = []
+    monkeypatch.setattr(env_mod, "_mallopt", lambda param, value: calls.append((param, value)) or True)
+    for k in ALLOCATOR_SETTING:
+        monkeypatch.setenv(k, "0")  # recorded as absent before: restored as absent
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=65536")
+    assert env_mod.apply_allocator(ALLOCATOR_SETTING, environ=False) == {"MALLOC_TRIM_THRESHOLD_": "536870912"}
+    assert calls == [(-1, 536870912)]
+    env = timing_environment()
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.mmap_threshold=65536"
+    assert "(default thresholds)" not in describe_environment(env)

@@ -5,10 +5,11 @@ The C allocator's history moves eager latency (issue 14: MobileNetV3 138 ms with
 runtime takes; a number means little without the settings it was measured under.
 
 **Every timing process runs under ``ALLOCATOR_SETTING``** (``timing_process_env``) unless the environment
-already chooses the allocator (any ``MALLOC_*`` variable, ``LD_PRELOAD``, a non-glibc C library: then it
-inherits that). Why: with glibc's default thresholds a fresh process of torch's eager returns some of each
-call's freed activations to the kernel and faults them in again on the next call, and how many depends on
-which of torch's threads freed what first, so it differs from process to process
+already chooses the allocator (any ``MALLOC_*`` variable, ``glibc.malloc.*`` in ``GLIBC_TUNABLES``, a malloc
+replacement such as jemalloc in ``LD_PRELOAD``, a non-glibc C library: then it inherits that; another preloaded
+library, e.g. Intel's OpenMP, does not count). Why: with glibc's default thresholds a fresh process of torch's
+eager returns some of each call's freed activations to the kernel and faults them in again on the next call,
+and how many depends on which of torch's threads freed what first, so it differs from process to process
 (``python benchmarks/eager_spread.py``: results/eager_spread.md gives each built-in's eager p50 and page faults per
 call in fresh processes with and without the setting). That draw, 10-20% wide for the built-in encoder here, was
 larger than the 5% the comparison's checks allow, so no comparison of one fresh process with another could agree;
@@ -69,8 +70,15 @@ GLIBC_DEFAULTS: dict[str, None] = {k: None for k in ALLOCATOR_SETTING}
 THREAD_SETTING: dict[str, str] = {}
 _THREAD_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's own choice of either wins over THREAD_SETTING
 
-_PREFIXES = ("MALLOC_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "ORT_", "OV_")
+_PREFIXES = ("MALLOC_", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "ORT_", "OV_", "GLIBC_TUNABLES")
 _ALLOCATORS = ("jemalloc", "tcmalloc", "mimalloc")
+# a preloaded library whose file name holds one of these replaces malloc (libjemalloc, libtcmalloc, libmimalloc,
+# libtbbmalloc_proxy, libsnmalloc, librpmalloc, libhoard, scudo); others (libiomp5, a profiler) leave glibc's
+_PRELOADED_ALLOCATOR_WORDS = ("malloc", "hoard", "scudo")
+# glibc's tunable for each variable (GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...: the same knob, another spelling)
+_TUNABLES = {"MALLOC_TRIM_THRESHOLD_": "glibc.malloc.trim_threshold", "MALLOC_TOP_PAD_": "glibc.malloc.top_pad",
+             "MALLOC_MMAP_THRESHOLD_": "glibc.malloc.mmap_threshold", "MALLOC_MMAP_MAX_": "glibc.malloc.mmap_max",
+             "MALLOC_ARENA_MAX": "glibc.malloc.arena_max"}
 
 
 def _loaded_allocators() -> list[str]:
@@ -80,11 +88,23 @@ def _loaded_allocators() -> list[str]:
     return sorted({a for a in _ALLOCATORS if a in text})
 
 
+def _preloaded_allocators(value: str | None) -> list[str]:
+    """The libraries of an ``LD_PRELOAD`` value that replace malloc, by file name (``_PRELOADED_ALLOCATOR_WORDS``)."""
+    libs = (value or "").replace(":", " ").split()
+    return [lib for lib in libs if any(w in Path(lib).name.lower() for w in _PRELOADED_ALLOCATOR_WORDS)]
+
+
+def _malloc_tunables(value: str | None) -> list[str]:
+    """The ``glibc.malloc.*`` entries of a ``GLIBC_TUNABLES`` value (``name=value`` separated by ``:``)."""
+    return [t for t in (value or "").split(":") if t.startswith("glibc.malloc.")]
+
+
 def timing_process_env(environ: Mapping[str, str | None] | None = None) -> dict[str, str]:
     """What every timing process adds to the environment it inherits (``environ``, default ``os.environ``; a
     None value: a variable the caller removes): ``THREAD_SETTING``, or nothing when ``environ`` already sets
     OpenMP's wait policy or libgomp's spin count; and ``ALLOCATOR_SETTING`` unless ``environ`` already chooses
-    the allocator (``allocator_untunable``: a ``MALLOC_*`` variable, ``LD_PRELOAD``, another C library)."""
+    the allocator (``allocator_untunable``: a ``MALLOC_*`` variable, ``glibc.malloc.*`` in ``GLIBC_TUNABLES``,
+    a malloc replacement in ``LD_PRELOAD``, another C library)."""
     environ = os.environ if environ is None else environ
     present = {k: v for k, v in environ.items() if v is not None}
     out = {} if any(k in present for k in _THREAD_VARS) else dict(THREAD_SETTING)
@@ -112,7 +132,8 @@ def describe_environment(env: dict[str, str] | None = None) -> str:
     """One line for a report: ``allocator glibc 2.36 malloc (default thresholds), torch threads 2, ...``."""
     env = dict(env if env is not None else timing_environment())
     alloc = env.pop("allocator")
-    if not any(k.startswith("MALLOC_") for k in env) and "malloc" in alloc:
+    if not any(k.startswith("MALLOC_") for k in env) and not _malloc_tunables(env.get("GLIBC_TUNABLES")) \
+            and "malloc" in alloc:
         alloc += " (default thresholds)"
     threads = f"torch threads {env.pop('torch_threads')} (inter-op {env.pop('torch_interop_threads')})"
     children = env.pop("timing_processes", None)
@@ -141,9 +162,10 @@ def allocator_untunable(environ: Mapping[str, str] | None = None) -> str | None:
     if platform.libc_ver()[0] != "glibc":
         return "the C library is not glibc (the MALLOC_* thresholds are glibc's)"
     other = _loaded_allocators()
-    if other or environ.get("LD_PRELOAD"):
-        return f"another allocator is in use ({', '.join(other) or 'LD_PRELOAD=' + environ['LD_PRELOAD']})"
-    preset = sorted(k for k in environ if k.startswith("MALLOC_"))
+    preloaded = _preloaded_allocators(environ.get("LD_PRELOAD"))
+    if other or preloaded:
+        return f"another allocator is in use ({', '.join(other) or 'LD_PRELOAD ' + ':'.join(preloaded)})"
+    preset = sorted(k for k in environ if k.startswith("MALLOC_")) + _malloc_tunables(environ.get("GLIBC_TUNABLES"))
     if preset:
         return f"{', '.join(preset)} already set in this environment (every process started from here inherits it)"
     return None
@@ -167,8 +189,9 @@ def apply_allocator(setting: Mapping[str, str], *, environ: bool = True) -> dict
         raise InputError(f"allocator setting: received {bad}; expected variables among {sorted(_MALLOPT)} with "
                          "non-negative integer values below 2**31 (bytes or counts, as glibc reads them)")
     applied = {}
+    tunables = {t.partition("=")[0] for t in _malloc_tunables(os.environ.get("GLIBC_TUNABLES"))}
     for key, value in setting.items():
-        if key in os.environ:  # the user's own choice wins
+        if key in os.environ or _TUNABLES[key] in tunables:  # the user's own choice wins (either spelling)
             continue
         if environ:
             os.environ[key] = str(value)
