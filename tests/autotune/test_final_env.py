@@ -63,3 +63,27 @@ def test_program_parity_notes_a_probe_that_cannot_start_instead_of_stopping_the_
     s = SimpleNamespace(cfg=SimpleNamespace(final_min_time_s=0.01), device=SimpleNamespace(type="cpu"))
     why = final._program_parity(s, report, NoSecond())
     assert why is not None and why.startswith("timed in this process") and "could not start" in why
+
+
+def test_an_environment_that_chooses_the_allocator_is_inherited_and_no_trial_runs(fake_recipes, fast_cfg,
+                                                                                monkeypatch):
+    """docs/optimize.md: timing processes inherit the user's own allocator choice, the trial is not run, the note
+    says why and the artifact records no setting."""
+    import fake_standalone as fs
+
+    for k in ["OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "LD_PRELOAD"] + [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    started: list[ChildTimer] = []
+
+    class Recorded(ChildTimer):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            started.append(self)
+
+    monkeypatch.setattr(fair_place, "ChildTimer", Recorded)
+    opt = torchnitro.optimize(fs.CountingSlowModel(), fake_recipes.tiny_inputs(),
+                              fast_cfg(recipes=["test-faster"], final_alone=True, tune_allocator=True))
+    assert started and all(t.env == {} for t in started), [t.env for t in started]
+    assert any(n.startswith("allocator setting not tried: MALLOC_ARENA_MAX already set") for n in opt.report.notes)
+    assert "environment" not in opt.candidate.meta
