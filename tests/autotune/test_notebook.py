@@ -134,7 +134,10 @@ def _run_notebook(tmp_path: Path, marker: Path, art: Path) -> dict:
 
 
 @pytest.mark.slow
-def test_notebook_model_with_closure_optimizes_isolated_in_a_real_kernel(tmp_path):
+def test_notebook_model_with_closure_optimizes_isolated_in_a_real_kernel(tmp_path, monkeypatch):
+    # the kernel's connection file and IPython profile in this test's folder: no user-level Jupyter state
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
     marker, art = tmp_path / "cell1_ran.txt", tmp_path / "artifact"
     res = _run_notebook(tmp_path, marker, art)
 
