@@ -171,3 +171,21 @@ def test_serve_gives_workers_the_recorded_count_unless_flag_or_config_set_one(tm
     result = CliRunner().invoke(app, ["serve", str(art), *args, *extra])
     assert result.exit_code == 0, result.output
     assert seen and seen[0].threads == want, (seen[0].threads, seen[0].workers)
+
+
+def test_a_chosen_variant_whose_process_died_is_noted_as_such_not_as_timed_here(tmp_path):
+    """Its process may die in the allocator trial just before: the thread trial's note names that failure."""
+    from types import SimpleNamespace
+
+    from torchnitro.autotune import fair, final
+    from torchnitro.autotune.recipe import CandidateFiles
+    from torchnitro.autotune.report import Report
+
+    dead = object.__new__(ChildTimer)  # a timer whose process is gone: only ``failed`` is read
+    dead.failed = "the timing process did not answer within 120 s (killed)"
+    s = SimpleNamespace(where={"v": CandidateFiles(tmp_path, [], {}, True)},
+                        cfg=SimpleNamespace(final_min_time_s=0.01), device=SimpleNamespace(type="cpu"))
+    report = Report(model="m", inputs="x", objective="o", hardware="h")
+    final._tune_threads(s, report, "v", {"v": fair.Steady(dead)})
+    assert report.notes == ["thread count not tried: the chosen variant's timing process failed (the timing process "
+                            "did not answer within 120 s (killed))"]

@@ -298,6 +298,15 @@ def _checked_comparison(s: _Search, report: Report, fns: dict[str, Callable[...,
     return res
 
 
+def _not_in_a_child(child: ChildTimer | None) -> str | None:
+    """Why a trial of the chosen variant cannot start from its timing process, or None."""
+    if child is None:
+        return "the chosen variant was timed in this process, not in a fresh one"
+    if child.failed:
+        return f"the chosen variant's timing process failed ({child.failed})"
+    return None
+
+
 def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]]) -> None:
     """The chosen variant and eager each in a fresh process with the other glibc allocator setting than their
     comparison processes (``fair.tune_allocator``); the setting goes into the chosen variant's meta unless it
@@ -306,8 +315,7 @@ def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callab
 
     cf = s.where.get(name)
     child = _child(fns[name])
-    why = allocator_untunable() or (None if child is not None and not child.failed else
-                                    "the chosen variant was timed in this process, not in a fresh one")
+    why = allocator_untunable() or _not_in_a_child(child)
     if cf is None or why is not None:
         report.notes.append(f"allocator setting not tried: {why or 'no files of the chosen variant were kept'}")
         return
@@ -344,9 +352,9 @@ def _tune_threads(s: _Search, report: Report, name: str, fns: dict[str, Callable
 
     cf = s.where.get(name)
     child = _child(fns[name])
-    if cf is None or child is None or child.failed:
-        report.notes.append("thread count not tried: " + ("no files of the chosen variant were kept" if cf is None
-                            else "the chosen variant was timed in this process, not in a fresh one"))
+    why = _not_in_a_child(child)
+    if cf is None or why is not None:
+        report.notes.append(f"thread count not tried: {why or 'no files of the chosen variant were kept'}"[:300])
         return
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=5, min_time_s=s.cfg.final_min_time_s,
                       max_time_s=max(3.0, s.cfg.final_min_time_s * 2), device=s.device.type)
