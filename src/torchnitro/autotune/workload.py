@@ -133,14 +133,21 @@ def objective_text(cfg: OptimizeConfig, wl: Workload) -> str:
 
 
 class SearchProgress:
+    """The search's progress bar: on a terminal, and in a Jupyter notebook (rich draws it there through
+    ipywidgets, and asks for it when it is missing); nothing when the output is a file or a pipe."""
+
     def __init__(self, show: bool, total: int):
         self.p = None
-        if show and sys.stderr.isatty():
-            from rich.console import Console
+        if not show:
+            return
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        if sys.stderr.isatty() or console.is_jupyter:
             from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
             self.p = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                              console=Console(stderr=True), transient=True)
+                              console=console, transient=True)
             self.p.start()
             self.task = self.p.add_task("optimize", total=total)
 
