@@ -189,3 +189,19 @@ def test_a_chosen_variant_whose_process_died_is_noted_as_such_not_as_timed_here(
     final._tune_threads(s, report, "v", {"v": fair.Steady(dead)})
     assert report.notes == ["thread count not tried: the chosen variant's timing process failed (the timing process "
                             "did not answer within 120 s (killed))"]
+
+
+@pytest.mark.parametrize("meta, runtime", [({"threads": 2}, "ONNX Runtime"),
+                                           ({"ov_config": {"INFERENCE_NUM_THREADS": 2}}, "OpenVINO"),
+                                           ({}, None)])
+def test_the_note_names_what_uses_a_recorded_count(meta, runtime):
+    """torchnitro.load applies a recorded count only through a runtime's own session setting; for a torch-only
+    variant the note must not claim that load uses it."""
+    trial = fair_threads.tune_threads(FakeThreads({2: 2e-3, 1: 1e-3}, 2, {"meta": meta}), _FAST)
+    assert trial.chosen == 1 and trial.runtime == runtime
+    text = trial.text()
+    assert "torchnitro serve's workers run that many torch threads" in text
+    if runtime is None:
+        assert "ONNX Runtime" not in text and "OpenVINO" not in text and "torchnitro.load" not in text
+    else:
+        assert f"torchnitro.load builds its {runtime} session with it" in text

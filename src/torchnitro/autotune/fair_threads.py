@@ -28,7 +28,7 @@ from torchnitro.bench.isolated import ChildTimer
 from torchnitro.bench.ratio import paired_ratio
 from torchnitro.bench.timing import TimingConfig, compare
 
-__all__ = ["ThreadTrial", "tune_threads", "thread_options", "meta_with_threads", "recorded_threads",
+__all__ = ["ThreadTrial", "tune_threads", "thread_options", "meta_with_threads", "recorded_threads", "runtime_of",
            "MIN_THREAD_GAIN"]
 
 MIN_THREAD_GAIN = 1.03  # fewer threads are recorded when this much faster and beyond the noise
@@ -74,6 +74,7 @@ class ThreadTrial:
     p50_ms: dict[int, float] = field(default_factory=dict)
     ratio: float = 1.0  # p50 at ``threads`` / p50 at ``chosen``
     noise: float = 0.0
+    runtime: str | None = None  # the runtime whose own thread setting the meta holds (``runtime_of``), if any
 
     def text(self) -> str:
         times = ", ".join(f"{k} thread{'s' if k > 1 else ''} {ms:.3f} ms" for k, ms in sorted(self.p50_ms.items(),
@@ -81,9 +82,19 @@ class ThreadTrial:
         if self.chosen == self.threads:
             verdict = (f"kept {self.threads} (fewer must be >= {MIN_THREAD_GAIN:.2f}x faster beyond the noise)")
         else:
+            load = f"torchnitro.load builds its {self.runtime} session with it, " if self.runtime else ""
             verdict = (f"{self.chosen} recorded in the artifact ({self.ratio:.2f}x ±{self.noise:.2f} against "
-                       f"{self.threads}; torchnitro.load's ONNX Runtime/OpenVINO sessions and serve's workers use it)")
+                       f"{self.threads}; {load}torchnitro serve's workers run that many torch threads)")
         return f"thread count: the chosen variant alone in fresh processes, {times}; {verdict}"
+
+
+def runtime_of(meta: dict[str, Any]) -> str | None:
+    """The runtime whose own thread count an artifact's meta holds (``meta_with_threads`` rewrites it), or None:
+    torch's threads only, which ``torchnitro.load`` leaves as the caller set them."""
+    ov = meta.get("ov_config")
+    if isinstance(ov, dict) and "INFERENCE_NUM_THREADS" in ov:
+        return "OpenVINO"
+    return "ONNX Runtime" if "threads" in meta else None
 
 
 def tune_threads(timer: ChildTimer, tc: TimingConfig, options: list[int] | None = None) -> ThreadTrial | None:
@@ -107,9 +118,10 @@ def tune_threads(timer: ChildTimer, tc: TimingConfig, options: list[int] | None 
     p50 = {k: t.median * 1e3 for k, t in res.items()}
     best = min(options, key=lambda k: res[k].median)
     est = paired_ratio(res[threads], res[best])
-    if est.ratio >= MIN_THREAD_GAIN and est.beats_noise:
-        return ThreadTrial(threads, best, p50, est.ratio, est.noise)
-    return ThreadTrial(threads, threads, p50, est.ratio, est.noise)
+    meta = timer.spec["kwargs"].get("meta")
+    runtime = runtime_of(meta) if isinstance(meta, dict) else None
+    chosen = best if est.ratio >= MIN_THREAD_GAIN and est.beats_noise else threads
+    return ThreadTrial(threads, chosen, p50, est.ratio, est.noise, runtime)
 
 
 def recorded_threads(directory: str | Path) -> int | None:
