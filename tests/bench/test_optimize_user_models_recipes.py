@@ -43,8 +43,7 @@ def test_every_bert_family_model_runs_the_whole_padding_free_family(bench, name)
     assert "bert-unpad" in want  # exact fp32: runs on every CPU
     assert [r for r in want if r not in recipes] == [], recipes
     assert len(recipes) == len(set(recipes)), recipes  # the sweep's own entries are not run twice
-    assert set(case.recipes + case.sweep) & {r for r in recipes} == {r for r in case.recipes + case.sweep
-                                                                    if _runnable(r)}
+    assert {r for r in case.recipes + case.sweep if _runnable(r)} <= set(recipes)  # the case's own lists stay
 
 
 def test_models_without_a_bert_encoder_and_quick_runs_keep_their_own_list(bench):
