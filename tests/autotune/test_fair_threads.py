@@ -3,6 +3,7 @@ is recorded only when faster beyond the noise, and ONNX Runtime / OpenVINO / ser
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -205,3 +206,33 @@ def test_the_note_names_what_uses_a_recorded_count(meta, runtime):
         assert "ONNX Runtime" not in text and "OpenVINO" not in text and "torchnitro.load" not in text
     else:
         assert f"torchnitro.load builds its {runtime} session with it" in text
+
+
+def test_a_recorded_count_reaches_the_runtime_sessions_that_load_builds(tmp_path):
+    """meta_with_threads rewrites the setting each standalone runtime's load path reads: ONNX Runtime's session
+    (intra_op_num_threads from meta["threads"]) and OpenVINO's compiled model (ov_config's INFERENCE_NUM_THREADS)."""
+    from torchnitro.autotune.recipes._util import output_kind
+
+    model, x = torch.nn.Linear(4, 3).eval(), torch.randn(2, 4)
+    kind = output_kind(model(x))
+    pytest.importorskip("onnxruntime", reason="ONNX Runtime is an optional extra (torchnitro[onnx])")
+    from torchnitro.autotune.recipes.onnx import OnnxRuntime, export_onnx
+
+    ort_dir = tmp_path / "ort"
+    ort_dir.mkdir()
+    meta = export_onnx(model, (x,), ort_dir / "model.onnx", {})
+    runner = OnnxRuntime().load(ort_dir, fair_threads.meta_with_threads({**meta, "threads": 2}, 1), None)
+    assert runner.session.get_session_options().intra_op_num_threads == 1
+    torch.testing.assert_close(runner(x), model(x), rtol=1e-5, atol=1e-5)
+    if importlib.util.find_spec("openvino") is None:
+        pytest.skip("OpenVINO is an optional extra (torchnitro[openvino]); ONNX Runtime checked above")
+    import openvino as ov
+
+    from torchnitro.autotune.recipes.openvino import OpenVino, ov_config
+
+    ov_dir = tmp_path / "ov"
+    ov_dir.mkdir()
+    ov.save_model(ov.convert_model(model, example_input=x), str(ov_dir / "model.xml"), compress_to_fp16=False)
+    ov_meta = fair_threads.meta_with_threads({"ov_config": ov_config(2, "f32"), "output_kind": kind}, 1)
+    ov_runner = OpenVino().load(ov_dir, ov_meta, None)
+    assert int(ov_runner.compiled.get_property("INFERENCE_NUM_THREADS")) == 1
