@@ -317,7 +317,7 @@ def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callab
     child = _child(fns[name])
     why = allocator_untunable() or _not_in_a_child(child)
     if cf is None or why is not None:
-        report.notes.append(f"allocator setting not tried: {why or 'no files of the chosen variant were kept'}")
+        report.notes.append(f"allocator setting not tried: {why or 'no files of the chosen variant were kept'}"[:300])
         return
     timers = {"the chosen variant": child}
     eager = _child(fns[EAGER]) if name != EAGER and EAGER in fns else None
