@@ -75,7 +75,11 @@ def test_timing_processes_add_glibcs_allocator_setting_unless_the_environment_ch
     # with glibc's defaults fresh processes of the same eager differed by 10-20% (results/eager_spread.md)
     assert timing_process_env({}) == ALLOCATOR_SETTING
     assert timing_process_env({"OMP_WAIT_POLICY": "ACTIVE", "PATH": "/bin"}) == ALLOCATOR_SETTING
-    assert timing_process_env({"MALLOC_ARENA_MAX": "2"}) == {}  # the user's own allocator choice is inherited
+    assert timing_process_env({"MALLOC_MMAP_THRESHOLD_": "131072"}) == {}  # the user's own thresholds are inherited
+    assert timing_process_env({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}) == {}
+    # other allocator variables combine with the setting (dropping it would bring the per-process spread back)
+    assert timing_process_env({"MALLOC_ARENA_MAX": "2"}) == ALLOCATOR_SETTING
+    assert timing_process_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}) == ALLOCATOR_SETTING
     assert timing_process_env({"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}) == {}
     assert timing_process_env(dict(GLIBC_DEFAULTS)) == {}  # a caller that removes them gets glibc's defaults
 
@@ -140,9 +144,13 @@ def test_the_users_own_wait_setting_is_inherited(tmp_path, no_omp_env, monkeypat
 
 
 def test_the_users_own_allocator_setting_is_inherited(tmp_path, no_omp_env, monkeypatch):
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "0")
+    got, recorded = _child_env(tmp_path)
+    assert got["malloc"] == {"MALLOC_TRIM_THRESHOLD_": "0"} and recorded == {}
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_")
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     got, recorded = _child_env(tmp_path)
-    assert got["malloc"] == {"MALLOC_ARENA_MAX": "2"} and recorded == {}
+    assert got["malloc"] == {"MALLOC_ARENA_MAX": "2", **ALLOCATOR_SETTING} and recorded == ALLOCATOR_SETTING
 
 
 @glibc
@@ -160,8 +168,8 @@ def test_recorded_environment_says_what_the_timing_processes_run(monkeypatch, no
                                            "268435456 MALLOC_TRIM_THRESHOLD_=536870912 (glibc's thresholds fixed: no "
                                            "page faults from returned memory, the same in every process), timing "
                                            "processes inherit this OpenMP wait setting")
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
-    assert "MALLOC_ARENA_MAX=2, timing processes inherit this allocator setting" in describe_environment()
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "131072")
+    assert "MALLOC_MMAP_THRESHOLD_=131072, timing processes inherit this allocator setting" in describe_environment()
 
 
 def test_a_process_that_cannot_start_leaves_nothing_open_and_again_raises_recipe_error(tmp_path, no_omp_env,

@@ -40,7 +40,7 @@
   with the page faults per call, and the setting goes into the artifact's meta (``environment``) unless the
   defaults were faster by more than the noise; ``torchnitro.load`` / ``serve`` apply it
   (``bench.environment.apply_allocator``). Where the environment chooses the allocator itself (a
-  ``MALLOC_*`` variable, a malloc replacement in ``LD_PRELOAD``; ``bench.environment.allocator_untunable``),
+  threshold variable or tunable, a malloc replacement in ``LD_PRELOAD``; ``bench.environment.allocator_untunable``),
   timing processes inherit it and the optimizer runs no trial (``final._tune_allocator`` notes why);
   ``tune_allocator`` given such a timer starts the setting and keeps it only when it won beyond the noise.
 """

@@ -5,9 +5,10 @@ The C allocator's history moves eager latency (issue 14: MobileNetV3 138 ms with
 runtime takes; a number means little without the settings it was measured under.
 
 **Every timing process runs under ``ALLOCATOR_SETTING``** (``timing_process_env``) unless the environment
-already chooses the allocator (any ``MALLOC_*`` variable, ``glibc.malloc.*`` in ``GLIBC_TUNABLES``, a malloc
-replacement such as jemalloc in ``LD_PRELOAD``, a non-glibc C library: then it inherits that; another preloaded
-library, e.g. Intel's OpenMP, does not count). Why: with glibc's default thresholds a fresh process of torch's
+already chooses the allocator's thresholds (``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` or their
+``GLIBC_TUNABLES``, a malloc replacement such as jemalloc in ``LD_PRELOAD``, a non-glibc C library: then it
+inherits that; other ``MALLOC_*`` variables such as ``MALLOC_ARENA_MAX`` combine with the setting, and another
+preloaded library, e.g. Intel's OpenMP, does not count). Why: with glibc's default thresholds a fresh process of torch's
 eager returns some of each call's freed activations to the kernel and faults them in again on the next call,
 and how many depends on which of torch's threads freed what first, so it differs from process to process
 (``python benchmarks/eager_spread.py``: results/eager_spread.md gives each built-in's eager p50 and page faults per
@@ -94,22 +95,27 @@ def _preloaded_allocators(value: str | None) -> list[str]:
     return [lib for lib in libs if any(w in Path(lib).name.lower() for w in _PRELOADED_ALLOCATOR_WORDS)]
 
 
+# the glibc tunables that set what ALLOCATOR_SETTING sets (a tunable wins over the MALLOC_* variable)
+_THRESHOLD_TUNABLES = ("glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold")
+
+
 def _malloc_tunables(value: str | None) -> list[str]:
-    """The ``glibc.malloc.*`` entries of a ``GLIBC_TUNABLES`` value (``name=value`` separated by ``:``)."""
-    return [t for t in (value or "").split(":") if t.startswith("glibc.malloc.")]
+    """The entries of a ``GLIBC_TUNABLES`` value (``name=value`` separated by ``:``) that set one of
+    ``ALLOCATOR_SETTING``'s thresholds (other ``glibc.malloc.*`` tunables, e.g. arena_max, combine with it)."""
+    return [t for t in (value or "").split(":") if t.partition("=")[0] in _THRESHOLD_TUNABLES]
 
 
 def timing_process_env(environ: Mapping[str, str | None] | None = None) -> dict[str, str]:
     """What every timing process adds to the environment it inherits (``environ``, default ``os.environ``; a
     None value: a variable the caller removes): ``THREAD_SETTING``, or nothing when ``environ`` already sets
     OpenMP's wait policy or libgomp's spin count; and ``ALLOCATOR_SETTING`` unless ``environ`` already chooses
-    the allocator (``allocator_untunable``: a ``MALLOC_*`` variable, ``glibc.malloc.*`` in ``GLIBC_TUNABLES``,
-    a malloc replacement in ``LD_PRELOAD``, another C library)."""
+    the allocator's thresholds (``allocator_untunable``: ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_``,
+    their ``GLIBC_TUNABLES``, a malloc replacement in ``LD_PRELOAD``, another C library)."""
     environ = os.environ if environ is None else environ
     present = {k: v for k, v in environ.items() if v is not None}
     out = {} if any(k in present for k in _THREAD_VARS) else dict(THREAD_SETTING)
-    if allocator_untunable(present) is None and not any(k.startswith("MALLOC_") for k in environ):
-        out.update(ALLOCATOR_SETTING)  # a MALLOC_* key removed by the caller (None) also means "leave glibc's"
+    if allocator_untunable(present) is None and not any(k in environ for k in ALLOCATOR_SETTING):
+        out.update(ALLOCATOR_SETTING)  # a threshold key removed by the caller (None) also means "leave glibc's"
     return out
 
 
@@ -165,7 +171,9 @@ def allocator_untunable(environ: Mapping[str, str] | None = None) -> str | None:
     preloaded = _preloaded_allocators(environ.get("LD_PRELOAD"))
     if other or preloaded:
         return f"another allocator is in use ({', '.join(other) or 'LD_PRELOAD ' + ':'.join(preloaded)})"
-    preset = sorted(k for k in environ if k.startswith("MALLOC_")) + _malloc_tunables(environ.get("GLIBC_TUNABLES"))
+    # only the thresholds the setting sets: MALLOC_ARENA_MAX (set by some container images) and the like combine
+    # with it, and dropping the setting for them would bring back the 10-20% spread between fresh processes
+    preset = sorted(k for k in environ if k in ALLOCATOR_SETTING) + _malloc_tunables(environ.get("GLIBC_TUNABLES"))
     if preset:
         return f"{', '.join(preset)} already set in this environment (every process started from here inherits it)"
     return None
