@@ -8,6 +8,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,6 +21,10 @@ def test_timing_fairness_quick_writes_both_tables(tmp_path, monkeypatch):
     spec.loader.exec_module(tf)
     monkeypatch.setattr(tf, "QUICK_WORKLOADS", {"mlp": ("mlp", 2, 0)})
     monkeypatch.setattr(tf, "FAMILIES", {"torchscript": "torchscript"})
+    # each table row is one fresh timing process: keep the baseline row and one other of each table (the allocator
+    # table's last row is the mallopt-after-start one asserted below); the rows left out differ only in env values
+    monkeypatch.setattr(tf, "MALLOC_SETTINGS", {k: tf.MALLOC_SETTINGS[k] for k in list(tf.MALLOC_SETTINGS)[::3]})
+    monkeypatch.setattr(tf, "THREAD_SETTINGS", dict(list(tf.THREAD_SETTINGS.items())[::3]))
     assert tf.main(["--quick", "--repeat", "2", "--eager-processes", "3", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "timing_fairness_quick.json").read_text())
     rows = data["variants"]["rows"]
@@ -46,3 +52,8 @@ def test_timing_fairness_quick_writes_both_tables(tmp_path, monkeypatch):
     settings = [r["setting"] for r in data["allocator"]["rows"]]
     assert settings == list(tf.MALLOC_SETTINGS) and all(r["eager p50 alone ms"] > 0 for r in data["allocator"]["rows"])
     assert data["allocator"]["rows"][-1]["env"].startswith("mallopt MALLOC_MMAP_THRESHOLD_=268435456")
+    # the OpenMP wait table: each setting quiet and beside one busy process, each against libgomp's default
+    threads = data["threads"]["rows"]
+    assert [(r["beside"], r["setting"]) for r in threads] == [
+        (b, s) for b in ("nothing", "one busy process") for s in tf.THREAD_SETTINGS], threads
+    assert all(r["eager p50 alone ms"] > 0 for r in threads) and threads[0]["vs libgomp default, same load"] == pytest.approx(1.0)
