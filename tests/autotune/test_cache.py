@@ -2,18 +2,39 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
+from fake_recipes import fast_config
 
 import torchnitro
 from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
 from torchnitro.autotune.inputs import model_and_inputs
 
+RECIPES = ["torchscript", "onnxruntime"]
 
-def test_rerun_uses_search_cache_and_candidate_cache(fast_cfg):
+
+@pytest.fixture(scope="module")
+def first_search(tmp_path_factory):
+    """One search on an empty cache, shared by the tests that re-run it: (model, inputs, info, its result, the
+    cache it filled). Each test copies that cache (``_cache_copy``), so what one test adds is not seen by another."""
+    torch.manual_seed(0)
     model, inputs, info = model_and_inputs("mlp", batch=4)
-    cfg = fast_cfg(recipes=["torchscript", "onnxruntime"])
-    first = torchnitro.optimize(model, inputs, cfg, info=info)
+    tmp = tmp_path_factory.mktemp("first-search")
+    first = torchnitro.optimize(model, inputs, fast_config(tmp, recipes=RECIPES), info=info)
+    return model, inputs, info, first, tmp / "cache"
+
+
+def _cache_copy(first_search, tmp_path):
+    """The first search's cache copied into this test's folder, where ``fast_config(tmp_path)`` looks for it."""
+    shutil.copytree(first_search[-1], tmp_path / "cache")
+
+
+def test_rerun_uses_search_cache_and_candidate_cache(first_search, fast_cfg, tmp_path):
+    model, inputs, info, first, _ = first_search
+    _cache_copy(first_search, tmp_path)
+    cfg = fast_cfg(recipes=RECIPES)
     assert not first.report.cached
     again = torchnitro.optimize(model, inputs, cfg, info=info)
     assert again.report.cached and again.recipe == first.recipe
@@ -21,17 +42,18 @@ def test_rerun_uses_search_cache_and_candidate_cache(fast_cfg):
     x = torch.randn(3, 512)
     torch.testing.assert_close(again(x), first(x))
     # a different config misses the whole-search entry but reuses the evaluated candidates
-    other = torchnitro.optimize(model, inputs, fast_cfg(recipes=["torchscript", "onnxruntime"], finalists=1), info=info)
+    other = torchnitro.optimize(model, inputs, fast_cfg(recipes=RECIPES, finalists=1), info=info)
     assert not other.report.cached
     assert other.report.get("onnxruntime").cached and other.report.get("torchscript").cached
 
 
-def test_a_recipe_version_bump_misses_its_cached_results(fast_cfg, monkeypatch):
+def test_a_recipe_version_bump_misses_its_cached_results(first_search, fast_cfg, tmp_path, monkeypatch):
     from torchnitro.autotune.recipe import get_recipe
 
-    model, inputs, info = model_and_inputs("mlp", batch=4)
-    cfg = fast_cfg(recipes=["torchscript", "onnxruntime"])
-    torchnitro.optimize(model, inputs, cfg, info=info)
+    model, inputs, info, _, _ = first_search
+    _cache_copy(first_search, tmp_path)
+    cfg = fast_cfg(recipes=RECIPES)
+    assert torchnitro.optimize(model, inputs, cfg, info=info).report.cached  # the copied cache holds the search
     monkeypatch.setattr(type(get_recipe("torchscript")), "version", "999")  # its builder changed
     again = torchnitro.optimize(model, inputs, cfg, info=info)
     assert not again.report.cached  # the whole-search entry names every recipe's version
