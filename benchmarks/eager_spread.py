@@ -67,7 +67,8 @@ def _one(spec: str, inputs: Path, threads: int, env: dict[str, str | None], samp
         timer.faults.clear()
         times = sorted(timer.sample(k, warm=1) * 1e3 for _ in range(samples))
     n = len(times)  # nearest-rank percentiles of the samples (sorted)
-    return {"p50 ms": statistics.median(times), "p10 ms": times[round(0.1 * (n - 1))], "p90 ms": times[round(0.9 * (n - 1))],
+    return {"p50 ms": statistics.median(times), "p10 ms": times[round(0.1 * (n - 1))],
+            "p90 ms": times[round(0.9 * (n - 1))],
             "page faults per call": statistics.median(timer.faults)}
 
 

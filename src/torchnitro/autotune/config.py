@@ -72,7 +72,7 @@ class OptimizeConfig:
     final_min_time_s: float = 1.0  # measured seconds per finalist in the interleaved comparison
     final_alone: bool = True  # CPU: time eager and each finalist alone in its own fresh process, as deployed
     # CPU: eager's p50 = median over this many fresh timing processes (one = one draw). Default 1: three doubled
-    # the search's timing and slowed every timing process on a 2-core machine (results/timing_fairness.md, 02:29)
+    # the search's timing and slowed every timing process on a 2-core machine (git show 75ac45d:results/timing_fairness.md, 02:29)
     eager_processes: int = 1
     tune_allocator: bool = True  # CPU: time the chosen variant and eager with glibc's defaults too (timing processes run
     # under bench.environment.ALLOCATOR_SETTING); the artifact keeps the setting unless the defaults were faster

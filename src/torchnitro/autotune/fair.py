@@ -18,8 +18,9 @@
 - On the CPU every timed sample follows one untimed call of the same variant in the same process
   (``Steady``): in rotation a process can find its weights evicted from the shared cache by the others'
   samples (the built-in encoder's 21 MiB against a 32 MiB L3) and its threads asleep, so a sample's first
-  call measured the switch, not the variant as a server runs it back to back; results/timing_fairness.md
-  shows the effect: eager solo 43 ms, the same eager in rotation 51-57 ms, whatever ran beside it.
+  call measured the switch, not the variant as a server runs it back to back; git show
+  b08112a:results/timing_fairness.md shows the effect: eager solo 43 ms, the same eager in rotation 51-57 ms,
+  whatever ran beside it.
   Every sample, in a child or in this process, is gated (``bench.quiet``): it starts once the other timing
   processes are idle (a torch-based child's libgomp team spins ~3 ms after its own sample, its deployed
   default) and is retaken when foreign CPU ran beside it; the report's "timing gate" note has the counts.
@@ -349,7 +350,8 @@ def under_allocator_setting(timer: Any) -> bool:
     return all(env.get(k) == v for k, v in ALLOCATOR_SETTING.items())
 
 
-def tune_allocator(timers: dict[str, ChildTimer] | ChildTimer, tc: TimingConfig) -> dict[str, AllocatorTrial] | AllocatorTrial:
+def tune_allocator(timers: dict[str, ChildTimer] | ChildTimer,
+                   tc: TimingConfig) -> dict[str, AllocatorTrial] | AllocatorTrial:
     """Each timer's variant against the same variant in a fresh process with the other allocator setting: glibc's
     defaults when the timer runs under ``ALLOCATOR_SETTING`` (every timing process does unless the environment
     chooses the allocator), the setting otherwise; all interleaved in one run. ``keep``: under the setting, the

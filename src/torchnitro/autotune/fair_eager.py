@@ -1,7 +1,8 @@
 """Eager's baseline from several fresh processes in the final comparison (``OptimizeConfig.eager_processes``).
 
 One fresh process is one draw of eager's per-process speed: the same model in four fresh processes of one
-quiet run took 41.6-51.3 ms (results/timing_fairness.md, docs/optimize.md), so a speedup over one eager
+quiet run took 41.6-51.3 ms (git show bcfd875:results/timing_fairness.md, docs/optimize.md; the cause, glibc's
+allocator, was found later: results/eager_spread.md), so a speedup over one eager
 process hangs on which draw it got. On the CPU, when eager is timed alone, the comparison therefore starts
 ``K`` eager timing processes (``process_names``: ``eager``, ``eager-2``, ...) loaded the same way, and
 eager's statistic for every speedup is the **median of the per-process statistics** (p50, or p99 for a p99

@@ -9,7 +9,8 @@ ratio; the artifact then records it (``meta_with_threads``: ``meta["torch_thread
 and the runtime's own setting where it keeps one: ONNX Runtime's ``meta["threads"]``, OpenVINO's
 ``INFERENCE_NUM_THREADS``), ``torchnitro.load`` builds ONNX Runtime and OpenVINO sessions with it, and
 ``torchnitro serve`` gives each worker that many torch threads unless ``--threads`` or the config file's
-``serve.threads`` says otherwise (``recorded_threads``; at most the usable cores // workers). ``torchnitro.load`` does not change torch's thread count in your process: read
+``serve.threads`` says otherwise (``recorded_threads``; at most the usable cores // workers). ``torchnitro.load``
+does not change torch's thread count in your process: read
 ``OptimizedModel.candidate.meta["torch_threads"]`` and call ``torch.set_num_threads`` yourself if you want it.
 
 The speedups in the report stay those of the comparison (same thread count on both sides); the trial's note

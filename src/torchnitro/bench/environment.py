@@ -33,8 +33,8 @@ Every timing process (``bench.isolated.ChildTimer``: the optimizer's final compa
 so that is libgomp's default (a waiting thread spins ~300000 times, about 3 ms, before it sleeps) or the
 user's own ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT``. A bounded spin (``GOMP_SPINCOUNT=10000``) was tried
 for every timing process and measured wrong: on a quiet machine it made a small model's eager slower than
-the default (``mlp`` 7.6 vs 3.3 ms p50; results/timing_fairness.md, "OpenMP wait settings"), so speedups
-read high. What the default spin does to a sample when anything else runs is handled by the timing gate
+the default (``mlp`` 7.6 vs 3.3 ms p50; git show bcfd875^:results/timing_fairness.md, "OpenMP wait settings"), so
+speedups read high. What the default spin does to a sample when anything else runs is handled by the timing gate
 instead (``bench.quiet``: a sample starts only while the other timing processes are idle and is retaken
 when foreign CPU ran beside it). Both settings are part of every recorded environment.
 """
@@ -55,8 +55,8 @@ __all__ = ["timing_environment", "describe_environment", "ALLOCATOR_SETTING", "a
 
 # glibc's mmap threshold 256 MiB and trim threshold 512 MiB: freed blocks stay in the heap for the next call
 # instead of going back to the kernel and faulting in again (encoder eager in a fresh process: the allocator
-# table of results/timing_fairness.md; the first run, commit a00afff, had 1.32x with both, 1.00x with the
-# mmap threshold alone)
+# table of benchmarks/timing_fairness.py and results/eager_spread.md; the first run, commit a00afff, had 1.32x with
+# both, 1.00x with the mmap threshold alone)
 ALLOCATOR_SETTING: dict[str, str] = {"MALLOC_MMAP_THRESHOLD_": "268435456", "MALLOC_TRIM_THRESHOLD_": "536870912"}
 # glibc environment variable -> mallopt() parameter (malloc.h: M_TRIM_THRESHOLD -1, M_TOP_PAD -2,
 # M_MMAP_THRESHOLD -3, M_MMAP_MAX -4, M_ARENA_MAX -8)
@@ -67,7 +67,7 @@ _MALLOPT = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_TH
 GLIBC_DEFAULTS: dict[str, None] = {k: None for k in ALLOCATOR_SETTING}
 
 # what every timing process adds to its environment: nothing, so it runs with the OpenMP wait it is deployed
-# with (see the module docstring; the bounded spin it replaced: results/timing_fairness.md, "OpenMP wait settings")
+# with (see the module docstring; the bounded spin it replaced: git show bcfd875^:results/timing_fairness.md)
 THREAD_SETTING: dict[str, str] = {}
 _THREAD_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's own choice of either wins over THREAD_SETTING
 
