@@ -39,6 +39,7 @@ import torch
 
 from torchnitro.bench.environment import ALLOCATOR_SETTING, GLIBC_DEFAULTS, allocator_untunable, describe_environment
 from torchnitro.bench.isolated import ChildTimer, save_inputs
+from torchnitro.bench.provenance import git_commit
 from torchnitro.bench.report import ResultTable, results_dir, save_plot
 from torchnitro.hardware import hardware_info
 
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware_info()
     meta = {"command": "python " + " ".join([f"benchmarks/{Path(__file__).name}"] + (argv if argv is not None
                                                                                       else sys.argv[1:])),
-            "machine": f"{hw.cpu_name}, {hw.cpu_cores} cores", "versions": _versions(),
+            "machine": f"{hw.cpu_name}, {hw.cpu_cores} cores", "versions": _versions(), "commit": git_commit(),
             "timing environment": describe_environment(), "torch threads": threads,
             "load average at start": _load(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "settings": {k: " ".join(f"{a}={b}" for a, b in v.items() if b is not None) or "glibc's default thresholds"
