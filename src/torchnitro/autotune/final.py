@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 
@@ -326,11 +326,11 @@ def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callab
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=5, min_time_s=s.cfg.final_min_time_s,
                       max_time_s=max(3.0, s.cfg.final_min_time_s * 2), device=s.device.type)
     try:
-        trials = fair.tune_allocator(timers, tc)  # type: ignore[arg-type]
+        # a dict of timers in gives a dict of trials out (fair.tune_allocator)
+        trials = cast("dict[str, fair.AllocatorTrial]", fair.tune_allocator(timers, tc))  # type: ignore[arg-type]
     except RecipeError as exc:
         report.notes.append(f"allocator setting not tried: its timing process failed ({exc})"[:300])
         return
-    assert isinstance(trials, dict)
     trial = trials["the chosen variant"]
     report.notes.append(trial.text())
     if "eager" in trials:
