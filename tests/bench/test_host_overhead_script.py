@@ -3,14 +3,10 @@ planned fast path, a table written; the stubs are undone afterwards (nothing tim
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from _bench import load_benchmark
 
 
 def test_host_overhead_quick_counts_launches_and_restores_triton(tmp_path, monkeypatch):
@@ -20,10 +16,7 @@ def test_host_overhead_quick_counts_launches_and_restores_triton(tmp_path, monke
     from torchnitro.kernels import _triton, dispatch
 
     monkeypatch.setenv("TORCHNITRO_RESULTS", str(tmp_path))
-    spec = importlib.util.spec_from_file_location("host_overhead", ROOT / "benchmarks" / "host_overhead.py")
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "host_overhead", mod)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("host_overhead", monkeypatch)
     run, devices = JITFunction.run, dispatch._TRITON_DEVICES
     try:
         assert mod.main(["--quick", "--name", "ho"]) == 0

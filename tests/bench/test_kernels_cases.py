@@ -3,14 +3,9 @@ only the FP8 block and the issue-21 rows; targets name the shape they were check
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from _bench import load_benchmark
 
 ISSUE21 = [("rms_norm", "(4096, 4096)"), ("layer_norm", "(4096, 4096)"),
            ("rope(q,k)", "q(1,32,4096,128) k(1,8,4096,128)"),
@@ -21,11 +16,7 @@ ISSUE21 = [("rms_norm", "(4096, 4096)"), ("layer_norm", "(4096, 4096)"),
 
 @pytest.fixture
 def kernels_script(monkeypatch):
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("kernels_bench", ROOT / "benchmarks" / "kernels.py")
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "kernels_bench", mod)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("kernels", monkeypatch, module_name="kernels_bench", on_path=True)
     stub = lambda name: mod.Case(name, "-", lambda: [], {})  # noqa: E731 - the full-size models are not built here
     monkeypatch.setattr(mod, "fp8_train_case", lambda *a, **k: stub("fp8_train Llama3-8B block"))
     monkeypatch.setattr(mod, "_lm_step_case", lambda *a, **k: stub("TransformerLM train step"))

@@ -3,38 +3,29 @@ leaving the other sections as they were."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("memory_benchmark", ROOT / "benchmarks" / "memory.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from _bench import load_benchmark
 
 
 def test_zerocopy_only_adds_its_section_and_keeps_the_others(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHNITRO_RESULTS", str(tmp_path))
-    assert hasattr(_script(), "add_zerocopy_only")
+    assert hasattr(load_benchmark("memory", module_name="memory_benchmark"), "add_zerocopy_only")
     old = {"title": "planner vs tracker", "columns": ["config", "error"], "rows": [{"config": "a", "error": 0.01}],
            "meta": {"machine": "m"}}
     (tmp_path / "memory_x.json").write_text(json.dumps({"meta": {"command": "full run"}, "sections": [old]}))
     # Each run in a fresh interpreter, as the script runs: in a long-lived process glibc's dynamic mmap
     # threshold (raised by earlier frees, up to 32 MiB) can serve the 16 MB read from heap pages that are
     # already resident, and the 'read' rows would then add nothing.
-    code = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location('m', sys.argv[1]); "
-            "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod); "
-            "mod.add_zerocopy_only('memory_x', size_mb=16)")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from _bench import load_benchmark; "
+            "load_benchmark('memory', module_name='m').add_zerocopy_only('memory_x', size_mb=16)")
     env = {**os.environ, "TORCHNITRO_RESULTS": str(tmp_path)}
     for _ in range(2):  # a second run replaces the section instead of adding another
-        subprocess.run([sys.executable, "-c", code, str(ROOT / "benchmarks" / "memory.py")], env=env, check=True,
+        subprocess.run([sys.executable, "-c", code, str(Path(__file__).resolve().parents[1])], env=env, check=True,
                        capture_output=True, timeout=300)
     data = json.loads((tmp_path / "memory_x.json").read_text())
     assert data["meta"] == {"command": "full run"}

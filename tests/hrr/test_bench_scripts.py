@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
-
-ROOT = Path(__file__).resolve().parents[2]
+from _bench import load_benchmark
 
 
 def test_repeat_script_reports_every_round(tmp_path, monkeypatch):
     pytest.importorskip("torchhd", reason="torch-hd (the bench extra) is not installed")
-    spec = importlib.util.spec_from_file_location("hrr_repeat", ROOT / "benchmarks" / "hrr_repeat.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_benchmark("hrr_repeat")
     monkeypatch.setenv("TORCHNITRO_RESULTS", str(tmp_path))
     before = torch.get_num_threads()
     try:

@@ -1,19 +1,14 @@
 """benchmarks/kernel_sass.py: the FFT bind kernel compiles for sm_90 on a machine without a GPU, and
 the instruction counts it reports are those of real machine code."""
 
-import importlib.util
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from _bench import load_benchmark
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("kernel_sass", ROOT / "benchmarks" / "kernel_sass.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("kernel_sass")
 
 
 def test_counts_sass_of_the_fft_kernel_without_a_gpu(tmp_path, monkeypatch):

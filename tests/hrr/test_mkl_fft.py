@@ -256,17 +256,14 @@ def test_without_mkl_auto_uses_torch_and_explicit_raises(monkeypatch):
 
 
 def test_block_benchmark_script_writes_its_tables(tmp_path, monkeypatch):
-    import importlib.util
     import json
     import sys
-    from pathlib import Path
+
+    from _bench import load_benchmark
 
     from torchnitro.bench import timing
 
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "hrr_mkl_blocks.py"
-    spec = importlib.util.spec_from_file_location("hrr_mkl_blocks", path)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_benchmark("hrr_mkl_blocks")
     monkeypatch.setenv("TORCHNITRO_RESULTS", str(tmp_path))
     monkeypatch.setattr(tool, "TimingConfig", lambda **kw: timing.TimingConfig(**kw).quick())
     before = torch.get_num_threads()

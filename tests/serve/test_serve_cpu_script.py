@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import time
@@ -10,18 +9,14 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from _bench import load_benchmark
 
 pytest.importorskip("psutil")
-
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_cpu.py"
 
 
 @pytest.fixture(scope="module")
 def serve_cpu():
-    spec = importlib.util.spec_from_file_location("serve_cpu_under_test", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("serve_cpu", module_name="serve_cpu_under_test")
 
 
 def _artifact(tmp: Path, recipe: str, reason: str = "") -> str:

@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from _bench import load_benchmark
 
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 
-_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "serve_path_cpu.py"
-
 
 def test_short_run_batches_and_answers_every_request(capsys):
-    spec = importlib.util.spec_from_file_location("serve_path_cpu_under_test", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("serve_path_cpu", module_name="serve_path_cpu_under_test")
     res = mod.main(["--requests", "96", "--warmup", "32", "--concurrency", "8", "--batch", "8"])
     assert res["errors"] == 0 and res["requests"] >= 96
     assert 1 < res["mean_batch"] <= 8  # requests were batched, never beyond the limit
