@@ -193,4 +193,5 @@ def test_placeholders_and_code_examples_are_not_citations():
     text = "see `results/x_*.md` and results/<name>.json\n```\ntorchnitro bench compare results/new.json\n```\n" \
            "(`results/optimize_cpu.md`, 06:26)"
     assert cited_results_paths(text) == {"results/optimize_cpu.md"}
-    assert git_show_citations("`git show bcfd875^:results/timing_fairness.md`)") == {"bcfd875^:results/timing_fairness.md"}
+    cited = git_show_citations("`git show bcfd875^:results/timing_fairness.md`)")
+    assert cited == {"bcfd875^:results/timing_fairness.md"}
