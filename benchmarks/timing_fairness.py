@@ -1,24 +1,32 @@
 """Does the optimizer's final comparison time each variant as it runs alone?
 
-For each workload, one ``torchnitro.optimize`` search over one recipe per runtime family (compile,
-TorchScript, ONNX Runtime, OpenVINO when installed) with every candidate in the final comparison,
-then every variant (eager included) built and timed alone, each in its own fresh process (rounds
-alternate between the processes; the parent only waits). Two checks per workload (issue 14):
+For each workload, one ``torchnitro.optimize`` search builds one recipe per runtime family (compile, TorchScript,
+ONNX Runtime, OpenVINO when installed) into the candidate cache, and each variant's artifact is saved. Then
+``--rounds`` rounds (default 3; 1 with ``--quick``), each one optimizer comparison and one alone set taken back to
+back, the order alternating (comparison then alone, alone then comparison, ...: A B A B), so the two sides of each
+pair fall in one phase of the machine's speed: on a shared VM that speed moves 12-16% in phases minutes long, and
+a comparison and an alone set timed minutes apart measured the phase, not the comparison (git show
+7ce9ea3:results/timing_fairness.md). A round's comparison is ``optimize`` again on the same candidate cache with the
+whole-search cache entry removed: nothing is built again (a row's note says otherwise), the final comparison is
+timed anew. Its alone set times every variant (eager included) in its own fresh process (all started together,
+timed in rotation; the parent only waits). Two checks per workload (issue 14), each on the median over rounds of the
+per-round difference, the per-round values beside it:
 
 - each variant's p50 inside the optimizer's comparison is within 5% of its p50 alone;
 - the optimizer's reported speedup agrees with the isolated ratio (eager alone / variant alone) within 10%.
 
-The optimizer's comparison times eager and every finalist alone, each in its own fresh process that loads
-the variant as its artifact would (``autotune.fair``), eager in ``OptimizeConfig.eager_processes`` (default 1) fresh
-processes whose median p50 is the baseline of every speedup (``autotune.fair_eager``); so like is compared
-with like, eager's "p50 in comparison" is that median (the processes' p50s beside it) and its "p50 alone"
-the median over ``--repeat`` sets of fresh processes (theirs beside it). The "alone" side here times each
-variant's saved artifact as ``torchnitro.load`` runs it, in its own fresh process (eager: the built-in
-rebuilt from its factory, as ``load`` rebuilds it), so the two differ only in when they ran. The artifact
-of a variant the search did not choose comes from a one-recipe search on the same candidate cache (the same files, never
-rebuilt). An earlier version rebuilt every variant in the alone child: a rebuilt ONNX Runtime session
-measured its own spinning choice while its sibling processes were building, chose differently from the
-search's build, and ran 7-18% slower than the artifact the optimizer had timed.
+A machine-speed probe (a fixed fp32 matmul, ``speed_probe``, timed ~1 s in one process started with the run, gated
+like every sample) is read at the start and the end of every round; the rounds table shows both, so a round that
+straddled a phase change shows. It is a diagnostic: no number is normalised by it.
+
+The optimizer's comparison times eager and every finalist alone, each in its own fresh process that loads the
+variant as its artifact would (``autotune.fair``), eager in ``OptimizeConfig.eager_processes`` (default 1) fresh
+processes whose median p50 is the baseline of every speedup (``autotune.fair_eager``; the rounds table lists each
+process's p50). The alone side here times each variant's saved artifact as ``torchnitro.load`` runs it, in its own
+fresh process (eager: the built-in rebuilt from its factory, as ``load`` rebuilds it), so the two differ only in
+when they ran. The artifact of a variant the search did not choose comes from a one-recipe search on the same
+candidate cache (the same files, never rebuilt). The rounds' searches skip the allocator and thread trials that
+follow the comparison (``tune_allocator``/``tune_threads`` off: they time nothing the checks read).
 
 Every timing process, the optimizer's and this benchmark's alone side alike, runs under glibc's
 ``ALLOCATOR_SETTING`` (``bench.environment.timing_process_env``): with glibc's defaults, fresh processes of
@@ -43,8 +51,9 @@ deliberate competitor: left out of "ours" and of the machine check there.
 
 Run (one benchmark at a time on a shared machine)::
 
-    flock /tmp/torchnitro-bench.lock python benchmarks/timing_fairness.py           # a few minutes
-    python benchmarks/timing_fairness.py --quick                                    # smoke test, ~1 min
+    flock /tmp/torchnitro-bench.lock python benchmarks/timing_fairness.py   # ~25 min on 2 idle cores
+    python benchmarks/timing_fairness.py --only mlp --rounds 2               # one workload
+    python benchmarks/timing_fairness.py --quick                            # smoke test, ~1 min
 
 Writes results/timing_fairness.{json,md} (``--quick``: timing_fairness_quick.*) with the command,
 the machine, the library versions and the allocator/thread settings.
@@ -53,16 +62,21 @@ the machine, the library versions and the allocator/thread settings.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib.metadata
 import json
+import math
 import os
 import platform
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -71,6 +85,7 @@ from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.fair import Steady
 from torchnitro.autotune.inputs import model_and_inputs
 from torchnitro.autotune.recipe import BuildContext, get_recipe
+from torchnitro.autotune.report import Report
 from torchnitro.bench import ResultTable, TimingConfig, compare, results_dir
 from torchnitro.bench import quiet
 from torchnitro.bench.environment import (ALLOCATOR_SETTING, GLIBC_DEFAULTS, apply_allocator, describe_environment,
@@ -84,15 +99,22 @@ WORKLOADS = {"encoder": ("encoder", 8, 128), "mlp": ("mlp", 64, 0)}  # name -> (
 QUICK_WORKLOADS = {"mlp": ("mlp", 8, 0)}
 QUICK_SKIP = ("compile",)  # inductor's C++ build takes minutes on 2 cores: not for a smoke test
 P50_GOAL, SPEEDUP_GOAL = 0.05, 0.10
-REPEAT = 3  # independent sets of fresh processes on the alone side: one fresh process is one draw of
-# eager's per-process mode (encoder eager 41.6-51.3 ms across four processes of the 00:06 run)
-VARIANT_COLUMNS = ("workload", "variant", "family", "p50 in comparison ms", "comparison per process ms", "p50 alone ms",
-                   "alone per process ms", "diff", "within 5%", "timed in comparison", "alone")
-P50_COLUMNS = ("p50 in comparison ms: the optimizer's own number; for eager the median of the p50s of its fresh "
-               "processes in the comparison (eager_processes; listed in 'comparison per process ms'), which every "
-               "reported speedup divides; other variants run in one process there. p50 alone ms: the median over "
-               "--repeat independent sets of fresh processes (listed in 'alone per process ms')")
-SPEEDUP_COLUMNS = ("workload", "variant", "reported speedup", "isolated ratio", "diff", "within 10%", "chosen")
+ROUNDS = 3  # comparison + alone pairs per workload: the goals are checked on the median of the rounds' differences
+FINAL_S, QUICK_FINAL_S = 2.0, 0.3  # measured seconds per variant in each comparison and each alone set
+SETUP_FINAL_S = 0.05  # the building search's own comparison: not read by any check (every round compares anew)
+PROBE_S, QUICK_PROBE_S = 1.0, 0.2  # measured seconds of one machine-speed probe reading
+PROBE_N = 384  # the probe's fp32 matmul is (PROBE_N x PROBE_N) @ (PROBE_N x PROBE_N): ~0.8 ms on this 2-core VM
+VARIANT_COLUMNS = ("workload", "variant", "family", "p50 in comparison ms", "p50 alone ms", "diff", "within 5%",
+                   "in comparison per round ms", "alone per round ms", "diff per round", "timed in comparison",
+                   "alone")
+P50_COLUMNS = ("p50 in comparison ms: the optimizer's own number (for eager the median of the p50s of its fresh "
+               "processes, which every reported speedup divides), the median over rounds; p50 alone ms: one fresh "
+               "process per variant per round, the median over rounds; diff: the median over rounds of each round's "
+               "inside/alone - 1 (the goals are checked on it); the per-round columns list every round in order")
+SPEEDUP_COLUMNS = ("workload", "variant", "reported speedup", "isolated ratio", "diff", "within 10%",
+                   "reported per round", "isolated per round", "diff per round", "chosen in rounds")
+ROUND_COLUMNS = ("workload", "round", "order", "started", "probe at start ms", "probe at end ms", "probe change",
+                 "comparison s", "alone s", "chosen", "eager per process ms", "redone")
 ALLOCATOR_COLUMNS = ("workload", "setting", "env", "eager p50 alone ms", "vs glibc defaults", "page faults per call")
 THREAD_COLUMNS = ("workload", "setting", "env", "beside", "eager p50 alone ms", "eager p90 ms",
                   "vs libgomp default, same load")
@@ -112,6 +134,7 @@ MALLOC_SETTINGS: dict[str, tuple[dict[str, str | None], dict[str, str]]] = {
     "mmap + trim threshold 256/512 MiB": (dict(ALLOCATOR_SETTING), {}),
     "same via mallopt after start (torchnitro.load)": (dict(GLIBC_DEFAULTS), dict(ALLOCATOR_SETTING)),
 }
+REPORT_NOTES = ("eager in the final comparison", "eager p50 alone", "final comparison redone", "timing gate")
 
 
 def build_variant(spec: str, batch: int, seq: int, recipe: str, workdir: str, threads: int,
@@ -135,12 +158,94 @@ def load_artifact(directory: str) -> Callable[..., Any]:
     return load(directory, trust_code=True)  # written by this benchmark's own search
 
 
+def speed_probe(n: int = PROBE_N) -> Callable[..., Any]:
+    """Child side (``ChildTimer`` loader): the machine-speed probe, one fixed fp32 matmul into a fixed buffer per
+    call (the same work in every reading; its inputs are ignored)."""
+    g = torch.Generator().manual_seed(0)
+    a, b, out = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g), torch.empty(n, n)
+    return lambda *_: torch.mm(a, b, out=out)
+
+
+class Probe:
+    """The machine-speed probe timed in one process started once (a process per reading would add the spread
+    between fresh processes to what should show only the machine); ``read()`` -> p50 ms of ~``seconds`` of
+    gated samples, NaN once the process failed (``failed`` says why): a diagnostic never stops the benchmark."""
+
+    def __init__(self, work: Path, threads: int, seconds: float):
+        work.mkdir(parents=True, exist_ok=True)
+        save_inputs([(torch.zeros(1),)], work / "probe_inputs.pt")
+        self.tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=5, min_time_s=seconds, max_time_s=3 * seconds)
+        self.failed = ""
+        self.timer: ChildTimer | None = None
+        try:
+            self.timer = ChildTimer(f"{Path(__file__).stem}:speed_probe", {}, work / "probe_inputs.pt",
+                                    threads=threads, timeout_s=60.0, name="speed probe")
+        except OSError as exc:
+            self.failed = f"the probe's process did not start ({exc})"
+
+    def read(self) -> float:
+        if self.timer is None:
+            return math.nan
+        try:
+            return compare({"probe": Steady(self.timer)}, self.tc)["probe"].median * 1e3
+        except Exception as exc:  # noqa: BLE001 - a failed diagnostic leaves NaN in its column, nothing else
+            self.failed = f"the probe failed ({type(exc).__name__}: {exc})"[:300]
+            self.close()
+            return math.nan
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.close()
+            self.timer = None
+
+
+@dataclasses.dataclass
+class Round:
+    """One round of a workload: the optimizer's comparison and one alone set, back to back in ``order``."""
+
+    order: str
+    started: str
+    probe_ms: tuple[float, float]  # the machine-speed probe at the round's start and end
+    inside: dict[str, float]  # variant -> p50 ms in the comparison (NaN: not in it this round)
+    speedup: dict[str, float]  # variant -> the optimizer's reported speedup
+    alone: dict[str, float]  # variant -> p50 ms alone in its own fresh process
+    how: dict[str, str]  # variant -> how the comparison timed it
+    chosen: str
+    eager_processes_ms: list[float]
+    redone: bool
+    comparison_s: float
+    alone_s: float
+
+
+def diffs(num: Sequence[float], den: Sequence[float]) -> list[float]:
+    """Per round ``num / den - 1`` (NaN where either is missing)."""
+    return [a / b - 1 if _ok(a) and _ok(b) and b > 0 else math.nan for a, b in zip(num, den)]
+
+
+def median(xs: Sequence[float]) -> float:
+    """The median of the finite values (NaN when none)."""
+    good = [x for x in xs if _ok(x)]
+    return statistics.median(good) if good else math.nan
+
+
+def within(diff: float, goal: float) -> bool:
+    """The goal check: ``|diff| <= goal``; a missing difference does not meet it."""
+    return _ok(diff) and abs(diff) <= goal
+
+
+def _ok(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _per_round(xs: Sequence[float], fmt: str = "{:.4g}") -> str:
+    """Every round's value in order, "/"-separated ("-": none that round)."""
+    return "/".join("-" if not _ok(x) else fmt.format(x) for x in xs)
+
+
 def save_artifacts(opt: Any, model: Any, inputs: tuple[Any, ...], info: Any, cfg: OptimizeConfig, names: list[str],
                    work: Path, notes: list[str], label: str) -> dict[str, Path]:
     """The artifact of each variant in ``names``: the chosen one as the search saved it, each other from a
     one-recipe search on the same candidate cache (its files as the first search built them)."""
-    import dataclasses
-
     out = {}
     for n in names:
         d = work / f"artifact-{n}"
@@ -149,7 +254,7 @@ def save_artifacts(opt: Any, model: Any, inputs: tuple[Any, ...], info: Any, cfg
             out[n] = d
             continue
         one = dataclasses.replace(cfg, recipes=[n], min_speedup=0.0, finalists=1, final_min_iters=2,
-                                  final_min_time_s=0.01, tune_allocator=False, progress=False)
+                                  final_min_time_s=0.01, tune_allocator=False, progress=False, final_alone=False)
         try:
             got = optimize(model, inputs, one, info=info)
         except Exception as exc:  # noqa: BLE001 - the row says it was rebuilt instead
@@ -216,90 +321,178 @@ def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any,
     return {n: (t, faults[n]) for n, t in res.items()} if envs is not None else {n: t.median * 1e3 for n, t in res.items()}
 
 
+@dataclasses.dataclass
+class Workload:
+    """What every round of one workload shares: the model, the comparison's config, the variants and their files."""
+
+    name: str
+    spec: str
+    batch: int
+    seq: int
+    model: Any
+    inputs: tuple[Any, ...]
+    info: Any
+    cfg: OptimizeConfig  # the rounds' search: the candidate cache of the first search, the final comparison's timing
+    tc: TimingConfig  # the alone side's timing (the comparison's iterations and time)
+    timed: list[str]  # eager first, then every variant in the first search's comparison
+    artifacts: dict[str, Path]  # variant -> its saved artifact (absent: built in its alone child)
+    work: Path
+
+
+def _comparison(w: Workload, notes: list[str], label: str) -> tuple[Report, str]:
+    """The optimizer's final comparison again: ``optimize`` on the first search's candidate cache, without the
+    whole-search entry (which would return the first report untimed); the candidates load from the cache."""
+    shutil.rmtree(w.cfg.resolved_cache_dir() / "searches", ignore_errors=True)
+    opt = optimize(w.model, w.inputs, w.cfg, info=w.info)
+    rep = opt.report
+    if rep.cached:
+        raise RuntimeError(f"{label}: optimize returned the cached search; expected a new final comparison")
+    rebuilt = [c.recipe for c in rep.candidates if c.recipe in w.timed and c.recipe != "eager" and not c.cached]
+    notes.append(f"{label}: chosen {opt.recipe}" + (f"; built again, not loaded from the candidate cache: "
+                                                    f"{', '.join(rebuilt)}" if rebuilt else "")
+                 + "".join(f"; {n}" for n in rep.notes if n.startswith(REPORT_NOTES)))
+    return rep, opt.recipe
+
+
+def _round(i: int, rounds: int, w: Workload, probe: Probe, notes: list[str]) -> Round:
+    """Round ``i``: probe, the comparison and the alone set (even rounds comparison first, odd rounds alone first:
+    A B A B, so drift between the two sides changes sign across rounds), probe."""
+    label = f"{w.name} round {i + 1} of {rounds}"
+    started, first = time.strftime("%H:%M:%S"), probe.read()
+    got: dict[str, Any] = {}
+
+    def comparison() -> None:
+        t0 = time.perf_counter()
+        got["rep"], got["chosen"] = _comparison(w, notes, label + " comparison")
+        got["comparison_s"] = time.perf_counter() - t0
+
+    def alone() -> None:
+        t0 = time.perf_counter()
+        got["alone"] = _alone(w.spec, w.batch, w.seq, w.timed, w.inputs, w.cfg.resolved_threads(), w.tc,
+                              w.work / f"alone{i}", artifacts=w.artifacts, notes=notes, label=label + " alone side")
+        got["alone_s"] = time.perf_counter() - t0
+
+    steps = (comparison, alone) if i % 2 == 0 else (alone, comparison)
+    for step in steps:
+        step()
+    rep: Report = got["rep"]
+    inside, speedup, how = {}, {}, {}
+    for n in w.timed:
+        c = next((c for c in rep.candidates if c.recipe == n and c.interleaved and c.p50_ms), None)
+        if c is None:
+            inside[n], speedup[n], how[n] = math.nan, math.nan, "not in this round's comparison"
+            continue
+        inside[n], speedup[n] = c.p50_ms, c.speedup if c.speedup is not None else math.nan
+        k = len(c.process_p50_ms) if n == "eager" and c.process_p50_ms else 1
+        how[n] = ("own process" if k == 1 else f"{k} own processes, median") if c.alone else \
+            "this process: " + _why_here(c.notes)
+    eager = rep.get("eager")
+    return Round(order=" then ".join(s.__name__ for s in steps), started=started, probe_ms=(first, probe.read()),
+                 inside=inside, speedup=speedup, alone=got["alone"], how=how, chosen=got["chosen"],
+                 eager_processes_ms=list(eager.process_p50_ms) or [eager.p50_ms or math.nan],
+                 redone=any(c.redone for c in rep.candidates), comparison_s=got["comparison_s"],
+                 alone_s=got["alone_s"])
+
+
 def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], quick: bool,
-        tables: dict[str, ResultTable], notes: list[str], repeat: int = REPEAT,
+        tables: dict[str, ResultTable], notes: list[str], probe: Probe, rounds: int = ROUNDS,
         eager_processes: int | None = None) -> None:
-    """One workload: the optimizer's comparison (eager in ``eager_processes`` fresh processes; None: the config's
-    default), then every timed variant alone in ``repeat`` independent sets of fresh processes (``p50 alone ms``:
-    the median of the per-process p50s; the column beside it lists them)."""
-    variants, speedups, allocator = tables["variants"], tables["speedups"], tables.get("allocator")
+    """One workload: the search that builds every family's candidate once and saves each variant's artifact, then
+    ``rounds`` rounds of (comparison, alone set) in alternating order (``_round``); the tables get one row per
+    variant with every round's numbers and the goals checked on the median over rounds."""
     model, inputs, info = model_and_inputs(spec, batch=batch or None, seq=seq or None)
-    final_s = 0.3 if quick else 2.0
+    final_s = QUICK_FINAL_S if quick else FINAL_S
     with tempfile.TemporaryDirectory(prefix="timing-fairness-") as tmp:
         cfg = OptimizeConfig(recipes=list(families.values()), finalists=len(families), min_speedup=1.0,
                              final_min_time_s=final_s, final_min_iters=5 if quick else 15, budget_s=1800.0,
+                             **({"timing_min_time_s": QUICK_FINAL_S} if quick else {}),  # search-time estimates
                              candidate_timeout_s=600.0, cache_dir=str(Path(tmp) / "cache"), progress=not quick,
                              # the artifacts' alone side must run at the comparison's thread count (the knob that
                              # would record fewer is tested on its own: tests/autotune/test_fair_threads.py)
-                             tune_threads=False,
+                             tune_threads=False, tune_allocator=False,
                              **({} if eager_processes is None else {"eager_processes": eager_processes}))
         t0 = time.perf_counter()
-        opt = optimize(model, inputs, cfg, info=info)
-        rep = opt.report
-        notes.append(f"{name}: search {time.perf_counter() - t0:.0f} s, chosen {opt.recipe}; " + "; ".join(
-            n for n in rep.notes if n.startswith(("eager in the final comparison", "eager p50 alone",
-                                                  "final comparison redone", "allocator setting", "timing gate"))))
-        timed = [c.recipe for c in rep.candidates if c.interleaved]
-        for c in rep.candidates:
+        # builds every candidate into the cache; its own comparison is short and in this process (no check reads
+        # it: no timing process to start) and accepts a slower winner, whose artifact is saved from it directly
+        setup = optimize(model, inputs, dataclasses.replace(cfg, final_min_time_s=SETUP_FINAL_S, final_min_iters=2,
+                                                            min_speedup=0.0, final_alone=False), info=info)
+        timed = ["eager"] + [c.recipe for c in setup.report.candidates if c.interleaved and c.recipe != "eager"]
+        for c in setup.report.candidates:
             if c.recipe != "eager" and not c.interleaved:
                 notes.append(f"{name}: {c.recipe} not in the comparison ({c.status}: {c.reason[:120]})")
-        tc = TimingConfig(warmup=2, warmup_s=0.0, min_iters=5 if quick else 15, min_time_s=final_s,
+        tc = TimingConfig(warmup=2, warmup_s=0.0, min_iters=cfg.final_min_iters, min_time_s=final_s,
                           max_time_s=max(5.0, 3 * final_s))
-        arts = save_artifacts(opt, model, inputs, info, cfg, [n for n in timed if n != "eager"], Path(tmp), notes, name)
-        runs = [_alone(spec, batch, seq, timed, inputs, cfg.resolved_threads(), tc, Path(tmp) / f"alone{i}",
-                       artifacts=arts, notes=notes, label=f"{name} alone side, set {i + 1} of {repeat}")
-                for i in range(repeat)]
-        alone = {n: statistics.median(r[n] for r in runs) for n in timed}  # median of the per-process p50s
-        spread = {n: "/".join(f"{r[n]:.2f}" for r in runs) for n in timed}
-        loaded = {n: ("artifact (torchnitro.load)" if n in arts else "built in its child") for n in timed}
-        loaded["eager"] = "built-in rebuilt from its factory"
-        if allocator is not None:
-            by_env = _alone(spec, batch, seq, [], inputs, cfg.resolved_threads(), tc, Path(tmp) / "malloc",
-                            MALLOC_SETTINGS, notes=notes, label=f"{name} allocator table")
-            base = by_env["glibc defaults"][0].median * 1e3
-            for setting, (t, faults) in by_env.items():
-                env_vars, mallopt = MALLOC_SETTINGS[setting]
-                env = " ".join(f"{k}={v}" for k, v in env_vars.items() if v is not None) or (
-                    "mallopt " + " ".join(f"{k}={v}" for k, v in mallopt.items()) if mallopt else "-")
-                allocator.add(workload=name, setting=setting, env=env, **{
-                    "eager p50 alone ms": t.median * 1e3, "vs glibc defaults": base / (t.median * 1e3),
-                    "page faults per call": faults})
+        arts = save_artifacts(setup, model, inputs, info, cfg, timed[1:], Path(tmp), notes, name)
+        del setup  # its timing processes are closed; its files stay in the cache
+        notes.append(f"{name}: candidates built and artifacts saved in {time.perf_counter() - t0:.0f} s")
+        w = Workload(name, spec, batch, seq, model, inputs, info, cfg, tc, timed, arts, Path(tmp))
+        done = [_round(i, rounds, w, probe, notes) for i in range(rounds)]
+        if "allocator" in tables:
+            _allocator_table(w, tables["allocator"], notes)
         if "threads" in tables:
-            _thread_table(name, spec, batch, seq, inputs, cfg.resolved_threads(), tc, Path(tmp) / "threads",
-                          tables["threads"])
+            _thread_table(w, tables["threads"])
+    loaded = {n: ("artifact (torchnitro.load)" if n in arts else "built in its child") for n in timed}
+    loaded["eager"] = "built-in rebuilt from its factory"
+    _add_rows(name, timed, families, done, loaded, tables)
+
+
+def _add_rows(name: str, timed: list[str], families: dict[str, str], done: list[Round], loaded: dict[str, str],
+              tables: dict[str, ResultTable]) -> None:
+    """The variants, speedups and rounds tables' rows of one workload from its rounds."""
     fam_of = {v: k for k, v in families.items()} | {"eager": "eager"}
+    for i, r in enumerate(done):
+        a, b = r.probe_ms
+        tables["rounds"].add(workload=name, round=i + 1, order=r.order, started=r.started, chosen=r.chosen, **{
+            "probe at start ms": a, "probe at end ms": b, "probe change": f"{b / a - 1:+.1%}" if _ok(a / b) else "-",
+            "comparison s": r.comparison_s, "alone s": r.alone_s, "redone": r.redone,
+            "eager per process ms": _per_round(r.eager_processes_ms)})
     for n in timed:
-        c = rep.get(n)
-        diff = c.p50_ms / alone[n] - 1
-        inside = c.process_p50_ms if n == "eager" and c.process_p50_ms else [c.p50_ms]
-        how = ("own process" if len(inside) == 1 else f"{len(inside)} own processes, median") if c.alone else \
-            "this process: " + _why_here(c.notes)
-        variants.add(workload=name, variant=n, family=fam_of.get(n, n), **{
-            "p50 in comparison ms": c.p50_ms, "comparison per process ms": "/".join(f"{ms:.2f}" for ms in inside),
-            "p50 alone ms": alone[n], "alone per process ms": spread[n], "diff": f"{diff:+.1%}",
-            "within 5%": abs(diff) <= P50_GOAL, "timed in comparison": how + (", redone" if c.redone else ""),
+        inside, alone = [r.inside[n] for r in done], [r.alone.get(n, math.nan) for r in done]
+        d = diffs(inside, alone)
+        hows = list(dict.fromkeys(r.how[n] for r in done))
+        redone = [str(i + 1) for i, r in enumerate(done) if r.redone]
+        tables["variants"].add(workload=name, variant=n, family=fam_of.get(n, n), **{
+            "p50 in comparison ms": median(inside), "p50 alone ms": median(alone), "diff": f"{median(d):+.1%}",
+            "within 5%": within(median(d), P50_GOAL), "in comparison per round ms": _per_round(inside),
+            "alone per round ms": _per_round(alone), "diff per round": _per_round(d, "{:+.1%}"),
+            "timed in comparison": "; ".join(hows) + (f", redone in round {'/'.join(redone)}" if redone else ""),
             "alone": loaded[n]})
-        if n != "eager":
-            iso = alone["eager"] / alone[n]
-            d = c.speedup / iso - 1
-            speedups.add(workload=name, variant=n, **{"reported speedup": c.speedup, "isolated ratio": iso,
-                         "diff": f"{d:+.1%}", "within 10%": abs(d) <= SPEEDUP_GOAL, "chosen": n == opt.recipe})
+        if n == "eager":
+            continue
+        reported = [r.speedup[n] for r in done]
+        iso = [r.alone.get("eager", math.nan) / r.alone.get(n, math.nan) for r in done]
+        ds = diffs(reported, iso)
+        tables["speedups"].add(workload=name, variant=n, **{
+            "reported speedup": median(reported), "isolated ratio": median(iso), "diff": f"{median(ds):+.1%}",
+            "within 10%": within(median(ds), SPEEDUP_GOAL), "reported per round": _per_round(reported),
+            "isolated per round": _per_round(iso), "diff per round": _per_round(ds, "{:+.1%}"),
+            "chosen in rounds": "/".join(str(i + 1) for i, r in enumerate(done) if r.chosen == n) or "none"})
 
 
-def _thread_table(name: str, spec: str, batch: int, seq: int, inputs: tuple[Any, ...], threads: int,
-                  tc: TimingConfig, work: Path, table: ResultTable) -> None:
+def _allocator_table(w: Workload, table: ResultTable, notes: list[str]) -> None:
+    """Eager alone in fresh processes under each of ``MALLOC_SETTINGS``, against glibc's defaults."""
+    by_env = _alone(w.spec, w.batch, w.seq, [], w.inputs, w.cfg.resolved_threads(), w.tc, w.work / "malloc",
+                    MALLOC_SETTINGS, notes=notes, label=f"{w.name} allocator table")
+    base = by_env["glibc defaults"][0].median * 1e3
+    for setting, (t, faults) in by_env.items():
+        env_vars, mallopt = MALLOC_SETTINGS[setting]
+        env = " ".join(f"{k}={v}" for k, v in env_vars.items() if v is not None) or (
+            "mallopt " + " ".join(f"{k}={v}" for k, v in mallopt.items()) if mallopt else "-")
+        table.add(workload=w.name, setting=setting, env=env, **{
+            "eager p50 alone ms": t.median * 1e3, "vs glibc defaults": base / (t.median * 1e3),
+            "page faults per call": faults})
+
+
+def _thread_table(w: Workload, table: ResultTable) -> None:
     """Eager alone under each of ``THREAD_SETTINGS``, quiet and beside one busy process (``BUSY``)."""
-    import contextlib
-    import subprocess
-
     for beside in ("nothing", "one busy process"):
         busy = subprocess.Popen([sys.executable, "-c", BUSY]) if beside != "nothing" else None
         # the busy process is the condition measured, not a disturbance: not ours, and no machine retakes beside it
         gate = quiet.GateConfig(machine=busy is None)
         try:
             with quiet.ignore(busy.pid) if busy is not None else contextlib.nullcontext():
-                res = _alone(spec, batch, seq, [], inputs, threads, tc, work / beside.replace(" ", "-"),
-                             THREAD_SETTINGS, gate=gate)
+                res = _alone(w.spec, w.batch, w.seq, [], w.inputs, w.cfg.resolved_threads(), w.tc,
+                             w.work / beside.replace(" ", "-"), THREAD_SETTINGS, gate=gate)
         finally:
             if busy is not None:
                 busy.kill()
@@ -307,7 +500,7 @@ def _thread_table(name: str, spec: str, batch: int, seq: int, inputs: tuple[Any,
         base = res["libgomp default (~3 ms spin)"][0].median
         for setting, (t, _) in res.items():
             env = " ".join(f"{k}={v}" for k, v in THREAD_SETTINGS[setting][0].items())
-            table.add(workload=name, setting=setting, env=env, beside=beside, **{
+            table.add(workload=w.name, setting=setting, env=env, beside=beside, **{
                 "eager p50 alone ms": t.median * 1e3, "eager p90 ms": t.p90 * 1e3,
                 "vs libgomp default, same load": base / t.median})
 
@@ -336,6 +529,20 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _tables(meta: dict[str, Any], allocator: bool, threads: bool) -> dict[str, ResultTable]:
+    tables = {"variants": ResultTable("p50 inside the optimizer's comparison vs alone in a fresh process, per round",
+                                      VARIANT_COLUMNS, meta=dict(meta)),
+              "speedups": ResultTable("reported speedup vs isolated ratio, per round", SPEEDUP_COLUMNS),
+              "rounds": ResultTable("rounds: order, machine-speed probe at start and end (a diagnostic: no number "
+                                    "is normalised by it), durations", ROUND_COLUMNS)}
+    if allocator:
+        tables["allocator"] = ResultTable("eager alone in fresh processes under glibc allocator settings",
+                                          ALLOCATOR_COLUMNS)
+    if threads:
+        tables["threads"] = ResultTable("eager alone in fresh processes under OpenMP wait settings", THREAD_COLUMNS)
+    return tables
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one small workload, no torch.compile: a smoke test")
@@ -346,12 +553,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager-processes", type=int, default=None,
                     help="eager's fresh processes in the optimizer's comparison "
                          f"(default {OptimizeConfig().eager_processes})")
-    ap.add_argument("--repeat", type=int, default=None,
-                    help=f"independent sets of fresh processes on the alone side (default {REPEAT}, 1 with --quick)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help=f"(comparison, alone set) pairs per workload, order alternating (default {ROUNDS}, 1 with "
+                         "--quick)")
     args = ap.parse_args(argv)
-    repeat = args.repeat if args.repeat is not None else (1 if args.quick else REPEAT)
-    if repeat < 1:
-        ap.error(f"--repeat: received {repeat}, expected >= 1")
+    rounds = args.rounds if args.rounds is not None else (1 if args.quick else ROUNDS)
+    if rounds < 1:
+        ap.error(f"--rounds: received {rounds}, expected >= 1")
     if args.eager_processes is not None and args.eager_processes < 1:
         ap.error(f"--eager-processes: received {args.eager_processes}, expected >= 1")
     eager_processes = args.eager_processes or OptimizeConfig().eager_processes
@@ -362,20 +570,23 @@ def main(argv: list[str] | None = None) -> int:
                                                                                       else sys.argv[1:])),
             "machine": f"{hw.cpu_name}, {hw.cpu_cores} cores", "versions": _versions(),
             "timing environment": describe_environment(), "families": families, "load average at start": _load(),
+            "rounds": f"{rounds} per workload, each one optimizer comparison and one alone set back to back, the "
+                      "order alternating (comparison first in odd rounds)",
             "eager in the comparison": f"{eager_processes} fresh processes, median p50", "p50 columns": P50_COLUMNS,
             "timing processes' environment": timing_process_env() or "nothing added: libgomp's default OpenMP wait, "
                                                                      "or the user's OMP_WAIT_POLICY/GOMP_SPINCOUNT"}
-    variants = ResultTable("p50 inside the optimizer's comparison vs alone in a fresh process", VARIANT_COLUMNS,
-                           meta=dict(meta))
-    tables = {"variants": variants, "speedups": ResultTable("reported speedup vs isolated ratio", SPEEDUP_COLUMNS)}
-    if not args.no_allocator:
-        tables["allocator"] = ResultTable("eager alone in fresh processes under glibc allocator settings",
-                                          ALLOCATOR_COLUMNS)
-    if not args.no_threads:
-        tables["threads"] = ResultTable("eager alone in fresh processes under OpenMP wait settings", THREAD_COLUMNS)
+    tables = _tables(meta, not args.no_allocator, not args.no_threads)
     notes: list[str] = []
-    for name, (spec, batch, seq) in workloads.items():
-        run(name, spec, batch, seq, families, args.quick, tables, notes, repeat, eager_processes)
+    with tempfile.TemporaryDirectory(prefix="timing-fairness-probe-") as tmp:
+        probe = Probe(Path(tmp), OptimizeConfig().resolved_threads(), QUICK_PROBE_S if args.quick else PROBE_S)
+        try:
+            for name, (spec, batch, seq) in workloads.items():
+                run(name, spec, batch, seq, families, args.quick, tables, notes, probe, rounds, eager_processes)
+        finally:
+            probe.close()
+    if probe.failed:
+        notes.append(f"machine-speed probe: {probe.failed}")
+    variants = tables["variants"]
     variants.meta["notes"] = notes
     for t in tables.values():
         t.print()

@@ -1,60 +1,91 @@
-"""benchmarks/timing_fairness.py runs end to end (one tiny workload, TorchScript only) and writes its tables;
-the optimizer's comparison timed eager and TorchScript each in its own process."""
+"""benchmarks/timing_fairness.py runs end to end (one tiny workload, TorchScript only, one round, the allocator and
+thread tables off: tests/bench/test_timing_fairness_tables.py covers them, and the rounds' alternating order) and
+writes its tables: every round's numbers, the goals computed from them, the round with the machine-speed probe."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import statistics
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_timing_fairness_quick_writes_both_tables(tmp_path, monkeypatch):
+def _load_script(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the timing children import the script by name
     spec = importlib.util.spec_from_file_location("timing_fairness", ROOT / "benchmarks" / "timing_fairness.py")
     tf = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "timing_fairness", tf)
     spec.loader.exec_module(tf)
+    return tf
+
+
+def _close(a: float, b: float) -> bool:
+    """Equal up to the tables' rounding: 4 significant digits of each time, 0.1% of each printed difference."""
+    return abs(a - b) <= 1e-3 + 2e-3 * (1 + abs(b))
+
+
+def _nums(text: str) -> list[float]:
+    return [math.nan if x == "-" else float(x.rstrip("%")) / (100 if x.endswith("%") else 1) for x in text.split("/")]
+
+
+def test_timing_fairness_quick_end_to_end(tmp_path, monkeypatch):
+    tf = _load_script(monkeypatch)
     monkeypatch.setattr(tf, "QUICK_WORKLOADS", {"mlp": ("mlp", 2, 0)})
     monkeypatch.setattr(tf, "FAMILIES", {"torchscript": "torchscript"})
-    # each table row is one fresh timing process: keep the baseline row and one other of each table (the allocator
-    # table's last row is the mallopt-after-start one asserted below); the rows left out differ only in env values
-    monkeypatch.setattr(tf, "MALLOC_SETTINGS", {k: tf.MALLOC_SETTINGS[k] for k in list(tf.MALLOC_SETTINGS)[::3]})
-    monkeypatch.setattr(tf, "THREAD_SETTINGS", dict(list(tf.THREAD_SETTINGS.items())[::3]))
-    assert tf.main(["--quick", "--repeat", "2", "--eager-processes", "3", "--out", str(tmp_path)]) == 0
+    monkeypatch.setattr(tf, "QUICK_FINAL_S", 0.05)  # enough samples of a ~0.1 ms call; the numbers are not judged
+    monkeypatch.setattr(tf, "QUICK_PROBE_S", 0.05)
+    assert tf.main(["--quick", "--rounds", "1", "--no-allocator", "--no-threads", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "timing_fairness_quick.json").read_text())
+    assert set(data) == {"variants", "speedups", "rounds"}
+    for key, cols in (("variants", tf.VARIANT_COLUMNS), ("speedups", tf.SPEEDUP_COLUMNS), ("rounds", tf.ROUND_COLUMNS)):
+        assert data[key]["columns"] == list(cols)
+        assert all(set(r) == set(cols) for r in data[key]["rows"]), data[key]["rows"]
     rows = data["variants"]["rows"]
     assert [r["variant"] for r in rows] == ["eager", "torchscript"]
-    assert all(r["p50 in comparison ms"] > 0 and r["p50 alone ms"] > 0 for r in rows)
-    # the alone side: two independent sets of fresh processes, p50 alone their median (of two: the mean)
-    for r in rows:
-        per = [float(x) for x in r["alone per process ms"].split("/")]
-        assert len(per) == 2 and abs(r["p50 alone ms"] - sum(per) / 2) < 0.01 * max(per), r
-    # eager too, in three processes (eager_processes): "p50 in comparison" is the optimizer's median of theirs
-    assert [r["timed in comparison"].split(",")[0] for r in rows] == ["3 own processes", "own process"]
-    inside = [float(x) for x in rows[0]["comparison per process ms"].split("/")]
-    assert len(inside) == 3 and abs(rows[0]["p50 in comparison ms"] - sorted(inside)[1]) < 0.006, rows[0]
-    assert len(rows[1]["comparison per process ms"].split("/")) == 1
-    assert data["variants"]["meta"]["eager in the comparison"].startswith("3 fresh processes")
-    # the alone side times the artifact the optimizer saved, as torchnitro.load runs it (not a rebuild)
+    alone = {}
+    for r in rows:  # every round's numbers; the medians and the goal come from them
+        inside, alone[r["variant"]], diff = (_nums(r[c]) for c in ("in comparison per round ms", "alone per round ms",
+                                                                   "diff per round"))
+        assert len(inside) == len(alone[r["variant"]]) == len(diff) == 1 and all(x > 0 for x in inside), r
+        assert abs(r["p50 in comparison ms"] - statistics.median(inside)) <= 1e-3 * r["p50 in comparison ms"], r
+        assert abs(r["p50 alone ms"] - statistics.median(alone[r["variant"]])) <= 1e-3 * r["p50 alone ms"], r
+        want = [a / b - 1 for a, b in zip(inside, alone[r["variant"]])]
+        assert all(_close(d, w) for d, w in zip(diff, want)), (diff, want)
+        med = _nums(r["diff"])[0]
+        assert _close(med, statistics.median(want)), r
+        if abs(abs(med) - tf.P50_GOAL) > 2e-3:  # the rounded text cannot decide a case at the boundary
+            assert r["within 5%"] is (abs(med) <= tf.P50_GOAL), r
+        assert r["timed in comparison"].startswith("own process"), r
     assert [r["alone"] for r in rows] == ["built-in rebuilt from its factory", "artifact (torchnitro.load)"]
-    assert [r["variant"] for r in data["speedups"]["rows"]] == ["torchscript"]
+    (sp,) = data["speedups"]["rows"]
+    reported, iso, diff = (_nums(sp[c]) for c in ("reported per round", "isolated per round", "diff per round"))
+    assert len(reported) == 1 and all(x > 0 for x in reported), sp
+    assert all(_close(i, e / t) for i, e, t in zip(iso, alone["eager"], alone["torchscript"])), sp
+    med = statistics.median([a / b - 1 for a, b in zip(reported, iso)])
+    assert _close(_nums(sp["diff"])[0], med), sp
+    if abs(abs(med) - tf.SPEEDUP_GOAL) > 3e-3:
+        assert sp["within 10%"] is (abs(med) <= tf.SPEEDUP_GOAL), sp
+    # the rounds: alternating order, the probe read at both ends, each round's own comparison
+    rounds = data["rounds"]["rows"]
+    assert [(r["round"], r["order"]) for r in rounds] == [(1, "comparison then alone")]
+    assert all(r["probe at start ms"] > 0 and r["probe at end ms"] > 0 and r["comparison s"] > 0 and r["alone s"] > 0
+               for r in rounds), rounds
+    assert all(len(_nums(r["eager per process ms"])) == 1 for r in rounds), rounds
+    chosen = [str(r["round"]) for r in rounds if r["chosen"] == "torchscript"]
+    assert sp["chosen in rounds"] == ("/".join(chosen) or "none")
     meta = data["variants"]["meta"]
-    assert not any("rebuilt in its child" in n for n in meta["notes"]), meta["notes"]
+    notes = meta["notes"]
+    # the round re-ran the comparison on the cached candidates (the whole-search entry of the building search removed,
+    # nothing built again), and no artifact was rebuilt
+    assert [n.split(":")[0] for n in notes if " comparison: chosen" in n] == ["mlp round 1 of 1 comparison"], notes
+    assert not any("built again" in n or "rebuilt in its child" in n or "machine-speed probe:" in n
+                   for n in notes), notes
     assert "torch" in meta["versions"] and meta["machine"] and "allocator" in meta["timing environment"]
-    assert "--quick" in meta["command"]
+    assert "--quick" in meta["command"] and meta["rounds"].startswith("1 per workload")
     assert "CPUs" in meta["load average at start"] and "CPUs" in meta["load average at end"]
-    assert "isolated ratio" in (tmp_path / "timing_fairness_quick.md").read_text()
-    settings = [r["setting"] for r in data["allocator"]["rows"]]
-    assert settings == list(tf.MALLOC_SETTINGS) and all(r["eager p50 alone ms"] > 0 for r in data["allocator"]["rows"])
-    assert data["allocator"]["rows"][-1]["env"].startswith("mallopt MALLOC_MMAP_THRESHOLD_=268435456")
-    # the OpenMP wait table: each setting quiet and beside one busy process, each against libgomp's default
-    threads = data["threads"]["rows"]
-    assert [(r["beside"], r["setting"]) for r in threads] == [
-        (b, s) for b in ("nothing", "one busy process") for s in tf.THREAD_SETTINGS], threads
-    assert all(r["eager p50 alone ms"] > 0 for r in threads)
-    assert threads[0]["vs libgomp default, same load"] == pytest.approx(1.0)
+    md = (tmp_path / "timing_fairness_quick.md").read_text()
+    assert "isolated ratio" in md and "probe at start ms" in md and "diff per round" in md
