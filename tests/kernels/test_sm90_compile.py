@@ -108,10 +108,11 @@ CASES = {
 }
 
 
-def _compile_all() -> dict[str, str | None]:
-    """Compile every case; name -> None on success, else the error (run in a fresh process)."""
+def _compile_all(part: int = 0, parts: int = 1) -> dict[str, str | None]:
+    """Compile every ``parts``-th case from ``part`` on; name -> None on success, else the error (run in a fresh
+    process)."""
     out: dict[str, str | None] = {}
-    for name, (fn, sig, consts) in CASES.items():
+    for name, (fn, sig, consts) in sorted(CASES.items())[part::parts]:
         try:
             src = ASTSource(jit(fn), signature={**sig, **{k: C for k in consts}}, constexprs=consts)
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
@@ -123,14 +124,32 @@ def _compile_all() -> dict[str, str | None]:
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    # A fresh interpreter: Triton's interpreter patches triton.language while it runs, so compiling in
-    # a process that already interpreted kernels is not a faithful check.
+    # Fresh interpreters: Triton's interpreter patches triton.language while it runs, so compiling in
+    # a process that already interpreted kernels is not a faithful check. Compiling is single-threaded:
+    # the cases are split over one process per core, each with its own cache, all running at once.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton-cache")), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=300)
-    if proc.returncode != 0:
-        pytest.fail(f"compile subprocess failed:\n{proc.stderr[-3000:]}")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    env.update(TRITON_DEFAULT_FP_FUSION="1")
+    parts = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(parts)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**env, "TRITON_CACHE_DIR": str(tmp_path_factory.mktemp(f"triton-cache-{i}"))})
+             for i in range(parts)]
+    result: dict[str, str | None] = {}
+    try:
+        for proc in procs:
+            try:
+                stdout, stderr = proc.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"compile subprocess {proc.args[2:]} ran past 300 s")
+            if proc.returncode != 0:
+                pytest.fail(f"compile subprocess {proc.args[2:]} failed:\n{stderr[-3000:]}")
+            result.update(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:  # those still running after a failure above
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    assert sorted(result) == sorted(CASES)  # every case compiled, each in one of the subprocesses
     if all(err and "ptxas" in err and shutil.which("ptxas") is None and "not found" in err
            for err in result.values()):
         pytest.skip("Triton's bundled ptxas is unavailable here")
@@ -143,4 +162,4 @@ def test_kernel_compiles_for_sm90(compiled, name):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_compile_all()))
+    print(json.dumps(_compile_all(*map(int, sys.argv[1:3]))))
