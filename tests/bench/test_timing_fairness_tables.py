@@ -1,0 +1,196 @@
+"""benchmarks/timing_fairness.py's parts without timing processes: the goal arithmetic over rounds, the rounds'
+alternating order, the tables built from rounds, the allocator and OpenMP tables on fake timers, the probe's failure.
+(tests/bench/test_timing_fairness_script.py runs the script end to end.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchnitro.autotune.config import OptimizeConfig
+from torchnitro.autotune.report import CandidateResult, Report
+from torchnitro.bench import ResultTable, TimingConfig
+from torchnitro.errors import RecipeError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture()
+def tf(monkeypatch):
+    spec = importlib.util.spec_from_file_location("timing_fairness", ROOT / "benchmarks" / "timing_fairness.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "timing_fairness", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_goal_is_checked_on_the_median_of_the_rounds_differences(tf):
+    d = tf.diffs([10.0, 12.0, 10.2], [10.0, 10.0, 10.0])  # one round in another phase: +20%
+    assert d == pytest.approx([0.0, 0.2, 0.02])
+    assert tf.median(d) == pytest.approx(0.02) and tf.within(tf.median(d), tf.P50_GOAL)
+    assert not tf.within(tf.median(tf.diffs([11.0, 11.0, 10.0], [10.0, 10.0, 10.0])), tf.P50_GOAL)  # 2 of 3 at +10%
+    assert tf.within(-0.05, 0.05) and not tf.within(-0.0501, 0.05)
+    # a round without the variant counts as missing, not as zero; no rounds at all never meets the goal
+    assert math.isnan(tf.diffs([math.nan, 11.0], [10.0, 10.0])[0])
+    assert tf.median([math.nan, 0.1]) == pytest.approx(0.1)
+    assert math.isnan(tf.median([math.nan])) and not tf.within(math.nan, 0.05)
+    assert tf._per_round([1.23456, math.nan, 47.6189]) == "1.235/-/47.62"
+
+
+def _round(tf, inside, alone, speedup, chosen, probe=(1.0, 1.0), redone=False):
+    return tf.Round(order="comparison then alone", started="08:00:00", probe_ms=probe, inside=inside, speedup=speedup,
+                    alone=alone, how={n: "own process" for n in inside}, chosen=chosen, eager_processes_ms=[inside["eager"]],
+                    redone=redone, comparison_s=10.0, alone_s=5.0)
+
+
+def test_rows_give_every_round_and_check_the_median(tf):
+    tables = tf._tables({}, allocator=False, threads=False)
+    done = [_round(tf, {"eager": 10.0, "ort": 5.0}, {"eager": 10.0, "ort": 5.0}, {"ort": 2.0}, "ort"),
+            _round(tf, {"eager": 12.0, "ort": 5.0}, {"eager": 10.0, "ort": 4.0}, {"ort": 2.4}, "eager",
+                   probe=(1.0, 1.15), redone=True),  # a phase change inside the round: the probe shows it
+            _round(tf, {"eager": 10.1, "ort": 5.0}, {"eager": 10.0, "ort": 5.0}, {"ort": 2.02}, "ort")]
+    tf._add_rows("w", ["eager", "ort"], {"onnxruntime": "ort"}, done,
+                 {"eager": "built-in rebuilt from its factory", "ort": "artifact (torchnitro.load)"}, tables)
+    eager, ort = tables["variants"].rows
+    assert eager["in comparison per round ms"] == "10/12/10.1" and eager["alone per round ms"] == "10/10/10"
+    assert eager["diff per round"] == "+0.0%/+20.0%/+1.0%" and eager["diff"] == "+1.0%" and eager["within 5%"] is True
+    assert eager["p50 in comparison ms"] == pytest.approx(10.1) and eager["p50 alone ms"] == pytest.approx(10.0)
+    assert ort["diff per round"] == "+0.0%/+25.0%/+0.0%" and ort["within 5%"] is True
+    assert eager["timed in comparison"] == "own process, redone in round 2" and ort["family"] == "onnxruntime"
+    (sp,) = tables["speedups"].rows
+    assert sp["isolated per round"] == "2/2.5/2" and sp["reported per round"] == "2/2.4/2.02"
+    assert sp["diff per round"] == "+0.0%/-4.0%/+1.0%" and sp["diff"] == "+0.0%" and sp["within 10%"] is True
+    assert sp["chosen in rounds"] == "1/3"
+    rows = tables["rounds"].rows
+    assert [r["probe change"] for r in rows] == ["+0.0%", "+15.0%", "+0.0%"] and rows[1]["redone"] is True
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    # the goal fails when most rounds miss it, whatever one round says
+    tables = tf._tables({}, allocator=False, threads=False)
+    miss = [_round(tf, {"eager": 11.0}, {"eager": 10.0}, {}, "eager") for _ in range(2)]
+    tf._add_rows("w", ["eager"], {}, miss + done[:1], {"eager": "x"}, tables)
+    assert tables["variants"].rows[0]["diff"] == "+10.0%" and tables["variants"].rows[0]["within 5%"] is False
+
+
+class _FakeProbe:
+    def __init__(self):
+        self.reads = 0
+
+    def read(self):
+        self.reads += 1
+        return float(self.reads)
+
+
+def test_rounds_alternate_comparison_and_alone(tf, monkeypatch, tmp_path):
+    calls = []
+
+    def comparison(w, notes, label):
+        calls.append(("comparison", label))
+        rep = Report("m", "x", "latency", "cpu")
+        rep.candidates = [CandidateResult("eager", "exact", "verified", p50_ms=10.0, speedup=1.0, interleaved=True,
+                                          alone=True, process_p50_ms=[10.0]),
+                          CandidateResult("ort", "exact", "chosen", p50_ms=5.0, speedup=2.0, interleaved=True,
+                                          alone=True, redone=True)]
+        return rep, "ort"
+
+    def alone(spec, batch, seq, names, *args, label="", **kwargs):
+        calls.append(("alone", label))
+        return {n: 1.0 for n in names}
+
+    monkeypatch.setattr(tf, "_comparison", comparison)
+    monkeypatch.setattr(tf, "_alone", alone)
+    w = tf.Workload("w", "mlp", 2, 0, None, (), None, OptimizeConfig(threads=1), TimingConfig(), ["eager", "ort"], {},
+                    tmp_path)
+    probe = _FakeProbe()
+    done = [tf._round(i, 3, w, probe, []) for i in range(3)]
+    assert [c[0] for c in calls] == ["comparison", "alone", "alone", "comparison", "comparison", "alone"]
+    assert [r.order for r in done] == ["comparison then alone", "alone then comparison", "comparison then alone"]
+    assert [r.probe_ms for r in done] == [(1.0, 2.0), (3.0, 4.0), (5.0, 6.0)]  # read at each round's two ends
+    r = done[0]
+    assert r.inside == {"eager": 10.0, "ort": 5.0} and r.speedup == {"eager": 1.0, "ort": 2.0} and r.chosen == "ort"
+    assert r.redone and r.eager_processes_ms == [10.0] and r.how == {"eager": "own process", "ort": "own process"}
+    assert calls[1][1] == "w round 1 of 3 alone side"
+
+
+class _FakeTimer:
+    """A ChildTimer stand-in: eager under glibc's defaults takes 2 ms a call, 1 ms under any other setting."""
+
+    times_itself = True
+    made: list["_FakeTimer"] = []
+
+    def __init__(self, loader, kwargs, inputs, *, threads, timeout_s=0.0, env=None, gate=None, name=None):
+        self.loader, self.kwargs, self.env, self.name = loader, kwargs, dict(env or {}), name
+        defaults = "MALLOC_MMAP_THRESHOLD_" in self.env and self.env["MALLOC_MMAP_THRESHOLD_"] is None
+        self.slow = (defaults and not kwargs.get("mallopt")) or self.env.get("GOMP_SPINCOUNT") == "1000"
+        self.faults = [7.0, 9.0] if self.slow else [0.0]  # per sample, as the child reports them
+        _FakeTimer.made.append(self)
+
+    def _ms(self):
+        return 2e-3 if self.slow else 1e-3
+
+    def __call__(self, k):
+        return self._ms()
+
+    def wait_ready(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_allocator_and_thread_tables_on_fake_timers(tf, monkeypatch, tmp_path):
+    _FakeTimer.made = []
+    monkeypatch.setattr(tf, "ChildTimer", _FakeTimer)
+    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=0.0, max_time_s=1.0)
+    w = tf.Workload("w", "mlp", 2, 0, None, (torch.zeros(2, 4),), None, OptimizeConfig(threads=1), tc, ["eager"], {},
+                    tmp_path)
+    table, notes = ResultTable("a", tf.ALLOCATOR_COLUMNS), []
+    tf._allocator_table(w, table, notes)
+    rows = {r["setting"]: r for r in table.rows}
+    assert list(rows) == list(tf.MALLOC_SETTINGS)
+    assert rows["glibc defaults"]["eager p50 alone ms"] == pytest.approx(2.0) and rows["glibc defaults"]["env"] == "-"
+    assert rows["glibc defaults"]["page faults per call"] == pytest.approx(8.0)
+    mallopt = rows["same via mallopt after start (torchnitro.load)"]
+    assert mallopt["env"].startswith("mallopt MALLOC_MMAP_THRESHOLD_=268435456") and mallopt["vs glibc defaults"] == \
+        pytest.approx(2.0)
+    assert rows["mmap threshold 256 MiB"]["env"] == "MALLOC_MMAP_THRESHOLD_=268435456"
+    # each row is eager built in its own child under that row's environment and mallopt setting
+    assert all(t.kwargs["recipe"] == "eager" and t.loader.endswith(":build_variant") for t in _FakeTimer.made)
+    assert [t.kwargs["mallopt"] for t in _FakeTimer.made] == [m for _, m in tf.MALLOC_SETTINGS.values()]
+    assert notes == ["w allocator table: timing gate: no gated samples"]
+    _FakeTimer.made = []
+    table = ResultTable("t", tf.THREAD_COLUMNS)
+    tf._thread_table(w, table)
+    assert [(r["beside"], r["setting"]) for r in table.rows] == [
+        (b, s) for b in ("nothing", "one busy process") for s in tf.THREAD_SETTINGS]
+    spin = [r for r in table.rows if r["env"] == "GOMP_SPINCOUNT=1000"]
+    assert len(spin) == 2 and all(r["vs libgomp default, same load"] == pytest.approx(0.5) for r in spin)
+    assert table.rows[0]["vs libgomp default, same load"] == pytest.approx(1.0)
+    assert [t.env for t in _FakeTimer.made[:len(tf.THREAD_SETTINGS)]] == [e for e, _ in tf.THREAD_SETTINGS.values()]
+
+
+def test_a_failed_probe_leaves_nan_and_says_why(tf, monkeypatch, tmp_path):
+    class Dying(_FakeTimer):
+        closed = False
+
+        def __call__(self, k):
+            raise RecipeError("the child died")
+
+        def close(self):
+            Dying.closed = True
+
+    monkeypatch.setattr(tf, "ChildTimer", Dying)
+    probe = tf.Probe(tmp_path, threads=1, seconds=0.01)
+    assert math.isnan(probe.read()) and "the child died" in probe.failed and Dying.closed
+    assert math.isnan(probe.read())  # closed: later rounds read NaN without a process
+
+
+def test_probe_is_a_fixed_matmul(tf):
+    fn = tf.speed_probe(8)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
+    assert torch.equal(fn(torch.zeros(1)), a @ b) and torch.equal(fn(), a @ b)
