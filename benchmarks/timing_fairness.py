@@ -203,6 +203,7 @@ class Probe:
 class Round:
     """One round of a workload: the optimizer's comparison and one alone set, back to back in ``order``."""
 
+    number: int  # 1-based; a round that failed is left out of the tables (the notes say why)
     order: str
     started: str
     probe_ms: tuple[float, float]  # the machine-speed probe at the round's start and end
@@ -387,8 +388,8 @@ def _round(i: int, rounds: int, w: Workload, probe: Probe, notes: list[str]) -> 
         how[n] = ("own process" if k == 1 else f"{k} own processes, median") if c.alone else \
             "this process: " + _why_here(c.notes)
     eager = rep.get("eager")
-    return Round(order=" then ".join(s.__name__ for s in steps), started=started, probe_ms=(first, probe.read()),
-                 inside=inside, speedup=speedup, alone=got["alone"], how=how, chosen=got["chosen"],
+    return Round(number=i + 1, order=" then ".join(s.__name__ for s in steps), started=started,
+                 probe_ms=(first, probe.read()), inside=inside, speedup=speedup, alone=got["alone"], how=how, chosen=got["chosen"],
                  eager_processes_ms=list(eager.process_p50_ms) or [eager.p50_ms or math.nan],
                  redone=any(c.redone for c in rep.candidates), comparison_s=got["comparison_s"],
                  alone_s=got["alone_s"])
@@ -426,7 +427,14 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
         del setup  # its timing processes are closed; its files stay in the cache
         notes.append(f"{name}: candidates built and artifacts saved in {time.perf_counter() - t0:.0f} s")
         w = Workload(name, spec, batch, seq, model, inputs, info, cfg, tc, timed, arts, Path(tmp))
-        done = [_round(i, rounds, w, probe, notes) for i in range(rounds)]
+        done = []
+        for i in range(rounds):
+            try:
+                done.append(_round(i, rounds, w, probe, notes))
+            except Exception as exc:  # noqa: BLE001 - a failed round costs its own numbers, not the others'
+                notes.append(f"{name} round {i + 1} of {rounds} failed, left out: {type(exc).__name__}: {exc}"[:400])
+        if not done:
+            raise RuntimeError(f"{name}: every round failed: {notes[-rounds:]}")
         if "allocator" in tables:
             _allocator_table(w, tables["allocator"], notes)
         if "threads" in tables:
@@ -440,9 +448,9 @@ def _add_rows(name: str, timed: list[str], families: dict[str, str], done: list[
               tables: dict[str, ResultTable]) -> None:
     """The variants, speedups and rounds tables' rows of one workload from its rounds."""
     fam_of = {v: k for k, v in families.items()} | {"eager": "eager"}
-    for i, r in enumerate(done):
+    for r in done:
         a, b = r.probe_ms
-        tables["rounds"].add(workload=name, round=i + 1, order=r.order, started=r.started, chosen=r.chosen, **{
+        tables["rounds"].add(workload=name, round=r.number, order=r.order, started=r.started, chosen=r.chosen, **{
             "probe at start ms": a, "probe at end ms": b, "probe change": f"{b / a - 1:+.1%}" if _ok(a / b) else "-",
             "comparison s": r.comparison_s, "alone s": r.alone_s, "redone": r.redone,
             "eager per process ms": _per_round(r.eager_processes_ms)})
@@ -450,7 +458,7 @@ def _add_rows(name: str, timed: list[str], families: dict[str, str], done: list[
         inside, alone = [r.inside[n] for r in done], [r.alone.get(n, math.nan) for r in done]
         d = diffs(inside, alone)
         hows = list(dict.fromkeys(r.how[n] for r in done))
-        redone = [str(i + 1) for i, r in enumerate(done) if r.redone]
+        redone = [str(r.number) for r in done if r.redone]
         tables["variants"].add(workload=name, variant=n, family=fam_of.get(n, n), **{
             "p50 in comparison ms": median(inside), "p50 alone ms": median(alone), "diff": f"{median(d):+.1%}",
             "within 5%": within(median(d), P50_GOAL), "in comparison per round ms": _per_round(inside),
@@ -466,7 +474,7 @@ def _add_rows(name: str, timed: list[str], families: dict[str, str], done: list[
             "reported speedup": median(reported), "isolated ratio": median(iso), "diff": f"{median(ds):+.1%}",
             "within 10%": within(median(ds), SPEEDUP_GOAL), "reported per round": _per_round(reported),
             "isolated per round": _per_round(iso), "diff per round": _per_round(ds, "{:+.1%}"),
-            "chosen in rounds": "/".join(str(i + 1) for i, r in enumerate(done) if r.chosen == n) or "none"})
+            "chosen in rounds": "/".join(str(r.number) for r in done if r.chosen == n) or "none"})
 
 
 def _allocator_table(w: Workload, table: ResultTable, notes: list[str]) -> None:

@@ -42,8 +42,8 @@ def test_goal_is_checked_on_the_median_of_the_rounds_differences(tf):
     assert tf._per_round([1.23456, math.nan, 47.6189]) == "1.235/-/47.62"
 
 
-def _round(tf, inside, alone, speedup, chosen, probe=(1.0, 1.0), redone=False):
-    return tf.Round(order="comparison then alone", started="08:00:00", probe_ms=probe, inside=inside, speedup=speedup,
+def _round(tf, inside, alone, speedup, chosen, probe=(1.0, 1.0), redone=False, number=1):
+    return tf.Round(number=number, order="comparison then alone", started="08:00:00", probe_ms=probe, inside=inside, speedup=speedup,
                     alone=alone, how={n: "own process" for n in inside}, chosen=chosen, eager_processes_ms=[inside["eager"]],
                     redone=redone, comparison_s=10.0, alone_s=5.0)
 
@@ -52,8 +52,8 @@ def test_rows_give_every_round_and_check_the_median(tf):
     tables = tf._tables({}, allocator=False, threads=False)
     done = [_round(tf, {"eager": 10.0, "ort": 5.0}, {"eager": 10.0, "ort": 5.0}, {"ort": 2.0}, "ort"),
             _round(tf, {"eager": 12.0, "ort": 5.0}, {"eager": 10.0, "ort": 4.0}, {"ort": 2.4}, "eager",
-                   probe=(1.0, 1.15), redone=True),  # a phase change inside the round: the probe shows it
-            _round(tf, {"eager": 10.1, "ort": 5.0}, {"eager": 10.0, "ort": 5.0}, {"ort": 2.02}, "ort")]
+                   probe=(1.0, 1.15), redone=True, number=2),  # a phase change inside the round: the probe shows it
+            _round(tf, {"eager": 10.1, "ort": 5.0}, {"eager": 10.0, "ort": 5.0}, {"ort": 2.02}, "ort", number=3)]
     tf._add_rows("w", ["eager", "ort"], {"onnxruntime": "ort"}, done,
                  {"eager": "built-in rebuilt from its factory", "ort": "artifact (torchnitro.load)"}, tables)
     eager, ort = tables["variants"].rows
@@ -194,3 +194,29 @@ def test_probe_is_a_fixed_matmul(tf):
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)
     assert torch.equal(fn(torch.zeros(1)), a @ b) and torch.equal(fn(), a @ b)
+
+
+def test_a_failed_round_is_left_out_and_noted(tf, monkeypatch):
+    """Round 2 of 3 fails: rounds 1 and 3 make the rows (numbered as run), the notes say why 2 is missing."""
+    def fake_round(i, rounds, w, probe, notes):
+        if i == 1:
+            raise RuntimeError("its timing process died")
+        return _round(tf, {"eager": 10.0}, {"eager": 10.0}, {}, "eager", number=i + 1)
+
+    def fake_optimize(model, inputs, cfg, info=None):
+        class Opt:
+            recipe = "eager"
+            report = Report("m", "x", "latency", "cpu", [CandidateResult("eager", "exact", "chosen", interleaved=True)])
+        return Opt()
+
+    monkeypatch.setattr(tf, "_round", fake_round)
+    monkeypatch.setattr(tf, "optimize", fake_optimize)
+    monkeypatch.setattr(tf, "model_and_inputs", lambda spec, batch=None, seq=None: (None, (), None))
+    tables, notes = tf._tables({}, allocator=False, threads=False), []
+    tf.run("w", "mlp", 2, 0, {}, True, tables, notes, _FakeProbe(), rounds=3)
+    assert [r["round"] for r in tables["rounds"].rows] == [1, 3]
+    assert tables["variants"].rows[0]["alone per round ms"] == "10/10"
+    assert any(n.startswith("w round 2 of 3 failed, left out: RuntimeError: its timing process died") for n in notes)
+    monkeypatch.setattr(tf, "_round", lambda *a: (_ for _ in ()).throw(RuntimeError("no process")))
+    with pytest.raises(RuntimeError, match="every round failed"):
+        tf.run("w", "mlp", 2, 0, {}, True, tf._tables({}, allocator=False, threads=False), [], _FakeProbe(), rounds=2)
