@@ -19,12 +19,13 @@ def test_quick_run_writes_the_minilm_and_coverage_tables(tmp_path, monkeypatch):
     bench = _bench(monkeypatch)
     monkeypatch.setattr(bench, "QUICK_RECIPES", ["bert-unpad"])  # no child processes: seconds, not minutes
     monkeypatch.setattr(bench, "CASES", {"vit": dataclasses.replace(bench.CASES["vit"], recipes=["dynamic-int8"])})
-    # no allocator or thread-count trial after each of the four searches: they start up to three more fresh
-    # processes per search, each re-importing transformers to unpickle the model (half this test's children). Both
-    # trials are the library's, tested in tests/autotune/test_fair_timing.py and test_fair_threads.py; here a failed
-    # trial only adds a note to the report, so no assertion below could see it
-    monkeypatch.setattr(bench, "OptimizeConfig",
-                        functools.partial(bench.OptimizeConfig, tune_allocator=False, tune_threads=False))
+    # no fresh timing process in the four searches: no final comparison alone (eager and each finalist in its own
+    # process, each re-importing transformers to re-create the model) and no allocator or thread-count trial after it
+    # (up to three more). All three are the library's, tested in tests/autotune/test_fair_timing.py and
+    # test_fair_threads.py; the tables below read the same rows either way (a failed trial only adds a note), and the
+    # side-by-side run's eager alone in its own process is the next test's
+    monkeypatch.setattr(bench, "OptimizeConfig", functools.partial(bench.OptimizeConfig, final_alone=False,
+                                                                   tune_allocator=False, tune_threads=False))
     assert bench.main(["--quick", "--only", "minilm-short", "coverage", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "optimize_user_models_quick.json").read_text())
     by = {t.split(" ")[0] + (" outcomes" if "outcome" in t else ""): v["rows"] for t, v in data.items()}
