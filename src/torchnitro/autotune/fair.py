@@ -68,7 +68,7 @@ from torchnitro.bench.timing import Timing, TimingConfig, compare
 
 __all__ = ["Steady", "runs_alone", "start_alone", "load_standalone", "load_variant", "ChildModel", "child_model",
            "EagerCheck", "check_eager", "AllocatorTrial", "tune_allocator", "under_allocator_setting",
-           "apply_recorded_allocator", "SETTLE_S",
+           "allocator_env", "apply_recorded_allocator", "recorded_meta", "SETTLE_S",
            "MIN_BAND", "MAX_BAND", "MIN_ALLOCATOR_GAIN"]
 
 SETTLE_S = 2.0  # pause before redoing a comparison whose eager drifted (let a burst of other load pass)
@@ -350,21 +350,30 @@ def under_allocator_setting(timer: Any) -> bool:
     return all(env.get(k) == v for k, v in ALLOCATOR_SETTING.items())
 
 
-def tune_allocator(timers: dict[str, ChildTimer] | ChildTimer,
-                   tc: TimingConfig) -> dict[str, AllocatorTrial] | AllocatorTrial:
+def allocator_env(timer: Any) -> dict[str, str | None]:
+    """The extra environment of ``timer``'s allocator trial process: glibc's defaults for a timer under
+    ``ALLOCATOR_SETTING``, the setting otherwise (``tune_allocator``)."""
+    return dict(GLIBC_DEFAULTS) if under_allocator_setting(timer) else dict(ALLOCATOR_SETTING)
+
+
+def tune_allocator(timers: dict[str, ChildTimer] | ChildTimer, tc: TimingConfig,
+                   started: dict[str, ChildTimer] | None = None) -> dict[str, AllocatorTrial] | AllocatorTrial:
     """Each timer's variant against the same variant in a fresh process with the other allocator setting: glibc's
     defaults when the timer runs under ``ALLOCATOR_SETTING`` (every timing process does unless the environment
     chooses the allocator), the setting otherwise; all interleaved in one run. ``keep``: under the setting, the
     setting stays unless the defaults were faster by ``MIN_ALLOCATOR_GAIN`` beyond the noise (the comparison's
     numbers were taken under it); otherwise it is kept when it was that much faster. ``timers``: name -> timer
-    (one ``ChildTimer`` alone: its trial alone). Raises ``RecipeError`` when a second process fails (the caller
-    notes it and goes on)."""
+    (one ``ChildTimer`` alone: its trial alone). ``started``: name -> that trial process, already started by the
+    caller (``timer.again(allocator_env(timer))``, so that its start-up ran beside other trials' start-ups, not
+    beside timed samples); closed here like the ones started here. Raises ``RecipeError`` when a second process
+    fails (the caller notes it and goes on)."""
     single = not isinstance(timers, dict)
     named: dict[str, ChildTimer] = {"the chosen variant": timers} if single else dict(timers)  # type: ignore[dict-item]
-    others: dict[str, ChildTimer] = {}
+    others: dict[str, ChildTimer] = dict(started or {})
     try:
         for name, timer in named.items():
-            others[name] = timer.again(GLIBC_DEFAULTS if under_allocator_setting(timer) else ALLOCATOR_SETTING)
+            if name not in others:
+                others[name] = timer.again(allocator_env(timer))
         for other in others.values():
             other.wait_ready()
         fns: dict[str, Any] = {}
@@ -391,11 +400,27 @@ def tune_allocator(timers: dict[str, ChildTimer] | ChildTimer,
     return trials["the chosen variant"] if single else trials
 
 
-def apply_recorded_allocator(directory: str | Path) -> dict[str, str]:
+def apply_recorded_allocator(source: str | Path | dict[str, Any]) -> dict[str, str]:
     """Apply the allocator setting an artifact records (meta ``environment``) before anything is loaded from it,
-    so processes started from here on (serve's workers) read it at their start. Returns what ``mallopt`` set
-    in this process. Raises ``ArtifactError`` for a damaged artifact, as loading it would."""
-    from torchnitro.autotune.artifact import read_manifest
+    so processes started from here on (serve's workers) read it at their start. ``source``: the artifact's
+    directory (its manifest is read and verified here: ``ArtifactError`` for a damaged artifact, as loading it
+    would raise) or its meta, already read from a verified manifest (``torchnitro serve`` reads it once).
+    Returns what ``mallopt`` set in this process."""
     from torchnitro.bench.environment import apply_allocator
 
-    return apply_allocator(read_manifest(directory).get("meta", {}).get("environment") or {})
+    return apply_allocator(recorded_meta(source).get("environment") or {})
+
+
+def recorded_meta(source: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """An artifact's meta: ``source`` itself when it is one (a dict), else read from the verified manifest of the
+    directory ``source`` (``artifact.read_manifest``: every file's SHA-256 checked)."""
+    if isinstance(source, dict):
+        return source
+    if not isinstance(source, (str, Path)):
+        from torchnitro.errors import InputError
+
+        raise InputError(f"artifact: received {type(source).__name__}; expected its directory (str or Path) or "
+                         "its meta (a dict read from its manifest)")
+    from torchnitro.autotune.artifact import read_manifest
+
+    return dict(read_manifest(source).get("meta") or {})

@@ -29,7 +29,7 @@ from torchnitro.bench.isolated import ChildTimer
 from torchnitro.bench.ratio import paired_ratio
 from torchnitro.bench.timing import TimingConfig, compare
 
-__all__ = ["ThreadTrial", "tune_threads", "thread_options", "meta_with_threads", "recorded_threads", "runtime_of",
+__all__ = ["ThreadTrial", "tune_threads", "start_fewer", "thread_options", "meta_with_threads", "recorded_threads", "runtime_of",
            "MIN_THREAD_GAIN"]
 
 MIN_THREAD_GAIN = 1.03  # fewer threads are recorded when this much faster and beyond the noise
@@ -98,18 +98,31 @@ def runtime_of(meta: dict[str, Any]) -> str | None:
     return "ONNX Runtime" if "threads" in meta else None
 
 
-def tune_threads(timer: ChildTimer, tc: TimingConfig, options: list[int] | None = None) -> ThreadTrial | None:
+def start_fewer(timer: ChildTimer, k: int) -> ChildTimer:
+    """A fresh process of ``timer``'s variant with ``k`` threads (torch's and the runtime's own, in its meta);
+    returns at once. Raises ``RecipeError`` when it cannot start."""
+    return timer.again({}, threads=k, kwargs=_kwargs_with_threads(timer.spec["kwargs"], k),
+                       name=f"{timer.name} ({k} thread{'s' if k > 1 else ''})")
+
+
+def tune_threads(timer: ChildTimer, tc: TimingConfig, options: list[int] | None = None,
+                 started: dict[int, ChildTimer] | None = None) -> ThreadTrial | None:
     """Time ``timer``'s variant against fresh processes of it with fewer threads (``thread_options``), all
-    interleaved; None when there is no smaller count to try. Raises ``RecipeError`` when a process fails."""
+    interleaved; None when there is no smaller count to try. ``started``: count -> its process, already started by
+    the caller (``start_fewer``, beside the other trials' start-ups); closed here like those started here. Raises
+    ``RecipeError`` when a process fails."""
     threads = int(timer.spec["threads"])
     options = thread_options(threads) if options is None else [k for k in options if k != threads]
+    others: dict[int, ChildTimer] = {k: o for k, o in (started or {}).items() if k in options}
+    for k, o in (started or {}).items():
+        if k not in others:
+            o.close()  # not a count tried here: nothing of it is left running
     if not options:
         return None
-    others: dict[int, ChildTimer] = {}
     try:
         for k in options:
-            others[k] = timer.again({}, threads=k, kwargs=_kwargs_with_threads(timer.spec["kwargs"], k),
-                                    name=f"{timer.name} ({k} thread{'s' if k > 1 else ''})")
+            if k not in others:
+                others[k] = start_fewer(timer, k)
         for o in others.values():
             o.wait_ready()
         res = compare({threads: Steady(timer), **{k: Steady(o) for k, o in others.items()}}, tc)
@@ -125,9 +138,10 @@ def tune_threads(timer: ChildTimer, tc: TimingConfig, options: list[int] | None 
     return ThreadTrial(threads, chosen, p50, est.ratio, est.noise, runtime)
 
 
-def recorded_threads(directory: str | Path) -> int | None:
-    """The torch thread count an artifact records (``meta["torch_threads"]``), or None."""
-    from torchnitro.autotune.artifact import read_manifest
+def recorded_threads(source: str | Path | dict[str, Any]) -> int | None:
+    """The torch thread count an artifact records (``meta["torch_threads"]``), or None. ``source``: the artifact's
+    directory (its manifest read and verified here) or its meta (``fair.recorded_meta``)."""
+    from torchnitro.autotune.fair import recorded_meta
 
-    got = read_manifest(directory).get("meta", {}).get("torch_threads")
+    got = recorded_meta(source).get("torch_threads")
     return got if isinstance(got, int) and not isinstance(got, bool) and got >= 1 else None

@@ -22,10 +22,12 @@ ran beside it; the report's "timing environment" and "timing gate" notes say so,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import inspect
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
 
 import torch
 
@@ -307,27 +309,108 @@ def _not_in_a_child(child: ChildTimer | None) -> str | None:
     return None
 
 
-def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]]) -> None:
-    """The chosen variant and eager each in a fresh process with the other glibc allocator setting than their
-    comparison processes (``fair.tune_allocator``); the setting goes into the chosen variant's meta unless it
-    lost there. The report gives both times of each, and the chosen variant against eager with glibc's defaults."""
+def _allocator_plan(s: _Search, name: str, fns: dict[str, Callable[..., Any]]) -> tuple[dict[str, ChildTimer], str | None]:
+    """The comparison's processes (under the setting, warm) whose variant the allocator trial times again with
+    glibc's defaults: the chosen variant's and eager's; or why the trial cannot run."""
     from torchnitro.bench.environment import allocator_untunable
 
-    cf = s.where.get(name)
     child = _child(fns[name])
     why = allocator_untunable() or _not_in_a_child(child)
-    if cf is None or why is not None:
-        report.notes.append(f"allocator setting not tried: {why or 'no files of the chosen variant were kept'}"[:300])
-        return
+    if why is None and s.where.get(name) is None:
+        why = "no files of the chosen variant were kept"
+    if why is not None or child is None:
+        return {}, why
     timers = {"the chosen variant": child}
     eager = _child(fns[EAGER]) if name != EAGER and EAGER in fns else None
     if eager is not None and not eager.failed:
         timers["eager"] = eager
-    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=5, min_time_s=s.cfg.final_min_time_s,
-                      max_time_s=max(3.0, s.cfg.final_min_time_s * 2), device=s.device.type)
+    return timers, None
+
+
+def _threads_plan(s: _Search, name: str, fns: dict[str, Callable[..., Any]]) -> tuple[ChildTimer | None, list[int],
+                                                                                    str | None]:
+    """The chosen variant's comparison process and the fewer thread counts to try beside it; or why none."""
+    from torchnitro.autotune import fair_threads
+
+    child = _child(fns[name])
+    why = _not_in_a_child(child)
+    if why is None and s.where.get(name) is None:
+        why = "no files of the chosen variant were kept"
+    if why is not None or child is None:
+        return None, [], why
+    threads = int(child.spec["threads"])
+    options = fair_threads.thread_options(threads)
+    if not options:
+        return child, [], f"the comparison ran the chosen variant with {threads} thread: nothing fewer to try"
+    return child, options, None
+
+
+def _trial_tc(s: _Search) -> TimingConfig:
+    return TimingConfig(warmup=1, warmup_s=0.0, min_iters=5, min_time_s=s.cfg.final_min_time_s,
+                        max_time_s=max(3.0, s.cfg.final_min_time_s * 2), device=s.device.type)
+
+
+@dataclasses.dataclass
+class _Started:
+    """The trials' fresh processes, started together and ready before either trial times a sample: their
+    start-ups (interpreter, torch, the variant) overlap each other instead of running one trial after the other,
+    and none runs beside a timed sample."""
+
+    allocator: dict[str, ChildTimer] = dataclasses.field(default_factory=dict)  # trial name -> its process
+    threads: dict[int, ChildTimer] = dataclasses.field(default_factory=dict)  # thread count -> its process
+
+    def all(self) -> list[ChildTimer]:
+        return [*self.allocator.values(), *self.threads.values()]
+
+
+def _start_trials(alloc: dict[str, ChildTimer], child: ChildTimer | None, options: list[int]) -> _Started:
+    """Start every trial process at once, then wait until each is ready (loaded, one untimed call). One that
+    fails to start or load is left out: its trial starts it again itself, and notes a second failure."""
+    from torchnitro.autotune import fair_threads
+
+    got = _Started()
+    for name, timer in alloc.items():
+        try:
+            got.allocator[name] = timer.again(fair.allocator_env(timer))
+        except RecipeError:
+            pass
+    for k in options if child is not None else []:
+        try:
+            got.threads[k] = fair_threads.start_fewer(cast(ChildTimer, child), k)
+        except RecipeError:
+            pass
+    for group in (got.allocator, got.threads):
+        for key, timer in list(group.items()):
+            try:
+                timer.wait_ready()
+            except RecipeError:  # closed by wait_ready's failure
+                del group[key]  # type: ignore[arg-type]
+    return got
+
+
+def _started_kw(trial: Callable[..., Any], started: dict[Any, ChildTimer] | None) -> dict[str, Any]:
+    """``started=`` for a trial function that takes it; a replacement that does not (a test's stand-in) runs
+    without them (``_run_trials`` closes what no trial took)."""
+    if not started or "started" not in inspect.signature(trial).parameters:
+        return {}
+    return {"started": started}
+
+
+def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]],
+                    started: dict[str, ChildTimer] | None = None) -> None:
+    """The chosen variant and eager each in a fresh process with the other glibc allocator setting than their
+    comparison processes (``fair.tune_allocator``; ``started``: those processes, already started and ready); the
+    setting goes into the chosen variant's meta unless it lost there. The report gives both times of each, and the
+    chosen variant against eager with glibc's defaults."""
+    timers, why = _allocator_plan(s, name, fns)
+    if why is not None:
+        report.notes.append(f"allocator setting not tried: {why}"[:300])
+        return
+    cf = s.where[name]
     try:
         # a dict of timers in gives a dict of trials out (fair.tune_allocator)
-        trials = cast("dict[str, fair.AllocatorTrial]", fair.tune_allocator(timers, tc))  # type: ignore[arg-type]
+        trials = cast("dict[str, fair.AllocatorTrial]", fair.tune_allocator(  # type: ignore[call-overload]
+            timers, _trial_tc(s), **_started_kw(fair.tune_allocator, started)))
     except RecipeError as exc:
         report.notes.append(f"allocator setting not tried: its timing process failed ({exc})"[:300])
         return
@@ -345,21 +428,20 @@ def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callab
                                                       "environment_gain": gain})
 
 
-def _tune_threads(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]]) -> None:
-    """The chosen variant with fewer intra-op threads in fresh processes (``fair_threads.tune_threads``); the
-    artifact's meta records a smaller count only when it was faster beyond the noise."""
+def _tune_threads(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]],
+                  started: dict[int, ChildTimer] | None = None) -> None:
+    """The chosen variant with fewer intra-op threads in fresh processes (``fair_threads.tune_threads``;
+    ``started``: those processes, already started and ready); the artifact's meta records a smaller count only
+    when it was faster beyond the noise."""
     from torchnitro.autotune import fair_threads
 
-    cf = s.where.get(name)
-    child = _child(fns[name])
-    why = _not_in_a_child(child)
-    if cf is None or why is not None:
-        report.notes.append(f"thread count not tried: {why or 'no files of the chosen variant were kept'}"[:300])
+    child, options, why = _threads_plan(s, name, fns)
+    if why is not None or child is None:
+        report.notes.append(f"thread count not tried: {why}"[:300])
         return
-    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=5, min_time_s=s.cfg.final_min_time_s,
-                      max_time_s=max(3.0, s.cfg.final_min_time_s * 2), device=s.device.type)
+    cf = s.where[name]
     try:
-        trial = fair_threads.tune_threads(child, tc)
+        trial = fair_threads.tune_threads(child, _trial_tc(s), **_started_kw(fair_threads.tune_threads, started))
     except RecipeError as exc:
         report.notes.append(f"thread count not tried: its timing process failed ({exc})"[:300])
         return
@@ -370,6 +452,53 @@ def _tune_threads(s: _Search, report: Report, name: str, fns: dict[str, Callable
         meta = fair_threads.meta_with_threads(cf.meta, trial.chosen)
         meta["threads_trial"] = {str(k): ms for k, ms in trial.p50_ms.items()}
         s.where[name] = dataclasses.replace(cf, meta=meta)
+
+
+def _run_trials(s: _Search, report: Report, best: str | None, fns: dict[str, Callable[..., Any]],
+                phases: "_Phases") -> None:
+    """The allocator and thread trials of the chosen variant (``best``; None: eager), their fresh processes
+    started together first (``_start_trials``)."""
+    cfg = s.cfg
+    alloc = cfg.tune_allocator and s.device.type == "cpu"
+    threads = cfg.tune_threads and s.device.type == "cpu"
+    if threads and best is None:
+        report.notes.append("thread count not tried: no variant beat eager, so there is no chosen variant to try")
+        threads = False
+    with phases("starting the trials' processes together"):
+        a_timers = _allocator_plan(s, best or EAGER, fns)[0] if alloc else {}
+        t_child, t_options, _ = _threads_plan(s, cast(str, best), fns) if threads else (None, [], None)
+        started = _start_trials(a_timers, t_child, t_options)
+    try:
+        if alloc:
+            with phases("allocator trial"):
+                _tune_allocator(s, report, best or EAGER, fns, started.allocator)
+        if threads:
+            with phases("thread trial"):
+                _tune_threads(s, report, cast(str, best), fns, started.threads)
+    finally:
+        for timer in started.all():  # closed by their trial; any a trial did not reach
+            timer.close()
+
+
+class _Phases:
+    """Wall time of the final phase's parts, for the report's "final phase time" note."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def text(self) -> str:
+        parts = ", ".join(f"{n} {sec:.1f} s" for n, sec in self.seconds.items() if sec >= 0.05)
+        total = sum(self.seconds.values())
+        return (f"final phase time: {total:.1f} s in all ({parts}); the rest of the search time built, verified "
+                "and timed the candidates")
 
 
 def run_finalists(s: _Search, report: Report) -> Recipe:
@@ -393,38 +522,43 @@ def run_finalists(s: _Search, report: Report) -> Recipe:
     if not pool:
         return get_recipe(EAGER)
     timers: dict[str, ChildTimer] = {}
+    phases = _Phases()
     with recording() as gate:
         try:
-            return _run_pool(s, report, pool, timers)
+            return _run_pool(s, report, pool, timers, phases)
         finally:
             for timer in timers.values():
                 timer.close()
             if gate.samples:
                 report.notes.append(gate.text())
+            if phases.seconds:
+                report.notes.append(phases.text())
 
 
-def _run_pool(s: _Search, report: Report, pool: list[CandidateResult], timers: dict[str, ChildTimer]) -> Recipe:
-    """``run_finalists`` once the pool is known: screen, compare, check, pick, try the allocator setting."""
+def _run_pool(s: _Search, report: Report, pool: list[CandidateResult], timers: dict[str, ChildTimer],
+              phases: _Phases) -> Recipe:
+    """``run_finalists`` once the pool is known: screen, compare, check, pick, try the allocator setting and
+    fewer threads."""
     cfg = s.cfg
     eager_res = report.get(EAGER)
     search_ms, search_cv = eager_res.p50_ms, eager_res.cv  # eager in this process, before any candidate ran
-    fns = _callables(s, report, pool, timers)
+    with phases("starting the comparison's processes"):
+        fns = _callables(s, report, pool, timers)
     if not [n for n in fns if not is_eager(n)]:
         return get_recipe(EAGER)
     if len([n for n in fns if not is_eager(n)]) > cfg.finalists:
-        fns = _screen(s, report, fns, cfg.finalists)
+        with phases("screen"):
+            fns = _screen(s, report, fns, cfg.finalists)
         used = {id(_child(f)) for f in fns.values()}  # an eager copy may have taken eager's name
         for name in [n for n, t in timers.items() if id(t) not in used]:  # screened out (or dead): not needed
             timers.pop(name).close()
-    res = _checked_comparison(s, report, fns, search_ms, search_cv)
+    with phases("final comparison"):
+        res = _checked_comparison(s, report, fns, search_ms, search_cv)
     best = pick_winner(res, report, cfg)
     base = EagerBaseline.of(res)
     if base.k > 1:
         report.notes.append(base.text())
-    if cfg.tune_allocator and s.device.type == "cpu":
-        _tune_allocator(s, report, best or EAGER, fns)
-    if cfg.tune_threads and s.device.type == "cpu" and best is not None:
-        _tune_threads(s, report, best, fns)
+    _run_trials(s, report, best, fns, phases)
     rows = [n for n in res if not is_copy(n)]
     alone = [n for n in rows if report.get(n).alone]
     here = [n for n in rows if not report.get(n).alone]
