@@ -124,7 +124,7 @@ def test_a_recorded_count_goes_into_the_artifact_and_serve_reads_it(fake_recipes
     assert not any(n.startswith("thread count") for n in off.report.notes)
 
 
-def _artifact_with_threads(path: Path, threads: int) -> Path:
+def _artifact_with_threads(path: Path, threads: int, **meta: Any) -> Path:
     from torchnitro.autotune.artifact import EagerSource, write_artifact
     from torchnitro.autotune.recipe import CandidateFiles
     from torchnitro.autotune.report import Report
@@ -132,7 +132,8 @@ def _artifact_with_threads(path: Path, threads: int) -> Path:
     cand = path.parent / f"{path.name}-cand"
     cand.mkdir()
     (cand / "model.onnx").write_bytes(b"not really onnx")
-    write_artifact(path, CandidateFiles(cand, ["model.onnx"], {"threads": threads, "torch_threads": threads}, True),
+    write_artifact(path, CandidateFiles(cand, ["model.onnx"], {"threads": threads, "torch_threads": threads, **meta},
+                                        True),
                    EagerSource(), recipe="onnxruntime", numeric_class="exact", signature={},
                    report=Report(model="m", inputs="x", objective="o", hardware="h"), hardware="h")
     return path
@@ -236,3 +237,109 @@ def test_a_recorded_count_reaches_the_runtime_sessions_that_load_builds(tmp_path
     ov_meta = fair_threads.meta_with_threads({"ov_config": ov_config(2, "f32"), "output_kind": kind}, 1)
     ov_runner = OpenVino().load(ov_dir, ov_meta, None)
     assert int(ov_runner.compiled.get_property("INFERENCE_NUM_THREADS")) == 1
+
+
+def test_serve_reads_and_verifies_the_manifest_once_for_its_allocator_and_thread_settings(tmp_path, monkeypatch):
+    """Reading a manifest hashes every file of the artifact: serve's start-up reads it once and gives the meta to
+    both the allocator setting and the recorded thread count."""
+    import os
+
+    import typer
+    from typer.testing import CliRunner
+
+    import torchnitro.autotune.artifact as artifact_mod
+    import torchnitro.bench.environment as env_mod
+    import torchnitro.serve.cli as serve_cli
+    import torchnitro.serve.workers as workers_mod
+
+    for k in env_mod.ALLOCATOR_SETTING:  # absent now and after the test, whatever serve puts into os.environ
+        monkeypatch.setenv(k, "0")
+        monkeypatch.delenv(k)
+    monkeypatch.setattr(env_mod, "_mallopt", lambda param, value: True)
+    art = _artifact_with_threads(tmp_path / "art", 6, environment=dict(env_mod.ALLOCATOR_SETTING))
+    real_read = artifact_mod.read_manifest
+    reads: list[Any] = []
+    monkeypatch.setattr(artifact_mod, "read_manifest", lambda d: reads.append(d) or real_read(d))
+    real_threads = workers_mod.threads_per_worker
+    monkeypatch.setattr(workers_mod, "threads_per_worker", lambda workers, cores=None: real_threads(workers, 8))
+    seen: list[Any] = []
+    monkeypatch.setattr(serve_cli, "_start_server", lambda model, mname, batching, scfg, ray, replicas: seen.append(
+        (scfg.threads, {k: os.environ.get(k) for k in env_mod.ALLOCATOR_SETTING})))
+    app = typer.Typer()
+    serve_cli.register(app)
+    app.command("noop")(lambda: None)  # a second command: typer keeps 'serve' as a subcommand
+    result = CliRunner().invoke(app, ["serve", str(art)])
+    assert result.exit_code == 0, result.output
+    assert seen == [(6, env_mod.ALLOCATOR_SETTING)]  # both settings applied ...
+    assert len(reads) == 1, reads  # ... from one read of the manifest
+
+
+def test_recorded_settings_read_from_a_meta_or_a_directory(tmp_path):
+    from torchnitro.autotune import fair
+
+    art = _artifact_with_threads(tmp_path / "art", 3)
+    assert fair_threads.recorded_threads(art) == 3 == fair_threads.recorded_threads({"torch_threads": 3})
+    assert fair_threads.recorded_threads({}) is None and fair_threads.recorded_threads({"torch_threads": True}) is None
+    assert fair.recorded_meta(str(art))["threads"] == 3
+    with pytest.raises(InputError, match="artifact: received int; expected its directory"):
+        fair.recorded_meta(3)  # type: ignore[arg-type]
+
+
+def _ort_artifact(path: Path, threads: int) -> Path:
+    """A real ONNX Runtime artifact (a Linear layer) whose meta records ``threads`` intra-op threads."""
+    pytest.importorskip("onnxruntime", reason="ONNX Runtime is an optional extra (torchnitro[onnx])")
+    from torchnitro.autotune.artifact import EagerSource, write_artifact
+    from torchnitro.autotune.recipe import CandidateFiles
+    from torchnitro.autotune.recipes.onnx import export_onnx
+    from torchnitro.autotune.report import Report
+
+    model, x = torch.nn.Linear(4, 3).eval(), torch.randn(2, 4)
+    cand = path.parent / f"{path.name}-cand"
+    cand.mkdir()
+    meta = export_onnx(model, (x,), cand / "model.onnx", {})
+    sig = {"inputs": [{"name": "x", "dtype": "float32", "shape": [-1, 4]}],
+           "outputs": [{"name": "y", "dtype": "float32", "shape": [-1, 3]}]}
+    write_artifact(path, CandidateFiles(cand, ["model.onnx"], {**meta, "threads": threads}, True), EagerSource(),
+                   recipe="onnxruntime", numeric_class="exact", signature=sig,
+                   report=Report(model="m", inputs="x", objective="o", hardware="h"), hardware="h")
+    return path
+
+
+def _session_threads(fn: Any) -> int:
+    return fn._fn.session.get_session_options().intra_op_num_threads  # an OptimizedModel around an OrtRunner
+
+
+def test_serve_threads_reach_the_onnx_runtime_session_load_builds(tmp_path):
+    """``serve --threads N`` (or the config file's threads) sets torch's threads in each worker, and the ONNX Runtime
+    / OpenVINO session the artifact is loaded into gets N too, instead of the count the artifact records."""
+    from types import SimpleNamespace
+
+    from torchnitro.serve.models import resolve_model
+    from torchnitro.serve.server import ServeConfig, make_pool
+    from torchnitro.serve.workers import InlinePool, ProcessPool
+
+    art = _ort_artifact(tmp_path / "art", 2)
+    assert _session_threads(torchnitro.load(art)) == 2  # the recorded count, unless told otherwise
+    assert _session_threads(torchnitro.load(art, threads=1)) == 1
+    assert _session_threads(resolve_model(str(art), "m", threads=1).fn) == 1
+    old = torch.get_num_threads()
+    try:  # in-process (workers 0): make_pool sets this process's torch threads too
+        pool = make_pool(str(art), "m", ServeConfig(workers=0, threads=1, device="cpu"))
+    finally:
+        torch.set_num_threads(old)
+    assert isinstance(pool, InlinePool) and _session_threads(pool.model.fn) == 1
+    spawned: list[tuple[Any, ...]] = []
+
+    class Ctx:  # stands for multiprocessing's spawn context: records what a worker would be started with
+        def Pipe(self, duplex: bool) -> tuple[Any, Any]:
+            return SimpleNamespace(close=lambda: None), SimpleNamespace(close=lambda: None)
+
+        def Process(self, target: Any, args: tuple[Any, ...], name: str, daemon: bool) -> Any:
+            spawned.append(args)
+            return SimpleNamespace(start=lambda: None)
+
+    for threads, want in ((3, 3), (None, None)):
+        workers = ProcessPool(str(art), "m", workers=1, threads=threads)
+        workers._ctx = Ctx()
+        workers._spawn(0, arena=torch.empty(1, dtype=torch.uint8))
+        assert spawned[-1][4] == workers.threads and spawned[-1][6] == want  # torch's threads, the session's

@@ -227,7 +227,7 @@ def _from_cache(model: nn.Module, inputs: tuple[Any, ...], info: ModelInfo, cfg:
 
 
 def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: bool = False,
-         allocator: bool = True) -> OptimizedModel:
+         allocator: bool = True, threads: int | None = None) -> OptimizedModel:
     """Load a saved artifact after checking every file's SHA-256 (``ArtifactError`` on mismatch).
 
     ``model`` is only needed for non-standalone recipes whose artifact has no factory reference.
@@ -237,9 +237,11 @@ def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: b
     ``allocator``: apply the glibc allocator setting the optimizer measured to help this variant (meta
     ``environment``) to this process with ``mallopt`` (glibc reads the ``MALLOC_*`` variables only at a
     process's start; ``torchnitro serve`` also sets them for its workers; ``bench.environment.apply_allocator``).
+    ``threads``: build an ONNX Runtime or OpenVINO session with this many intra-op threads instead of the count the
+    artifact records (``torchnitro serve --threads``); torch's own thread count is left as it is.
     """
     d = model_dir(directory)  # a saved pipeline: its model artifact
-    manifest, fn, eager = load_artifact(d, model, trust_code=trust_code)
+    manifest, fn, eager = load_artifact(d, model, trust_code=trust_code, threads=threads)
     if allocator and manifest.get("meta", {}).get("environment"):
         from torchnitro.bench.environment import apply_allocator
 

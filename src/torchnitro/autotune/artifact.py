@@ -267,12 +267,13 @@ def _check_programs(d: Path, manifest: dict[str, Any]) -> None:
                       "trust_code=True (CLI: --trust-code) to acknowledge and silence this", UserWarning, stacklevel=4)
 
 
-def load_artifact(directory: str | Path, model: nn.Module | None = None, *,
-                  trust_code: bool = False) -> tuple[dict[str, Any], Any, nn.Module | None]:
+def load_artifact(directory: str | Path, model: nn.Module | None = None, *, trust_code: bool = False,
+                  threads: int | None = None) -> tuple[dict[str, Any], Any, nn.Module | None]:
     """Verify, then rebuild: returns (manifest, callable, eager model or None).
 
     ``trust_code``: run code the artifact names or holds (a ``.py`` model factory, TorchScript);
-    only for artifacts from a source you trust.
+    only for artifacts from a source you trust. ``threads``: the intra-op thread count of a runtime session the
+    recipe builds (ONNX Runtime, OpenVINO), instead of the one the artifact records (``fair_threads.meta_with_threads``).
     """
     d = Path(directory)
     manifest = read_manifest(d)
@@ -305,7 +306,12 @@ def load_artifact(directory: str | Path, model: nn.Module | None = None, *,
                                 "pass the same architecture the artifact was made from") from exc
         eager = model.eval()
     try:
-        fn = recipe.load(d / "candidate", manifest.get("meta", {}), eager)
+        meta = manifest.get("meta", {})
+        if threads is not None:
+            from torchnitro.autotune.fair_threads import meta_with_threads
+
+            meta = meta_with_threads(meta, threads)
+        fn = recipe.load(d / "candidate", meta, eager)
     except Exception as exc:  # noqa: BLE001 - e.g. a runtime missing on this machine: one clear message
         raise ArtifactError(f"load: recipe {manifest['recipe']!r} could not rebuild the artifact in {str(d)!r}: "
                             f"{type(exc).__name__}: {exc}. Expected the libraries it was saved with "

@@ -114,13 +114,26 @@ def serve_command(
         device=device, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue_size=max_queue_size,
         priority_levels=priority_levels, adaptive=adaptive, latency_target_ms=latency_target_ms,
         max_body_bytes=max_body_bytes, trust_code=trust_code, grpc_port=grpc_port)
-    scfg = _with_recorded_threads(model, scfg)
+    meta = _artifact_meta(model)
+    scfg = _with_recorded_threads(meta, scfg)
     mname = name or (Path(model).name if Path(model).is_dir() else model.rpartition(":")[2])
-    if Path(model).is_dir():  # the artifact's allocator setting, set before any worker process starts (read at start)
+    if meta is not None:  # the artifact's allocator setting, set before any worker process starts (read at start)
         from torchnitro.autotune.fair import apply_recorded_allocator
 
-        apply_recorded_allocator(model)
+        apply_recorded_allocator(meta)
     _start_server(model, mname, batching, scfg, ray, replicas)
+
+
+def _artifact_meta(model: str) -> dict[str, Any] | None:
+    """The meta of the artifact directory ``model`` from its manifest, read and verified once (every file's
+    SHA-256) for all of serve's start-up settings; None for a model that is not a directory."""
+    from pathlib import Path
+
+    if not Path(model).is_dir():
+        return None
+    from torchnitro.autotune.fair import recorded_meta
+
+    return recorded_meta(model)
 
 
 def _recorded_threads_per_worker(recorded: int | None, workers: int | None) -> int | None:
@@ -133,16 +146,15 @@ def _recorded_threads_per_worker(recorded: int | None, workers: int | None) -> i
     return min(recorded, threads_per_worker(workers or 1))
 
 
-def _with_recorded_threads(model: str, scfg: Any) -> Any:
-    """``scfg`` with the thread count the optimizer measured for the artifact ``model`` (``meta["torch_threads"]``)
-    when neither ``--threads`` nor the config file set one, split by the workers the merged config has."""
-    from pathlib import Path
-
-    if scfg.threads is not None or not Path(model).is_dir():
+def _with_recorded_threads(meta: dict[str, Any] | None, scfg: Any) -> Any:
+    """``scfg`` with the thread count the optimizer measured for the artifact whose meta is ``meta``
+    (``meta["torch_threads"]``; None: not an artifact) when neither ``--threads`` nor the config file set one, split
+    by the workers the merged config has."""
+    if scfg.threads is not None or meta is None:
         return scfg
     from torchnitro.autotune.fair_threads import recorded_threads
 
-    threads = _recorded_threads_per_worker(recorded_threads(model), scfg.workers)
+    threads = _recorded_threads_per_worker(recorded_threads(meta), scfg.workers)
     return scfg if threads is None else dataclasses.replace(scfg, threads=threads)
 
 

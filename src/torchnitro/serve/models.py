@@ -159,10 +159,10 @@ def _spec_list(items: Any, what: str) -> list[TensorSpec]:
     return out
 
 
-def _from_artifact(path: Path, trust_code: bool = False) -> ServedModel:
+def _from_artifact(path: Path, trust_code: bool = False, threads: int | None = None) -> ServedModel:
     import torchnitro
 
-    model = torchnitro.load(path, trust_code=trust_code)
+    model = torchnitro.load(path, trust_code=trust_code, threads=threads)
     sig = getattr(model, "signature", None)
     if isinstance(sig, dict):
         ins = _spec_list(sig.get("inputs"), "input")
@@ -174,14 +174,16 @@ def _from_artifact(path: Path, trust_code: bool = False) -> ServedModel:
     return ServedModel(model, sig)
 
 
-def resolve_model(spec: str | ServedModel, name: str | None = None, *, trust_code: bool = False) -> ServedModel:
+def resolve_model(spec: str | ServedModel, name: str | None = None, *, trust_code: bool = False,
+                  threads: int | None = None) -> ServedModel:
     """Turn a model spec (see module docstring) into a ``ServedModel`` named ``name``.
 
-    ``trust_code`` is passed to ``torchnitro.load`` for artifact directories (``--trust-code``)."""
+    ``trust_code`` and ``threads`` (an ONNX Runtime / OpenVINO session's intra-op threads: ``--threads``) are
+    passed to ``torchnitro.load`` for artifact directories."""
     if isinstance(spec, ServedModel):
         sm = spec
     elif Path(spec).is_dir():
-        sm = _from_artifact(Path(spec), trust_code)
+        sm = _from_artifact(Path(spec), trust_code, threads)
     elif ":" in spec and not spec.startswith(("hf:", "/")):
         mod, _, attr = spec.partition(":")
         try:

@@ -119,7 +119,8 @@ def make_pool(spec: Any, name: str, config: ServeConfig,
     if config.workers == 0 or not isinstance(spec, str):
         if config.threads is not None:  # in-process: the server's own torch threads are the model's
             torch.set_num_threads(config.threads)
-        return InlinePool(resolve_model(spec, name, trust_code=config.trust_code), replicas=max(1, config.workers),
+        return InlinePool(resolve_model(spec, name, trust_code=config.trust_code, threads=config.threads),
+                          replicas=max(1, config.workers),
                           loop_max_ms=config.inline_loop_ms)
     return ProcessPool(spec, name, config.workers, threads=config.threads, on_restart=on_restart,
                        trust_code=config.trust_code, batch_timeout_s=config.worker_timeout_s)

@@ -172,7 +172,8 @@ class InlinePool:
 
 
 # --------------------------------------------------------------------------- processes
-def _worker_main(spec: Any, name: str, conn: Any, arena: Tensor, threads: int, trust_code: bool = False) -> None:
+def _worker_main(spec: Any, name: str, conn: Any, arena: Tensor, threads: int, trust_code: bool = False,
+                 session_threads: int | None = None) -> None:
     # Ctrl-C, `docker stop`, systemd and Kubernetes signal the whole process group: the parent
     # drains (finishes in-flight batches on these workers) and then stops them over the pipe
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -183,7 +184,7 @@ def _worker_main(spec: Any, name: str, conn: Any, arena: Tensor, threads: int, t
     except RuntimeError:
         pass
     try:
-        model = resolve_model(spec, name, trust_code=trust_code)
+        model = resolve_model(spec, name, trust_code=trust_code, threads=session_threads)
     except BaseException as exc:  # noqa: BLE001 - report why loading failed, then exit
         conn.send(("fail", f"{type(exc).__name__}: {exc}"))
         return
@@ -231,6 +232,7 @@ class ProcessPool:
             raise ConfigError(f"workers: received {workers}, expected >= 1 (0 means in-process; use InlinePool)")
         self.spec, self.name, self.size = spec, name or str(spec), workers
         self.threads = threads or threads_per_worker(workers)
+        self.session_threads = threads  # given (serve --threads): also an ONNX Runtime / OpenVINO session's count
         self.arena_bytes = int(arena_mb * 2**20)
         self.start_timeout_s = start_timeout_s
         self.batch_timeout_s = batch_timeout_s  # watchdog: a worker holding a batch longer is replaced
@@ -253,7 +255,8 @@ class ProcessPool:
             arena = torch.empty(self.arena_bytes, dtype=torch.uint8).share_memory_()
         parent, child = self._ctx.Pipe(duplex=True)
         p = self._ctx.Process(target=_worker_main,
-                              args=(self.spec, self.name, child, arena, self.threads, self.trust_code),
+                              args=(self.spec, self.name, child, arena, self.threads, self.trust_code,
+                                    self.session_threads),
                               name=f"torchnitro-worker-{idx}", daemon=True)
         p.start()
         child.close()
