@@ -14,10 +14,13 @@ eager inside the comparison is checked against eager alone (both measured again,
 every timing process runs under glibc's allocator setting (``bench.environment``: fixed thresholds, so fresh
 processes agree), and the chosen variant and eager are then timed once more with glibc's defaults (both
 reported; the setting stays in the artifact unless the defaults were faster), and the chosen variant with fewer
-intra-op threads (recorded when faster beyond the noise: ``autotune.fair_threads``). Every timing process runs the
+intra-op threads (recorded when faster beyond the noise: ``autotune.fair_threads``); both trials reuse the
+comparison's processes and start their own fresh ones together, all ready before either times a sample
+(``_start_trials``). Every timing process runs the
 OpenMP wait setting it is deployed with (nothing added), and every sample, in a child or here, is
 gated (``bench.quiet``): it starts once the other timing processes are idle and is retaken when foreign CPU
-ran beside it; the report's "timing environment" and "timing gate" notes say so, with the counts.
+ran beside it; the report's "timing environment" and "timing gate" notes say so, with the counts; its "final
+phase time" note gives the wall time of each part of this phase.
 """
 
 from __future__ import annotations
