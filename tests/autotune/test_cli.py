@@ -23,8 +23,10 @@ def run(capsys, monkeypatch, tmp_path):
 
 def test_optimize_writes_artifact_and_prints_report(run, tmp_path):
     cfg = tmp_path / "c.yaml"
+    # the finalists timed in this process, no allocator trial: no fresh timing process (tests/autotune/test_fair_*)
     cfg.write_text("version: 1\noptimize:\n  timing_min_iters: 2\n  timing_min_time_s: 0.01\n"
-                   "  final_min_iters: 3\n  final_min_time_s: 0.02\n  threads: 1\n")
+                   "  final_min_iters: 3\n  final_min_time_s: 0.02\n  threads: 1\n"
+                   "  final_alone: false\n  tune_allocator: false\n")
     out = tmp_path / "opt"
     rc, stdout, err = run("optimize", "--model", "mlp", "--batch", "4", "--recipe", "torchscript", "--out", str(out),
                           "--config", str(cfg), "--shape", "2")

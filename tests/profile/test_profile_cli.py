@@ -42,9 +42,10 @@ def test_profile_an_optimize_artifact(tmp_path, capsys):
     from torchnitro.autotune.inputs import model_and_inputs
 
     model, inputs, info = model_and_inputs("mlp", batch=2)
+    # the finalists timed in this process, no allocator trial: no fresh timing process (tests/autotune/test_fair_*)
     cfg = OptimizeConfig(recipes=["dynamic-int8"], min_speedup=0.0, cache=False, timing_min_iters=2,
                          timing_min_time_s=0.01, final_min_iters=3, final_min_time_s=0.02, progress=False,
-                         candidate_timeout_s=60.0, held_out=2, threads=1)
+                         candidate_timeout_s=60.0, held_out=2, threads=1, final_alone=False, tune_allocator=False)
     art = torchnitro.optimize(model, inputs, cfg, info=info).save(tmp_path / "art")
     assert main(["profile", "--model", str(art), "--batch", "3", *_FAST]) == 0
     out = capsys.readouterr().out
