@@ -162,7 +162,8 @@ def _spec_list(items: Any, what: str) -> list[TensorSpec]:
 def _from_artifact(path: Path, trust_code: bool = False, threads: int | None = None) -> ServedModel:
     import torchnitro
 
-    model = torchnitro.load(path, trust_code=trust_code, threads=threads)
+    # threads only when given: without it the call is the plain load it always was
+    model = torchnitro.load(path, trust_code=trust_code, **({} if threads is None else {"threads": threads}))
     sig = getattr(model, "signature", None)
     if isinstance(sig, dict):
         ins = _spec_list(sig.get("inputs"), "input")
