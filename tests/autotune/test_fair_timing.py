@@ -444,14 +444,14 @@ def test_script_model_search_times_eager_alone_and_rebuilt_candidates_here(faste
     monkeypatch.setattr(final_mod, "_program_parity", lambda s, report, timer: None)  # placement only here
     opt = torchnitro.optimize(ScriptModel(), faster.tiny_inputs(),
                               fast_cfg(recipes=["test-faster", "torchscript"], final_alone=True, min_speedup=0.5,
-                                       eager_processes=3))
+                                       eager_processes=2))  # more than one: each re-created from the program
     rep = opt.report
     eager, rebuilt, ts = rep.get("eager"), rep.get("test-faster"), rep.get("torchscript")
     assert eager.alone and eager.interleaved and "torch.export program" in eager.notes, eager.notes
     assert not rebuilt.alone and rebuilt.interleaved and "cannot re-create" in rebuilt.notes
     assert ts.alone and ts.interleaved
-    assert any(n.startswith("eager p50 alone (median of its 3 own processes") for n in rep.notes)
-    assert len(eager.process_p50_ms) == 3  # every eager process re-created from the same program
+    assert any(n.startswith("eager p50 alone (median of its 2 own processes") for n in rep.notes)
+    assert len(eager.process_p50_ms) == 2  # every eager process re-created from the same program
 
 
 def test_a_child_that_cannot_start_is_timed_here_and_nothing_rebuilt_from_an_unchecked_eager_runs_alone(
