@@ -37,11 +37,17 @@ def test_plan_rejects_batches_that_do_not_split():
         plan_memory(CFG, 6, 64, mesh="1x8x1")
 
 
+@pytest.fixture(scope="module")
+def v5p_plans():
+    """The LM's train step AOT-compiled for v5p under each remat policy (read, never changed, by two tests)."""
+    return {r: plan_memory(CFG, 32, 128, mesh="1x8x1", rules="fsdp", remat=r, target="v5p:2x2x2")
+            for r in ("none", "dots_saveable", "nothing_saveable")}
+
+
 @needs_libtpu
 @pytest.mark.slow  # three AOT TPU compiles: ~10 s of CPU
-def test_tpu_compile_orders_remat_policies_and_reports_hbm():
-    temps = {r: plan_memory(CFG, 32, 128, mesh="1x8x1", rules="fsdp", remat=r, target="v5p:2x2x2")
-             for r in ("none", "dots_saveable", "nothing_saveable")}
+def test_tpu_compile_orders_remat_policies_and_reports_hbm(v5p_plans):
+    temps = v5p_plans
     t = {r: p.compiled.temp for r, p in temps.items()}
     assert t["none"] > t["dots_saveable"] > t["nothing_saveable"], t
     plan = temps["none"]
@@ -64,8 +70,8 @@ def test_tpu_temp_falls_back_to_the_buffer_assignment_only_when_memory_analysis_
 
 
 @needs_libtpu
-@pytest.mark.slow  # two AOT TPU compiles of the tiny LM: a few seconds
-def test_v5e_temp_comes_from_the_buffer_assignment_where_memory_analysis_reports_zero(tmp_path):
+@pytest.mark.slow  # one AOT TPU compile of the tiny LM (and v5p's from the fixture): a few seconds
+def test_v5e_temp_comes_from_the_buffer_assignment_where_memory_analysis_reports_zero(tmp_path, v5p_plans):
     # libtpu 0.0.42.1 reports memory_analysis temp 0 for this program on v5e (3.2 MiB of HBM temp in its dump)
     with pytest.warns(UserWarning, match="reports temp 0"):
         plan = plan_memory(CFG, 32, 128, mesh="1x4x1", rules="fsdp", target="v5e:2x2", dump_dir=str(tmp_path))
@@ -74,7 +80,7 @@ def test_v5e_temp_comes_from_the_buffer_assignment_where_memory_analysis_reports
     from torchnitro.xla.dump import read_buffer_dump
 
     assert read_buffer_dump(str(tmp_path)).temp_by_color[0] == plan.compiled.hbm_temp  # the dump was kept
-    v5p = plan_memory(CFG, 32, 128, mesh="1x8x1", rules="fsdp", target="v5p:2x2x2")
+    v5p = v5p_plans["none"]  # plan_memory's default remat
     assert v5p.compiled.temp > v5p.compiled.hbm_temp > 0  # v5p reports more than its HBM allocation
 
 
