@@ -53,7 +53,7 @@ Run (one benchmark at a time on a shared machine)::
 
     flock /tmp/torchnitro-bench.lock python benchmarks/timing_fairness.py   # ~25 min on 2 idle cores
     python benchmarks/timing_fairness.py --only mlp --rounds 2               # one workload
-    python benchmarks/timing_fairness.py --quick                            # smoke test, ~1 min
+    python benchmarks/timing_fairness.py --quick                            # smoke test, 1-2 min
 
 Writes results/timing_fairness.{json,md} (``--quick``: timing_fairness_quick.*) with the command,
 the machine, the library versions and the allocator/thread settings.
@@ -110,7 +110,8 @@ VARIANT_COLUMNS = ("workload", "variant", "family", "p50 in comparison ms", "p50
 P50_COLUMNS = ("p50 in comparison ms: the optimizer's own number (for eager the median of the p50s of its fresh "
                "processes, which every reported speedup divides), the median over rounds; p50 alone ms: one fresh "
                "process per variant per round, the median over rounds; diff: the median over rounds of each round's "
-               "inside/alone - 1 (the goals are checked on it); the per-round columns list every round in order")
+               "inside/alone - 1 (the goals are checked on it; of an even count of rounds, the mean of the middle "
+               "two); the per-round columns list every round in order")
 SPEEDUP_COLUMNS = ("workload", "variant", "reported speedup", "isolated ratio", "diff", "within 10%",
                    "reported per round", "isolated per round", "diff per round", "chosen in rounds")
 ROUND_COLUMNS = ("workload", "round", "order", "started", "probe at start ms", "probe at end ms", "probe change",
@@ -389,8 +390,8 @@ def _round(i: int, rounds: int, w: Workload, probe: Probe, notes: list[str]) -> 
             "this process: " + _why_here(c.notes)
     eager = rep.get("eager")
     return Round(number=i + 1, order=" then ".join(s.__name__ for s in steps), started=started,
-                 probe_ms=(first, probe.read()), inside=inside, speedup=speedup, alone=got["alone"], how=how, chosen=got["chosen"],
-                 eager_processes_ms=list(eager.process_p50_ms) or [eager.p50_ms or math.nan],
+                 probe_ms=(first, probe.read()), inside=inside, speedup=speedup, alone=got["alone"], how=how,
+                 chosen=got["chosen"], eager_processes_ms=list(eager.process_p50_ms) or [eager.p50_ms or math.nan],
                  redone=any(c.redone for c in rep.candidates), comparison_s=got["comparison_s"],
                  alone_s=got["alone_s"])
 

@@ -43,9 +43,9 @@ def test_goal_is_checked_on_the_median_of_the_rounds_differences(tf):
 
 
 def _round(tf, inside, alone, speedup, chosen, probe=(1.0, 1.0), redone=False, number=1):
-    return tf.Round(number=number, order="comparison then alone", started="08:00:00", probe_ms=probe, inside=inside, speedup=speedup,
-                    alone=alone, how={n: "own process" for n in inside}, chosen=chosen, eager_processes_ms=[inside["eager"]],
-                    redone=redone, comparison_s=10.0, alone_s=5.0)
+    return tf.Round(number=number, order="comparison then alone", started="08:00:00", probe_ms=probe, inside=inside,
+                    speedup=speedup, alone=alone, how={n: "own process" for n in inside}, chosen=chosen,
+                    eager_processes_ms=[inside["eager"]], redone=redone, comparison_s=10.0, alone_s=5.0)
 
 
 def test_rows_give_every_round_and_check_the_median(tf):
