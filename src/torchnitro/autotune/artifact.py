@@ -273,7 +273,8 @@ def load_artifact(directory: str | Path, model: nn.Module | None = None, *, trus
 
     ``trust_code``: run code the artifact names or holds (a ``.py`` model factory, TorchScript);
     only for artifacts from a source you trust. ``threads``: the intra-op thread count of a runtime session the
-    recipe builds (ONNX Runtime, OpenVINO), instead of the one the artifact records (``fair_threads.meta_with_threads``).
+    recipe builds (ONNX Runtime, OpenVINO), instead of the one the artifact records
+    (``thread_meta.meta_with_threads``).
     """
     d = Path(directory)
     manifest = read_manifest(d)
@@ -308,7 +309,7 @@ def load_artifact(directory: str | Path, model: nn.Module | None = None, *, trus
     try:
         meta = manifest.get("meta", {})
         if threads is not None:
-            from torchnitro.autotune.fair_threads import meta_with_threads
+            from torchnitro.autotune.thread_meta import meta_with_threads
 
             meta = meta_with_threads(meta, threads)
         fn = recipe.load(d / "candidate", meta, eager)

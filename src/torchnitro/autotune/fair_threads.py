@@ -19,18 +19,18 @@ gives the p50 at each count.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchnitro.autotune.fair import Steady
+from torchnitro.autotune.thread_meta import meta_with_threads
 from torchnitro.bench.isolated import ChildTimer
 from torchnitro.bench.ratio import paired_ratio
 from torchnitro.bench.timing import TimingConfig, compare
 
-__all__ = ["ThreadTrial", "tune_threads", "start_fewer", "thread_options", "meta_with_threads", "recorded_threads", "runtime_of",
-           "MIN_THREAD_GAIN"]
+__all__ = ["ThreadTrial", "tune_threads", "start_fewer", "thread_options", "meta_with_threads", "recorded_threads",
+           "runtime_of", "MIN_THREAD_GAIN"]
 
 MIN_THREAD_GAIN = 1.03  # fewer threads are recorded when this much faster and beyond the noise
 
@@ -38,23 +38,6 @@ MIN_THREAD_GAIN = 1.03  # fewer threads are recorded when this much faster and b
 def thread_options(threads: int) -> list[int]:
     """Fewer thread counts worth a trial for a variant timed with ``threads``: half of them and one."""
     return sorted({max(1, threads // 2), 1} - {threads}, reverse=True) if threads > 1 else []
-
-
-def meta_with_threads(meta: dict[str, Any], threads: int) -> dict[str, Any]:
-    """A copy of an artifact's meta that runs with ``threads`` intra-op threads: torch's (``torch_threads``) and
-    the runtime's own where the meta holds one (ONNX Runtime ``threads``, OpenVINO ``INFERENCE_NUM_THREADS``)."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        from torchnitro.errors import InputError
-
-        raise InputError(f"threads: received {threads!r}; expected an integer >= 1")
-    out = copy.deepcopy(meta)
-    if "threads" in out:
-        out["threads"] = threads
-    ov = out.get("ov_config")
-    if isinstance(ov, dict) and "INFERENCE_NUM_THREADS" in ov:
-        ov["INFERENCE_NUM_THREADS"] = threads
-    out["torch_threads"] = threads
-    return out
 
 
 def _kwargs_with_threads(kwargs: dict[str, Any], threads: int) -> dict[str, Any]:

@@ -312,7 +312,8 @@ def _not_in_a_child(child: ChildTimer | None) -> str | None:
     return None
 
 
-def _allocator_plan(s: _Search, name: str, fns: dict[str, Callable[..., Any]]) -> tuple[dict[str, ChildTimer], str | None]:
+def _allocator_plan(s: _Search, name: str,
+                    fns: dict[str, Callable[..., Any]]) -> tuple[dict[str, ChildTimer], str | None]:
     """The comparison's processes (under the setting, warm) whose variant the allocator trial times again with
     glibc's defaults: the chosen variant's and eager's; or why the trial cannot run."""
     from torchnitro.bench.environment import allocator_untunable
