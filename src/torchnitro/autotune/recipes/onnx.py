@@ -11,6 +11,7 @@ stores the faster in ``meta["ort_spinning"]`` (what a deployed artifact uses); i
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import shutil
 import warnings
 from pathlib import Path
@@ -31,6 +32,20 @@ from torchnitro.hardware import HardwareInfo
 __all__ = ["OnnxRuntime", "OnnxRuntimeInt8", "export_onnx", "OrtRunner", "choose_spinning"]
 
 
+class _GivenOnly(nn.Module):
+    """The model called with exactly the inputs given. The TorchScript-based exporter binds every defaulted
+    forward argument it was not given, so a default such as ``scale=1.0`` became a graph input that no
+    call feeds (ORT: "Required inputs ... are missing"); through ``*inputs`` the defaults stay constants."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        self.train(model.training)
+
+    def forward(self, *inputs: Any) -> Any:
+        return self.model(*inputs)
+
+
 def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_dims: dict[int, list[int]]) -> dict[str, Any]:
     """Export with dynamic axes; TorchScript-based exporter first (fast), dynamo exporter as fallback.
 
@@ -40,6 +55,8 @@ def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_d
     if is_flat(inputs):
         with torch.no_grad():
             out = model(*inputs)
+        if _takes_more(model, len(inputs)):
+            model = _GivenOnly(model)
     else:
         layout, out = input_layout(model, inputs)
         dynamic_dims = layout.dynamic_dims(inputs, dynamic_dims)
@@ -71,6 +88,15 @@ def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_d
     if layout is not None:
         meta["input_layout"] = layout.to_meta()
     return meta
+
+
+def _takes_more(model: nn.Module, n: int) -> bool:
+    """``model.forward`` has positional arguments beyond the ``n`` given (defaulted ones)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) > n
 
 
 class OrtRunner:
