@@ -91,6 +91,7 @@ from torchnitro.bench import quiet
 from torchnitro.bench.environment import (ALLOCATOR_SETTING, GLIBC_DEFAULTS, apply_allocator, describe_environment,
                                           timing_process_env)
 from torchnitro.bench.isolated import ChildTimer, save_inputs
+from torchnitro.bench.provenance import git_commit
 from torchnitro.hardware import hardware_info
 
 # family -> the recipe that stands for it
@@ -577,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     hw = hardware_info()
     meta = {"command": "python " + " ".join([f"benchmarks/{Path(__file__).name}"] + (argv if argv is not None
                                                                                       else sys.argv[1:])),
-            "machine": f"{hw.cpu_name}, {hw.cpu_cores} cores", "versions": _versions(),
+            "machine": f"{hw.cpu_name}, {hw.cpu_cores} cores", "versions": _versions(), "commit": git_commit(),
             "timing environment": describe_environment(), "families": families, "load average at start": _load(),
             "rounds": f"{rounds} per workload, each one optimizer comparison and one alone set back to back, the "
                       "order alternating (comparison first in odd rounds)",

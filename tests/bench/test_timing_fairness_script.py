@@ -85,6 +85,7 @@ def test_timing_fairness_quick_end_to_end(tmp_path, monkeypatch):
     assert not any("built again" in n or "rebuilt in its child" in n or "machine-speed probe:" in n
                    for n in notes), notes
     assert "torch" in meta["versions"] and meta["machine"] and "allocator" in meta["timing environment"]
+    assert meta["commit"]  # the checkout the numbers came from (git_commit: a hash or "unknown (not a git checkout)")
     assert "--quick" in meta["command"] and meta["rounds"].startswith("1 per workload")
     assert "CPUs" in meta["load average at start"] and "CPUs" in meta["load average at end"]
     md = (tmp_path / "timing_fairness_quick.md").read_text()
