@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from typing import NamedTuple
+
 import pytest
 import torch
 from torch import nn
@@ -35,3 +38,58 @@ def test_onnx_export_keeps_defaulted_arguments_constant(tmp_path, n_inputs):
     held = (torch.randn(5, 8), torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0]))[:n_inputs]
     with torch.no_grad():
         torch.testing.assert_close(runner(*held), model(*held), rtol=1e-4, atol=1e-5)
+
+
+class _Pair(NamedTuple):
+    emb: torch.Tensor
+    score: torch.Tensor
+
+
+class _Outputs(nn.Module):
+    """Returns what users' models return: ``how`` in ('namedtuple', 'none', 'hf')."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how, self.lin = how, nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.how == "namedtuple":
+            return _Pair(y, y.sum(-1))
+        if self.how == "none":
+            return y, None, y.relu()
+        from transformers.modeling_outputs import SequenceClassifierOutput
+
+        return SequenceClassifierOutput(logits=y)
+
+
+@pytest.mark.parametrize("how", ["namedtuple", "none", "hf"])
+def test_flat_runtimes_answer_in_the_models_output_type(tmp_path, how):
+    """An ONNX Runtime (or OpenVINO, or loaded-program) variant rebuilds eager's own output type: an HF
+    ModelOutput (read as ``out.logits``), a namedtuple, a tuple with None in its place (they came back as a
+    plain dict, a plain tuple, and a shorter tuple: ``a, b, c = opt(x)`` failed)."""
+    pytest.importorskip("onnxruntime")
+    if how == "hf":
+        pytest.importorskip("transformers")
+    from torchnitro.autotune.recipes.onnx import OrtRunner, export_onnx
+
+    torch.manual_seed(0)
+    model = _Outputs(how).eval()
+    x = torch.randn(3, 8)
+    meta = export_onnx(model, (x,), tmp_path / "m.onnx", {0: [0]})
+    got, ref = OrtRunner(tmp_path / "m.onnx", meta, threads=1)(x), model(x)
+    assert type(got) is type(ref)
+    if how == "none":
+        assert got[1] is None and len(got) == 3
+        got, ref = (got[0], got[2]), (ref[0], ref[2])
+    torch.testing.assert_close(tuple(got.values()) if how == "hf" else tuple(got),
+                               tuple(ref.values()) if how == "hf" else tuple(ref), rtol=1e-4, atol=1e-5)
+
+
+def test_an_output_class_is_never_imported_by_name():
+    """The recorded class is looked up among imported modules only: an artifact cannot make load import code."""
+    from torchnitro.autotune.recipes._util import restructure
+
+    kind = {"kind": "dict", "names": ["a"], "class": "some_module_never_imported_here:Evil"}
+    assert type(restructure(kind, [torch.ones(1)])) is dict
+    assert "some_module_never_imported_here" not in sys.modules

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import copy
+import sys
 
 import torch
 from torch import Tensor, nn
@@ -84,9 +85,26 @@ def output_kind(out: Any) -> dict[str, Any]:
     names = [n for n, _ in flatten_outputs(out)]
     if isinstance(out, Tensor):
         return {"kind": "tensor", "names": names}
+    cls = type(out)
+    named = {} if cls in (dict, tuple, list) else {"class": f"{cls.__module__}:{cls.__qualname__}"}
     if isinstance(out, dict) or hasattr(out, "keys"):
-        return {"kind": "dict", "names": names}
-    return {"kind": "tuple", "names": names}
+        return {"kind": "dict", "names": names, **named}
+    if isinstance(out, (tuple, list)) and any(v is None for v in out) \
+            and all(v is None or isinstance(v, Tensor) for v in out):  # (y, None): None kept in its place
+        named["nones"] = [i for i, v in enumerate(out) if v is None]
+    return {"kind": "tuple", "names": names, **named}
+
+
+def _output_class(ref: str | None, base: type) -> type | None:
+    """The class ``output_kind`` recorded ("module:qualname"), looked up only among modules this process
+    has already imported (an artifact names a class; loading it never imports or runs code); None when absent."""
+    if not ref:
+        return None
+    mod, _, qual = ref.partition(":")
+    obj: Any = sys.modules.get(mod)
+    for part in qual.split("."):
+        obj = getattr(obj, part, None)
+    return obj if isinstance(obj, type) and issubclass(obj, base) else None
 
 
 def restructure(kind: dict[str, Any], flat: list[Tensor]) -> Any:
@@ -94,5 +112,14 @@ def restructure(kind: dict[str, Any], flat: list[Tensor]) -> Any:
     if kind.get("kind") == "tensor" and len(flat) == 1:
         return flat[0]
     if kind.get("kind") == "dict":
-        return dict(zip(kind["names"], flat))
-    return tuple(flat)
+        out = dict(zip(kind["names"], flat))
+        cls = _output_class(kind.get("class"), dict)  # an HF ModelOutput: read by attribute too
+        return cls(**out) if cls is not None else out
+    items: list[Any] = list(flat)
+    for i in kind.get("nones", []):
+        if i <= len(items):
+            items.insert(i, None)
+    cls = _output_class(kind.get("class"), tuple)
+    if cls is not None and hasattr(cls, "_fields") and len(cls._fields) == len(items):  # a namedtuple
+        return cls(*items)
+    return tuple(items)
