@@ -93,3 +93,23 @@ def test_an_output_class_is_never_imported_by_name():
     kind = {"kind": "dict", "names": ["a"], "class": "some_module_never_imported_here:Evil"}
     assert type(restructure(kind, [torch.ones(1)])) is dict
     assert "some_module_never_imported_here" not in sys.modules
+
+
+@pytest.mark.parametrize("how", ["namedtuple", "none"])
+def test_torchscript_variant_keeps_the_output_type_and_loads_back(tmp_path, fast_cfg, how):
+    """The TorchScript recipe on a namedtuple and a ``(y, None, z)`` output: chosen (forced), it answers in
+    eager's type before and after save/load (the trace failed on the None and returned the namedtuple as a
+    plain tuple)."""
+    import torchnitro
+
+    torch.manual_seed(0)
+    model = _Outputs(how).eval()
+    x = torch.randn(3, 8)
+    om = torchnitro.optimize(model, (x,), config=fast_cfg(recipes=["torchscript"], min_speedup=0.0, finalists=1))
+    assert om.recipe == "torchscript", [(c.recipe, c.status, c.reason) for c in om.report.candidates]
+    loaded = torchnitro.load(om.save(tmp_path / "a"), trust_code=True)  # a TorchScript archive is code
+    ref = model(x)
+    for got in (om(x), loaded(x)):
+        assert type(got) is type(ref) and len(got) == len(ref)
+        for g, r in zip(got, ref):
+            assert (g is None and r is None) or torch.allclose(g, r, atol=1e-6)

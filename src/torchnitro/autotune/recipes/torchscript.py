@@ -11,8 +11,45 @@ import torch
 from torch import nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
+from torchnitro.autotune.recipes._util import output_kind, restructure
 
 __all__ = ["TorchScript"]
+
+
+class _FlatOut(nn.Module):
+    """The model with its outputs as a flat tuple of tensors: a trace returns no None, namedtuple or HF
+    ModelOutput class (it failed on ``(y, None)`` and gave a namedtuple back as a plain tuple)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *inputs: Any) -> tuple[torch.Tensor, ...]:
+        out = self.model(*inputs)
+        vals = out.values() if isinstance(out, dict) else out
+        return tuple(v for v in vals if v is not None)
+
+
+class _Rebuilt:
+    """A flat-output TorchScript module called like the model: eager's structure rebuilt by ``output_kind``."""
+
+    def __init__(self, module: Any, kind: dict[str, Any]):
+        self.module, self.kind = module, kind
+
+    def __call__(self, *inputs: Any) -> Any:
+        return restructure(self.kind, list(self.module(*inputs)))
+
+
+def _flat_kind(model: nn.Module, inputs: tuple[Any, ...]) -> dict[str, Any] | None:
+    """``output_kind`` of an output a trace would lose (a class or a None in a tuple) whose values are all
+    tensors or None, so flattening it is exact; None otherwise (traced as it is)."""
+    out = model(*inputs)
+    if isinstance(out, torch.Tensor):
+        return None
+    kind = output_kind(out)
+    vals = list(out.values()) if isinstance(out, dict) else list(out) if isinstance(out, (tuple, list)) else [0]
+    flat = all(v is None or isinstance(v, torch.Tensor) for v in vals)
+    return kind if flat and ("class" in kind or "nones" in kind) else None
 
 
 @register_recipe
@@ -25,7 +62,9 @@ class TorchScript(Recipe):
     def build(self, ctx: BuildContext) -> Built:
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
             warnings.simplefilter("ignore")
-            traced = torch.jit.trace(ctx.model, ctx.example_inputs, check_trace=False, strict=False)
+            kind = _flat_kind(ctx.model, ctx.example_inputs)
+            model = ctx.model if kind is None else _FlatOut(ctx.model)
+            traced = torch.jit.trace(model, ctx.example_inputs, check_trace=False, strict=False)
             frozen = torch.jit.freeze(traced.eval())
             try:
                 fast = torch.jit.optimize_for_inference(frozen)
@@ -35,9 +74,12 @@ class TorchScript(Recipe):
                 note = ""
         path = ctx.workdir / "model.ts"
         torch.jit.save(fast, str(path))
-        return Built(fn=fast, files=["model.ts"], standalone=True, notes=note)
+        meta = {} if kind is None else {"output_kind": kind}
+        return Built(fn=fast if kind is None else _Rebuilt(fast, kind), files=["model.ts"], meta=meta,
+                     standalone=True, notes=note)
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return torch.jit.load(str(directory / "model.ts"), map_location="cpu").eval()
+            module = torch.jit.load(str(directory / "model.ts"), map_location="cpu").eval()
+        return module if meta.get("output_kind") is None else _Rebuilt(module, meta["output_kind"])
