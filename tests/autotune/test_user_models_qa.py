@@ -113,3 +113,16 @@ def test_torchscript_variant_keeps_the_output_type_and_loads_back(tmp_path, fast
         assert type(got) is type(ref) and len(got) == len(ref)
         for g, r in zip(got, ref):
             assert (g is None and r is None) or torch.allclose(g, r, atol=1e-6)
+
+
+def test_meta_tensors_are_named_before_the_search(fast_cfg):
+    """An example or a model on device 'meta' (an empty-weights init) is refused up front with what was
+    received (it failed deep in the search with "Tensor.item() cannot be called on meta tensors")."""
+    import torchnitro
+    from torchnitro.errors import InputError
+
+    model = nn.Sequential(nn.Linear(8, 4)).eval()
+    with pytest.raises(InputError, match=r"example_inputs: received tensor\(s\) \[0\] on device 'meta'"):
+        torchnitro.optimize(model, torch.randn(2, 8, device="meta"), config=fast_cfg())
+    with pytest.raises(InputError, match=r"model: received Sequential with 2 parameter.*'meta' \(e.g. '0.weight'\)"):
+        torchnitro.optimize(model.to("meta"), {"input": torch.randn(2, 8)}, config=fast_cfg())

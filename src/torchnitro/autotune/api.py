@@ -95,6 +95,22 @@ def _as_tuple(model: nn.Module, example_inputs: Any) -> tuple[Any, ...]:
     return example_inputs
 
 
+def _check_no_meta(model: nn.Module, inputs: tuple[Any, ...]) -> None:
+    """Meta tensors hold no values (``torch.device('meta')``, an empty-weights init): nothing can be run or
+    compared on them, and they failed deep in the search ("Tensor.item() cannot be called on meta tensors")."""
+    from torchnitro.autotune.recipes._layout import tensor_leaves
+
+    bad = [i for i, t in enumerate(tensor_leaves(inputs)) if t.is_meta]
+    if bad:
+        raise InputError(f"example_inputs: received tensor(s) {bad} on device 'meta' (shapes without values); expected "
+                         "real tensors on cpu or cuda, e.g. torch.randint(0, 100, (8, 128))")
+    meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if meta:
+        raise InputError(f"model: received {type(model).__name__} with {len(meta)} parameter(s)/buffer(s) on device "
+                         f"'meta' (e.g. {meta[0]!r}); expected loaded weights: load them (load_state_dict(..., "
+                         "assign=True) or from_pretrained without an empty-weights init) before optimizing")
+
+
 def optimize(model: nn.Module | str | Any, example_inputs: Any = None, config: OptimizeConfig | None = None, *,
              info: ModelInfo | None = None) -> OptimizedModel | OptimizedPipeline:
     """Return the fastest variant of ``model`` that passes the verification gate on this machine.
@@ -124,6 +140,7 @@ def optimize(model: nn.Module | str | Any, example_inputs: Any = None, config: O
     inputs = _as_tuple(model, example_inputs)
     if not inputs:
         raise InputError("example_inputs: received nothing; expected the model's inputs, e.g. (torch.randint(0, 100, (8, 128)),)")
+    _check_no_meta(model, inputs)
     if info is None:
         dyn = {i: [0] for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
         info = ModelInfo(None, type(model).__name__, None, dyn)
