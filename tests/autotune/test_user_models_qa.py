@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import pytest
 import torch
@@ -126,3 +127,37 @@ def test_meta_tensors_are_named_before_the_search(fast_cfg):
         torchnitro.optimize(model, torch.randn(2, 8, device="meta"), config=fast_cfg())
     with pytest.raises(InputError, match=r"model: received Sequential with 2 parameter.*'meta' \(e.g. '0.weight'\)"):
         torchnitro.optimize(model.to("meta"), {"input": torch.randn(2, 8)}, config=fast_cfg())
+
+
+@dataclasses.dataclass
+class _Emb:
+    emb: torch.Tensor
+    score: torch.Tensor
+    extra: Optional[torch.Tensor] = None
+
+
+class _DataclassOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return _Emb(y, y.sum(-1))
+
+
+@pytest.mark.parametrize("recipe", ["eager", "onnxruntime"])
+def test_a_dataclass_output_is_verified_and_given_back(fast_cfg, recipe):
+    """A model returning its own dataclass of tensors is optimized (it was refused: "returned _Emb with no
+    tensors") and the variant answers with that dataclass."""
+    import torchnitro
+
+    if recipe == "onnxruntime":
+        pytest.importorskip("onnxruntime")
+    torch.manual_seed(0)
+    model, x = _DataclassOut().eval(), torch.randn(3, 8)
+    om = torchnitro.optimize(model, (x,), config=fast_cfg(recipes=[recipe], min_speedup=0.0, finalists=1))
+    assert om.recipe == recipe, [(c.recipe, c.status, c.reason) for c in om.report.candidates]
+    got, ref = om(x), model(x)
+    assert type(got) is _Emb and got.extra is None
+    torch.testing.assert_close((got.emb, got.score), (ref.emb, ref.score), rtol=1e-4, atol=1e-5)

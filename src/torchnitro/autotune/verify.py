@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -69,6 +69,8 @@ def flatten_outputs(out: Any, prefix: str = "output") -> list[tuple[str, Tensor]
             if v is not None:
                 items += flatten_outputs(v, f"{prefix}_{i}")
         return items
+    if is_dataclass(out) and not isinstance(out, type):  # a user's output dataclass: by field, as a dict
+        return flatten_outputs({f.name: getattr(out, f.name) for f in fields(out)}, prefix)
     return []
 
 

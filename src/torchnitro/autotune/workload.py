@@ -97,7 +97,8 @@ def prepare_workload(model: nn.Module, example_inputs: tuple[Any, ...], info: Mo
                 "or the model factory.") from exc
         kind = output_kind(eager_out)
         if not kind["names"]:
-            raise InputError(f"the model returned {type(eager_out).__name__} with no tensors; expected tensor outputs")
+            raise InputError(f"the model returned {type(eager_out).__name__} with no tensors; expected tensor outputs: "
+                             "a tensor, or a tuple, list, dict, dataclass or HF ModelOutput holding tensors")
         eager_flat = clone_outputs(eager_out)
         for i, h in enumerate(held):
             raw = eager_out if (recheck and i == 0) else model(*h)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import copy
+import dataclasses
 import sys
 
 import torch
@@ -87,7 +88,7 @@ def output_kind(out: Any) -> dict[str, Any]:
         return {"kind": "tensor", "names": names}
     cls = type(out)
     named = {} if cls in (dict, tuple, list) else {"class": f"{cls.__module__}:{cls.__qualname__}"}
-    if isinstance(out, dict) or hasattr(out, "keys"):
+    if isinstance(out, dict) or hasattr(out, "keys") or dataclasses.is_dataclass(out):
         return {"kind": "dict", "names": names, **named}
     if isinstance(out, (tuple, list)) and any(v is None for v in out) \
             and all(v is None or isinstance(v, Tensor) for v in out):  # (y, None): None kept in its place
@@ -113,8 +114,10 @@ def restructure(kind: dict[str, Any], flat: list[Tensor]) -> Any:
         return flat[0]
     if kind.get("kind") == "dict":
         out = dict(zip(kind["names"], flat))
-        cls = _output_class(kind.get("class"), dict)  # an HF ModelOutput: read by attribute too
-        return cls(**out) if cls is not None else out
+        cls = _output_class(kind.get("class"), object)
+        if cls is not None and dataclasses.is_dataclass(cls):  # a user's dataclass; fields left None were not flat
+            return cls(**{f.name: out.get(f.name) for f in dataclasses.fields(cls) if f.init})
+        return cls(**out) if cls is not None and issubclass(cls, dict) else out  # an HF ModelOutput by attribute too
     items: list[Any] = list(flat)
     for i in kind.get("nones", []):
         if i <= len(items):

@@ -25,6 +25,7 @@ from torchnitro.autotune.failure import clean_line
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
 from torchnitro.autotune.recipes._layout import FlatProgram, flat_call, input_layout, is_flat
 from torchnitro.autotune.recipes._util import output_kind, restructure
+from torchnitro.autotune.verify import flatten_outputs
 from torchnitro.bench.isolated import process_is_shared
 from torchnitro.bench.timing import Timing, TimingConfig, measure
 from torchnitro.hardware import HardwareInfo
@@ -33,17 +34,19 @@ __all__ = ["OnnxRuntime", "OnnxRuntimeInt8", "export_onnx", "OrtRunner", "choose
 
 
 class _GivenOnly(nn.Module):
-    """The model called with exactly the inputs given. The TorchScript-based exporter binds every defaulted
-    forward argument it was not given, so a default such as ``scale=1.0`` became a graph input that no
-    call feeds (ORT: "Required inputs ... are missing"); through ``*inputs`` the defaults stay constants."""
+    """The model called with exactly the inputs given, its outputs as the flat tensors ``output_kind`` names.
+    The TorchScript-based exporter binds every defaulted forward argument it was not given, so a default such
+    as ``scale=1.0`` became a graph input that no call feeds (ORT: "Required inputs ... are missing");
+    through ``*inputs`` the defaults stay constants. Neither exporter takes a user's dataclass output."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, flat_outputs: bool):
         super().__init__()
-        self.model = model
+        self.model, self.flat_outputs = model, flat_outputs
         self.train(model.training)
 
     def forward(self, *inputs: Any) -> Any:
-        return self.model(*inputs)
+        out = self.model(*inputs)
+        return tuple(t for _, t in flatten_outputs(out)) if self.flat_outputs else out
 
 
 def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_dims: dict[int, list[int]]) -> dict[str, Any]:
@@ -55,8 +58,8 @@ def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_d
     if is_flat(inputs):
         with torch.no_grad():
             out = model(*inputs)
-        if _takes_more(model, len(inputs)):
-            model = _GivenOnly(model)
+        if _takes_more(model, len(inputs)) or not isinstance(out, Tensor):
+            model = _GivenOnly(model, flat_outputs=not isinstance(out, Tensor))
     else:
         layout, out = input_layout(model, inputs)
         dynamic_dims = layout.dynamic_dims(inputs, dynamic_dims)
