@@ -499,7 +499,7 @@ class _Phases:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
     def text(self) -> str:
-        parts = ", ".join(f"{n} {sec:.1f} s" for n, sec in self.seconds.items() if sec >= 0.05)
+        parts = ", ".join(f"{n} {sec:.1f} s" for n, sec in self.seconds.items())
         total = sum(self.seconds.values())
         return (f"final phase time: {total:.1f} s in all ({parts}); the rest of the search time built, verified "
                 "and timed the candidates")
