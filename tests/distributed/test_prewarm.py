@@ -21,9 +21,11 @@ ROOT = Path(__file__).resolve().parents[2]
 MODULE = "tests.distributed.workers.echo"
 
 
-@pytest.fixture
-def server(tmp_path):
-    sock = str(tmp_path / "s")
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One fork server for the module's tests (its start-up imports what it pre-warms); each test forks its own
+    workers from it, and the kill test checks that it serves on."""
+    sock = str(tmp_path_factory.mktemp("prewarm") / "s")
     proc = subprocess.Popen([sys.executable, "-m", "torchnitro.distributed.prewarm", "serve", sock, MODULE], cwd=ROOT)
     yield sock, proc
     proc.terminate()
