@@ -161,3 +161,25 @@ def test_a_dataclass_output_is_verified_and_given_back(fast_cfg, recipe):
     got, ref = om(x), model(x)
     assert type(got) is _Emb and got.extra is None
     torch.testing.assert_close((got.emb, got.score), (ref.emb, ref.score), rtol=1e-4, atol=1e-5)
+
+
+def test_openvino_variant_answers_in_the_models_output_class(fast_cfg):
+    """OpenVINO builds in a child process that never imported the output's class: the structure it records
+    must be the parent's (an HF ModelOutput came back as a plain dict)."""
+    pytest.importorskip("transformers")
+    import torchnitro
+    from torchnitro.autotune.recipe import get_recipe
+    from torchnitro.hardware import hardware_info
+
+    why = get_recipe("openvino").unavailable_reason(hardware_info())
+    if why:
+        pytest.skip(f"openvino recipe unavailable here: {why}")
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    torch.manual_seed(0)
+    model, x = _Outputs("hf").eval(), torch.randn(3, 8)
+    om = torchnitro.optimize(model, (x,), config=fast_cfg(recipes=["openvino"], min_speedup=0.0, finalists=1))
+    assert om.recipe == "openvino", [(c.recipe, c.status, c.reason) for c in om.report.candidates]
+    got = om(x)
+    assert type(got) is SequenceClassifierOutput
+    torch.testing.assert_close(got.logits, model(x).logits, rtol=1e-4, atol=1e-5)

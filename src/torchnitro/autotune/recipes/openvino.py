@@ -145,11 +145,11 @@ def convert_to_ov(ctx: BuildContext) -> tuple[Any, dict[str, Any]]:
     if layout is not None:
         dims = layout.dynamic_dims(inputs, dims)
     flat = tuple(layout.take(inputs)) if layout is not None else inputs
-    if ctx.model is not None:
+    if program is not None and program.meta.get("output_kind") is not None:
+        kind = program.meta["output_kind"]  # the parent's record: names eager's output class, which a child lacks
+    else:
         with torch.no_grad():
             kind = output_kind(ctx.model(*inputs))
-    else:
-        kind = program.meta["output_kind"]
     obj, converter = _from_program(program) or (module, "torch module")
     errors: list[str] = []
     ov_model = None
