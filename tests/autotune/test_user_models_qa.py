@@ -183,3 +183,18 @@ def test_openvino_variant_answers_in_the_models_output_class(fast_cfg):
     got = om(x)
     assert type(got) is SequenceClassifierOutput
     torch.testing.assert_close(got.logits, model(x).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_saving_an_artifact_that_serve_cannot_load_warns(fast_cfg, tmp_path):
+    """A script's model (no factory reference) under an in-process recipe: the artifact needs the model object
+    to load, so ``torchnitro serve DIR`` failed at start-up; save() says so when it writes it."""
+    import torchnitro
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)).eval()
+    x = torch.randn(4, 16)
+    om = torchnitro.optimize(model, (x,), config=fast_cfg(recipes=["dynamic-int8"], min_speedup=0.0, finalists=1))
+    assert om.recipe == "dynamic-int8", [(c.recipe, c.status, c.reason) for c in om.report.candidates]
+    with pytest.warns(UserWarning, match=r"`torchnitro serve DIR` cannot load it"):
+        path = om.save(tmp_path / "a")
+    torch.testing.assert_close(torchnitro.load(path, model=model)(x), om(x))  # the documented way still loads

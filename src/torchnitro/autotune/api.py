@@ -73,6 +73,12 @@ class OptimizedModel:
             else:
                 warnings.warn(f"torch.export failed ({why}); the artifact needs torchnitro.load(dir, model=...)",
                               stacklevel=2)
+        elif not candidate.standalone and not src.ref.get("spec"):
+            warnings.warn(f"recipe {self.recipe!r} rebuilds from the eager model, and this model is a Python object "
+                          "with no factory reference: the artifact loads with torchnitro.load(dir, model=<your model>) "
+                          "only, and `torchnitro serve DIR` cannot load it. For a servable artifact, optimize a "
+                          "'module:function' spec, or pick among standalone recipes (config.recipes, e.g. "
+                          "['onnxruntime', 'openvino', 'torchscript'])", stacklevel=2)
         return write_artifact(directory, candidate, src, recipe=self.recipe, numeric_class=self.numeric_class,
                               signature=self.signature, report=self.report, hardware=self.report.hardware)
 
