@@ -198,3 +198,17 @@ def test_saving_an_artifact_that_serve_cannot_load_warns(fast_cfg, tmp_path):
     with pytest.warns(UserWarning, match=r"`torchnitro serve DIR` cannot load it"):
         path = om.save(tmp_path / "a")
     torch.testing.assert_close(torchnitro.load(path, model=model)(x), om(x))  # the documented way still loads
+
+
+def test_a_model_in_train_mode_is_optimized_in_eval_mode_and_the_report_says_so(fast_cfg):
+    """``from_config`` gives an HF model in train mode: it is optimized in eval mode (dropout off), the user's
+    object stays in train mode, and the report says so (it was switched silently)."""
+    import torchnitro
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Dropout(0.5), nn.Linear(16, 4)).train()
+    x = torch.randn(4, 8)
+    om = torchnitro.optimize(model, (x,), config=fast_cfg(recipes=[]))
+    assert model.training
+    assert any("train mode" in n and "eval mode" in n for n in om.report.notes), om.report.notes
+    torch.testing.assert_close(om(x), model.eval()(x))

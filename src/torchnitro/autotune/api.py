@@ -150,8 +150,11 @@ def optimize(model: nn.Module | str | Any, example_inputs: Any = None, config: O
     if info is None:
         dyn = {i: [0] for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
         info = ModelInfo(None, type(model).__name__, None, dyn)
-    if model.training:
+    train_note = None
+    if model.training:  # e.g. an HF model built from_config (from_pretrained returns it in eval mode)
         model = copy.deepcopy(model).eval()
+        train_note = ("the model was in train mode: optimized and compared in eval mode (dropout off, batch-norm "
+                      "running statistics), as every variant runs; your model object is left as it was")
     model, cache_note = _without_cache(model, inputs)
     cached = _from_cache(model, inputs, info, cfg)
     if cached is not None:
@@ -159,8 +162,7 @@ def optimize(model: nn.Module | str | Any, example_inputs: Any = None, config: O
     from torchnitro.autotune.search import search
 
     out = search(model, inputs, info, cfg)
-    if cache_note:
-        out.report.notes.append(cache_note)
+    out.report.notes.extend(n for n in (train_note, cache_note) if n)
     sig = signature_of(model, inputs, out.workload.eager_outputs, out.workload.dynamic_dims, out.workload.references)
     ref = {"spec": info.spec, "name": info.name, "extra": info.extra}
     source = EagerSource(model, ref, inputs, out.workload.dynamic_dims, [p.name for p in forward_params(model)])
