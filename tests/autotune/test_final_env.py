@@ -112,6 +112,7 @@ class _FakeTimer(ChildTimer):
 
     def sample(self, k: int, warm: int = 0) -> float:
         self.log.append(f"sample {self.label}")
+        self.ks = getattr(self, "ks", []) + [k]
         return self.seconds
 
     def close(self) -> None:
@@ -203,3 +204,26 @@ def test_a_thread_trial_that_cannot_gain_is_skipped_with_a_note_and_starts_nothi
                       final._Phases())
     assert note in report.notes, report.notes
     assert [x for x in log if x.startswith("start ") and not x.endswith("/defaults")] == [], log  # no thread trial
+
+
+def test_trial_samples_of_a_fast_variant_repeat_its_call_to_the_trial_sample_length(tmp_path, monkeypatch):
+    """A 1 ms variant is sampled 20 calls at a time (TRIAL_SAMPLE_S 20 ms), not one call per gated request: the
+    per-sample overhead (gate, request, untimed call) was most of a fast model's trial time."""
+    from torchnitro.autotune import final
+
+    monkeypatch.setattr("torchnitro.bench.environment.allocator_untunable", lambda *a, **k: None)
+    log: list[str] = []
+    spawned: list[_FakeTimer] = []
+
+    class Kept(_FakeTimer):
+        def again(self, env, *, threads=None, kwargs=None, name=None):
+            t = super().again(env, threads=threads, kwargs=kwargs, name=name)
+            spawned.append(Kept(t.label, log, t.spec["threads"], t.env, self.seconds))
+            return spawned[-1]
+
+    v = Kept("v", log, seconds=1e-3)
+    final._run_trials(_trial_search(tmp_path), _report(), "v", {"v": fair.Steady(v)}, final._Phases())
+    assert final.TRIAL_SAMPLE_S == 0.02 and len(spawned) == 2  # glibc's defaults, 1 thread
+    for timer in [v, *spawned]:  # v is in both trials: one one-call warm-up in each (bench.compare's)
+        assert timer.ks.count(1) == (2 if timer is v else 1), (timer.label, timer.ks)
+        assert len(timer.ks) >= 6 and set(timer.ks) == {1, 20}, (timer.label, timer.ks)

@@ -349,9 +349,18 @@ def _threads_plan(s: _Search, name: str, fns: dict[str, Callable[..., Any]]) -> 
     return child, options, None
 
 
+TRIAL_SAMPLE_S = 0.02  # a trial's sample repeats a fast variant's call up to this long (see ``_trial_tc``)
+
+
 def _trial_tc(s: _Search) -> TimingConfig:
+    """The trials' timing: the same measured time per entry as before, in samples of at least ``TRIAL_SAMPLE_S``.
+    Each sample costs a fixed overhead besides its calls (the gate's idle wait, the request to the child, one
+    untimed call): with one-call samples of the 1.5 ms ``mlp`` that overhead was the trial's wall time (the
+    thread trial's 2 s of samples took 30.7 s under load, 27 Nov 08:05 UTC). Longer samples of back-to-back
+    calls are what a server runs; both sides of each trial are sampled alike."""
     return TimingConfig(warmup=1, warmup_s=0.0, min_iters=5, min_time_s=s.cfg.final_min_time_s,
-                        max_time_s=max(3.0, s.cfg.final_min_time_s * 2), device=s.device.type)
+                        max_time_s=max(3.0, s.cfg.final_min_time_s * 2), min_sample_s=TRIAL_SAMPLE_S,
+                        device=s.device.type)
 
 
 @dataclasses.dataclass
