@@ -107,8 +107,10 @@ def test_a_recorded_count_goes_into_the_artifact_and_serve_reads_it(fake_recipes
     from torchnitro.serve.cli import _recorded_threads_per_worker
 
     monkeypatch.setattr(fair_threads, "tune_threads", _one_thread_wins)
+    # min_speedup below 1: the candidate is chosen however loaded the machine is (no noise bar); this is about
+    # what the trial records, not about the comparison
     opt = torchnitro.optimize(fake_recipes.SlowModel(), fake_recipes.tiny_inputs(), fast_cfg(
-        recipes=["test-faster"], final_alone=True, tune_threads=True, threads=2, min_speedup=1.03))
+        recipes=["test-faster"], final_alone=True, tune_threads=True, threads=2, min_speedup=0.5))
     assert opt.recipe == "test-faster"
     assert any(n.startswith("thread count: ") and "1 recorded in the artifact" in n for n in opt.report.notes)
     assert opt.candidate.meta["torch_threads"] == 1
@@ -118,7 +120,7 @@ def test_a_recorded_count_goes_into_the_artifact_and_serve_reads_it(fake_recipes
     assert fair_threads.recorded_threads(tmp_path / "art") == 1
     assert _recorded_threads_per_worker(1, 1) == 1 and _recorded_threads_per_worker(None, 1) is None
     off = torchnitro.optimize(fake_recipes.SlowModel(), fake_recipes.tiny_inputs(), fast_cfg(
-        recipes=["test-faster"], final_alone=True, tune_threads=False, threads=2, min_speedup=1.03,
+        recipes=["test-faster"], final_alone=True, tune_threads=False, threads=2, min_speedup=0.5,
         cache=False))
     assert "torch_threads" not in off.candidate.meta
     assert not any(n.startswith("thread count") for n in off.report.notes)
