@@ -11,8 +11,8 @@ stores the faster in ``meta["ort_spinning"]`` (what a deployed artifact uses); i
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import shutil
+from dataclasses import is_dataclass
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -58,8 +58,8 @@ def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_d
     if is_flat(inputs):
         with torch.no_grad():
             out = model(*inputs)
-        if _takes_more(model, len(inputs)) or not isinstance(out, Tensor):
-            model = _GivenOnly(model, flat_outputs=not isinstance(out, Tensor))
+        if is_dataclass(out) and not isinstance(out, dict):  # neither exporter takes it (an HF ModelOutput does)
+            model = _GivenOnly(model, flat_outputs=True)
     else:
         layout, out = input_layout(model, inputs)
         dynamic_dims = layout.dynamic_dims(inputs, dynamic_dims)
@@ -68,13 +68,28 @@ def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_d
     in_names = [f"input_{i}" for i in range(len(inputs))]
     out_names = [f"output_{i}" for i in range(len(kind["names"]))]
     axes = {in_names[i]: {d: f"in{i}_d{d}" for d in dims} for i, dims in dynamic_dims.items() if i < len(inputs)}
+    exporter = _export_file(model, inputs, path, in_names, out_names, axes, dynamic_dims)
+    if not isinstance(model, (_GivenOnly, FlatProgram)) and _unfed_inputs(path, in_names):
+        # a defaulted forward argument (``scale=1.0``) became a graph input no call feeds: export again
+        # through ``*inputs`` (not by default: that changes some HF traces, e.g. GPT-2's ``logits_to_keep``)
+        exporter = _export_file(_GivenOnly(model, flat_outputs=False), inputs, path, in_names, out_names, axes,
+                                dynamic_dims)
+    meta = {"output_kind": kind, "input_names": in_names, "exporter": exporter}
+    if layout is not None:
+        meta["input_layout"] = layout.to_meta()
+    return meta
+
+
+def _export_file(model: nn.Module, inputs: tuple[Any, ...], path: Path, in_names: list[str], out_names: list[str],
+                 axes: dict[str, dict[int, str]], dynamic_dims: dict[int, list[int]]) -> str:
+    """One ONNX export to ``path``: the TorchScript-based exporter, else the dynamo one; returns which."""
     errors = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             torch.onnx.export(model, inputs, str(path), dynamo=False, input_names=in_names, output_names=out_names,
                               dynamic_axes=axes or None, opset_version=17, do_constant_folding=True)
-            exporter = "torchscript"
+            return "torchscript"
         except Exception as exc:  # noqa: BLE001 - try the other exporter
             errors.append(clean_line(f"torchscript exporter: {type(exc).__name__}: {exc}", limit=300))
             from torch.export import Dim
@@ -86,20 +101,16 @@ def export_onnx(model: nn.Module, inputs: tuple[Any, ...], path: Path, dynamic_d
             except Exception as exc2:
                 errors.append(clean_line(f"dynamo exporter: {type(exc2).__name__}: {exc2}", limit=300))
                 raise RuntimeError("ONNX export failed: " + " | ".join(errors)) from exc2
-            exporter = "dynamo"
-    meta = {"output_kind": kind, "input_names": in_names, "exporter": exporter}
-    if layout is not None:
-        meta["input_layout"] = layout.to_meta()
-    return meta
+            return "dynamo"
 
 
-def _takes_more(model: nn.Module, n: int) -> bool:
-    """``model.forward`` has positional arguments beyond the ``n`` given (defaulted ones)."""
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) > n
+def _unfed_inputs(path: Path, in_names: list[str]) -> list[str]:
+    """Graph inputs of the file at ``path`` that are not among the names a call feeds."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    inits = {i.name for i in graph.initializer}
+    return [i.name for i in graph.input if i.name not in in_names and i.name not in inits]
 
 
 class OrtRunner:
