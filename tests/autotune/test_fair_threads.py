@@ -98,7 +98,7 @@ def test_a_fresh_process_gets_the_fewer_threads_and_the_rewritten_meta(tmp_path)
     assert trial is not None and set(trial.p50_ms) == {2, 1}
 
 
-def _one_thread_wins(timer, tc, options=None):
+def _one_thread_wins(timer, tc, options=None, started=None):
     return fair_threads.ThreadTrial(timer.spec["threads"], 1, {2: 2.0, 1: 1.0}, 2.0, 0.01)
 
 

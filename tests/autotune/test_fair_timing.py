@@ -561,7 +561,7 @@ def _no_malloc_env(monkeypatch) -> None:
         monkeypatch.delenv(k)
 
 
-def _kept_trial(timers, tc):
+def _kept_trial(timers, tc, started=None):
     return {name: fair.AllocatorTrial(2.0, 1.0, 2.0, 0.01, True, label=name) for name in timers}
 
 

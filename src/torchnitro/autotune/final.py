@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
@@ -401,14 +400,6 @@ def _start_trials(alloc: dict[str, ChildTimer], child: ChildTimer | None, option
     return got
 
 
-def _started_kw(trial: Callable[..., Any], started: dict[Any, ChildTimer] | None) -> dict[str, Any]:
-    """``started=`` for a trial function that takes it; a replacement that does not (a test's stand-in) runs
-    without them (``_run_trials`` closes what no trial took)."""
-    if not started or "started" not in inspect.signature(trial).parameters:
-        return {}
-    return {"started": started}
-
-
 def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]],
                     started: dict[str, ChildTimer] | None = None) -> None:
     """The chosen variant and eager each in a fresh process with the other glibc allocator setting than their
@@ -423,7 +414,7 @@ def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callab
     try:
         # a dict of timers in gives a dict of trials out (fair.tune_allocator)
         trials = cast("dict[str, fair.AllocatorTrial]", fair.tune_allocator(  # type: ignore[call-overload]
-            timers, _trial_tc(s), **_started_kw(fair.tune_allocator, started)))
+            timers, _trial_tc(s), started=started))
     except RecipeError as exc:
         report.notes.append(f"allocator setting not tried: its timing process failed ({exc})"[:300])
         return
@@ -454,7 +445,7 @@ def _tune_threads(s: _Search, report: Report, name: str, fns: dict[str, Callable
         return
     cf = s.where[name]
     try:
-        trial = fair_threads.tune_threads(child, _trial_tc(s), **_started_kw(fair_threads.tune_threads, started))
+        trial = fair_threads.tune_threads(child, _trial_tc(s), started=started)
     except RecipeError as exc:
         report.notes.append(f"thread count not tried: its timing process failed ({exc})"[:300])
         return
