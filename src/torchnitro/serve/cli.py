@@ -114,7 +114,7 @@ def serve_command(
         device=device, max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, max_queue_size=max_queue_size,
         priority_levels=priority_levels, adaptive=adaptive, latency_target_ms=latency_target_ms,
         max_body_bytes=max_body_bytes, trust_code=trust_code, grpc_port=grpc_port)
-    meta = _artifact_meta(model)
+    meta = _artifact_meta(model)  # raises before anything is announced when serve cannot load the artifact
     scfg = _with_recorded_threads(meta, scfg)
     mname = name or (Path(model).name if Path(model).is_dir() else model.rpartition(":")[2])
     if meta is not None:  # the artifact's allocator setting, set before any worker process starts (read at start)
@@ -126,14 +126,21 @@ def serve_command(
 
 def _artifact_meta(model: str) -> dict[str, Any] | None:
     """The meta of the artifact directory ``model`` from its manifest, read and verified once (every file's
-    SHA-256) for all of serve's start-up settings; None for a model that is not a directory."""
+    SHA-256) for all of serve's start-up settings; None for a model that is not a directory. Raises InputError
+    for an artifact serve cannot load from its directory alone (``models.unservable_reason``): its workers
+    would fail only after the server announced itself."""
     from pathlib import Path
 
     if not Path(model).is_dir():
         return None
-    from torchnitro.autotune.fair import recorded_meta
+    from torchnitro.autotune.artifact import read_manifest
+    from torchnitro.serve.models import unservable_reason
 
-    return recorded_meta(model)
+    manifest = read_manifest(model)
+    why = unservable_reason(model, manifest)
+    if why is not None:
+        raise InputError(f"serve: {why}")
+    return dict(manifest.get("meta") or {})
 
 
 def _recorded_threads_per_worker(recorded: int | None, workers: int | None) -> int | None:

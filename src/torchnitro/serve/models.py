@@ -2,7 +2,9 @@
 
 ``resolve_model(spec)`` accepts
   * a built-in name (``encoder``, ``mlp``, ``minilm`` ... from ``torchnitro.nn.zoo``),
-  * an optimize artifact directory (``torchnitro.load(dir)``; its ``signature`` names the tensors),
+  * an optimize artifact directory (``torchnitro.load(dir)``; its ``signature`` names the tensors); one that
+    needs the user's model object (``unservable_reason``) is served through a factory returning
+    ``artifact_model(dir, model=...)``,
   * ``module:function`` - a factory returning a ``ServedModel`` (or an ``nn.Module`` plus example
     inputs via a ``ServedModel``), imported in each worker process.
 Worker processes call it themselves, so a spec must be a string that resolves the same everywhere.
@@ -27,7 +29,8 @@ from torch import Tensor, nn
 from torchnitro.errors import InputError
 from torchnitro.serve.protocol import ModelSignature, TensorSpec, datatype_of
 
-__all__ = ["ServedModel", "resolve_model", "signature_from_example", "add_module_limits"]
+__all__ = ["ServedModel", "resolve_model", "signature_from_example", "add_module_limits", "artifact_model",
+           "unservable_reason"]
 
 
 @dataclass
@@ -159,12 +162,42 @@ def _spec_list(items: Any, what: str) -> list[TensorSpec]:
     return out
 
 
-def _from_artifact(path: Path, trust_code: bool = False, threads: int | None = None) -> ServedModel:
+def unservable_reason(directory: str | Path, manifest: dict[str, Any]) -> str | None:
+    """Why ``torchnitro serve DIR`` cannot load the artifact in ``directory`` on its own (None: it can).
+
+    A recipe that is not standalone (dynamic-int8, bf16, bert-unpad ...) rebuilds its variant from the eager model
+    at load time; an artifact made from a Python object records no ``module:function`` to re-create that model, so
+    only ``torchnitro.load(dir, model=...)`` can load it, and serve has no model object to pass."""
+    if manifest.get("standalone", True) or (manifest.get("model") or {}).get("spec"):
+        return None
+    d, recipe = str(directory), manifest.get("recipe")
+    return (f"artifact {d!r} cannot be served from its directory alone: its recipe {recipe!r} rebuilds the optimized "
+            "model from the eager model object at load time, and the model it was made from was a Python object "
+            "with no factory reference (manifest.json names no 'module:function' that re-creates it), so serve, "
+            "which has only the directory, has no model to rebuild it from. Expected a standalone artifact or one "
+            "that names its factory. To serve it: (1) re-run optimize restricted to standalone recipes "
+            "(OptimizeConfig(recipes=['onnxruntime', 'openvino', 'torchscript']); CLI: --recipe onnxruntime "
+            "--recipe openvino; a TorchScript artifact is served only with --trust-code), or optimize an installed "
+            "'module:function' spec instead of the object, so the artifact records how to re-create the model; or "
+            "(2) serve it with the model object: in an importable module write `def make(): return "
+            f"torchnitro.serve.models.artifact_model({d!r}, model=MyModel())` and run `torchnitro serve "
+            "yourmodule:make` (MyModel must be importable there, not defined in a script's __main__)")
+
+
+def artifact_model(directory: str | Path, model: nn.Module | None = None, *, trust_code: bool = False,
+                   threads: int | None = None) -> ServedModel:
+    """The artifact in ``directory`` as a ``ServedModel``, named after the directory.
+
+    ``model``: the eager model an artifact that is not standalone rebuilds from (``torchnitro.load(dir, model=...)``;
+    its weights are replaced by the artifact's); a ``module:function`` factory returning this serves such an
+    artifact (``unservable_reason``). ``trust_code`` and ``threads`` go to ``torchnitro.load``."""
     import torchnitro
 
-    # threads only when given: without it the call is the plain load it always was
-    model = torchnitro.load(path, trust_code=trust_code, **({} if threads is None else {"threads": threads}))
-    sig = getattr(model, "signature", None)
+    path = Path(directory)
+    # model and threads only when given: without them the call is the plain load it always was
+    given = {k: v for k, v in (("model", model), ("threads", threads)) if v is not None}
+    loaded = torchnitro.load(path, trust_code=trust_code, **given)
+    sig = getattr(loaded, "signature", None)
     if isinstance(sig, dict):
         ins = _spec_list(sig.get("inputs"), "input")
         sig = ModelSignature(path.name, ins, _spec_list(sig.get("outputs"), "output"),
@@ -172,7 +205,7 @@ def _from_artifact(path: Path, trust_code: bool = False, threads: int | None = N
     if not isinstance(sig, ModelSignature) or not sig.inputs or not sig.outputs:
         raise InputError(f"artifact {str(path)!r} has no usable input/output signature (received {sig!r}); "
                          "re-run `torchnitro optimize` with example inputs so the manifest records them")
-    return ServedModel(model, sig)
+    return ServedModel(loaded, sig)
 
 
 def resolve_model(spec: str | ServedModel, name: str | None = None, *, trust_code: bool = False,
@@ -184,7 +217,7 @@ def resolve_model(spec: str | ServedModel, name: str | None = None, *, trust_cod
     if isinstance(spec, ServedModel):
         sm = spec
     elif Path(spec).is_dir():
-        sm = _from_artifact(Path(spec), trust_code, threads)
+        sm = artifact_model(spec, trust_code=trust_code, threads=threads)
     elif ":" in spec and not spec.startswith(("hf:", "/")):
         mod, _, attr = spec.partition(":")
         try:
