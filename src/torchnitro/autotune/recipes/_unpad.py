@@ -17,12 +17,13 @@ Real tokens see the same computation as in eager (up to float reassociation).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["length_buckets", "LayerParts", "PackedLayer", "Packing", "pack_tokens", "run_layers"]
+__all__ = ["length_buckets", "LayerParts", "PackedLayer", "Packing", "pack_tokens", "position_bias_", "run_layers"]
 
 
 @dataclass
@@ -33,14 +34,25 @@ class _Bucket:
     (``UnpaddedBert`` then reorders the rows so each bucket is one slice); ``slots``: the same tokens'
     flat positions in ``(G*L)`` (each sequence packed to the left: positions were already embedded,
     and attention does not depend on where a key sits); ``mask``: ``(G, 1, 1, L)`` key mask, None
-    when every sequence has length L. ``rows is None``: the whole batch, no padding anywhere."""
+    when every sequence has length L. ``rows is None``: the whole batch, no padding anywhere.
+    ``bias``: an additive attention bias ``(G or 1, H, L, L)`` (MPNet's relative positions) with the
+    masked keys at -inf, used instead of ``mask`` when set (``position_bias_``)."""
 
     g: int
     l: int
     rows: Tensor | None = None
     slots: Tensor | None = None
     mask: Tensor | None = None
+    bias: Tensor | None = None
     _buf: Tensor | None = None
+
+    def attn_mask(self, dtype: torch.dtype) -> Tensor | None:
+        """What SDPA gets as ``attn_mask``: the bias in the attention's dtype (cast once per call), else the mask."""
+        if self.bias is None:
+            return self.mask
+        if self.bias.dtype != dtype:
+            self.bias = self.bias.to(dtype)  # shared by every layer of one call
+        return self.bias
 
     def buffer(self, like: Tensor) -> Tensor:
         if self._buf is None or self._buf.dtype != like.dtype:
@@ -101,6 +113,13 @@ class LayerParts:
         return cls(att.q_lin, att.k_lin, att.v_lin, att.out_lin, layer.sa_layer_norm, layer.ffn.lin1, layer.ffn.lin2,
                    layer.output_layer_norm)
 
+    @classmethod
+    def mpnet(cls, layer: nn.Module) -> "LayerParts":
+        """MPNet ``MPNetLayer`` (``attention.attn.q`` ...; its relative position bias comes from ``position_bias_``)."""
+        att = layer.attention
+        return cls(att.attn.q, att.attn.k, att.attn.v, att.attn.o, att.LayerNorm, layer.intermediate.dense,
+                   layer.output.dense, layer.output.LayerNorm)
+
 
 class PackedLayer(nn.Module):
     """One encoder layer on the packed real tokens ``(N, D)``; Q, K and V fused into one GEMM."""
@@ -156,7 +175,7 @@ class PackedLayer(nn.Module):
         if buckets[0].rows is None:  # no padding: (N, 3D) is (B*T, 3D) and nothing is masked
             bk = buckets[0]
             q, k, v = qkv.view(bk.g, bk.l, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
-            return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, d)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bk.attn_mask(q.dtype)).transpose(1, 2).reshape(n, d)
         outs, start = [], 0
         for bk in buckets:  # the rows are in bucket order (UnpaddedBert.forward), so each bucket is one slice
             seg = qkv[start:start + bk.rows.numel()]  # (n_b, 3D)
@@ -167,13 +186,14 @@ class PackedLayer(nn.Module):
                 src = bk.buffer(qkv)  # (G*L, 3D); slots outside the real tokens stay zero (finite keys, masked out)
                 src.index_copy_(0, bk.slots, seg)
             q, k, v = src.view(bk.g, bk.l, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (G, H, L, Dh)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bk.mask)  # (G, H, L, Dh)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bk.attn_mask(q.dtype))  # (G, H, L, Dh)
             o = o.transpose(1, 2).reshape(bk.g * bk.l, d)
             outs.append(o if bk.mask is None else o.index_select(0, bk.slots))
         return torch.cat(outs)  # (N, D)
 
     def forward(self, x: Tensor, buckets: list[_Bucket]) -> Tensor:
-        ga = getattr(self, "graph_attention", None) if buckets[0].rows is None else None  # no padding only
+        dense = buckets[0].rows is None and buckets[0].bias is None
+        ga = getattr(self, "graph_attention", None) if dense else None  # no padding and no position bias only
         if ga is not None and getattr(self.qkv, "takes_out_dtype", False):
             qkv = self.qkv(x, out_dtype=torch.bfloat16)  # x: (N, D) real tokens; the fused attention reads bf16
         else:
@@ -210,6 +230,37 @@ def pack_tokens(attention_mask: Tensor, n_buckets: int) -> Packing:
     if not dense:  # rows in bucket order: each bucket's tokens are one contiguous slice in every layer
         idx = idx[torch.cat([bk.rows for bk in buckets])]
     return Packing(idx, buckets, dense)
+
+
+def position_bias_(packing: Packing, t: int, bias: Callable[[Tensor], Tensor]) -> None:
+    """Give every bucket the additive attention bias of relative positions (MPNet), as the padded
+    ``(B, T)`` layout has it: ``bias(key_pos - query_pos)`` over positions in the row, ``(..., ) -> (..., H)``.
+
+    Real tokens that are contiguous in their row (right or left padding) have the same distances in
+    the bucket's left-packed slots, so one ``(1, H, L, L)`` bias serves the bucket; a mask with holes
+    gets each sequence's own ``(G, H, L, L)``. Masked keys are set to -inf (they only hold zeros)."""
+    dev = packing.idx.device
+    start = 0
+    for bk in packing.buckets:
+        ar = torch.arange(bk.l, device=dev)
+        if bk.rows is None:  # no padding: positions are 0..T-1 in every row
+            bk.bias = bias(ar[None] - ar[:, None]).permute(2, 0, 1).unsqueeze(0)  # (1, H, T, T)
+            continue
+        n = bk.rows.numel()
+        pos = packing.idx[start:start + n] % t  # (n,) each token's position in its padded row, in slot order
+        start += n
+        seq, within = bk.slots // bk.l, bk.slots % bk.l  # (n,) bucket-local sequence and slot
+        first = pos[within == 0]  # (G,) each sequence's first real position
+        if bool((pos - first[seq] == within).all()):
+            b = bias(ar[None] - ar[:, None]).permute(2, 0, 1).unsqueeze(0)  # (1, H, L, L)
+        else:
+            p = torch.zeros(bk.g * bk.l, dtype=pos.dtype, device=dev)
+            p[bk.slots] = pos
+            p = p.view(bk.g, bk.l)  # (G, L); padded slots are masked below
+            b = bias(p[:, None, :] - p[:, :, None]).permute(0, 3, 1, 2)  # (G, H, L, L)
+        if bk.mask is not None:
+            b = b.masked_fill(~bk.mask, float("-inf"))  # (G, H, L, L)
+        bk.bias = b
 
 
 def run_layers(layers: nn.ModuleList, x: Tensor, packing: Packing) -> Tensor:

@@ -7,7 +7,9 @@ wrapper) and ``UnpaddedEncoder`` replaces each one it can mirror, keeping the HF
 output type, so whatever the user wrapped around it runs unchanged.
 
 Mirrored: ``model_type`` in ``SUPPORTED`` (BERT and MiniLM checkpoints, which are BertModel; RoBERTa,
-XLM-R and CamemBERT, which share its layers; DistilBERT), absolute positions, exact (erf) GELU.
+XLM-R and CamemBERT, which share its layers; DistilBERT; MPNet, whose relative position bias is added
+to each bucket's attention scores on real tokens only (``_unpad.position_bias_``); ELECTRA, with its
+embedding projection), absolute position embeddings, exact (erf) GELU.
 
 **What the fast path returns at masked (padded) positions**: ``last_hidden_state`` is exactly zero
 there (eager BERT computes values for padded queries that every mask-aware pooling or head ignores);
@@ -27,12 +29,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from torchnitro.autotune.recipes._unpad import LayerParts, PackedLayer, Packing, pack_tokens, run_layers
+from torchnitro.autotune.recipes._unpad import (LayerParts, PackedLayer, Packing, pack_tokens, position_bias_,
+                                                run_layers)
 
 __all__ = ["SUPPORTED", "FoundEncoder", "find_encoders", "encoders_reason", "UnpaddedEncoder", "unpad_encoders_"]
 
+# HF model_type -> layer layout mirrored here
 SUPPORTED: dict[str, str] = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "camembert": "roberta",
-                             "distilbert": "distilbert"}  # HF model_type -> layer layout mirrored here
+                             "distilbert": "distilbert", "mpnet": "mpnet", "electra": "electra"}
 _NEUTRAL = {"use_cache": (None, False, True), "output_attentions": (None, False), "output_hidden_states": (None, False),
             "return_dict": (None, False, True)}  # arguments the fast path honours or may ignore (an encoder has no cache)
 
@@ -77,6 +81,9 @@ def _reason(m: nn.Module) -> str | None:
         return f"{type(m).__name__}: activation {act!r}; only exact (erf) 'gelu' is mirrored"
     if getattr(m, "embeddings", None) is None or not hasattr(m.embeddings, "word_embeddings"):
         return f"{type(m).__name__} has no standard embeddings module"
+    if SUPPORTED[mt] == "mpnet" and not (hasattr(m.encoder, "relative_attention_bias")
+                                         and hasattr(m.encoder, "relative_position_bucket")):
+        return f"{type(m).__name__}: no relative_attention_bias / relative_position_bucket on its encoder"
     return None
 
 
@@ -97,7 +104,7 @@ def encoders_reason(model: nn.Module) -> str | None:
     found = find_encoders(model)
     if not found:
         return ("no HF encoder of the BERT family (BertModel, RobertaModel, XLMRobertaModel, DistilBertModel, "
-                "MiniLM checkpoints) in the model tree")
+                "MPNetModel, ElectraModel, MiniLM checkpoints) in the model tree")
     bad = [f"{f.name or type(f.module).__name__}: {f.reason}" for f in found if f.reason]
     return "; ".join(bad) if bad else None
 
@@ -106,6 +113,14 @@ def _roberta_positions(ids: Tensor, pad: int) -> Tensor:
     """RoBERTa's position ids: counted over non-pad tokens from ``pad + 1``, exactly as HF does."""
     real = ids.ne(pad).int()  # (B, T)
     return (torch.cumsum(real, dim=1).type_as(real) * real).long() + pad
+
+
+# MPNetEncoder.forward calls compute_position_bias with its defaults: 32 buckets, max distance 128,
+# whatever config.relative_attention_num_buckets says (transformers/models/mpnet/modeling_mpnet.py)
+_MPNET_BUCKETS, _MPNET_MAX_DISTANCE = 32, 128
+
+_OUTPUT = {"distilbert": "BaseModelOutput", "mpnet": "BaseModelOutputWithPooling",
+           "electra": "BaseModelOutputWithPastAndCrossAttentions"}  # the class each HF forward returns
 
 
 class UnpaddedEncoder(nn.Module):
@@ -128,18 +143,24 @@ class UnpaddedEncoder(nn.Module):
         emb = hf_model.embeddings
         self.word, self.pos, self.ln_emb = emb.word_embeddings, emb.position_embeddings, emb.LayerNorm
         self.tok_type = getattr(emb, "token_type_embeddings", None)
-        self.pad_id = int(getattr(emb, "padding_idx", cfg.pad_token_id or 0)) if self.arch == "roberta" else None
+        # RoBERTa and MPNet count positions over non-pad ids from padding_idx + 1
+        self.pad_id = (int(getattr(emb, "padding_idx", cfg.pad_token_id or 0)) if self.arch in ("roberta", "mpnet")
+                       else None)
+        self.project = getattr(hf_model, "embeddings_project", None)  # ELECTRA: embedding_size -> hidden_size
+        self.rel_bias = hf_model.encoder.relative_attention_bias if self.arch == "mpnet" else None  # (buckets, H)
+        self._bucket = type(hf_model.encoder).relative_position_bucket if self.arch == "mpnet" else None
         if self.arch == "distilbert":
             layers, parts, heads = hf_model.transformer.layer, LayerParts.distilbert, cfg.n_heads
         else:
-            layers, parts, heads = hf_model.encoder.layer, LayerParts.bert, cfg.num_attention_heads
+            parts = LayerParts.mpnet if self.arch == "mpnet" else LayerParts.bert
+            layers, heads = hf_model.encoder.layer, cfg.num_attention_heads
         self.layers = nn.ModuleList(PackedLayer(parts(layer), heads) for layer in layers)
         self.pooler = getattr(hf_model, "pooler", None)
         self.out_dtype = out_dtype
         self.return_dict = bool(getattr(cfg, "return_dict", True))
-        from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPoolingAndCrossAttentions
+        import transformers.modeling_outputs as mo
 
-        self._out_cls = BaseModelOutput if self.arch == "distilbert" else BaseModelOutputWithPoolingAndCrossAttentions
+        self._out_cls = getattr(mo, _OUTPUT.get(self.arch, "BaseModelOutputWithPoolingAndCrossAttentions"))
         # the original module, for calls the fast path does not mirror; shares the weights, not a submodule
         # (int8 planning and state_dict see only the packed layers)
         object.__setattr__(self, "_eager", hf_model)
@@ -189,7 +210,7 @@ class UnpaddedEncoder(nn.Module):
             hidden = hidden.to(self.out_dtype)
             pooled = pooled.to(self.out_dtype) if pooled is not None else None
         fields = {"last_hidden_state": hidden}
-        if self.arch != "distilbert":
+        if self.arch not in ("distilbert", "electra"):
             fields["pooler_output"] = pooled
         rd = bound.get("return_dict")
         if rd is False or (rd is None and not self.return_dict):
@@ -209,7 +230,15 @@ class UnpaddedEncoder(nn.Module):
         else:
             pos = p.idx % t  # absolute position of each real token
         x = self.ln_emb(x + self.pos(pos))
+        if self.project is not None:
+            x = self.project(x)  # (N, D)
+        if self.rel_bias is not None:
+            position_bias_(p, t, self._relative_bias)
         return run_layers(self.layers, x, p), p
+
+    def _relative_bias(self, rel: Tensor) -> Tensor:
+        """MPNet: relative positions ``key - query`` -> ``(..., H)`` attention scores, HF's own bucketing."""
+        return self.rel_bias(self._bucket(rel, num_buckets=_MPNET_BUCKETS, max_distance=_MPNET_MAX_DISTANCE))
 
 
 def unpad_encoders_(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
