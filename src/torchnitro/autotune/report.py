@@ -39,7 +39,9 @@ class CandidateResult:
     metric: float | None = None
     shape_ms: dict[str, float] = field(default_factory=dict)  # 'BxT' -> p50 ms at each dynamic size
     first_call_ms: dict[str, float] = field(default_factory=dict)  # first call at each new size (recompilation)
-    interleaved: bool = False  # p50/p99/speedup come from the interleaved finalist comparison (else: search timing)
+    interleaved: bool = False  # p50/p99/speedup come from an interleaved run (else: search timing): the final
+    # comparison, or the screen's short run for a candidate screened out (``screened``)
+    screened: bool = False  # screened out before the final comparison: its numbers are the screen's estimate (~)
     isolated: bool = False
     alone: bool = False  # the comparison timed it alone in its own process (own runtime), alternating with eager
     redone: bool = False  # the final comparison was redone: eager inside it differed from eager alone
@@ -92,7 +94,7 @@ class Report:
         for c in self.candidates:
             out.append([
                 c.recipe, c.numeric_class, c.status, _fmt(c.p50_ms), _fmt(c.p99_ms), _fmt(c.throughput, 1),
-                ("" if c.interleaved or c.speedup is None else "~") + _fmt(c.speedup)
+                ("~" if c.speedup is not None and (c.screened or not c.interleaved) else "") + _fmt(c.speedup)
                 + ("x" if c.speedup is not None else "") + (f" ±{c.noise:.2f}" if c.noise is not None else ""),
                 _fmt(c.peak_mem_mb, 1),
                 _fmt(c.norm_rel), _fmt(c.min_cosine, 5), _fmt(c.build_s, 1) + (" (cache)" if c.cached else ""),
@@ -110,7 +112,16 @@ class Report:
     def _header(self) -> list[str]:
         return [f"model: {self.model}", f"inputs: {self.inputs}", f"objective: {self.objective}",
                 f"hardware: {self.hardware}", f"chosen: {self.chosen}",
-                f"search: {self.search_s:.1f} s" + (" (from cache)" if self.cached else ""), *self.notes]
+                f"search: {self.search_s:.1f} s" + (" (from cache)" if self.cached else ""), *self.notes,
+                *self._screened_legend()]
+
+    def _screened_legend(self) -> list[str]:
+        """The legend of the ``~`` on rows screened out (the general ``~`` note speaks of search-time estimates)."""
+        names = [c.recipe for c in self.candidates if c.screened and c.speedup is not None]
+        if not names:
+            return []
+        return [f"~ on {', '.join(names)}: screened out before the final comparison; the speedup is the screen's "
+                "(a short interleaved run with eager, ± its noise), not comparable with the final comparison's"]
 
     def to_markdown(self) -> str:
         lines = ["## torchnitro optimize report", ""] + [f"- {h}" for h in self._header()] + [""]
