@@ -38,7 +38,8 @@ def test_serve_refuses_an_artifact_that_needs_the_model_object_before_announcing
     err = " ".join(capsys.readouterr().err.split())  # rich wraps the paragraph
     assert "serving" not in err and "Traceback" not in err
     for part in ["dynamic-int8", "no factory reference", "has only the directory", "recipes=['onnxruntime'",
-                 "--recipe onnxruntime", "'module:function' spec", "artifact_model(", "torchnitro serve yourmodule:make"]:
+                 "--recipe onnxruntime", "'module:function' spec", "artifact_model(",
+                 "torchnitro serve yourmodule:make"]:
         assert part in err, (part, err)
 
 

@@ -32,10 +32,12 @@ from torch import Tensor
 
 from torchnitro.autotune.failure import Failure, last_stderr_line
 from torchnitro.autotune.recipe import BuildContext, Built, CandidateFiles, Program, Recipe
+from torchnitro.autotune.report import BUSY_NOTE
 from torchnitro.autotune.verify import collect
+from torchnitro.bench.quiet import process_cpu_ns
 from torchnitro.bench.timing import TimingConfig, measure, synchronize
 
-__all__ = ["Evaluation", "evaluate", "run_isolated"]
+__all__ = ["Evaluation", "evaluate", "run_isolated", "BUSY_SHARE"]
 
 
 @dataclass
@@ -89,6 +91,40 @@ class _RssPeak:
         self.peak = max(self.peak, _rss_mb())
 
 
+# Search-time timing is one short, ungated measurement (the final comparison's samples go through bench.quiet's
+# gate). With more runnable threads than cores, torch's OpenMP threads wait for a CPU at every parallel region's
+# barrier and such a measurement is inflated tens to hundreds of times (a 2-core machine at load 8). Above this share
+# of the measurement's wall time spent waiting for a CPU (per torch thread), the row says its search-time timing is
+# unreliable.
+BUSY_SHARE = 0.25
+
+
+def _run_queue_delay_ns() -> int:
+    """Nanoseconds this process's threads have waited for a CPU (schedstat; 0 where /proc is missing)."""
+    return process_cpu_ns(os.getpid(), field_index=1)
+
+
+class _RunQueueDelay:
+    """How long this process's threads waited for a CPU while active, per torch thread, as a share of wall time."""
+
+    def __enter__(self) -> "_RunQueueDelay":
+        self.threads = max(1, torch.get_num_threads())
+        self.share = 0.0
+        self._d0, self._t0 = _run_queue_delay_ns(), time.perf_counter_ns()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        wall = time.perf_counter_ns() - self._t0
+        delay = max(0, _run_queue_delay_ns() - self._d0)
+        self.share = delay / (wall * self.threads) if wall > 0 else 0.0
+
+    def note(self) -> str:
+        if self.share <= BUSY_SHARE:
+            return ""
+        return (f"{BUSY_NOTE}: its {self.threads} torch thread(s) waited for a CPU {self.share:.0%} of the "
+                "measurement's wall time, so its search-time timing is unreliable")
+
+
 def evaluate(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any, ...]],
              timing_sets: Sequence[tuple[Any, ...]], timing: TimingConfig, items_per_call: int,
              keep_raw: bool = True) -> Evaluation:
@@ -113,15 +149,17 @@ def evaluate(recipe: Recipe, ctx: BuildContext, held_out: Sequence[tuple[Any, ..
             synchronize(str(ctx.device))
             first_ms[_size_label(inputs)] = (time.perf_counter() - t) * 1e3
         sets = list(timing_sets)
-        tm = measure(lambda: [fn(*s) for s in sets], timing, items_per_call=items_per_call)
+        with _RunQueueDelay() as busy:
+            tm = measure(lambda: [fn(*s) for s in sets], timing, items_per_call=items_per_call)
         shape_ms = {}
         if len(sets) > 1:
             quick = timing.quick()
             for s in sets:
                 shape_ms[_size_label(s)] = measure(lambda s=s: fn(*s), quick).median * 1e3
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else max(0.0, max(rss.peak, _rss_mb()) - rss0)
+    notes = "; ".join(n for n in (built.notes, busy.note()) if n)
     return Evaluation(built, outputs, tm.to_dict(), build_s, first_ms, shape_ms, peak, built.files_in(ctx.workdir),
-                      built.notes)
+                      notes)
 
 
 # ---- isolation ------------------------------------------------------------------------------------

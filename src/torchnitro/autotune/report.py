@@ -7,7 +7,11 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Status", "CandidateResult", "Report"]
+__all__ = ["Status", "CandidateResult", "Report", "BUSY_NOTE"]
+
+
+# how a row's notes begin the remark that its search-time timing ran on a busy machine (autotune.evaluate)
+BUSY_NOTE = "timed on a busy machine"
 
 
 class Status:
@@ -113,7 +117,7 @@ class Report:
         return [f"model: {self.model}", f"inputs: {self.inputs}", f"objective: {self.objective}",
                 f"hardware: {self.hardware}", f"chosen: {self.chosen}",
                 f"search: {self.search_s:.1f} s" + (" (from cache)" if self.cached else ""), *self.notes,
-                *self._screened_legend()]
+                *self._screened_legend(), *self._busy_legend()]
 
     def _screened_legend(self) -> list[str]:
         """The legend of the ``~`` on rows screened out (the general ``~`` note speaks of search-time estimates)."""
@@ -122,6 +126,21 @@ class Report:
             return []
         return [f"~ on {', '.join(names)}: screened out before the final comparison; the speedup is the screen's "
                 "(a short interleaved run with eager, ± its noise), not comparable with the final comparison's"]
+
+    def _busy_legend(self) -> list[str]:
+        """Which search-time estimates (``~`` against eager's search-time p50) a busy machine made meaningless."""
+        busy = {c.recipe for c in self.candidates if BUSY_NOTE in c.notes}
+        estimates = [c.recipe for c in self.candidates if c.speedup is not None and not c.interleaved]
+        if "eager" in busy and estimates:
+            return ["search-time estimates (~) unreliable: eager's search-time p50, the baseline of every one, was "
+                    f"{BUSY_NOTE} (its threads waited for a CPU; its row's note gives the share); the unmarked "
+                    "speedups come from the comparison's gated samples"]
+        names = [n for n in estimates if n in busy]
+        if not names:
+            return []
+        return [f"search-time estimates (~) of {', '.join(names)} unreliable: {BUSY_NOTE} (their threads waited "
+                "for a CPU; each row's note gives the share); the unmarked speedups come from the comparison's gated "
+                "samples"]
 
     def to_markdown(self) -> str:
         lines = ["## torchnitro optimize report", ""] + [f"- {h}" for h in self._header()] + [""]
