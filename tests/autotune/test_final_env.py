@@ -124,9 +124,12 @@ def _trial_search(tmp_path, **cfg):
 
     from torchnitro.autotune.recipe import CandidateFiles
 
+    from torchnitro.autotune.final_budget import FinalBudget
+
     files = CandidateFiles(tmp_path, [], {"threads": 2}, True)
     return SimpleNamespace(where={"v": files, "eager": files}, device=SimpleNamespace(type="cpu"),
-                           cfg=SimpleNamespace(final_min_time_s=0.0, tune_allocator=True, tune_threads=True, **cfg))
+                           cfg=SimpleNamespace(final_min_time_s=0.0, tune_allocator=True, tune_threads=True, **cfg),
+                           final_budget=FinalBudget.unlimited())
 
 
 def _report():

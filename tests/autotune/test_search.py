@@ -127,9 +127,11 @@ def test_budget_exhausted_skips_remaining(fake_recipes, fast_cfg, monkeypatch):
     import torchnitro.autotune.search as search_mod
 
     fr = fake_recipes
-    ticks = itertools.count(0.0, 0.4)  # budget clock: start 0, eager 0.4, test-hangs 0.8 (1.2 s left), test-wrong 1.2
+    # budget clock: start 0, eager 0.4, test-hangs 0.8 (1.16 s left), test-wrong 1.2 (0.76 s); the candidates have
+    # 1.96 s of the 2.2 s: 0.24 s are kept for the final comparison (3 finalists + eager x 0.02 s x 3, final_budget)
+    ticks = itertools.count(0.0, 0.4)
     monkeypatch.setattr(search_mod, "_clock", lambda: next(ticks))
-    opt = _run(fr, fast_cfg(recipes=["test-hangs", "test-wrong"], budget_s=2.0, candidate_timeout_s=3.0))
+    opt = _run(fr, fast_cfg(recipes=["test-hangs", "test-wrong"], budget_s=2.2, candidate_timeout_s=3.0))
     hangs, wrong = opt.report.get("test-hangs"), opt.report.get("test-wrong")
     assert hangs.status == Status.FAILED and hangs.reason == "ran past its 3 s limit"  # not cut at the budget
     assert wrong.status == Status.SKIPPED and wrong.reason.startswith("budget:")

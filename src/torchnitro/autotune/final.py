@@ -20,7 +20,11 @@ comparison's processes and start their own fresh ones together, all ready before
 OpenMP wait setting it is deployed with (nothing added), and every sample, in a child or here, is
 gated (``bench.quiet``): it starts once the other timing processes are idle and is retaken when foreign CPU
 ran beside it; the report's "timing environment" and "timing gate" notes say so, with the counts; its "final
-phase time" note gives the wall time of each part of this phase.
+phase time" note gives the wall time of each part of this phase. The phase runs against the search's
+deadline (``autotune.final_budget``): the comparison's timing shrinks to fit before finalists are dropped, and
+the screen, eager's further processes, the redo and each trial run only when their estimate fits the time left
+(else a "skipped: budget" note; a skipped allocator trial leaves the setting the comparison ran under in the
+artifact, a skipped thread trial the comparison's thread count).
 """
 
 from __future__ import annotations
@@ -36,9 +40,10 @@ import torch
 from torchnitro.autotune import fair, fair_place
 from torchnitro.autotune.fair_eager import EagerBaseline, is_copy, is_eager
 from torchnitro.autotune.config import OptimizeConfig
+from torchnitro.autotune.final_budget import FinalBudget
 from torchnitro.autotune.recipe import EAGER, Recipe, get_recipe
 from torchnitro.autotune.report import CandidateResult, Report, Status
-from torchnitro.bench.environment import GLIBC_DEFAULTS, describe_environment
+from torchnitro.bench.environment import ALLOCATOR_SETTING, GLIBC_DEFAULTS, describe_environment
 from torchnitro.bench.isolated import ChildTimer, save_inputs
 from torchnitro.bench.quiet import recording
 from torchnitro.bench.timing import Timing, TimingConfig, compare
@@ -226,10 +231,16 @@ def _screen(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], k: i
     median ratio to eager (``fair_eager.EagerBaseline``).
 
     Ratios from one interleaved run survive load drift that the search-time samples do not."""
-    cfg = s.cfg
+    cfg, fb = s.cfg, s.final_budget
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=cfg.final_min_time_s / 2,
                       max_time_s=max(3.0, cfg.final_min_time_s * 2), device=s.device.type)
+    eagers = len([n for n in fns if is_eager(n)])  # the comparison after it must still fit at its floor
+    tc, short = fb.fit(tc, len(fns), 1.0, fb.left() - fb.floor_s(k + eagers, 1.5))
+    if short:
+        report.notes.append(f"screen {short}")
+    t0 = time.perf_counter()
     res = _compare_finalists(s, report, fns, tc)
+    fb.learn_run(time.perf_counter() - t0, len(fns), tc.min_time_s)
     base = EagerBaseline.of(res)
     est = {n: base.ratio(t) for n, t in res.items() if not is_eager(n)}
     keep = sorted(est, key=lambda n: est[n].ratio, reverse=True)[:k]
@@ -240,13 +251,14 @@ def _screen(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], k: i
             t = res[name]
             c.p50_ms, c.p99_ms, c.cv, c.throughput, c.speedup, c.noise, c.interleaved = (
                 t.median * 1e3, t.p99 * 1e3, t.cv, t.throughput, e.ratio, e.noise, True)
+            c.screened = True  # its row marks these as the screen's estimate (~), not the comparison's
     report.notes.append(f"{len(est)} candidates within {NOISE_BAND:g}x of the best search estimate were screened in "
                         f"a short interleaved run with eager; the best {len(keep)} went on to the final comparison")
     return {n: f for n, f in fns.items() if is_eager(n) or n in keep}
 
 
 def _eager_alone(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], search_ms: float,
-                 search_cv: float | None) -> tuple[float, float | None, str]:
+                 search_cv: float | None, min_time_s: float) -> tuple[float, float | None, str]:
     """Eager alone for the drift check: a short solo run of eager's own timing processes (nothing else is
     timed; with several, the median of their p50s, as inside the comparison), or, for eager timed in this
     process, its search-time p50 (measured before any candidate ran). A process that dies is dropped from
@@ -254,10 +266,12 @@ def _eager_alone(s: _Search, report: Report, fns: dict[str, Callable[..., Any]],
     here = (search_ms, search_cv, "(search time: this process, before any candidate ran)")
     if _child(fns[EAGER]) is None:
         return here
-    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=s.cfg.final_min_time_s / 2,
-                      max_time_s=max(2.0, s.cfg.final_min_time_s), device=s.device.type)
+    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=min_time_s / 2,
+                      max_time_s=max(2.0, min_time_s), device=s.device.type)
     solo = {n: f for n, f in fns.items() if is_eager(n)}
+    t0 = time.perf_counter()
     res = _compare_finalists(s, report, solo, tc)
+    s.final_budget.learn_run(time.perf_counter() - t0, len(solo), tc.min_time_s)
     for n in [n for n in fns if is_eager(n) and n not in solo]:
         del fns[n]
     fns[EAGER] = solo[EAGER]
@@ -277,28 +291,80 @@ def _check(alone_ms: float, alone_cv: float | None, res: dict[str, Timing], wher
     return fair.check_eager(alone_ms, alone_cv, base, where, how)
 
 
+def _fit_pool(s: _Search, report: Report, pool: list[CandidateResult]) -> list[CandidateResult]:
+    """``pool`` cut to what the budget left can start and compare (``FinalBudget``): the screen, then eager's further
+    processes, are skipped before finalists are dropped (the last first); the comparison counts at its shortest.
+    Each skip leaves a note naming the budget; a dropped finalist keeps its search-time estimate (``~``)."""
+    cfg, fb = s.cfg, s.final_budget
+    alone, k = cfg.final_alone and s.device.type == "cpu", cfg.finalists
+    e = cfg.eager_processes if alone else 1
+
+    def need(n: int, screen: bool) -> float:
+        starts = fb.startup_s * (n + e) if alone else 0.0
+        return starts + fb.floor_s(min(n, k) + e, 1.5) + (fb.run_s(n + e, cfg.final_min_time_s / 2) if screen else 0)
+
+    if len(pool) > k:
+        why = fb.skip_reason(f"screen of {len(pool)} candidates", need(len(pool), True))
+        if why is not None:
+            report.notes.append(f"{why}; the best {k} search estimates go on to the final comparison")
+            pool = pool[:k]
+    if e > 1:
+        why = fb.skip_reason(f"eager's {e - 1} further timing process(es)", need(len(pool), False))
+        if why is not None:
+            report.notes.append(f"{why}; eager is timed in one process")
+            s.cfg, e = dataclasses.replace(cfg, eager_processes=1), 1  # read by fair_place.plan and the notes
+    pool = list(pool)
+    while pool:
+        why = fb.skip_reason(f"final comparison of {len(pool)} finalist(s)", need(len(pool), False))
+        if why is None:
+            break
+        c = pool.pop()
+        _note(c, f"not compared with eager: {why}; its speedup is the search-time estimate")
+        if not pool:
+            report.notes.append(f"{why}: eager kept (no verified candidate could be compared with it in the budget; "
+                                "raise budget_s)")
+    return pool
+
+
 def _checked_comparison(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], search_ms: float,
                         search_cv: float | None) -> dict[str, Timing]:
-    """The final comparison; redone once after ``fair.SETTLE_S`` when eager inside it differs from eager alone."""
-    cfg = s.cfg
+    """The final comparison, shortened to the budget left (``FinalBudget.fit``); redone once after
+    ``fair.SETTLE_S`` when eager inside it differs from eager alone and the redo fits the budget."""
+    cfg, fb = s.cfg, s.final_budget
     iters = max(cfg.final_min_iters, 30) if cfg.percentile == "p99" else cfg.final_min_iters  # a p99 needs samples
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=iters, min_time_s=cfg.final_min_time_s,
                       max_time_s=max(5.0, cfg.final_min_time_s * 3), device=s.device.type)
-    alone_ms, alone_cv, where = _eager_alone(s, report, fns, search_ms, search_cv)
+    share = 1.0 + (len([n for n in fns if is_eager(n)]) / (2 * len(fns)) if _child(fns[EAGER]) else 0.0)
+    first, short = fb.fit(tc, len(fns), share)  # eager alone (half the time per process) and the comparison
+    alone_ms, alone_cv, where = _eager_alone(s, report, fns, search_ms, search_cv, first.min_time_s)
+    tc, short = fb.fit(tc, len(fns), 1.0)  # again with the overhead eager alone measured
+    if short:
+        report.notes.append(f"final comparison {short}")
+    t0 = time.perf_counter()
     res = _compare_finalists(s, report, fns, tc)
+    fb.learn_run(time.perf_counter() - t0, len(fns), tc.min_time_s)
     check = _check(alone_ms, alone_cv, res, where)
+    skipped = None
     if not check.ok:
+        need = fair.SETTLE_S + fb.run_s(len(fns), tc.min_time_s) * share
+        skipped = fb.skip_reason("final comparison redo", need)
+    if not check.ok and skipped is None:
         report.notes.append(f"final comparison redone after a {fair.SETTLE_S:g} s pause: first run's {check.text()}")
         time.sleep(fair.SETTLE_S)
         # eager alone again too: between it and the comparison the machine may have changed, not only the
         # comparison (a fixed reference from before a load change can never be matched by a redo)
-        alone_ms, alone_cv, where = _eager_alone(s, report, fns, search_ms, search_cv)
+        alone_ms, alone_cv, where = _eager_alone(s, report, fns, search_ms, search_cv, tc.min_time_s)
         res = _compare_finalists(s, report, fns, tc)
         check = _check(alone_ms, alone_cv, res, where)
         for name in res:
             report.get(EAGER if is_eager(name) else name).redone = True
-    report.notes.append(check.text() + ("" if check.ok else ": still outside the band after the redo, so the "
-                                        "speedups below carry that error"))
+    if check.ok:
+        report.notes.append(check.text())
+    elif skipped is not None:
+        report.notes.append(f"{check.text()}: {skipped}, so the speedups below carry that error")
+    else:
+        report.notes.append(check.text() + ": still outside the band after the redo, so the speedups below carry "
+                            "that error")
     return res
 
 
@@ -460,18 +526,35 @@ def _tune_threads(s: _Search, report: Report, name: str, fns: dict[str, Callable
 
 def _run_trials(s: _Search, report: Report, best: str | None, fns: dict[str, Callable[..., Any]],
                 phases: "_Phases") -> None:
-    """The allocator and thread trials of the chosen variant (``best``; None: eager), their fresh processes
-    started together first (``_start_trials``)."""
-    cfg = s.cfg
+    """The allocator and thread trials of the chosen variant (``best``; None: eager), each only when its estimate
+    (its processes' start-ups and timing) fits the budget left, their fresh processes started together first
+    (``_start_trials``)."""
+    cfg, fb = s.cfg, s.final_budget
     alloc = cfg.tune_allocator and s.device.type == "cpu"
     threads = cfg.tune_threads and s.device.type == "cpu"
     if threads and best is None:
         report.notes.append("thread count not tried: no variant beat eager, so there is no chosen variant to try")
         threads = False
+    a_timers = _allocator_plan(s, best or EAGER, fns)[0] if alloc else {}
+    t_child, t_options, _ = _threads_plan(s, cast(str, best), fns) if threads else (None, [], None)
+    mt = _trial_tc(s).min_time_s
+    a_need = fb.startup_s * len(a_timers) + fb.run_s(2 * len(a_timers), mt)
+    t_need = fb.startup_s * len(t_options) + fb.run_s(1 + len(t_options), mt)
+    why = fb.skip_reason("allocator trial", a_need) if a_timers else None
+    if why is not None:
+        _allocator_skipped(s, report, best or EAGER, fns, why)
+        alloc, a_timers, a_need = False, {}, 0.0
+    why = fb.skip_reason("thread trial", t_need + a_need) if t_options else None
+    if why is not None:
+        threads_now = int(t_child.spec["threads"]) if t_child is not None else torch.get_num_threads()
+        report.notes.append(f"{why}; the artifact keeps the comparison's {threads_now} thread(s)")
+        threads, t_child, t_options = False, None, []
+    if not alloc and not threads:
+        return
     with phases("starting the trials' processes together"):
-        a_timers = _allocator_plan(s, best or EAGER, fns)[0] if alloc else {}
-        t_child, t_options, _ = _threads_plan(s, cast(str, best), fns) if threads else (None, [], None)
+        t0 = time.perf_counter()
         started = _start_trials(a_timers, t_child, t_options)
+        fb.learn_starts(time.perf_counter() - t0, len(a_timers) + len(t_options))
     try:
         if alloc:
             with phases("allocator trial"):
@@ -482,6 +565,19 @@ def _run_trials(s: _Search, report: Report, best: str | None, fns: dict[str, Cal
     finally:
         for timer in started.all():  # closed by their trial; any a trial did not reach
             timer.close()
+
+
+def _allocator_skipped(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]], why: str) -> None:
+    """The allocator trial did not fit the budget: the artifact keeps the setting its comparison process ran under
+    (the speedups reported were measured with it), glibc's defaults untried."""
+    child = _child(fns[name]) if name in fns else None
+    cf = s.where.get(name)
+    if child is None or cf is None or not fair.under_allocator_setting(child):
+        report.notes.append(f"{why}; nothing recorded")
+        return
+    s.where[name] = dataclasses.replace(cf, meta={**cf.meta, "environment": dict(ALLOCATOR_SETTING)})
+    report.notes.append(f"{why}; the artifact keeps the allocator setting the comparison ran it under (glibc's "
+                        "defaults untried)")
 
 
 class _Phases:
@@ -546,8 +642,13 @@ def _run_pool(s: _Search, report: Report, pool: list[CandidateResult], timers: d
     cfg = s.cfg
     eager_res = report.get(EAGER)
     search_ms, search_cv = eager_res.p50_ms, eager_res.cv  # eager in this process, before any candidate ran
+    pool = _fit_pool(s, report, pool)
+    if not pool:
+        return get_recipe(EAGER)
     with phases("starting the comparison's processes"):
+        t0 = time.perf_counter()
         fns = _callables(s, report, pool, timers)
+        s.final_budget.learn_starts(time.perf_counter() - t0, len(timers))
     if not [n for n in fns if not is_eager(n)]:
         return get_recipe(EAGER)
     if len([n for n in fns if not is_eager(n)]) > cfg.finalists:

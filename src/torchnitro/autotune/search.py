@@ -6,8 +6,10 @@
    process when the recipe is ``isolate=True`` (native code) or ``isolate_all`` is set; the child
    gets a program prepared here (``autotune.program``), never the model object. An exception, hang or
    crash marks that candidate ``failed`` (one clean line, ``autotune.failure``) and the search goes on.
-   A candidate starts only within the budget (a child's start-up counts against it; one that cannot
-   start is ``skipped``) and then has its whole limit: a search ends by its budget plus one limit.
+   A candidate starts only within the candidates' part of the budget (a child's start-up counts against it;
+   one that cannot start is ``skipped``) and then has its whole limit. The budget covers the whole search:
+   the final phase's share is reserved first (``autotune.final_budget``), and the final phase runs against
+   its own deadline, so a search ends within its budget plus one candidate's limit.
 3. The gate (``verify.judge``) marks each ``verified`` or ``rejected`` (with its error numbers).
 4. Finalists: the best verified candidates are compared with eager, each timed as it will run
    (``autotune.final``, ``autotune.fair``), and the winner is chosen.
@@ -39,7 +41,7 @@ from torchnitro.autotune.report import CandidateResult, Report, Status
 from torchnitro.autotune.verify import gate_options, judge
 from torchnitro.autotune.workload import (SearchOutcome, SearchProgress, Workload, objective_text,
                                           prepare_workload, select_recipes)
-from torchnitro.autotune import final
+from torchnitro.autotune import final, final_budget
 from torchnitro.bench.isolated import shared_process
 from torchnitro.bench.timing import TimingConfig
 from torchnitro.hardware import hardware_info
@@ -71,6 +73,7 @@ class _Search:
         self.notes: set[str] = set()
         self.programs = Programs(model, wl.example_inputs, dict(wl.dynamic_dims), Path(self.tmp.name) / "_programs")
         self.p50: dict[str, float] = {}  # search-time p50 of live in-process candidates
+        self.final_budget = final_budget.FinalBudget.unlimited()  # the final phase's deadline (set by ``_run``)
         self.timing = TimingConfig(warmup=1, warmup_s=0.0, min_iters=cfg.timing_min_iters,
                                    min_time_s=cfg.timing_min_time_s, max_time_s=max(2.0, cfg.timing_min_time_s * 4),
                                    device=device.type)
@@ -233,16 +236,20 @@ def _run(s: _Search, recipes: list[Recipe], t_start: float) -> SearchOutcome:
     report = Report(model=s.info.name, inputs=input_signature(s.wl.example_inputs),
                     objective=objective_text(cfg, s.wl), hardware=_hw_text(hw, s.device))
     prog = SearchProgress(cfg.progress, len(recipes) + 1)
+    plan = final_budget.plan_final(cfg, s.device.type, torch.get_num_threads())
+    reserve = min(plan.total_s, cfg.budget_s * final_budget.MAX_SHARE)
+    cand_budget = cfg.budget_s - reserve  # candidates start only before this; the final phase has the rest
     try:
         for r in recipes:
             prog.step(f"{r.name}: building")
-            remaining = cfg.budget_s - (_clock() - t_start)
+            remaining = cand_budget - (_clock() - t_start)
             try:
                 why = _not_here(r, hw, s.device) or r.inapplicable_reason(s.model, s.wl.example_inputs)
             except Exception as exc:  # noqa: BLE001 - a buggy check costs only its own recipe
                 why = clean_line(f"its applicability check raised {type(exc).__name__}: {exc}")
             if why is None and r.name != EAGER and remaining < 1.0:
-                why = f"budget: the search's {cfg.budget_s:.0f} s are spent (raise budget_s)"
+                why = (f"budget: the candidates' {cand_budget:.0f} s of the search's {cfg.budget_s:.0f} s are spent "
+                       f"({reserve:.0f} s are kept for the final comparison; raise budget_s)")
             if why is not None and r.name != EAGER:
                 report.candidates.append(CandidateResult(r.name, r.numeric_class.value, Status.SKIPPED, why))
             else:  # one that starts within the budget gets its whole limit: a search ends by budget + one limit
@@ -250,6 +257,12 @@ def _run(s: _Search, recipes: list[Recipe], t_start: float) -> SearchOutcome:
                 report.candidates.append(s.run_one(r, limit, remaining))
             prog.step(r.name, advance=1)
         prog.step("comparing finalists with eager")
+        now = _clock()
+        s.final_budget = final_budget.FinalBudget(
+            final_budget.final_deadline(t_start, now, cfg.budget_s, reserve, cfg.candidate_timeout_s), _clock)
+        report.notes.append(f"budget: {cfg.budget_s:.0f} s for the whole search; the final phase was planned at "
+                            f"~{plan.total_s:.0f} s ({plan.text()}), {reserve:.0f} s kept for it; it started at "
+                            f"{now - t_start:.0f} s with {s.final_budget.left():.0f} s left")
         chosen = final.run_finalists(s, report)
         report.notes.extend(sorted(s.notes))
     finally:
