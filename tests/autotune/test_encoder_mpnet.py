@@ -146,8 +146,8 @@ def test_mpnet_is_not_fooled_by_pad_ids_inside_the_mask_or_garbage_under_it():
     with torch.inference_mode():
         _assert_real_rows_match(fast(ids, mask), model(ids, mask), mask)
         real = mask.bool()
-        torch.testing.assert_close(fast(noisy, mask).last_hidden_state[real], model(noisy, mask).last_hidden_state[real],
-                                   **_TOL)
+        out, ref = fast(noisy, mask).last_hidden_state, model(noisy, mask).last_hidden_state
+        torch.testing.assert_close(out[real], ref[real], **_TOL)
 
 
 def test_mpnet_calls_the_fast_path_does_not_mirror_run_the_original_module():
@@ -189,12 +189,13 @@ def test_sentence_encoder_around_mpnet_gets_the_fused_variant():
         torch.testing.assert_close(fast(ids, mask), model(ids, mask), **_TOL)
 
 
+@pytest.mark.parametrize("make", [_auto_mpnet, _electra], ids=["mpnet", "electra"])
 @pytest.mark.parametrize("name", ["bert-unpad", "bert-unpad-int8", "bert-unpad-bf16"])
-def test_mpnet_recipes_in_a_script_class_build_verify_and_reload(tmp_path, name):
+def test_recipes_in_a_script_class_build_verify_and_reload(tmp_path, name, make):
     recipe = get_recipe(name)
     if recipe.unavailable_reason(hardware_info()) is not None:
         pytest.skip(recipe.unavailable_reason(hardware_info()))
-    model = ScriptEncoder(_auto_mpnet())
+    model = ScriptEncoder(make())
     built = recipe.build(_ctx(model, _ragged(8, 24, seed=4), tmp_path))
     assert type(built.fn) is ScriptEncoder and isinstance(built.fn.encoder, UnpaddedEncoder)  # the user's class runs
     held = _ragged(6, 20, seed=5)
@@ -227,7 +228,8 @@ def test_optimize_runs_and_verifies_the_padding_free_recipes_on_mpnet(fast_cfg):
     model = _auto_mpnet()
     ids, mask = _ragged(6, 20, seed=7)
     names = ["bert-unpad", "bert-unpad-int8", "bert-unpad-bf16"]
-    om = torchnitro.optimize(model, {"input_ids": ids, "attention_mask": mask}, fast_cfg(recipes=names, min_speedup=0.0))
+    feats = {"input_ids": ids, "attention_mask": mask}  # a tokenizer's output
+    om = torchnitro.optimize(model, feats, fast_cfg(recipes=names, min_speedup=0.0))
     by = {c.recipe: c for c in om.report.candidates}
     assert by["bert-unpad"].status in ("verified", "chosen"), by["bert-unpad"].reason
     for name in names[1:]:
@@ -309,3 +311,21 @@ def test_electra_in_a_classification_head_is_found():
     ids, mask = _ragged(3, 12, seed=12, pad_id=0)
     with torch.inference_mode():
         torch.testing.assert_close(fast(ids, mask).logits, head(ids, mask).logits, **_TOL)  # reads the first token
+
+
+@pytest.mark.parametrize("make", [_electra, _auto_mpnet], ids=["electra", "mpnet"])
+def test_fold_smoothing_is_exact_in_fp32(make):
+    """SmoothQuant scales folded into weights: ELECTRA's first qkv is fed by the embedding projection
+    (not the embedding LayerNorm), so its scale goes into that Linear."""
+    from torchnitro.autotune.recipes.bert_unpad import fold_smoothing
+    from torchnitro.autotune.recipes.int8_mixed import activation_absmax, linear_names, smooth_scales
+
+    model = make()
+    base = unpad_model(copy.deepcopy(model))
+    ids, mask = _ragged(5, 37 if make is _auto_mpnet else 30, seed=8, pad_id=int(model.config.pad_token_id or 0))
+    scales = smooth_scales(base, activation_absmax(base, [(ids, mask)], linear_names(base)), 0.75)
+    folded, left = fold_smoothing(base, scales)
+    assert not any(n.endswith(".qkv") for n in left)  # every qkv scale folded
+    with torch.inference_mode():
+        torch.testing.assert_close(folded(ids, mask).last_hidden_state, base(ids, mask).last_hidden_state, **_TOL)
+        _assert_real_rows_match(base(ids, mask), model(ids, mask), mask)  # base untouched

@@ -175,7 +175,8 @@ class PackedLayer(nn.Module):
         if buckets[0].rows is None:  # no padding: (N, 3D) is (B*T, 3D) and nothing is masked
             bk = buckets[0]
             q, k, v = qkv.view(bk.g, bk.l, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)  # 3 x (B, H, T, Dh)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bk.attn_mask(q.dtype)).transpose(1, 2).reshape(n, d)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=bk.attn_mask(q.dtype))  # (B, H, T, Dh)
+            return o.transpose(1, 2).reshape(n, d)
         outs, start = [], 0
         for bk in buckets:  # the rows are in bucket order (UnpaddedBert.forward), so each bucket is one slice
             seg = qkv[start:start + bk.rows.numel()]  # (n_b, 3D)

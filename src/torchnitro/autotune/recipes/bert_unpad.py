@@ -55,10 +55,11 @@ class UnpaddedBert(UnpaddedEncoder):
         return F.normalize(emb, p=2.0, dim=1) if self.normalize else emb
 
 
-def _scale_ln(ln: nn.LayerNorm, s: Tensor) -> None:
+def _scale_out(mod: nn.Module, s: Tensor) -> None:
+    """``mod`` (a LayerNorm, or ELECTRA's embedding projection Linear) emits its output divided by ``s``."""
     with torch.no_grad():
-        ln.weight.div_(s)
-        ln.bias.div_(s)
+        mod.weight.div_(s[:, None] if mod.weight.dim() == 2 else s)  # Linear: (out, in) rows
+        mod.bias.div_(s)
 
 
 def _own(holder: nn.Module, attr: str) -> nn.Module:
@@ -70,7 +71,8 @@ def _own(holder: nn.Module, attr: str) -> nn.Module:
 
 
 def _fold_one(m: UnpaddedEncoder, left: dict[str, Tensor], prefix: str) -> None:
-    prev = (m, "ln_emb")  # the LayerNorm feeding the next qkv: (holder, attribute)
+    # the module feeding the next qkv: (holder, attribute); ELECTRA's embedding projection, else a LayerNorm
+    prev = (m, "project") if getattr(m, "project", None) is not None else (m, "ln_emb")
     for i, layer in enumerate(m.layers):
         d = layer.out.in_features
         s = left.pop(f"{prefix}layers.{i}.out", None)
@@ -81,13 +83,13 @@ def _fold_one(m: UnpaddedEncoder, left: dict[str, Tensor], prefix: str) -> None:
                 _own(layer, "out").weight *= s  # columns: out(ctx / s) with W * s == out(ctx)
         s = left.pop(f"{prefix}layers.{i}.qkv", None)
         if s is not None:
-            _scale_ln(_own(*prev), s)
+            _scale_out(_own(*prev), s)
             with torch.no_grad():
                 layer.qkv.weight *= s
             layer.res_in = s  # the previous LayerNorm now emits x / s; only this layer reads it
         s = left.pop(f"{prefix}layers.{i}.ffn_in", None)
         if s is not None:
-            _scale_ln(_own(layer, "ln1"), s)
+            _scale_out(_own(layer, "ln1"), s)
             with torch.no_grad():
                 _own(layer, "ffn_in").weight *= s
             layer.res_mid = s
@@ -97,8 +99,8 @@ def _fold_one(m: UnpaddedEncoder, left: dict[str, Tensor], prefix: str) -> None:
 def fold_smoothing(base: nn.Module, scales: dict[str, Tensor]) -> tuple[nn.Module, dict[str, Tensor]]:
     """A copy of ``base`` with SmoothQuant scales folded into weights where that is exact, so the
     int8 Linears need no ``x / s`` multiply: the attention output's scale goes into the V rows of
-    qkv (attention is linear in V), qkv's and ffn_in's into the LayerNorm that feeds them (its
-    residual becomes ``addcmul``). Returns the copy and the scales still to apply at run time.
+    qkv (attention is linear in V), qkv's and ffn_in's into the LayerNorm (or ELECTRA's embedding
+    projection) that feeds them (its residual becomes ``addcmul``). Returns the copy and the scales still to apply at run time.
 
     An in-place ``UnpaddedEncoder`` shares its LayerNorms and Linears with the original module it
     falls back to; each one a scale is folded into is first replaced by a private copy (LayerNorms:
