@@ -52,35 +52,49 @@ def test_fit_shrinks_the_comparisons_measured_time_and_rounds_before_anything_is
     assert _at(4.0).skip_reason("allocator trial", 3.0) is None
 
 
-def _pool_search(left_s: float, **cfg) -> SimpleNamespace:
+def _pool_search(left_s: float, own: tuple[str, ...] = (), startup_s: float = 4.0, **cfg) -> SimpleNamespace:
+    """``own``: candidates with their own runtime and a standalone artifact (timed alone wherever the rest is)."""
+    from torchnitro.autotune.recipe import CandidateFiles
+
     return SimpleNamespace(cfg=OptimizeConfig(**cfg), device=SimpleNamespace(type="cpu"),
-                           final_budget=_at(left_s, startup_s=4.0, overhead=3.0))
+                           where={n: CandidateFiles(None, [], {}, True) for n in own},
+                           final_budget=_at(left_s, startup_s=startup_s, overhead=3.0))
 
 
-def test_short_budget_skips_the_screen_then_eagers_further_processes_then_drops_the_last_finalists():
-    s = _pool_search(10.0, finalists=2, eager_processes=3, final_min_time_s=1.0)
+def test_short_budget_skips_the_screen_eagers_further_processes_and_the_processes_then_drops_the_last_finalists():
+    """10 s left, 5 s a process start-up: in-process finalists and eager move here; of the two own-runtime
+    finalists, the second does not fit with its process and is dropped."""
+    s = _pool_search(10.0, ("onnxruntime", "openvino"), startup_s=5.0, finalists=2, eager_processes=3,
+                     final_min_time_s=1.0)
     report = _report()
-    pool = [CandidateResult(n, "exact", Status.VERIFIED) for n in ("a", "b", "c", "d")]
+    pool = [CandidateResult(n, "exact", Status.VERIFIED) for n in ("onnxruntime", "openvino", "torchscript", "bf16")]
     kept = final._fit_pool(s, report, pool)
-    assert [c.recipe for c in kept] == ["a"]
+    assert [c.recipe for c in kept] == ["onnxruntime"]
     assert any(n.startswith("screen of 4 candidates skipped: budget (10 s left, needs ~") for n in report.notes)
-    assert any(n.startswith("eager's 2 further timing process(es) skipped: budget (10 s left") and
+    assert any(n.startswith("eager's 2 further timing process(es) skipped: budget (10 s left, needs ~26 s)") and
                n.endswith("eager is timed in one process") for n in report.notes), report.notes
-    assert s.cfg.eager_processes == 1  # the placement (fair_place.plan) then starts one eager process
-    assert "not compared with eager: final comparison of 2 finalist(s) skipped: budget (10 s left, needs ~13 s)" \
+    assert any(n.startswith("timing processes for eager and the finalists skipped: budget (10 s left, needs ~16 s); "
+                            "eager and in-process finalists are timed in this process") for n in report.notes)
+    assert s.cfg.eager_processes == 1 and s.cfg.final_alone is False  # what fair_place.plan then reads
+    assert "not compared with eager: final comparison of 2 finalist(s) skipped: budget (10 s left, needs ~11 s)" \
         in pool[1].notes and "search-time estimate" in pool[1].notes
     assert not pool[2].notes  # cut by the skipped screen, not compared either way
 
 
 def test_no_room_for_any_finalist_keeps_eager_and_says_so_and_enough_room_keeps_everything():
     report = _report()
-    pool = [CandidateResult("a", "exact", Status.VERIFIED)]
-    assert final._fit_pool(_pool_search(5.0, finalists=1), report, pool) == []
-    assert any("eager kept" in n and "budget (5 s left" in n for n in report.notes), report.notes
+    pool = [CandidateResult("onnxruntime", "exact", Status.VERIFIED)]
+    assert final._fit_pool(_pool_search(3.0, ("onnxruntime",), finalists=1), report, pool) == []
+    assert any("eager kept" in n and "budget (3 s left" in n for n in report.notes), report.notes
+    here = _report()  # no room for a process: the in-process finalist is compared here, the own-runtime one dropped
+    pool = [CandidateResult(n, "exact", Status.VERIFIED) for n in ("onnxruntime", "torchscript")]
+    assert final._fit_pool(_pool_search(3.0, ("onnxruntime",), finalists=2), here, pool) == [pool[1]]
+    assert "not compared with eager: final comparison of 2 finalist(s) skipped: budget (3 s left" in pool[0].notes
     roomy = _report()
-    pool = [CandidateResult(n, "exact", Status.VERIFIED) for n in ("a", "b", "c")]
-    assert final._fit_pool(_pool_search(1000.0, finalists=2, eager_processes=3), roomy, pool) == pool
-    assert roomy.notes == []
+    pool = [CandidateResult(n, "exact", Status.VERIFIED) for n in ("onnxruntime", "openvino", "torchscript")]
+    s = _pool_search(1000.0, ("onnxruntime",), finalists=2, eager_processes=3)
+    assert final._fit_pool(s, roomy, pool) == pool
+    assert roomy.notes == [] and s.cfg.eager_processes == 3 and s.cfg.final_alone
 
 
 def test_trials_that_do_not_fit_are_skipped_with_budget_notes_and_start_no_process(tmp_path, monkeypatch):

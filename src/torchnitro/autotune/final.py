@@ -293,32 +293,46 @@ def _check(alone_ms: float, alone_cv: float | None, res: dict[str, Timing], wher
 
 def _fit_pool(s: _Search, report: Report, pool: list[CandidateResult]) -> list[CandidateResult]:
     """``pool`` cut to what the budget left can start and compare (``FinalBudget``): the screen, then eager's further
-    processes, are skipped before finalists are dropped (the last first); the comparison counts at its shortest.
-    Each skip leaves a note naming the budget; a dropped finalist keeps its search-time estimate (``~``)."""
+    processes, then the timing processes of eager and in-process candidates (timed here instead) are skipped before
+    finalists are dropped (the last first); the comparison counts at its shortest. Each skip leaves a note naming
+    the budget; a dropped finalist keeps its search-time estimate (``~``)."""
     cfg, fb = s.cfg, s.final_budget
     alone, k = cfg.final_alone and s.device.type == "cpu", cfg.finalists
     e = cfg.eager_processes if alone else 1
 
-    def need(n: int, screen: bool) -> float:
-        starts = fb.startup_s * (n + e) if alone else 0.0
-        return starts + fb.floor_s(min(n, k) + e, 1.5) + (fb.run_s(n + e, cfg.final_min_time_s / 2) if screen else 0)
+    def own(c: CandidateResult) -> bool:  # timed in its own process wherever the others are timed
+        return fair.runs_alone(get_recipe(c.recipe), bool(getattr(s.where.get(c.recipe), "standalone", False)))
+
+    def need(cands: list[CandidateResult], screen: bool = False, here: bool = False) -> float:
+        n = len(cands)
+        procs = (n + e) if alone and not here else len([c for c in cands if own(c)])
+        return (fb.startup_s * procs + fb.floor_s(min(n, k) + e, 1.5)
+                + (fb.run_s(n + e, cfg.final_min_time_s / 2) if screen else 0))
 
     if len(pool) > k:
-        why = fb.skip_reason(f"screen of {len(pool)} candidates", need(len(pool), True))
+        why = fb.skip_reason(f"screen of {len(pool)} candidates", need(pool, screen=True))
         if why is not None:
             report.notes.append(f"{why}; the best {k} search estimates go on to the final comparison")
             pool = pool[:k]
     if e > 1:
-        why = fb.skip_reason(f"eager's {e - 1} further timing process(es)", need(len(pool), False))
+        why = fb.skip_reason(f"eager's {e - 1} further timing process(es)", need(pool))
         if why is not None:
             report.notes.append(f"{why}; eager is timed in one process")
-            s.cfg, e = dataclasses.replace(cfg, eager_processes=1), 1  # read by fair_place.plan and the notes
+            s.cfg, e = dataclasses.replace(s.cfg, eager_processes=1), 1  # read by fair_place.plan and the notes
+    if alone:
+        why = fb.skip_reason("timing processes for eager and the finalists", need(pool))
+        if why is not None and min(need([c], here=True) for c in pool) <= fb.left():
+            report.notes.append(f"{why}; eager and in-process finalists are timed in this process (final_alone "
+                                "turned off for the budget: a candidate with its own runtime is still timed alone)")
+            s.cfg, alone, e = dataclasses.replace(s.cfg, final_alone=False, eager_processes=1), False, 1  # fair_place
     pool = list(pool)
     while pool:
-        why = fb.skip_reason(f"final comparison of {len(pool)} finalist(s)", need(len(pool), False))
+        why = fb.skip_reason(f"final comparison of {len(pool)} finalist(s)", need(pool))
         if why is None:
             break
-        c = pool.pop()
+        # timed here, a finalist that needs a process of its own goes first (the last of them)
+        c = next((c for c in reversed(pool) if own(c)), pool[-1]) if not alone else pool[-1]
+        pool.remove(c)
         _note(c, f"not compared with eager: {why}; its speedup is the search-time estimate")
         if not pool:
             report.notes.append(f"{why}: eager kept (no verified candidate could be compared with it in the budget; "
