@@ -21,7 +21,8 @@ OpenMP wait setting it is deployed with (nothing added), and every sample, in a 
 gated (``bench.quiet``): it starts once the other timing processes are idle and is retaken when foreign CPU
 ran beside it; the report's "timing environment" and "timing gate" notes say so, with the counts; its "final
 phase time" note gives the wall time of each part of this phase. The phase runs against the search's
-deadline (``autotune.final_budget``): the comparison's timing shrinks to fit before finalists are dropped, and
+deadline (``autotune.final_budget``): the comparison's timing shrinks to fit before finalists are dropped (or
+timed in this process instead of fresh ones: ``_fit_pool``), and
 the screen, eager's further processes, the redo and each trial run only when their estimate fits the time left
 (else a "skipped: budget" note; a skipped allocator trial leaves the setting the comparison ran under in the
 artifact, a skipped thread trial the comparison's thread count).
