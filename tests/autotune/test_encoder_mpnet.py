@@ -329,3 +329,20 @@ def test_fold_smoothing_is_exact_in_fp32(make):
     with torch.inference_mode():
         torch.testing.assert_close(folded(ids, mask).last_hidden_state, base(ids, mask).last_hidden_state, **_TOL)
         _assert_real_rows_match(base(ids, mask), model(ids, mask), mask)  # base untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mpnet_with_length_buckets_and_holes_on_cuda(dtype):
+    """SDPA on CUDA with the float position bias (broadcast over a bucket, or per sequence for holes)."""
+    model = _mpnet(add_pooling_layer=False).to("cuda")
+    fast = unpad_model(copy.deepcopy(model), None if dtype == torch.float32 else dtype)
+    ids, mask = _ragged(9, 40, seed=10)
+    mask[3, 5:9] = 0  # a hole
+    ids, mask = ids.cuda(), mask.cuda()
+    with torch.inference_mode():
+        ref, out = model(ids, mask), fast(ids, mask)
+    real = mask.bool()
+    cos = torch.nn.functional.cosine_similarity(out.last_hidden_state[real].float(), ref.last_hidden_state[real])
+    assert float(cos.min()) >= (0.9999 if dtype == torch.float32 else 0.99)
+    assert fast.fallback_calls == 0

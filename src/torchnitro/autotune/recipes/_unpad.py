@@ -1,6 +1,7 @@
 """The packed-token core of the padding-free encoder recipes (``bert_unpad``, ``hf_encoders``).
 
-A post-LayerNorm encoder layer (BERT, RoBERTa, DistilBERT: same math, other module names) run on
+A post-LayerNorm encoder layer (BERT, RoBERTa, DistilBERT, MPNet, ELECTRA: same math, other module
+names; MPNet adds a relative position bias to the attention scores, ``position_bias_``) run on
 the packed real tokens ``(N, D)``, N = attention_mask.sum(), as FlashAttention's varlen/"unpad" path
 and NVIDIA FasterTransformer's "remove padding" do:
 
