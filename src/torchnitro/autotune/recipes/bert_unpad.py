@@ -100,7 +100,8 @@ def fold_smoothing(base: nn.Module, scales: dict[str, Tensor]) -> tuple[nn.Modul
     """A copy of ``base`` with SmoothQuant scales folded into weights where that is exact, so the
     int8 Linears need no ``x / s`` multiply: the attention output's scale goes into the V rows of
     qkv (attention is linear in V), qkv's and ffn_in's into the LayerNorm (or ELECTRA's embedding
-    projection) that feeds them (its residual becomes ``addcmul``). Returns the copy and the scales still to apply at run time.
+    projection) that feeds them (its residual becomes ``addcmul``). Returns the copy and the scales
+    still to apply at run time.
 
     An in-place ``UnpaddedEncoder`` shares its LayerNorms and Linears with the original module it
     falls back to; each one a scale is folded into is first replaced by a private copy (LayerNorms:
