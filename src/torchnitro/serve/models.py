@@ -30,7 +30,7 @@ from torchnitro.errors import InputError
 from torchnitro.serve.protocol import ModelSignature, TensorSpec, datatype_of
 
 __all__ = ["ServedModel", "resolve_model", "signature_from_example", "add_module_limits", "artifact_model",
-           "unservable_reason"]
+           "unservable_reason", "check_servable"]
 
 
 @dataclass
@@ -182,6 +182,23 @@ def unservable_reason(directory: str | Path, manifest: dict[str, Any]) -> str | 
             "(2) serve it with the model object: in an importable module write `def make(): return "
             f"torchnitro.serve.models.artifact_model({d!r}, model=MyModel())` and run `torchnitro serve "
             "yourmodule:make` (MyModel must be importable there, not defined in a script's __main__)")
+
+
+def check_servable(spec: Any) -> None:
+    """Raise InputError (``unservable_reason``) when ``spec`` is an artifact directory that cannot be served from
+    the directory alone, before any worker is started: a worker process would fail only at its start-up.
+    Anything else passes. Reads manifest.json as written; ``torchnitro.load`` checks it and its files in full."""
+    if not isinstance(spec, (str, Path)) or not Path(spec).is_dir():
+        return
+    import json
+
+    try:
+        manifest = json.loads((Path(spec) / "manifest.json").read_text())
+    except (OSError, ValueError):
+        return  # not readable as an artifact: the load names what is wrong with it
+    why = unservable_reason(spec, manifest) if isinstance(manifest, dict) else None
+    if why is not None:
+        raise InputError(f"serve: {why}")
 
 
 def artifact_model(directory: str | Path, model: nn.Module | None = None, *, trust_code: bool = False,

@@ -101,13 +101,15 @@ class ServeConfig:
 def make_pool(spec: Any, name: str, config: ServeConfig,
               on_restart: Callable[[int], None] | None = None) -> WorkerPool:
     """A worker pool for ``spec``: CUDA streams on GPUs; else processes for string specs, in-process
-    for objects or workers=0."""
+    for objects or workers=0. Raises InputError for an artifact directory that needs the user's model object
+    (``models.check_servable``) before any worker starts."""
     import torch
 
     from torchnitro.errors import BackendUnavailableError
-    from torchnitro.serve.models import resolve_model
+    from torchnitro.serve.models import check_servable, resolve_model
     from torchnitro.serve.workers import DevicePool, InlinePool, ProcessPool
 
+    check_servable(spec)  # an artifact serve cannot load alone: one clear error now, not at each worker's start-up
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         sm = resolve_model(spec, name, trust_code=config.trust_code)
         if sm.module is None:
