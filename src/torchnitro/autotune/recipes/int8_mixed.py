@@ -30,6 +30,7 @@ from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe
 from torchnitro.autotune.recipes._layout import tensor_leaves
 from torchnitro.autotune.recipes._util import is_hf_conv1d, is_linear, linear_view
 from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear, onednn_int8_reason
+from torchnitro.autotune.recipes.quant import slow_path_transformer_layers_
 from torchnitro.autotune.recipes.rowwise_int8 import RowwiseInt8Linear, rowwise_int8_reason
 from torchnitro.errors import RecipeError
 from torchnitro.hardware import HardwareInfo
@@ -162,6 +163,11 @@ def activation_absmax(model: nn.Module, calib: Sequence[tuple[Any, ...]], names:
     """Per-input-channel max |x| seen by each Linear on the calibration inputs; ``outputs``: a list the
     model's (copied) outputs on them are appended to, so the references cost no forwards of their own."""
     amax: dict[str, Tensor] = {}
+    if any(isinstance(m, nn.TransformerEncoderLayer) for m in model.modules()):
+        # a hooked Linear keeps its TransformerEncoderLayer off the fused path, while the encoder would still
+        # hand that layer a nested tensor (padded batches): calibrate a copy that runs the slow path throughout
+        model = copy.deepcopy(model)
+        slow_path_transformer_layers_(model, names)
 
     def hook(name: str):
         def fn(mod: nn.Module, inp: tuple[Tensor, ...], out: Tensor) -> None:
@@ -322,6 +328,7 @@ def quantize_linears(model: nn.Module, names: Sequence[str], scales: dict[str, T
     scales, outliers = scales or {}, outliers or {}
     for n in names:
         q.set_submodule(n, int8_module(q.get_submodule(n), scales.get(n), full_range, engine, outliers.get(n)))
+    slow_path_transformer_layers_(q)  # nn.TransformerEncoderLayer's fused path needs float Linears
     return q
 
 
@@ -352,6 +359,7 @@ class _Swapper:
     def __init__(self, model: nn.Module, names: Sequence[str], scales: dict[str, Tensor], full_range: bool,
                  engine: str = "fbgemm", outliers: dict[str, Tensor] | None = None, kept: str = "fp32"):
         self.model = copy.deepcopy(model).eval()
+        slow_path_transformer_layers_(self.model, names)  # any of them may be swapped to int8 below
         fp32 = {n: self.model.get_submodule(n) for n in names}
         self.off = {n: kept_module(fp32[n], kept) for n in names}
         outliers = outliers or {}
