@@ -13,7 +13,7 @@ import torchnitro
 from torchnitro.autotune import fair, final
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.final_budget import MAX_SHARE, FinalBudget, final_deadline, plan_final
-from torchnitro.autotune.report import CandidateResult, Report, Status
+from torchnitro.autotune.report import CandidateResult, Status
 from torchnitro.bench.environment import ALLOCATOR_SETTING
 
 from test_final_env import _FakeTimer, _report, _trial_search

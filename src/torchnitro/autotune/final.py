@@ -41,7 +41,6 @@ import torch
 from torchnitro.autotune import fair, fair_place
 from torchnitro.autotune.fair_eager import EagerBaseline, is_copy, is_eager
 from torchnitro.autotune.config import OptimizeConfig
-from torchnitro.autotune.final_budget import FinalBudget
 from torchnitro.autotune.recipe import EAGER, Recipe, get_recipe
 from torchnitro.autotune.report import CandidateResult, Report, Status
 from torchnitro.bench.environment import ALLOCATOR_SETTING, GLIBC_DEFAULTS, describe_environment
