@@ -76,9 +76,22 @@ def test_short_budget_skips_the_screen_eagers_further_processes_and_the_processe
     assert any(n.startswith("timing processes for eager and the finalists skipped: budget (10 s left, needs ~16 s); "
                             "eager and in-process finalists are timed in this process") for n in report.notes)
     assert s.cfg.eager_processes == 1 and s.cfg.final_alone is False  # what fair_place.plan then reads
+    assert s.final_budget.moved_here  # and the rows say why (below)
     assert "not compared with eager: final comparison of 2 finalist(s) skipped: budget (10 s left, needs ~11 s)" \
         in pool[1].notes and "search-time estimate" in pool[1].notes
     assert not pool[2].notes  # cut by the skipped screen, not compared either way
+
+
+def test_a_row_timed_here_for_the_budget_says_so_not_that_the_user_turned_final_alone_off():
+    from torchnitro.autotune import fair_place
+    from torchnitro.autotune.fair import ChildModel
+    from torchnitro.autotune.recipe import get_recipe
+
+    kw = dict(device="cpu", all_alone=False)
+    moved = fair_place.place(get_recipe("eager"), None, ChildModel(None, ""), budget_here=True, **kw)
+    assert moved.kwargs is None and moved.why == ("timed in this process (the budget left no time for a timing "
+                                                  "process of its own: see the notes)")
+    assert "final_alone=False" in fair_place.place(get_recipe("eager"), None, ChildModel(None, ""), **kw).why
 
 
 def test_no_room_for_any_finalist_keeps_eager_and_says_so_and_enough_room_keeps_everything():

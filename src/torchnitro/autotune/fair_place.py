@@ -43,13 +43,16 @@ class Placement:
     outputs: Path | None = None  # where the child writes its first outputs (eager: checked against this process)
 
 
-def place(recipe: Recipe, files: Any, eager: ChildModel, *, device: str, all_alone: bool) -> Placement:
-    """Where ``recipe``'s variant (``files``: its ``CandidateFiles``; None for eager) is timed."""
+def place(recipe: Recipe, files: Any, eager: ChildModel, *, device: str, all_alone: bool,
+          budget_here: bool = False) -> Placement:
+    """Where ``recipe``'s variant (``files``: its ``CandidateFiles``; None for eager) is timed (``budget_here``: the
+    final phase turned ``final_alone`` off because the budget left no time for the timing processes)."""
     cls = type(recipe)
     qual = f"{cls.__module__}:{cls.__qualname__}"
     standalone = bool(files is not None and files.standalone)
     if not (runs_alone(recipe, standalone) or (all_alone and device == "cpu")):
         why = "on CUDA only own-runtime candidates are timed in their own process" if all_alone else \
+            "the budget left no time for a timing process of its own: see the notes" if budget_here else \
             "final_alone=False: eager and in-process candidates are timed in this process"
         return Placement(None, f"timed in this process ({why})")
     if files is None:  # eager
@@ -88,14 +91,16 @@ def plan(s: _Search, cands: list[CandidateResult]) -> dict[str, Placement]:
                                      f"{exc})"[:200])
     else:
         eager = ChildModel(None, "")
-    places = {EAGER: place(get_recipe(EAGER), None, eager, device=device, all_alone=cfg.final_alone)}
+    here = bool(getattr(getattr(s, "final_budget", None), "moved_here", False))
+    places = {EAGER: place(get_recipe(EAGER), None, eager, device=device, all_alone=cfg.final_alone, budget_here=here)}
     first = places[EAGER]
     copies = process_names(cfg.eager_processes)[1:] if first.kwargs is not None else []
     for name in copies:  # eager's further processes, loaded the same way (``fair_eager``)
         places[name] = Placement(dict(first.kwargs), first.why, needs_eager=True)  # type: ignore[arg-type]
     for c in cands:
         cf = s.where.get(c.recipe)
-        places[c.recipe] = place(get_recipe(c.recipe), cf, eager, device=device, all_alone=cfg.final_alone) \
+        places[c.recipe] = place(get_recipe(c.recipe), cf, eager, device=device, all_alone=cfg.final_alone,
+                                 budget_here=here) \
             if cf is not None else Placement(None, "timed in this process: no files of it were kept")
     heavy = [n for n, p in places.items() if p.needs_eager]
     too_big = memory_fits(s.model, len(heavy)) if heavy else None

@@ -325,6 +325,7 @@ def _fit_pool(s: _Search, report: Report, pool: list[CandidateResult]) -> list[C
             report.notes.append(f"{why}; eager and in-process finalists are timed in this process (final_alone "
                                 "turned off for the budget: a candidate with its own runtime is still timed alone)")
             s.cfg, alone, e = dataclasses.replace(s.cfg, final_alone=False, eager_processes=1), False, 1  # fair_place
+            fb.moved_here = True  # the rows say why (fair_place.place)
     pool = list(pool)
     while pool:
         why = fb.skip_reason(f"final comparison of {len(pool)} finalist(s)", need(pool))

@@ -94,6 +94,7 @@ class FinalBudget:
     clock: Callable[[], float] = time.perf_counter
     startup_s: float = dataclasses.field(default_factory=startup_guess)  # per process; measured once started
     overhead: float = OVERHEAD_GUESS  # wall s per measured s, measured by the phase's first timed run
+    moved_here: bool = False  # the phase turned final_alone off: no time for eager's and in-process finalists' processes
 
     @classmethod
     def unlimited(cls) -> "FinalBudget":
