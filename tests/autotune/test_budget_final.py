@@ -199,5 +199,6 @@ def test_a_real_small_search_ends_within_its_budget_plus_one_candidate_limit(tmp
                          eager_processes=3, threads=2, min_speedup=0.5, progress=False, cache=False,
                          cache_dir=str(tmp_path / "cache"), timing_min_time_s=0.05)
     rep = torchnitro.optimize("mlp", config=cfg).report
-    assert rep.search_s < budget + limit + 5.0, [n for n in rep.notes if n.startswith(("final phase", "budget"))]
+    # generous margin (the old code took ~104 s here): the bound, not a speed, is what is tested
+    assert rep.search_s < budget + limit + 20.0, [n for n in rep.notes if n.startswith(("final phase", "budget"))]
     assert any(n.startswith("budget: 10 s for the whole search") for n in rep.notes)
