@@ -12,11 +12,12 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from torchnitro.autotune.recipe import BuildContext, get_recipe  # noqa: E402
+from torchnitro.autotune.recipe import get_recipe  # noqa: E402
 from torchnitro.autotune.recipes._unpad import length_buckets  # noqa: E402
 from torchnitro.autotune.recipes.bert_unpad import bert_inapplicable_reason, unpad_model  # noqa: E402
 from torchnitro.autotune.recipes.hf_encoders import UnpaddedEncoder, find_encoders  # noqa: E402
 from torchnitro.hardware import hardware_info  # noqa: E402
+from test_user_models import ScriptEncoder, _ctx  # noqa: E402  (a user's script class; the build context)
 
 _TOL = {"rtol": 1e-4, "atol": 1e-5}  # fp32: same math, reassociated
 _FLOOR = {"exact": 0.99999, "reduced": 0.999, "int8": 0.98}  # worst row cosine per numeric class
@@ -68,24 +69,6 @@ def _assert_real_rows_match(out, ref, mask: torch.Tensor) -> None:
     real = mask.bool()
     torch.testing.assert_close(out.last_hidden_state[real], ref.last_hidden_state[real], **_TOL)
     assert bool((out.last_hidden_state[~real] == 0).all())  # documented: zeros at masked positions
-
-
-class ScriptEncoder(nn.Module):
-    """A user's own class around the encoder: mean pooling over the mask."""
-
-    def __init__(self, encoder: nn.Module):
-        super().__init__()
-        self.encoder = encoder
-
-    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.encoder(input_ids=ids, attention_mask=mask).last_hidden_state  # (B, T, D)
-        m = mask.unsqueeze(-1).float()
-        return (h * m).sum(1) / m.sum(1).clamp(min=1)
-
-
-def _ctx(model: nn.Module, inputs, tmp_path) -> BuildContext:
-    return BuildContext(model=copy.deepcopy(model), example_inputs=inputs, hardware=hardware_info(),
-                        device=torch.device("cpu"), workdir=tmp_path, dynamic_dims={0: [0, 1], 1: [0, 1]})
 
 
 # ---- MPNet held directly ----------------------------------------------------------------------------
@@ -197,7 +180,7 @@ def test_recipes_in_a_script_class_build_verify_and_reload(tmp_path, name, make)
         pytest.skip(recipe.unavailable_reason(hardware_info()))
     model = ScriptEncoder(make())
     built = recipe.build(_ctx(model, _ragged(8, 24, seed=4), tmp_path))
-    assert type(built.fn) is ScriptEncoder and isinstance(built.fn.encoder, UnpaddedEncoder)  # the user's class runs
+    assert type(built.fn) is ScriptEncoder and isinstance(built.fn.bert, UnpaddedEncoder)  # the user's class runs
     held = _ragged(6, 20, seed=5)
     with torch.inference_mode():
         ref, out = model(*held), built.fn(*held)
@@ -205,7 +188,7 @@ def test_recipes_in_a_script_class_build_verify_and_reload(tmp_path, name, make)
     assert out.dtype == torch.float32
     assert float(torch.nn.functional.cosine_similarity(ref, out).min()) >= _FLOOR[recipe.numeric_class.value]
     torch.testing.assert_close(again, out)  # the artifact rebuilds the same variant
-    assert built.fn.encoder.fallback_calls == 0
+    assert built.fn.bert.fallback_calls == 0
 
 
 def test_mpnet_bf16_encoder_keeps_its_position_bias_in_bf16():
