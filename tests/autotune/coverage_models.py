@@ -1,4 +1,5 @@
-"""The coverage set of issue 15 item 9: real architectures from their real config classes, shrunk to
+"""The coverage set of issue 15 item 9 (BERT, RoBERTa, DistilBERT, XLM-R, MPNet, ELECTRA, ALBERT, GPT-2, Llama,
+T5 encoder, ViT, ResNet, MobileNetV2): real architectures from their real config classes, shrunk to
 tiny sizes, random weights (no download), each as users hold them. Shared by
 ``test_coverage_models.py`` and ``benchmarks/optimize_user_models.py`` (which times them at larger sizes).
 
@@ -32,11 +33,11 @@ class Case:
     sweep: list[str] = field(default_factory=list)  # extra recipes for the benchmark's fuller sweep
 
 
-def _auto(config: Any) -> nn.Module:
+def _auto(config: Any, attn: str = "sdpa") -> nn.Module:
     from transformers import AutoModel
 
     torch.manual_seed(0)
-    return AutoModel.from_config(config, attn_implementation="sdpa").float().eval()
+    return AutoModel.from_config(config, attn_implementation=attn).float().eval()
 
 
 def _bert(scale: int) -> nn.Module:
@@ -58,6 +59,37 @@ def _distilbert(scale: int) -> nn.Module:
 
     return _auto(DistilBertConfig(vocab_size=1024, dim=32 * scale, n_layers=2, n_heads=4, hidden_dim=64 * scale,
                                   max_position_embeddings=160))
+
+
+def _xlm_roberta(scale: int) -> nn.Module:
+    from transformers import XLMRobertaConfig
+
+    return _auto(XLMRobertaConfig(vocab_size=1024, hidden_size=32 * scale, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=64 * scale, max_position_embeddings=160, pad_token_id=1))
+
+
+def _mpnet(scale: int) -> nn.Module:
+    from transformers import MPNetConfig
+
+    # transformers has no SDPA attention for MPNet (its relative position bias): the eager attention a user gets
+    return _auto(MPNetConfig(vocab_size=1024, hidden_size=32 * scale, num_hidden_layers=2, num_attention_heads=4,
+                             intermediate_size=64 * scale, max_position_embeddings=160, pad_token_id=1), attn="eager")
+
+
+def _electra(scale: int) -> nn.Module:
+    from transformers import ElectraConfig
+
+    # embedding_size < hidden_size, as in ELECTRA-small/base discriminators: the embeddings are projected
+    return _auto(ElectraConfig(vocab_size=1024, embedding_size=16 * scale, hidden_size=32 * scale, num_hidden_layers=2,
+                               num_attention_heads=4, intermediate_size=64 * scale, max_position_embeddings=160))
+
+
+def _albert(scale: int) -> nn.Module:
+    from transformers import AlbertConfig
+
+    # one layer's weights shared by both layers and a factorised embedding, as ALBERT is; its gelu_new is HF's default
+    return _auto(AlbertConfig(vocab_size=1024, embedding_size=16 * scale, hidden_size=32 * scale, num_hidden_layers=2,
+                              num_attention_heads=4, intermediate_size=64 * scale, max_position_embeddings=160))
 
 
 def _gpt2(scale: int) -> nn.Module:
@@ -136,6 +168,14 @@ CASES: dict[str, Case] = {c.name: c for c in [
          ["bert-unpad-int8", "bf16", "onnxruntime-int8", "openvino"]),
     Case("distilbert", _distilbert, "text", ["bert-unpad", "dynamic-int8", "onnxruntime"], _hidden,
          ["bert-unpad-int8", "bf16", "onnxruntime-int8", "openvino"]),
+    Case("xlm-roberta", _xlm_roberta, "text", ["bert-unpad", "dynamic-int8", "onnxruntime"], _hidden,
+         ["bert-unpad-int8", "bf16", "onnxruntime-int8", "openvino"]),
+    Case("mpnet", _mpnet, "text", ["bert-unpad", "dynamic-int8", "onnxruntime"], _hidden,
+         ["bert-unpad-int8", "bf16", "onnxruntime-int8", "openvino"]),
+    Case("electra", _electra, "text", ["bert-unpad", "dynamic-int8", "onnxruntime"], _hidden,
+         ["bert-unpad-int8", "bf16", "onnxruntime-int8", "openvino"]),
+    Case("albert", _albert, "text", ["bert-unpad"] + _TEXT + ["int8-mixed"], _hidden,  # bert-unpad: says why not
+         ["bf16", "torchscript", "onnxruntime-int8", "openvino"]),
     Case("gpt2", _gpt2, "ids", _TEXT, _logits, ["int8-mixed", "bf16", "torchscript", "openvino"]),
     Case("llama", _llama, "text", _TEXT, _hidden, ["int8-mixed", "bf16", "torchscript", "openvino"]),
     Case("t5-encoder", _t5_encoder, "text", _TEXT + ["int8-mixed"], _hidden, ["bf16", "torchscript", "openvino"]),
