@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 import torchnitro
-from torchnitro.autotune import fair, final
+from torchnitro.autotune import fair, final, final_trials
 from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.final_budget import MAX_SHARE, FinalBudget, final_deadline, plan_final
 from torchnitro.autotune.report import CandidateResult, Status
@@ -119,8 +119,8 @@ def test_trials_that_do_not_fit_are_skipped_with_budget_notes_and_start_no_proce
     s = _trial_search(tmp_path)
     s.cfg.final_min_time_s = 1.0
     s.final_budget = _at(12.0, startup_s=8.0, overhead=3.0)
-    report, phases = _report(), final._Phases()
-    final._run_trials(s, report, "v", {"v": fair.Steady(v), "eager": fair.Steady(e)}, phases)
+    report, phases = _report(), final_trials.Phases()
+    final_trials.run_trials(s, report, "v", {"v": fair.Steady(v), "eager": fair.Steady(e)}, phases)
     assert not [x for x in log if x.startswith(("start ", "sample "))], log
     assert "allocator trial skipped: budget (12 s left, needs ~" in report.notes[0]
     assert report.notes[0].endswith("the artifact keeps the allocator setting the comparison ran it under "
@@ -141,7 +141,7 @@ def test_the_allocator_trial_runs_when_it_fits_and_the_thread_trial_is_skipped_w
     s.cfg.final_min_time_s = 0.01
     s.final_budget = _at(10.0, startup_s=4.0, overhead=3.0)  # allocator: 2 starts ~8 s fits; + thread trial does not
     report = _report()
-    final._run_trials(s, report, "v", {"v": fair.Steady(v), "eager": fair.Steady(e)}, final._Phases())
+    final_trials.run_trials(s, report, "v", {"v": fair.Steady(v), "eager": fair.Steady(e)}, final_trials.Phases())
     assert sorted(x for x in log if x.startswith("start ")) == ["start eager/defaults", "start v/defaults"], log
     assert any(n.startswith("thread trial skipped: budget (10 s left") for n in report.notes), report.notes
     assert any(n.startswith("allocator setting MALLOC_") for n in report.notes), report.notes

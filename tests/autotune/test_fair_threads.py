@@ -181,7 +181,7 @@ def test_a_chosen_variant_whose_process_died_is_noted_as_such_not_as_timed_here(
     """Its process may die in the allocator trial just before: the thread trial's note names that failure."""
     from types import SimpleNamespace
 
-    from torchnitro.autotune import fair, final
+    from torchnitro.autotune import fair, final_trials
     from torchnitro.autotune.recipe import CandidateFiles
     from torchnitro.autotune.report import Report
 
@@ -190,7 +190,7 @@ def test_a_chosen_variant_whose_process_died_is_noted_as_such_not_as_timed_here(
     s = SimpleNamespace(where={"v": CandidateFiles(tmp_path, [], {}, True)},
                         cfg=SimpleNamespace(final_min_time_s=0.01), device=SimpleNamespace(type="cpu"))
     report = Report(model="m", inputs="x", objective="o", hardware="h")
-    final._tune_threads(s, report, "v", {"v": fair.Steady(dead)})
+    final_trials._tune_threads(s, report, "v", {"v": fair.Steady(dead)})
     assert report.notes == ["thread count not tried: the chosen variant's timing process failed (the timing process "
                             "did not answer within 120 s (killed))"]
 

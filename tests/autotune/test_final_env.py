@@ -142,13 +142,13 @@ def test_trial_processes_start_together_and_are_ready_before_any_trial_sample(tm
     """The allocator trial's two processes (the chosen variant and eager with glibc's defaults) and the thread
     trial's one (1 thread) start before either trial times anything; the comparison's warm processes are reused
     (no second process under the setting); every trial process is closed, the comparison's are not."""
-    from torchnitro.autotune import final
+    from torchnitro.autotune import final_trials
 
     monkeypatch.setattr("torchnitro.bench.environment.allocator_untunable", lambda *a, **k: None)
     log: list[str] = []
     v, e = _FakeTimer("v", log), _FakeTimer("eager", log)
-    report, phases = _report(), final._Phases()
-    final._run_trials(_trial_search(tmp_path), report, "v", {"v": fair.Steady(v), "eager": fair.Steady(e)}, phases)
+    report, phases = _report(), final_trials.Phases()
+    final_trials.run_trials(_trial_search(tmp_path), report, "v", {"v": fair.Steady(v), "eager": fair.Steady(e)}, phases)
     starts = [i for i, x in enumerate(log) if x.startswith("start ")]
     readies = [i for i, x in enumerate(log) if x.startswith("ready ")]
     trial_samples = [i for i, x in enumerate(log) if x.startswith("sample ")]
@@ -166,7 +166,7 @@ def test_trial_processes_start_together_and_are_ready_before_any_trial_sample(tm
 
 def test_a_trial_process_that_fails_to_load_is_started_again_by_its_trial(tmp_path, monkeypatch):
     """Started ahead and failed: its trial starts it once more itself (and times it), nothing left open."""
-    from torchnitro.autotune import final
+    from torchnitro.autotune import final_trials
     from torchnitro.errors import RecipeError
 
     monkeypatch.setattr("torchnitro.bench.environment.allocator_untunable", lambda *a, **k: None)
@@ -186,7 +186,7 @@ def test_a_trial_process_that_fails_to_load_is_started_again_by_its_trial(tmp_pa
 
     v = FailsOnce("v", log)
     report = _report()
-    final._run_trials(_trial_search(tmp_path), report, "v", {"v": fair.Steady(v)}, final._Phases())
+    final_trials.run_trials(_trial_search(tmp_path), report, "v", {"v": fair.Steady(v)}, final_trials.Phases())
     assert log.count("start v/1t") == 2 and "sample v/1t" in log, log
     assert any(n.startswith("thread count: the chosen variant alone") for n in report.notes), report.notes
 
@@ -197,14 +197,14 @@ def test_a_trial_process_that_fails_to_load_is_started_again_by_its_trial(tmp_pa
 ])
 def test_a_thread_trial_that_cannot_gain_is_skipped_with_a_note_and_starts_nothing(tmp_path, monkeypatch, threads,
                                                                                    best, note):
-    from torchnitro.autotune import final
+    from torchnitro.autotune import final_trials
 
     monkeypatch.setattr("torchnitro.bench.environment.allocator_untunable", lambda *a, **k: None)
     log: list[str] = []
     v, e = _FakeTimer("v", log, threads), _FakeTimer("eager", log, threads)
     report = _report()
-    final._run_trials(_trial_search(tmp_path), report, best, {"v": fair.Steady(v), "eager": fair.Steady(e)},
-                      final._Phases())
+    final_trials.run_trials(_trial_search(tmp_path), report, best, {"v": fair.Steady(v), "eager": fair.Steady(e)},
+                      final_trials.Phases())
     assert note in report.notes, report.notes
     assert [x for x in log if x.startswith("start ") and not x.endswith("/defaults")] == [], log  # no thread trial
 
@@ -212,7 +212,7 @@ def test_a_thread_trial_that_cannot_gain_is_skipped_with_a_note_and_starts_nothi
 def test_trial_samples_of_a_fast_variant_repeat_its_call_to_the_trial_sample_length(tmp_path, monkeypatch):
     """A 1 ms variant is sampled 20 calls at a time (TRIAL_SAMPLE_S 20 ms), not one call per gated request: the
     per-sample overhead (gate, request, untimed call) was most of a fast model's trial time."""
-    from torchnitro.autotune import final
+    from torchnitro.autotune import final_trials
 
     monkeypatch.setattr("torchnitro.bench.environment.allocator_untunable", lambda *a, **k: None)
     log: list[str] = []
@@ -225,8 +225,8 @@ def test_trial_samples_of_a_fast_variant_repeat_its_call_to_the_trial_sample_len
             return spawned[-1]
 
     v = Kept("v", log, seconds=1e-3)
-    final._run_trials(_trial_search(tmp_path), _report(), "v", {"v": fair.Steady(v)}, final._Phases())
-    assert final.TRIAL_SAMPLE_S == 0.02 and len(spawned) == 2  # glibc's defaults, 1 thread
+    final_trials.run_trials(_trial_search(tmp_path), _report(), "v", {"v": fair.Steady(v)}, final_trials.Phases())
+    assert final_trials.TRIAL_SAMPLE_S == 0.02 and len(spawned) == 2  # glibc's defaults, 1 thread
     for timer in [v, *spawned]:  # v is in both trials: one one-call warm-up in each (bench.compare's)
         assert timer.ks.count(1) == (2 if timer is v else 1), (timer.label, timer.ks)
         assert len(timer.ks) >= 6 and set(timer.ks) == {1, 20}, (timer.label, timer.ks)

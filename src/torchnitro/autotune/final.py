@@ -16,7 +16,7 @@ processes agree), and the chosen variant and eager are then timed once more with
 reported; the setting stays in the artifact unless the defaults were faster), and the chosen variant with fewer
 intra-op threads (recorded when faster beyond the noise: ``autotune.fair_threads``); both trials reuse the
 comparison's processes and start their own fresh ones together, all ready before either times a sample
-(``_start_trials``). Every timing process runs the
+(``autotune.final_trials``). Every timing process runs the
 OpenMP wait setting it is deployed with (nothing added), and every sample, in a child or here, is
 gated (``bench.quiet``): it starts once the other timing processes are idle and is retaken when foreign CPU
 ran beside it; the report's "timing environment" and "timing gate" notes say so, with the counts; its "final
@@ -30,20 +30,20 @@ artifact, a skipped thread trial the comparison's thread count).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, cast
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from torchnitro.autotune import fair, fair_place
 from torchnitro.autotune.fair_eager import EagerBaseline, is_copy, is_eager
 from torchnitro.autotune.config import OptimizeConfig
+from torchnitro.autotune.final_trials import Phases, child_of, run_trials
 from torchnitro.autotune.recipe import EAGER, Recipe, get_recipe
 from torchnitro.autotune.report import CandidateResult, Report, Status
-from torchnitro.bench.environment import ALLOCATOR_SETTING, GLIBC_DEFAULTS, describe_environment
+from torchnitro.bench.environment import GLIBC_DEFAULTS, describe_environment
 from torchnitro.bench.isolated import ChildTimer, save_inputs
 from torchnitro.bench.quiet import recording
 from torchnitro.bench.timing import Timing, TimingConfig, compare
@@ -179,12 +179,6 @@ def _steady(s: _Search, fn: Callable[..., Any]) -> Callable[..., Any]:
     return fair.Steady(fn, gate=None, cuda=True)
 
 
-def _child(fn: Callable[..., Any]) -> ChildTimer | None:
-    """The ``ChildTimer`` behind a comparison entry, or None (timed in this process)."""
-    inner = getattr(fn, "inner", fn) if isinstance(fn, fair.Steady) else fn
-    return inner if isinstance(inner, ChildTimer) else None
-
-
 def _compare_finalists(s: _Search, report: Report, fns: dict[str, Callable[..., Any]],
                        tc: TimingConfig) -> dict[str, Timing]:
     """One interleaved run; a ``ChildTimer`` entry is timed by its own process.
@@ -264,7 +258,7 @@ def _eager_alone(s: _Search, report: Report, fns: dict[str, Callable[..., Any]],
     process, its search-time p50 (measured before any candidate ran). A process that dies is dropped from
     ``fns`` as in the comparison."""
     here = (search_ms, search_cv, "(search time: this process, before any candidate ran)")
-    if _child(fns[EAGER]) is None:
+    if child_of(fns[EAGER]) is None:
         return here
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=min_time_s / 2,
                       max_time_s=max(2.0, min_time_s), device=s.device.type)
@@ -275,7 +269,7 @@ def _eager_alone(s: _Search, report: Report, fns: dict[str, Callable[..., Any]],
     for n in [n for n in fns if is_eager(n) and n not in solo]:
         del fns[n]
     fns[EAGER] = solo[EAGER]
-    if _child(solo[EAGER]) is None:  # every eager process died: eager is timed here now
+    if child_of(solo[EAGER]) is None:  # every eager process died: eager is timed here now
         return here
     base = EagerBaseline.of(res)
     if base.k == 1:
@@ -349,7 +343,7 @@ def _checked_comparison(s: _Search, report: Report, fns: dict[str, Callable[...,
     iters = max(cfg.final_min_iters, 30) if cfg.percentile == "p99" else cfg.final_min_iters  # a p99 needs samples
     tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=iters, min_time_s=cfg.final_min_time_s,
                       max_time_s=max(5.0, cfg.final_min_time_s * 3), device=s.device.type)
-    share = 1.0 + (len([n for n in fns if is_eager(n)]) / (2 * len(fns)) if _child(fns[EAGER]) else 0.0)
+    share = 1.0 + (len([n for n in fns if is_eager(n)]) / (2 * len(fns)) if child_of(fns[EAGER]) else 0.0)
     first, short = fb.fit(tc, len(fns), share)  # eager alone (half the time per process) and the comparison
     alone_ms, alone_cv, where = _eager_alone(s, report, fns, search_ms, search_cv, first.min_time_s)
     tc, short = fb.fit(tc, len(fns), 1.0)  # again with the overhead eager alone measured
@@ -383,239 +377,6 @@ def _checked_comparison(s: _Search, report: Report, fns: dict[str, Callable[...,
     return res
 
 
-def _not_in_a_child(child: ChildTimer | None) -> str | None:
-    """Why a trial of the chosen variant cannot start from its timing process, or None."""
-    if child is None:
-        return "the chosen variant was timed in this process, not in a fresh one"
-    if child.failed:
-        return f"the chosen variant's timing process failed ({child.failed})"
-    return None
-
-
-def _allocator_plan(s: _Search, name: str,
-                    fns: dict[str, Callable[..., Any]]) -> tuple[dict[str, ChildTimer], str | None]:
-    """The comparison's processes (under the setting, warm) whose variant the allocator trial times again with
-    glibc's defaults: the chosen variant's and eager's; or why the trial cannot run."""
-    from torchnitro.bench.environment import allocator_untunable
-
-    child = _child(fns[name])
-    why = allocator_untunable() or _not_in_a_child(child)
-    if why is None and s.where.get(name) is None:
-        why = "no files of the chosen variant were kept"
-    if why is not None or child is None:
-        return {}, why
-    timers = {"the chosen variant": child}
-    eager = _child(fns[EAGER]) if name != EAGER and EAGER in fns else None
-    if eager is not None and not eager.failed:
-        timers["eager"] = eager
-    return timers, None
-
-
-def _threads_plan(s: _Search, name: str, fns: dict[str, Callable[..., Any]]) -> tuple[ChildTimer | None, list[int],
-                                                                                    str | None]:
-    """The chosen variant's comparison process and the fewer thread counts to try beside it; or why none."""
-    from torchnitro.autotune import fair_threads
-
-    child = _child(fns[name])
-    why = _not_in_a_child(child)
-    if why is None and s.where.get(name) is None:
-        why = "no files of the chosen variant were kept"
-    if why is not None or child is None:
-        return None, [], why
-    threads = int(child.spec["threads"])
-    options = fair_threads.thread_options(threads)
-    if not options:
-        return child, [], f"the comparison ran the chosen variant with {threads} thread: nothing fewer to try"
-    return child, options, None
-
-
-TRIAL_SAMPLE_S = 0.02  # a trial's sample repeats a fast variant's call up to this long (see ``_trial_tc``)
-
-
-def _trial_tc(s: _Search) -> TimingConfig:
-    """The trials' timing: the same measured time per entry as before, in samples of at least ``TRIAL_SAMPLE_S``.
-    Each sample costs a fixed overhead besides its calls (the gate's idle wait, the request to the child, one
-    untimed call): with one-call samples of the 1.5 ms ``mlp`` that overhead was the trial's wall time (the
-    thread trial's 2 s of samples took 30.7 s under load, 27 Nov 08:05 UTC). Longer samples of back-to-back
-    calls are what a server runs; both sides of each trial are sampled alike."""
-    return TimingConfig(warmup=1, warmup_s=0.0, min_iters=5, min_time_s=s.cfg.final_min_time_s,
-                        max_time_s=max(3.0, s.cfg.final_min_time_s * 2), min_sample_s=TRIAL_SAMPLE_S,
-                        device=s.device.type)
-
-
-@dataclasses.dataclass
-class _Started:
-    """The trials' fresh processes, started together and ready before either trial times a sample: their
-    start-ups (interpreter, torch, the variant) overlap each other instead of running one trial after the other,
-    and none runs beside a timed sample."""
-
-    allocator: dict[str, ChildTimer] = dataclasses.field(default_factory=dict)  # trial name -> its process
-    threads: dict[int, ChildTimer] = dataclasses.field(default_factory=dict)  # thread count -> its process
-
-    def all(self) -> list[ChildTimer]:
-        return [*self.allocator.values(), *self.threads.values()]
-
-
-def _start_trials(alloc: dict[str, ChildTimer], child: ChildTimer | None, options: list[int]) -> _Started:
-    """Start every trial process at once, then wait until each is ready (loaded, one untimed call). One that
-    fails to start or load is left out: its trial starts it again itself, and notes a second failure."""
-    from torchnitro.autotune import fair_threads
-
-    got = _Started()
-    for name, timer in alloc.items():
-        try:
-            got.allocator[name] = timer.again(fair.allocator_env(timer))
-        except RecipeError:
-            pass
-    for k in options if child is not None else []:
-        try:
-            got.threads[k] = fair_threads.start_fewer(cast(ChildTimer, child), k)
-        except RecipeError:
-            pass
-    for group in (got.allocator, got.threads):
-        for key, timer in list(group.items()):
-            try:
-                timer.wait_ready()
-            except RecipeError:  # closed by wait_ready's failure
-                del group[key]  # type: ignore[arg-type]
-    return got
-
-
-def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]],
-                    started: dict[str, ChildTimer] | None = None) -> None:
-    """The chosen variant and eager each in a fresh process with the other glibc allocator setting than their
-    comparison processes (``fair.tune_allocator``; ``started``: those processes, already started and ready); the
-    setting goes into the chosen variant's meta unless it lost there. The report gives both times of each, and the
-    chosen variant against eager with glibc's defaults."""
-    timers, why = _allocator_plan(s, name, fns)
-    if why is not None:
-        report.notes.append(f"allocator setting not tried: {why}"[:300])
-        return
-    cf = s.where[name]
-    try:
-        # a dict of timers in gives a dict of trials out (fair.tune_allocator)
-        trials = cast("dict[str, fair.AllocatorTrial]", fair.tune_allocator(  # type: ignore[call-overload]
-            timers, _trial_tc(s), started=started))
-    except RecipeError as exc:
-        report.notes.append(f"allocator setting not tried: its timing process failed ({exc})"[:300])
-        return
-    trial = trials["the chosen variant"]
-    report.notes.append(trial.text())
-    if "eager" in trials:
-        e = trials["eager"]
-        deployed = trial.tuned_ms if trial.keep else trial.default_ms
-        report.notes.append(e.text().split(": ", 1)[1].split(";")[0] + (
-            f"; against eager with glibc's defaults (one fresh process: such processes differ by 10-20% where "
-            f"page faults are many) the chosen variant as deployed is {e.default_ms / deployed:.2f}x"))
-    if trial.keep:
-        gain = {"default_ms": trial.default_ms, "tuned_ms": trial.tuned_ms, "ratio": trial.ratio, "noise": trial.noise}
-        s.where[name] = dataclasses.replace(cf, meta={**cf.meta, "environment": dict(trial.setting),
-                                                      "environment_gain": gain})
-
-
-def _tune_threads(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]],
-                  started: dict[int, ChildTimer] | None = None) -> None:
-    """The chosen variant with fewer intra-op threads in fresh processes (``fair_threads.tune_threads``;
-    ``started``: those processes, already started and ready); the artifact's meta records a smaller count only
-    when it was faster beyond the noise."""
-    from torchnitro.autotune import fair_threads
-
-    child, options, why = _threads_plan(s, name, fns)
-    if why is not None or child is None:
-        report.notes.append(f"thread count not tried: {why}"[:300])
-        return
-    cf = s.where[name]
-    try:
-        trial = fair_threads.tune_threads(child, _trial_tc(s), started=started)
-    except RecipeError as exc:
-        report.notes.append(f"thread count not tried: its timing process failed ({exc})"[:300])
-        return
-    if trial is None:
-        return
-    report.notes.append(trial.text())
-    if trial.chosen != trial.threads:
-        meta = fair_threads.meta_with_threads(cf.meta, trial.chosen)
-        meta["threads_trial"] = {str(k): ms for k, ms in trial.p50_ms.items()}
-        s.where[name] = dataclasses.replace(cf, meta=meta)
-
-
-def _run_trials(s: _Search, report: Report, best: str | None, fns: dict[str, Callable[..., Any]],
-                phases: "_Phases") -> None:
-    """The allocator and thread trials of the chosen variant (``best``; None: eager), each only when its estimate
-    (its processes' start-ups and timing) fits the budget left, their fresh processes started together first
-    (``_start_trials``)."""
-    cfg, fb = s.cfg, s.final_budget
-    alloc = cfg.tune_allocator and s.device.type == "cpu"
-    threads = cfg.tune_threads and s.device.type == "cpu"
-    if threads and best is None:
-        report.notes.append("thread count not tried: no variant beat eager, so there is no chosen variant to try")
-        threads = False
-    a_timers = _allocator_plan(s, best or EAGER, fns)[0] if alloc else {}
-    t_child, t_options, _ = _threads_plan(s, cast(str, best), fns) if threads else (None, [], None)
-    mt = _trial_tc(s).min_time_s
-    a_need = fb.startup_s * len(a_timers) + fb.run_s(2 * len(a_timers), mt)
-    t_need = fb.startup_s * len(t_options) + fb.run_s(1 + len(t_options), mt)
-    why = fb.skip_reason("allocator trial", a_need) if a_timers else None
-    if why is not None:
-        _allocator_skipped(s, report, best or EAGER, fns, why)
-        alloc, a_timers, a_need = False, {}, 0.0
-    why = fb.skip_reason("thread trial", t_need + a_need) if t_options else None
-    if why is not None:
-        threads_now = int(t_child.spec["threads"]) if t_child is not None else torch.get_num_threads()
-        report.notes.append(f"{why}; the artifact keeps the comparison's {threads_now} thread(s)")
-        threads, t_child, t_options = False, None, []
-    if not alloc and not threads:
-        return
-    with phases("starting the trials' processes together"):
-        t0 = time.perf_counter()
-        started = _start_trials(a_timers, t_child, t_options)
-        fb.learn_starts(time.perf_counter() - t0, len(a_timers) + len(t_options))
-    try:
-        if alloc:
-            with phases("allocator trial"):
-                _tune_allocator(s, report, best or EAGER, fns, started.allocator)
-        if threads:
-            with phases("thread trial"):
-                _tune_threads(s, report, cast(str, best), fns, started.threads)
-    finally:
-        for timer in started.all():  # closed by their trial; any a trial did not reach
-            timer.close()
-
-
-def _allocator_skipped(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]], why: str) -> None:
-    """The allocator trial did not fit the budget: the artifact keeps the setting its comparison process ran under
-    (the speedups reported were measured with it), glibc's defaults untried."""
-    child = _child(fns[name]) if name in fns else None
-    cf = s.where.get(name)
-    if child is None or cf is None or not fair.under_allocator_setting(child):
-        report.notes.append(f"{why}; nothing recorded")
-        return
-    s.where[name] = dataclasses.replace(cf, meta={**cf.meta, "environment": dict(ALLOCATOR_SETTING)})
-    report.notes.append(f"{why}; the artifact keeps the allocator setting the comparison ran it under (glibc's "
-                        "defaults untried)")
-
-
-class _Phases:
-    """Wall time of the final phase's parts, for the report's "final phase time" note."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str) -> Iterator[None]:
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-
-    def text(self) -> str:
-        parts = ", ".join(f"{n} {sec:.1f} s" for n, sec in self.seconds.items())
-        total = sum(self.seconds.values())
-        return (f"final phase time: {total:.1f} s in all ({parts}); the rest of the search time built, verified "
-                "and timed the candidates")
-
-
 def run_finalists(s: _Search, report: Report) -> Recipe:
     """Compare the verified candidates of ``report`` with eager (see the module docstring); returns the winner."""
     cfg = s.cfg
@@ -637,7 +398,7 @@ def run_finalists(s: _Search, report: Report) -> Recipe:
     if not pool:
         return get_recipe(EAGER)
     timers: dict[str, ChildTimer] = {}
-    phases = _Phases()
+    phases = Phases()
     with recording() as gate:
         try:
             return _run_pool(s, report, pool, timers, phases)
@@ -651,7 +412,7 @@ def run_finalists(s: _Search, report: Report) -> Recipe:
 
 
 def _run_pool(s: _Search, report: Report, pool: list[CandidateResult], timers: dict[str, ChildTimer],
-              phases: _Phases) -> Recipe:
+              phases: Phases) -> Recipe:
     """``run_finalists`` once the pool is known: screen, compare, check, pick, try the allocator setting and
     fewer threads."""
     cfg = s.cfg
@@ -669,7 +430,7 @@ def _run_pool(s: _Search, report: Report, pool: list[CandidateResult], timers: d
     if len([n for n in fns if not is_eager(n)]) > cfg.finalists:
         with phases("screen"):
             fns = _screen(s, report, fns, cfg.finalists)
-        used = {id(_child(f)) for f in fns.values()}  # an eager copy may have taken eager's name
+        used = {id(child_of(f)) for f in fns.values()}  # an eager copy may have taken eager's name
         for name in [n for n, t in timers.items() if id(t) not in used]:  # screened out (or dead): not needed
             timers.pop(name).close()
     with phases("final comparison"):
@@ -678,7 +439,7 @@ def _run_pool(s: _Search, report: Report, pool: list[CandidateResult], timers: d
     base = EagerBaseline.of(res)
     if base.k > 1:
         report.notes.append(base.text())
-    _run_trials(s, report, best, fns, phases)
+    run_trials(s, report, best, fns, phases)
     rows = [n for n in res if not is_copy(n)]
     alone = [n for n in rows if report.get(n).alone]
     here = [n for n in rows if not report.get(n).alone]
