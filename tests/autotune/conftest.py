@@ -23,3 +23,28 @@ def fake_recipes():
     yield fr
     for c in classes:
         unregister_recipe(c.name)
+
+
+@pytest.fixture
+def noisy_search(fake_recipes, fast_cfg, monkeypatch):
+    """Runs the search the screen exists for: the truly fastest candidate's search-time sample was hit by load
+    (``fake_recipes.NoisyStart``), two decoys look faster; the load is gone once the final phase times anything.
+    Returns the ``OptimizedModel``."""
+    import torchnitro
+    import torchnitro.autotune.final as final_mod
+
+    fr = fake_recipes
+    real_compare = final_mod.compare
+
+    def compare_after_load_is_gone(*a, **kw):  # the load that hit the search-time samples has passed
+        fr.NOISY["slow"] = False
+        return real_compare(*a, **kw)
+
+    def run():
+        fr.NOISY["slow"] = True
+        monkeypatch.setattr(final_mod, "compare", compare_after_load_is_gone)
+        cfg = fast_cfg(recipes=["test-decoy-a", "test-decoy-b", "test-noisy-start"], finalists=2, cache=False)
+        return torchnitro.optimize(fr.SlowModel(), fr.tiny_inputs(), cfg)
+
+    yield run
+    fr.NOISY["slow"] = True  # the module's initial state, for the next test

@@ -4,7 +4,6 @@ while openvino was not a finalist and eager's comparison p50 was 1.09 ms)."""
 
 from __future__ import annotations
 
-import torchnitro
 from torchnitro.autotune.report import CandidateResult, Report, Status
 
 
@@ -38,21 +37,9 @@ def test_no_screen_legend_without_screened_rows():
     assert "screened out" not in rep.to_markdown()
 
 
-def test_the_screen_marks_the_candidates_it_drops(fake_recipes, fast_cfg, monkeypatch):
-    """End to end: the screen drops the two decoys (test_search's noisy search); their rows carry the mark."""
-    import torchnitro.autotune.final as final_mod
-
-    fr = fake_recipes
-    real_compare = final_mod.compare
-
-    def compare_after_load_is_gone(*a, **kw):  # the load that hit the search-time samples has passed
-        fr.NOISY["slow"] = False
-        return real_compare(*a, **kw)
-
-    fr.NOISY["slow"] = True
-    monkeypatch.setattr(final_mod, "compare", compare_after_load_is_gone)
-    cfg = fast_cfg(recipes=["test-decoy-a", "test-decoy-b", "test-noisy-start"], finalists=2, cache=False)
-    rep = torchnitro.optimize(fr.SlowModel(), fr.tiny_inputs(), cfg).report
+def test_the_screen_marks_the_candidates_it_drops(noisy_search):
+    """End to end: the screen drops the two decoys (the ``noisy_search`` fixture); their rows carry the mark."""
+    rep = noisy_search().report
     screened = [c.recipe for c in rep.candidates if c.screened]
     finalists = [c.recipe for c in rep.candidates if c.interleaved and not c.screened and c.recipe != "eager"]
     assert screened and rep.chosen not in screened and rep.chosen in finalists, (screened, finalists, rep.notes)

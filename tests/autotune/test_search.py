@@ -53,24 +53,8 @@ def test_faster_exact_candidate_is_chosen_slower_never(fake_recipes, fast_cfg):
     assert opt.report.get("test-slower").speedup < 1
 
 
-def _noisy_search(fr, fast_cfg, monkeypatch):
-    import torchnitro.autotune.final as final_mod
-
-    real_compare = final_mod.compare
-
-    def compare_after_load_is_gone(*a, **kw):  # the load that hit the search-time samples has passed
-        fr.NOISY["slow"] = False
-        return real_compare(*a, **kw)
-
-    fr.NOISY["slow"] = True
-    monkeypatch.setattr(final_mod, "compare", compare_after_load_is_gone)
-    cfg = fast_cfg(recipes=["test-decoy-a", "test-decoy-b", "test-noisy-start"], finalists=2, cache=False)
-    return _run(fr, cfg, model=fr.SlowModel())
-
-
-def test_finalists_screen_a_candidate_whose_early_sample_was_noisy(fake_recipes, fast_cfg, monkeypatch):
-    fr = fake_recipes
-    opt = _noisy_search(fr, fast_cfg, monkeypatch)
+def test_finalists_screen_a_candidate_whose_early_sample_was_noisy(noisy_search):
+    opt = noisy_search()
     rep = opt.report
     est = {n: rep.get(n).p50_ms for n in ("test-decoy-a", "test-decoy-b", "test-noisy-start")}
     assert opt.recipe == "test-noisy-start", (est, rep.notes)
@@ -79,13 +63,12 @@ def test_finalists_screen_a_candidate_whose_early_sample_was_noisy(fake_recipes,
     assert len(dropped) == 2 and all(c.interleaved for c in dropped)
 
 
-def test_without_the_noise_band_the_noisy_winner_is_missed(fake_recipes, fast_cfg, monkeypatch):
+def test_without_the_noise_band_the_noisy_winner_is_missed(noisy_search, monkeypatch):
     """The failure the screen exists for: top-k by one early sample finalises the two decoys."""
     import torchnitro.autotune.final as final_mod
 
-    fr = fake_recipes
     monkeypatch.setattr(final_mod, "NOISE_BAND", 1.0)
-    opt = _noisy_search(fr, fast_cfg, monkeypatch)
+    opt = noisy_search()
     assert opt.recipe in ("test-decoy-a", "test-decoy-b")
     assert not any("screened" in n for n in opt.report.notes)
 
