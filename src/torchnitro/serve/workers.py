@@ -4,7 +4,7 @@ Every pool exposes ``size`` (batches it can run at once; the batcher runs that m
 one shared queue, so the next batch goes to whichever replica is free), ``async run(items)`` (one
 batch: assemble into reused buffers, compute, split per request), ``restarts`` and ``ready``.
 
-``ProcessPool``: N spawned processes, each loading the model from its spec string with
+``ProcessPool``: N spawned processes (``serve.worker_process``), each loading the model from its spec string with
 ``cpu_count // N`` torch threads. Batch inputs are written by the parent straight into a per-worker
 shared-memory arena (reused for every batch; only a small layout message crosses the pipe).
 A worker that dies is noticed by EOF on its pipe: the batch it held fails with ``WorkerError``
@@ -36,7 +36,6 @@ import copy
 import itertools
 import multiprocessing as mp
 import os
-import signal
 import time
 from typing import Any, Callable, Protocol, Sequence
 
@@ -44,8 +43,9 @@ import torch
 from torch import Tensor
 
 from torchnitro.errors import BackendUnavailableError, ConfigError, ServeError, WorkerError
-from torchnitro.serve.models import ServedModel, resolve_model
+from torchnitro.serve.models import ServedModel
 from torchnitro.serve.protocol import InferItem, ModelSignature, assemble, split_outputs
+from torchnitro.serve.worker_process import decode, encode, run_model, worker_main
 
 __all__ = ["WorkerPool", "InlinePool", "ProcessPool", "DevicePool", "threads_per_worker"]
 
@@ -57,24 +57,6 @@ def threads_per_worker(workers: int, cores: int | None = None) -> int:
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // max(1, workers))
-
-
-def _encode(t: Tensor) -> tuple[str, Any]:
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return "bf16", t.view(torch.int16).numpy()
-    return "np", t.numpy()
-
-
-def _decode(obj: tuple[str, Any]) -> Tensor:
-    kind, arr = obj
-    t = torch.from_numpy(arr)
-    return t.view(torch.bfloat16) if kind == "bf16" else t
-
-
-def _run_model(model: ServedModel, inputs: Sequence[Tensor]) -> list[Tensor]:
-    with torch.inference_mode():
-        return model(*inputs)
 
 
 # --------------------------------------------------------------------------- in-process
@@ -137,7 +119,7 @@ class InlinePool:
 
     def _compute(self, items: list[InferItem], buffers: list[Tensor]) -> list[list[Tensor]]:
         batch, padded = assemble(items, self.signature, buffers)
-        outs = _run_model(self.model, batch)
+        outs = run_model(self.model, batch)
         # outputs may alias input buffers (identity-like models): copy before the buffer is reused
         return split_outputs([o.clone() for o in outs], items, self.signature, padded)
 
@@ -172,41 +154,7 @@ class InlinePool:
 
 
 # --------------------------------------------------------------------------- processes
-def _worker_main(spec: Any, name: str, conn: Any, arena: Tensor, threads: int, trust_code: bool = False,
-                 session_threads: int | None = None) -> None:
-    # Ctrl-C, `docker stop`, systemd and Kubernetes signal the whole process group: the parent
-    # drains (finishes in-flight batches on these workers) and then stops them over the pipe
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    torch.set_num_threads(threads)
-    try:
-        torch.set_num_interop_threads(1)
-    except RuntimeError:
-        pass
-    try:
-        model = resolve_model(spec, name, trust_code=trust_code, threads=session_threads)
-    except BaseException as exc:  # noqa: BLE001 - report why loading failed, then exit
-        conn.send(("fail", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("ready", model.signature, os.getpid()))
-    while True:
-        try:
-            msg = conn.recv()
-        except (EOFError, OSError):
-            return
-        if msg[0] == "stop":
-            return
-        _, bid, layout, inline = msg
-        try:
-            if inline is not None:
-                inputs = [_decode(x) for x in inline]
-            else:
-                inputs = [arena[off:off + nbytes].view(dtype).view(shape) for off, nbytes, dtype, shape in layout]
-            outs = _run_model(model, inputs)
-            conn.send(("ok", bid, [_encode(o) for o in outs]))
-        except Exception as exc:  # noqa: BLE001 - a bad batch is reported, the worker lives on
-            conn.send(("err", bid, f"{type(exc).__name__}: {exc}"))
-
+# (the worker's own side, what runs in the spawned process: ``serve.worker_process``)
 
 def _lost(msg: str) -> WorkerError:
     """A batch lost with its worker: the batcher retries its requests one at a time (``retry_alone``),
@@ -254,7 +202,7 @@ class ProcessPool:
         if arena is None:
             arena = torch.empty(self.arena_bytes, dtype=torch.uint8).share_memory_()
         parent, child = self._ctx.Pipe(duplex=True)
-        p = self._ctx.Process(target=_worker_main,
+        p = self._ctx.Process(target=worker_main,
                               args=(self.spec, self.name, child, arena, self.threads, self.trust_code,
                                     self.session_threads),
                               name=f"torchnitro-worker-{idx}", daemon=True)
@@ -398,7 +346,7 @@ class ProcessPool:
         try:
             views, layout = self._layout(items, proc)
             batch, padded = assemble(items, signature, views)
-            inline = None if views is not None else [_encode(t) for t in batch]
+            inline = None if views is not None else [encode(t) for t in batch]
             try:
                 proc.conn.send(("batch", bid, layout if views is not None else None, inline))
                 while True:
@@ -426,7 +374,7 @@ class ProcessPool:
                 self._schedule_restart(proc.idx)
         if reply[0] == "err":
             raise WorkerError(f"the model raised on this batch: {reply[2]}")
-        return split_outputs([_decode(o) for o in reply[2]], items, self.signature, padded)
+        return split_outputs([decode(o) for o in reply[2]], items, self.signature, padded)
 
     @property
     def pids(self) -> list[int]:
