@@ -21,7 +21,7 @@ from torchnitro.autotune.recipe import EAGER, CandidateFiles, get_recipe
 from torchnitro.autotune.report import Report
 from torchnitro.errors import InputError
 
-__all__ = ["OptimizedModel", "optimize", "load", "load_pipeline"]
+__all__ = ["OptimizedModel", "optimize", "load", "load_pipeline", "default_dynamic_dims"]
 
 
 class OptimizedModel:
@@ -101,6 +101,29 @@ def _as_tuple(model: nn.Module, example_inputs: Any) -> tuple[Any, ...]:
     return example_inputs
 
 
+def default_dynamic_dims(model: nn.Module, inputs: tuple[Any, ...], padding_mask: int | str | None = None
+                         ) -> dict[int, list[int]]:
+    """The dims that vary between calls of a model given as an object: the batch (dim 0) of every tensor
+    input, and, where the inputs carry an attention mask (``verify.mask_index``, or a feature dict's
+    ``attention_mask``), the sequence (dim 1) of every input laid out ``(B, T, ...)`` like the mask and of
+    the feature dict holding it: a tokenizer pads each call to its own longest sentence, so a variant
+    that baked the example's length in (an ONNX or OpenVINO graph) failed on the user's next batch."""
+    from torchnitro.autotune.verify import _mask_in, mask_index
+
+    dyn = {i: [0] for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    i = mask_index(model, inputs, padding_mask)
+    in_dict = [k for k, x in enumerate(inputs) if isinstance(x, Mapping) and _mask_in(x) is not None]
+    mask = inputs[i] if i is not None else _mask_in(inputs[in_dict[0]]) if in_dict else None
+    if mask is None or mask.dim() != 2:
+        return dyn
+    for k, t in enumerate(inputs):
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == tuple(mask.shape):
+            dyn[k] = [0, 1]
+    for k in in_dict:
+        dyn[k] = [0, 1]  # every tensor in the dict; the layout keeps the dims each one has
+    return dyn
+
+
 def _check_no_meta(model: nn.Module, inputs: tuple[Any, ...]) -> None:
     """Meta tensors hold no values (``torch.device('meta')``, an empty-weights init): nothing can be run or
     compared on them, and they failed deep in the search ("Tensor.item() cannot be called on meta tensors")."""
@@ -148,8 +171,7 @@ def optimize(model: nn.Module | str | Any, example_inputs: Any = None, config: O
         raise InputError("example_inputs: received nothing; expected the model's inputs, e.g. (torch.randint(0, 100, (8, 128)),)")
     _check_no_meta(model, inputs)
     if info is None:
-        dyn = {i: [0] for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
-        info = ModelInfo(None, type(model).__name__, None, dyn)
+        info = ModelInfo(None, type(model).__name__, None, default_dynamic_dims(model, inputs, cfg.padding_mask))
     train_note = None
     if model.training:  # e.g. an HF model built from_config (from_pretrained returns it in eval mode)
         model = copy.deepcopy(model).eval()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -47,20 +47,35 @@ class SearchOutcome:
     tmp: Any = None  # TemporaryDirectory kept alive while the files are in use
 
 
+def _resized(t: Tensor, dims: Sequence[int], sizes: Sequence[int]) -> Tensor:
+    """``t`` repeated or cut so that its ``dims`` (those it has) take ``sizes``."""
+    shape = list(t.shape)
+    for d, size in zip(sorted(dims), sizes):
+        if d < t.dim():
+            shape[d] = int(size)
+    reps = [max(1, -(-n // o)) if o else 1 for n, o in zip(shape, t.shape)]
+    return t.repeat(*reps)[tuple(slice(0, n) for n in shape)]
+
+
 def _resize(inputs: tuple[Any, ...], dyn: dict[int, list[int]], sizes: Sequence[int], seed: int) -> tuple[Any, ...]:
-    """Random inputs like ``inputs`` whose dynamic dims take ``sizes`` (dims in order: batch, seq, ...)."""
+    """Random inputs like ``inputs`` whose dynamic dims take ``sizes`` (dims in order: batch, seq, ...);
+    the tensors of a feature dict take its input's dims."""
     out = []
     for i, t in enumerate(inputs):
-        if not isinstance(t, Tensor) or i not in dyn:
+        if isinstance(t, Tensor) and i in dyn:
+            out.append(_resized(t, dyn[i], sizes))
+        elif isinstance(t, Mapping) and i in dyn:
+            out.append({k: _resized(v, dyn[i], sizes) if isinstance(v, Tensor) else v for k, v in t.items()})
+        else:
             out.append(t)
-            continue
-        shape = list(t.shape)
-        for d, size in zip(sorted(dyn[i]), sizes):
-            shape[d] = int(size)
-        reps = [max(1, -(-n // o)) if o else 1 for n, o in zip(shape, t.shape)]
-        tmpl = t.repeat(*reps)[tuple(slice(0, n) for n in shape)]
-        out.append(tmpl)
     return random_like(tuple(out), seed)
+
+
+def _first_tensor(x: Any) -> Tensor | None:
+    """``x`` when it is a tensor, the first tensor of a feature dict, else None."""
+    if isinstance(x, Mapping):
+        return next((v for v in x.values() if isinstance(v, Tensor)), None)
+    return x if isinstance(x, Tensor) else None
 
 
 def prepare_workload(model: nn.Module, example_inputs: tuple[Any, ...], info: ModelInfo, cfg: OptimizeConfig,
@@ -68,8 +83,8 @@ def prepare_workload(model: nn.Module, example_inputs: tuple[Any, ...], info: Mo
     """Held-out and timing inputs plus eager references. ``recheck``: one held-out set only, for
     re-checking a cached winner (the full search already verified every size)."""
     dyn = cfg.dynamic_dims if cfg.dynamic_dims is not None else dict(info.dynamic_dims)
-    first = next((t for t in example_inputs if isinstance(t, Tensor)), None)
-    base = [int(first.shape[d]) for d in sorted(dyn.get(0, []))] if first is not None else []
+    first = next((f for f in map(_first_tensor, example_inputs) if f is not None), None)
+    base = [int(first.shape[d]) for d in sorted(dyn.get(0, [])) if d < first.dim()] if first is not None else []
 
     def make(sizes: Sequence[int], seed: int) -> tuple[Any, ...]:
         if info.make_inputs is not None and len(sizes) >= 1:

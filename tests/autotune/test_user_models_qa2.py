@@ -1,0 +1,117 @@
+"""Models as a new user holds them, tried on code that was not written around them (issue 15): a
+tokenizer pads each call to its own longest sentence, so the chosen variant must take the user's next
+batch at another length. An HF classifier fed its tokenizer's dict and a ``SentenceTransformer`` fed its
+feature dict chose ``onnxruntime`` and failed on the next call ("Got invalid dimensions for input:
+input_2 ... Got: 8 Expected: 16"): only the batch was dynamic for a model given as an object."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+import torchnitro  # noqa: E402
+from test_user_models import _tiny_sentence_transformer  # noqa: E402
+from torchnitro.autotune.api import default_dynamic_dims  # noqa: E402
+from torchnitro.autotune.recipe import get_recipe  # noqa: E402
+from torchnitro.hardware import hardware_info  # noqa: E402
+from torchnitro.hf import bert_config  # noqa: E402
+
+
+def _tokenized(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    """A tokenizer's output padded to its longest row (the last one, ``seq`` long)."""
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, seq + 1, (batch,), generator=g)
+    lens[-1] = seq
+    mask = (torch.arange(seq)[None] < lens[:, None]).long()  # (B, T)
+    ids = torch.randint(5, 30522, (batch, seq), generator=g) * mask
+    return {"input_ids": ids, "token_type_ids": torch.zeros_like(ids), "attention_mask": mask}
+
+
+def _classifier() -> nn.Module:
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(0)
+    cfg = bert_config(vocab_size=30522, hidden_size=32, intermediate_size=64, num_labels=3)
+    return AutoModelForSequenceClassification.from_config(cfg).eval()
+
+
+class _Pair(nn.Module):
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return ids * mask * scale.sum()
+
+
+class _Image(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean((2, 3))
+
+
+class _Features(nn.Module):
+    def forward(self, features: dict) -> torch.Tensor:
+        return features["input_ids"] * features["attention_mask"]
+
+
+def test_the_sequence_dim_is_dynamic_where_the_inputs_carry_a_mask():
+    x = _tokenized(2, 8, 0)
+    assert default_dynamic_dims(_classifier(), (x["input_ids"], x["token_type_ids"], x["attention_mask"])) == {
+        0: [0, 1], 1: [0, 1], 2: [0, 1]}
+    # (ids, mask) of a script class by position; a (1,) tensor keeps its batch only
+    assert default_dynamic_dims(_Pair(), (x["input_ids"], x["attention_mask"], torch.ones(1))) == {
+        0: [0, 1], 1: [0, 1], 2: [0]}
+    assert default_dynamic_dims(_Features(), (x,)) == {0: [0, 1]}  # a feature dict holding the mask
+    assert default_dynamic_dims(_Image(), (torch.randn(2, 3, 8, 8),)) == {0: [0]}  # no mask: the batch only
+    assert default_dynamic_dims(_Pair(), (x["input_ids"], x["attention_mask"], torch.ones(1)), padding_mask=0) == {
+        0: [0, 1], 1: [0, 1], 2: [0]}
+
+
+def _onnx_or_skip() -> list[str]:
+    why = get_recipe("onnxruntime").unavailable_reason(hardware_info())
+    if why is not None:
+        pytest.skip(why)
+    return ["onnxruntime"]
+
+
+def test_classifier_from_its_tokenizer_dict_takes_a_batch_of_another_length(fast_cfg):
+    """Seen failing before the fix: ``InvalidArgument ... Got: 9 Expected: 16`` on the call below."""
+    model = _classifier()
+    om = torchnitro.optimize(model, _tokenized(4, 16, 0), fast_cfg(recipes=_onnx_or_skip(), finalists=1,
+                                                                  min_speedup=0.0, cache=False))
+    assert om.recipe == "onnxruntime", [(c.recipe, c.status, c.reason) for c in om.report.candidates]
+    assert [i["shape"][:2] for i in om.signature["inputs"]] == [[-1, -1]] * 3
+    held = _tokenized(3, 9, 1)
+    with torch.inference_mode():
+        ref = model(**held).logits
+    out = om(**held).logits
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_sentence_transformer_variant_takes_a_feature_dict_of_another_length(tmp_path, fast_cfg, monkeypatch):
+    """Seen failing before the fix: the ONNX variant chosen for a SentenceTransformer (one dict argument) raised
+    ``Got invalid dimensions for input: input_2`` on sentences tokenized to another length; and its held-out
+    sets had no smaller size at all (the size came from a top-level tensor, and a feature dict is none)."""
+    import torchnitro.autotune.search as search
+
+    model = _tiny_sentence_transformer(tmp_path / "st")
+    texts = ["the cat sat on the mat", "a quick brown fox jumps over the lazy dog near the river", "hello"]
+    feats = model.preprocess(texts)
+    seen = []
+    real = search.prepare_workload
+
+    def spy(*args, **kwargs):
+        wl = real(*args, **kwargs)
+        seen.extend(tuple(h[0]["input_ids"].shape) for h in wl.held_out)
+        return wl
+
+    monkeypatch.setattr(search, "prepare_workload", spy)
+    om = torchnitro.optimize(model, feats, fast_cfg(recipes=_onnx_or_skip(), finalists=1, min_speedup=0.0, cache=False))
+    T = feats["input_ids"].shape[1]
+    assert (1, T // 2) in seen, seen  # the half-size set: batch and length
+    assert om.recipe == "onnxruntime", [(c.recipe, c.status, c.reason) for c in om.report.candidates]
+    held = model.preprocess(["what is the weather in paris today", "x", "another sentence entirely"])
+    assert held["input_ids"].shape[1] != T
+    with torch.inference_mode():
+        ref = model(dict(held))["sentence_embedding"]
+    out = om(dict(held))["sentence_embedding"]
+    assert float(torch.nn.functional.cosine_similarity(out, ref).min()) > 0.9999
