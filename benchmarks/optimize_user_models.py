@@ -21,10 +21,13 @@ budget, results/optimize_user_models_quiet.md; allow about 50 with the 60 s defa
    runtime process alive at a time); own-runtime variants are timed alone in their own process
    (``autotune.fair``). Goal on full-length text:
    chosen >= 1.1x the best OpenVINO variant at embedding cosine >= 0.99.
-3. The coverage set (``tests/autotune/coverage_models.py``: BERT ... MobileNetV2, random weights,
-   4x the unit tests' width) held directly as the HF class, each over its recipe sweep with the
-   default margins: the chosen recipe, its speedup with noise, how many recipes ran or failed, and every
-   candidate's outcome (status, speedup, gate cosine, reason and notes).
+3. The coverage set (``tests/autotune/coverage_models.py``: BERT ... MPNet, ELECTRA, ALBERT ... MobileNetV2,
+   random weights, 4x the unit tests' width) held directly as the HF class (``--held``: also in a user's
+   class, ``wrapper``, or fed a tokenizer/processor dict, ``dict``), each over its recipe sweep with the
+   default margins: the chosen recipe, its speedup with noise, its gate cosine, whether its saved artifact
+   loads back and answers as before on a held-out batch of another size (half the batch; text with a mask
+   also 3/4 of the length), how many recipes ran or failed,
+   and every candidate's outcome (status, speedup, gate cosine, reason and notes).
 
 Writes results/optimize_user_models.{json,md,png} (``--quick``: ..._quick).
 """
@@ -49,9 +52,9 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "autotune"))  # the coverage set is shared with its unit test
 
-from coverage_models import CASES, held  # noqa: E402
+from coverage_models import CASES, HOLDINGS, example, held  # noqa: E402
 from fault_classes import faults  # noqa: E402
-from torchnitro.autotune.api import optimize  # noqa: E402
+from torchnitro.autotune.api import load, optimize  # noqa: E402
 from torchnitro.autotune.config import OptimizeConfig  # noqa: E402
 from torchnitro.autotune.fair import Steady  # noqa: E402
 from torchnitro.autotune.recipe import BuildContext, get_recipe  # noqa: E402
@@ -79,8 +82,8 @@ PARITY_COLUMNS = ("inputs", "held as", "chosen", "eager ms", "median ms", "speed
 OUTCOME_COLUMNS = ("model", "recipe", "status", "speedup", "timed", "noise", "min cos", "why")
 USER, BUILTIN = "user wrapper (AutoModel)", "built-in SentenceEncoder"
 GATE_COSINE = 0.99  # the int8/reduced gate: worst token-row cosine at real positions
-COVERAGE_COLUMNS = ("model", "size", "inputs", "chosen", "speedup", "noise", "ran", "failed", "our fault", "search s",
-                    "failed recipes")
+COVERAGE_COLUMNS = ("model", "held as", "size", "inputs", "chosen", "speedup", "noise", "min cos", "save/load", "ran",
+                    "failed", "our fault", "search s", "failed recipes")
 
 
 class UserEncoder(nn.Module):
@@ -449,28 +452,65 @@ def coverage_recipes(case: Any, model: nn.Module, quick: bool) -> list[str]:
     return [r for r in dict.fromkeys(names) if get_recipe(r).unavailable_reason(hardware_info()) is None]
 
 
+def _tensors(out: Any) -> list[torch.Tensor]:
+    """Every tensor in an output (a tensor, a ModelOutput or dict, a tuple), in order."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return [t for v in items for t in _tensors(v)]
+
+
+def round_trip(om: Any, model: nn.Module, args: tuple, kwargs: dict[str, Any], directory: Path) -> str:
+    """Save the chosen variant, load it back (with the model object where its recipe rebuilds from it) and
+    call both on one held-out batch: 'equal', or what differed or failed, in one line."""
+    try:
+        loaded = load(om.save(directory), model=model)
+        with torch.inference_mode():
+            before, after = (om(*args, **kwargs), loaded(*args, **kwargs))
+    except Exception as exc:  # noqa: BLE001 - the table says what failed
+        return f"failed: {type(exc).__name__}: {exc}".splitlines()[0][:200]
+    a, b = _tensors(before), _tensors(after)
+    if not a or len(a) != len(b):
+        return f"differs: {len(a)} tensors before saving, {len(b)} after"
+    worst = max(float((x.float() - y.float()).abs().max()) if x.shape == y.shape else float("inf") for x, y in zip(a, b))
+    ok = all(x.shape == y.shape and torch.allclose(y.float(), x.float(), rtol=1e-5, atol=1e-6) for x, y in zip(a, b))
+    return "equal" if ok else f"differs: max abs {worst:.3g}"
+
+
 def coverage_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    """Each coverage model's search: its row, and every candidate's outcome (``outcome_rows``)."""
+    """Each coverage model's search per holding (``--held``): its row, and every candidate's outcome
+    (``outcome_rows``)."""
     rows, outcomes = [], []
+    scale, shape = (1, {"batch": 2, "seq": 16}) if args.quick else (4, {"batch": 8, "seq": 128})
     for name, case in CASES.items():
         if args.models and name not in args.models:
             continue
-        scale, shape = (1, {"batch": 2, "seq": 16}) if args.quick else (4, {"batch": 8, "seq": 128})
-        model, x, _ = held(case, "hf", scale, **shape)
-        recipes = coverage_recipes(case, model, args.quick)
-        cfg = OptimizeConfig(recipes=recipes, budget_s=args.coverage_budget, cache=False, progress=True, **args.cfg)
-        t0 = time.perf_counter()
-        om = optimize(model, x, cfg)
-        search_s = time.perf_counter() - t0
-        ran, failed, why = _counts(om.report)
-        c = om.report.get(om.recipe)
-        rows.append({"model": name, "size": _size(model), "inputs": om.report.inputs, "chosen": om.recipe, "speedup": c.speedup or 1.0,
-                     "noise": c.noise, "ran": f"{ran}/{len(recipes) + 1}", "failed": failed,
-                     "our fault": _our_fault(om.report), "search s": search_s,
-                     "failed recipes": "; ".join(why)[:300], "candidates": _candidates(om.report),  # JSON only
-                     "search notes": list(om.report.notes)})  # the winner rule, the finalists, the gate
-        outcomes += outcome_rows(name, om.report)
-        _progress(f"coverage {name}: {om.recipe} {c.speedup or 1.0:.2f}x, {ran} ran, {failed} failed")
+        for how in args.held:
+            model, x, hf = held(case, how, scale, **shape)
+            recipes = coverage_recipes(case, model, args.quick)
+            cfg = OptimizeConfig(recipes=recipes, budget_s=args.coverage_budget, cache=False, progress=True,
+                                 **args.cfg)
+            t0 = time.perf_counter()
+            om = optimize(model, x, cfg)
+            search_s = time.perf_counter() - t0
+            ran, failed, why = _counts(om.report)
+            c = om.report.get(om.recipe)
+            # held out: half the batch and, for text with a mask, 3/4 of the length (a tokenizer pads each call to its
+            # longest sentence); ids-only and image inputs keep the example's length or size
+            seq = shape["seq"] * 3 // 4 if case.kind == "text" else shape["seq"]
+            other = example(case, hf, batch=max(1, shape["batch"] // 2), seq=seq, seed=11)
+            call = ((), other) if how == "dict" else (tuple(other.values()), {})
+            with tempfile.TemporaryDirectory(prefix="torchnitro-cov-") as d:
+                saved = round_trip(om, model, *call, Path(d) / "artifact")
+            rows.append({"model": name, "held as": how, "size": _size(hf), "inputs": om.report.inputs,
+                         "chosen": om.recipe, "speedup": c.speedup or 1.0, "noise": c.noise,
+                         "min cos": c.min_cosine, "save/load": saved, "ran": f"{ran}/{len(recipes) + 1}",
+                         "failed": failed, "our fault": _our_fault(om.report), "search s": search_s,
+                         "failed recipes": "; ".join(why)[:300], "candidates": _candidates(om.report),  # JSON only
+                         "search notes": list(om.report.notes)})  # the winner rule, the finalists, the gate
+            outcomes += outcome_rows(name if how == "hf" else f"{name} ({how})", om.report)
+            _progress(f"coverage {name} ({how}): {om.recipe} {c.speedup or 1.0:.2f}x, {ran} ran, {failed} failed, "
+                      f"save/load {saved}")
     return rows, outcomes
 
 
@@ -583,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", nargs="*", choices=SECTIONS, help="run only these sections")
     ap.add_argument("--models", nargs="*", choices=list(CASES), help="coverage: only these models")
+    ap.add_argument("--held", nargs="+", choices=HOLDINGS, default=["hf"],
+                    help="coverage: how each model is held (hf: the HF class, positional tensors; wrapper: in a "
+                         "user's class returning one tensor; dict: the HF class fed a tokenizer/processor dict)")
     ap.add_argument("--coverage-budget", type=float, default=COVERAGE_BUDGET_S,
                     help=f"coverage: search budget per model in seconds (default {COVERAGE_BUDGET_S:.0f})")
     ap.add_argument("--quick", action="store_true", help="tiny random encoder and models, short budgets: a smoke test")
@@ -642,8 +685,9 @@ def main(argv: list[str] | None = None) -> int:
                           "eager)", PARITY_COLUMNS, parity, parity_meta),
               ResultTable("Side by side with OpenVINO (each interleaved with eager; own runtimes timed alone)",
                           PEER_COLUMNS, peer, peer_meta),
-              ResultTable("Coverage set held as the HF class (default margins, recipe sweep, budget "
-                          f"{args.coverage_budget:.0f} s)", COVERAGE_COLUMNS, coverage),
+              ResultTable(f"Coverage set held as {'/'.join(args.held)} (default margins, recipe sweep, budget "
+                          f"{args.coverage_budget:.0f} s; save/load: the chosen artifact on a held-out batch of "
+                          "half the size, text 3/4 of the length)", COVERAGE_COLUMNS, coverage),
               ResultTable("Coverage set: every candidate's outcome (speedup from the final interleaved comparison "
                           "for finalists, else the search's one-sample estimate)", OUTCOME_COLUMNS, candidates),
               ResultTable("Goals (issue 15) from the rows above", GOAL_COLUMNS, goal_rows(minilm, peer, parity))]

@@ -39,6 +39,8 @@ def test_quick_run_writes_the_minilm_and_coverage_tables(tmp_path, monkeypatch):
     assert len({r["eager ms"] for r in parity}) == 1 and parity[2]["parity"] == pytest.approx(1.0)
     assert all(r["median ms"] > 0 and r["speedup"] > 0 for r in parity)
     assert [r["model"] for r in coverage] == ["vit"] and coverage[0]["our fault"] == "none"
+    assert coverage[0]["held as"] == "hf" and coverage[0]["save/load"] == "equal", coverage[0]
+    assert coverage[0]["min cos"] > 0.99
     assert coverage[0]["ran"] == "2/2"  # eager and dynamic-int8
     assert coverage[0]["size"].endswith("M, 2 x 32"), coverage[0]["size"]  # parameters, layers x width
     assert [c["recipe"] for c in coverage[0]["candidates"]] == ["eager", "dynamic-int8"]
@@ -132,3 +134,48 @@ def test_peer_goal_is_not_met_when_the_chosen_variant_is_openvino_itself(monkeyp
         goals = [r for r in bench.goal_rows([], [row, ov]) if r["goal"].startswith("ahead of the peer")]
         assert goals and all(g["met"] is met for g in goals), (chosen, speedup, goals)
         assert ("OpenVINO itself" in goals[0]["measured"]) == (chosen == "openvino-int8")
+
+
+def test_coverage_runs_each_holding_and_says_when_the_loaded_artifact_differs(monkeypatch, tmp_path):
+    """``--held`` reaches every coverage search with the model as held; the save/load column reads the loaded
+    artifact's answer on a held-out batch, and says so when it differs or loading fails."""
+    import torch
+
+    bench = _bench(monkeypatch)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_optimize(model, x, cfg):
+        seen.append((type(model).__name__, type(x).__name__))
+        raise Stop
+
+    monkeypatch.setattr(bench, "optimize", fake_optimize)
+    monkeypatch.setattr(bench, "CASES", {"mpnet": bench.CASES["mpnet"]})
+    for how in ("hf", "wrapper", "dict"):
+        with pytest.raises(Stop):
+            bench.main(["--quick", "--only", "coverage", "--held", how, "--out", str(tmp_path)])
+    assert seen == [("MPNetModel", "tuple"), ("UserWrapper", "tuple"), ("MPNetModel", "dict")]
+
+    class Om(torch.nn.Module):
+        def __init__(self, shift):
+            super().__init__()
+            self.shift = shift
+
+        def forward(self, x):
+            return {"y": x + self.shift}
+
+        def save(self, d):
+            return d
+
+    x = (torch.ones(2, 3),)
+    monkeypatch.setattr(bench, "load", lambda d, model=None: Om(0.0))
+    assert bench.round_trip(Om(0.0), None, x, {}, tmp_path) == "equal"
+    assert bench.round_trip(Om(0.5), None, x, {}, tmp_path) == "differs: max abs 0.5"
+
+    def broken(d, model=None):
+        raise RuntimeError("no program.pt\nsecond line")
+
+    monkeypatch.setattr(bench, "load", broken)
+    assert bench.round_trip(Om(0.0), None, x, {}, tmp_path) == "failed: RuntimeError: no program.pt"
