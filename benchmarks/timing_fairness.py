@@ -1,23 +1,30 @@
 """Does the optimizer's final comparison time each variant as it runs alone?
 
 For each workload, one ``torchnitro.optimize`` search builds one recipe per runtime family (compile, TorchScript,
-ONNX Runtime, OpenVINO when installed) into the candidate cache, and each variant's artifact is saved. Then
-``--rounds`` rounds (default 3; 1 with ``--quick``), each one optimizer comparison and one alone set taken back to
-back, the order alternating (comparison then alone, alone then comparison, ...: A B A B), so the two sides of each
-pair fall in one phase of the machine's speed: on a shared VM that speed moves 12-16% in phases minutes long, and
-a comparison and an alone set timed minutes apart measured the phase, not the comparison (git show
-7ce9ea3:results/timing_fairness.md). A round's comparison is ``optimize`` again on the same candidate cache with the
-whole-search cache entry removed: nothing is built again (a row's note says otherwise), the final comparison is
-timed anew. Its alone set times every variant (eager included) in its own fresh process (all started together,
-timed in rotation; the parent only waits). Two checks per workload (issue 14), each on the median over rounds of the
-per-round difference, the per-round values beside it:
+ONNX Runtime, OpenVINO when installed) into the candidate cache, and each variant's artifact is saved. Then the
+rule, fixed before any number is seen: ``R`` rounds (``--rounds``; per workload ``BLOCKS``: encoder 3 at 2 s per
+variant, ``mlp`` 7 at 0.5 s; 1 with ``--quick``) run as one chain of blocks, alone set 0, comparison 1, alone set 1,
+comparison 2, ..., comparison R, alone set R. Round ``i`` is comparison ``i`` against the alone sets right before and
+after it: each variant's p50 alone in that round is the mean of the two sets' p50s, so a drift of the machine's
+speed that is linear across the round cancels, and a step inside it counts half. Why: on this shared VM the speed
+moves 12-20% in phases minutes long (the probe below; 7ce9ea3:results/timing_fairness.md), and with one comparison
+and one alone set per round, each ~2.5 min on ``mlp`` (2 s a variant), every ``mlp`` variant ran 1.4-14% faster
+inside the comparison than alone in two rounds of the 27 Nov 08:45 run and within 2.4% in the third, while a
+comparison of the two loaders in one rotation found no difference between them (the method table in
+docs/optimize.md). Shorter blocks keep the two sides of a round closer in time. A round's comparison is
+``optimize`` again on the same candidate cache with the whole-search cache entry removed: nothing is built again
+(a row's note says otherwise), the final comparison is timed anew. An alone set times every variant (eager
+included) in its own fresh process (all started together, timed in rotation with the comparison's warm-up, samples
+and time per variant; the parent only waits). Two checks per workload (issue 14), each on the median over rounds of
+the per-round difference, the per-round values beside it:
 
 - each variant's p50 inside the optimizer's comparison is within 5% of its p50 alone;
 - the optimizer's reported speedup agrees with the isolated ratio (eager alone / variant alone) within 10%.
 
-A machine-speed probe (a fixed fp32 matmul, ``speed_probe``, timed ~1 s in one process started with the run, gated
-like every sample) is read at the start and the end of every round; the rounds table shows both, so a round that
-straddled a phase change shows. It is a diagnostic: no number is normalised by it.
+A machine-speed probe (a fixed fp32 matmul, ``speed_probe``, timed ~0.3 s in one process started with the run, gated
+like every sample) is read before every block and after the last; the rounds table shows the readings before a
+round's first alone set and after its second, so a round that straddled a phase change shows. It is a diagnostic:
+no number is normalised by it.
 
 The optimizer's comparison times eager and every finalist alone, each in its own fresh process that loads the
 variant as its artifact would (``autotune.fair``), eager in ``OptimizeConfig.eager_processes`` (default 1) fresh
@@ -51,7 +58,7 @@ deliberate competitor: left out of "ours" and of the machine check there.
 
 Run (one benchmark at a time on a shared machine)::
 
-    flock /tmp/torchnitro-bench.lock python benchmarks/timing_fairness.py   # ~25 min on 2 idle cores
+    flock /tmp/torchnitro-bench.lock python benchmarks/timing_fairness.py   # ~25-30 min on 2 idle cores
     python benchmarks/timing_fairness.py --only mlp --rounds 2               # one workload
     python benchmarks/timing_fairness.py --quick                            # smoke test, 1-2 min
 
@@ -100,22 +107,28 @@ WORKLOADS = {"encoder": ("encoder", 8, 128), "mlp": ("mlp", 64, 0)}  # name -> (
 QUICK_WORKLOADS = {"mlp": ("mlp", 8, 0)}
 QUICK_SKIP = ("compile",)  # inductor's C++ build takes minutes on 2 cores: not for a smoke test
 P50_GOAL, SPEEDUP_GOAL = 0.05, 0.10
-ROUNDS = 3  # comparison + alone pairs per workload: the goals are checked on the median of the rounds' differences
+ROUNDS = 3  # comparisons per workload (each between two alone sets): the goals are checked on the rounds' median
 FINAL_S, QUICK_FINAL_S = 2.0, 0.3  # measured seconds per variant in each comparison and each alone set
+# workload -> (FINAL_S, ROUNDS) of its own: mlp's blocks were ~2.5 min at 2 s a variant, long enough for the VM to
+# change speed between a comparison and its alone set (results/timing_fairness.md, 27 Nov 08:45); at 0.5 s (~250
+# samples a variant) a block is ~1 min and 7 rounds take ~13 min
+BLOCKS = {"encoder": (FINAL_S, ROUNDS), "mlp": (0.5, 7)}
 SETUP_FINAL_S = 0.05  # the building search's own comparison: not read by any check (every round compares anew)
-PROBE_S, QUICK_PROBE_S = 1.0, 0.2  # measured seconds of one machine-speed probe reading
+PROBE_S, QUICK_PROBE_S = 0.3, 0.1  # measured seconds of one machine-speed probe reading (read 2R + 2 times)
 PROBE_N = 384  # the probe's fp32 matmul is (PROBE_N x PROBE_N) @ (PROBE_N x PROBE_N): ~0.8 ms on this 2-core VM
 VARIANT_COLUMNS = ("workload", "variant", "family", "p50 in comparison ms", "p50 alone ms", "diff", "within 5%",
-                   "in comparison per round ms", "alone per round ms", "diff per round", "timed in comparison",
-                   "alone")
+                   "in comparison per round ms", "alone per round ms", "diff per round", "alone sets per round ms",
+                   "timed in comparison", "alone")
 P50_COLUMNS = ("p50 in comparison ms: the optimizer's own number (for eager the median of the p50s of its fresh "
-               "processes, which every reported speedup divides), the median over rounds; p50 alone ms: one fresh "
-               "process per variant per round, the median over rounds; diff: the median over rounds of each round's "
+               "processes, which every reported speedup divides), the median over rounds; p50 alone ms: each round's "
+               "is the mean of the p50s of the alone sets right before and after its comparison (one fresh process "
+               "per variant in each set), the median over rounds; diff: the median over rounds of each round's "
                "inside/alone - 1 (the goals are checked on it; of an even count of rounds, the mean of the middle "
-               "two); the per-round columns list every round in order")
+               "two); the per-round columns list every round in order, 'alone sets per round ms' each round's "
+               "before|after")
 SPEEDUP_COLUMNS = ("workload", "variant", "reported speedup", "isolated ratio", "diff", "within 10%",
                    "reported per round", "isolated per round", "diff per round", "chosen in rounds")
-ROUND_COLUMNS = ("workload", "round", "order", "started", "probe at start ms", "probe at end ms", "probe change",
+ROUND_COLUMNS = ("workload", "round", "blocks", "started", "probe at start ms", "probe at end ms", "probe change",
                  "comparison s", "alone s", "chosen", "eager per process ms", "redone")
 ALLOCATOR_COLUMNS = ("workload", "setting", "env", "eager p50 alone ms", "vs glibc defaults", "page faults per call")
 THREAD_COLUMNS = ("workload", "setting", "env", "beside", "eager p50 alone ms", "eager p90 ms",
@@ -203,21 +216,22 @@ class Probe:
 
 @dataclasses.dataclass
 class Round:
-    """One round of a workload: the optimizer's comparison and one alone set, back to back in ``order``."""
+    """One round of a workload: the optimizer's comparison between the alone sets before and after it (``_chain``)."""
 
     number: int  # 1-based; a round that failed is left out of the tables (the notes say why)
     order: str
-    started: str
-    probe_ms: tuple[float, float]  # the machine-speed probe at the round's start and end
+    started: str  # when its comparison started
+    probe_ms: tuple[float, float]  # the machine-speed probe before the alone set before and after the one after
     inside: dict[str, float]  # variant -> p50 ms in the comparison (NaN: not in it this round)
     speedup: dict[str, float]  # variant -> the optimizer's reported speedup
-    alone: dict[str, float]  # variant -> p50 ms alone in its own fresh process
+    alone: dict[str, float]  # variant -> p50 ms alone: the mean of the two alone sets' p50s
     how: dict[str, str]  # variant -> how the comparison timed it
     chosen: str
     eager_processes_ms: list[float]
     redone: bool
     comparison_s: float
-    alone_s: float
+    alone_s: tuple[float, float]  # the alone sets' wall times, before and after
+    alone_sets: tuple[dict[str, float], dict[str, float]] = ({}, {})  # variant -> p50 ms in each (absent: failed)
 
 
 def diffs(num: Sequence[float], den: Sequence[float]) -> list[float]:
@@ -357,54 +371,87 @@ def _comparison(w: Workload, notes: list[str], label: str) -> tuple[Report, str]
     return rep, opt.recipe
 
 
-def _round(i: int, rounds: int, w: Workload, probe: Probe, notes: list[str]) -> Round:
-    """Round ``i``: probe, the comparison and the alone set (even rounds comparison first, odd rounds alone first:
-    A B A B, so drift between the two sides changes sign across rounds), probe."""
-    label = f"{w.name} round {i + 1} of {rounds}"
-    started, first = time.strftime("%H:%M:%S"), probe.read()
-    got: dict[str, Any] = {}
+@dataclasses.dataclass
+class _Comparison:
+    """One comparison block of a workload's chain (``_chain``)."""
 
-    def comparison() -> None:
+    rep: Report
+    chosen: str
+    started: str
+    seconds: float
+
+
+def _chain(w: Workload, rounds: int, probe: Probe, notes: list[str]) -> list[Round]:
+    """The blocks A0 C1 A1 C2 ... CR AR (A: an alone set, C: the optimizer's comparison), the probe read before every
+    block and after the last; round ``i`` is (A[i-1], C[i], A[i]). A failed block is noted; a round whose comparison
+    failed is left out, one whose alone sets both failed too, one with a single alone set uses it alone."""
+    reads, sets, set_s, comps = [probe.read()], [], [], []
+
+    def alone_set(j: int) -> None:
         t0 = time.perf_counter()
-        got["rep"], got["chosen"] = _comparison(w, notes, label + " comparison")
-        got["comparison_s"] = time.perf_counter() - t0
+        try:
+            got = _alone(w.spec, w.batch, w.seq, w.timed, w.inputs, w.cfg.resolved_threads(), w.tc,
+                         w.work / f"alone{j}", artifacts=w.artifacts, notes=notes, label=f"{w.name} alone set {j}")
+        except Exception as exc:  # noqa: BLE001 - a failed alone set costs its rounds one side, not the run
+            notes.append(f"{w.name} alone set {j} failed: {type(exc).__name__}: {exc}"[:400])
+            got = {}
+        sets.append(got)
+        set_s.append(time.perf_counter() - t0)
+        reads.append(probe.read())
 
-    def alone() -> None:
-        t0 = time.perf_counter()
-        got["alone"] = _alone(w.spec, w.batch, w.seq, w.timed, w.inputs, w.cfg.resolved_threads(), w.tc,
-                              w.work / f"alone{i}", artifacts=w.artifacts, notes=notes, label=label + " alone side")
-        got["alone_s"] = time.perf_counter() - t0
+    alone_set(0)
+    for i in range(1, rounds + 1):
+        label, started, t0 = f"{w.name} round {i} of {rounds} comparison", time.strftime("%H:%M:%S"), time.perf_counter()
+        try:
+            comps.append(_Comparison(*_comparison(w, notes, label), started, time.perf_counter() - t0))
+        except Exception as exc:  # noqa: BLE001 - a failed comparison costs its own round, not the others'
+            notes.append(f"{w.name} round {i} of {rounds} failed, left out: {type(exc).__name__}: {exc}"[:400])
+            comps.append(None)
+        reads.append(probe.read())
+        alone_set(i)
+    return [_bracketed(i, c, w.timed, (sets[i - 1], sets[i]), (set_s[i - 1], set_s[i]),
+                       (reads[2 * i - 2], reads[2 * i + 1])) for i, c in enumerate(comps, 1)
+            if c is not None and (sets[i - 1] or sets[i])]
 
-    steps = (comparison, alone) if i % 2 == 0 else (alone, comparison)
-    for step in steps:
-        step()
-    rep: Report = got["rep"]
+
+def _bracketed(i: int, c: _Comparison, timed: list[str], sets: tuple[dict[str, float], dict[str, float]],
+               set_s: tuple[float, float], probe_ms: tuple[float, float]) -> Round:
+    """Round ``i`` from its comparison and the alone sets before and after it: each variant's p50 alone is the mean
+    of the two sets' p50s (a drift linear in time across the bracket cancels), one set's where the other has none."""
     inside, speedup, how = {}, {}, {}
-    for n in w.timed:
-        c = next((c for c in rep.candidates if c.recipe == n and c.interleaved and c.p50_ms), None)
-        if c is None:
+    for n in timed:
+        cand = next((x for x in c.rep.candidates if x.recipe == n and x.interleaved and x.p50_ms), None)
+        if cand is None:
             inside[n], speedup[n], how[n] = math.nan, math.nan, "not in this round's comparison"
             continue
-        inside[n], speedup[n] = c.p50_ms, c.speedup if c.speedup is not None else math.nan
-        k = len(c.process_p50_ms) if n == "eager" and c.process_p50_ms else 1
-        how[n] = ("own process" if k == 1 else f"{k} own processes, median") if c.alone else \
-            "this process: " + _why_here(c.notes)
-    eager = rep.get("eager")
-    return Round(number=i + 1, order=" then ".join(s.__name__ for s in steps), started=started,
-                 probe_ms=(first, probe.read()), inside=inside, speedup=speedup, alone=got["alone"], how=how,
-                 chosen=got["chosen"], eager_processes_ms=list(eager.process_p50_ms) or [eager.p50_ms or math.nan],
-                 redone=any(c.redone for c in rep.candidates), comparison_s=got["comparison_s"],
-                 alone_s=got["alone_s"])
+        inside[n], speedup[n] = cand.p50_ms, cand.speedup if cand.speedup is not None else math.nan
+        k = len(cand.process_p50_ms) if n == "eager" and cand.process_p50_ms else 1
+        how[n] = ("own process" if k == 1 else f"{k} own processes, median") if cand.alone else \
+            "this process: " + _why_here(cand.notes)
+    alone = {n: _mean([s.get(n, math.nan) for s in sets]) for n in timed}
+    eager = c.rep.get("eager")
+    return Round(number=i, order=f"alone set {i - 1}, comparison, alone set {i}", started=c.started,
+                 probe_ms=probe_ms, inside=inside, speedup=speedup, alone=alone, how=how, chosen=c.chosen,
+                 eager_processes_ms=list(eager.process_p50_ms) or [eager.p50_ms or math.nan],
+                 redone=any(x.redone for x in c.rep.candidates), comparison_s=c.seconds, alone_s=set_s,
+                 alone_sets=sets)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    """The mean of the finite values (NaN when none)."""
+    good = [x for x in xs if _ok(x)]
+    return statistics.fmean(good) if good else math.nan
 
 
 def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], quick: bool,
-        tables: dict[str, ResultTable], notes: list[str], probe: Probe, rounds: int = ROUNDS,
+        tables: dict[str, ResultTable], notes: list[str], probe: Probe, rounds: int | None = None,
         eager_processes: int | None = None) -> None:
     """One workload: the search that builds every family's candidate once and saves each variant's artifact, then
-    ``rounds`` rounds of (comparison, alone set) in alternating order (``_round``); the tables get one row per
-    variant with every round's numbers and the goals checked on the median over rounds."""
+    ``rounds`` comparisons, each between two alone sets (``_chain``; default: the workload's ``BLOCKS``); the tables
+    get one row per variant with every round's numbers and the goals checked on the median over rounds."""
     model, inputs, info = model_and_inputs(spec, batch=batch or None, seq=seq or None)
-    final_s = QUICK_FINAL_S if quick else FINAL_S
+    final_s, default_rounds = (QUICK_FINAL_S, 1) if quick else BLOCKS.get(name, (FINAL_S, ROUNDS))
+    rounds = rounds or default_rounds
     with tempfile.TemporaryDirectory(prefix="timing-fairness-") as tmp:
         cfg = OptimizeConfig(recipes=list(families.values()), finalists=len(families), min_speedup=1.0,
                              final_min_time_s=final_s, final_min_iters=5 if quick else 15, budget_s=1800.0,
@@ -423,20 +470,16 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
         for c in setup.report.candidates:
             if c.recipe != "eager" and not c.interleaved:
                 notes.append(f"{name}: {c.recipe} not in the comparison ({c.status}: {c.reason[:120]})")
-        tc = TimingConfig(warmup=2, warmup_s=0.0, min_iters=cfg.final_min_iters, min_time_s=final_s,
+        # the comparison's own timing (final._checked_comparison): the same warm-up, samples and time per variant
+        tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=cfg.final_min_iters, min_time_s=final_s,
                           max_time_s=max(5.0, 3 * final_s))
         arts = save_artifacts(setup, model, inputs, info, cfg, timed[1:], Path(tmp), notes, name)
         del setup  # its timing processes are closed; its files stay in the cache
         notes.append(f"{name}: candidates built and artifacts saved in {time.perf_counter() - t0:.0f} s")
         w = Workload(name, spec, batch, seq, model, inputs, info, cfg, tc, timed, arts, Path(tmp))
-        done = []
-        for i in range(rounds):
-            try:
-                done.append(_round(i, rounds, w, probe, notes))
-            except Exception as exc:  # noqa: BLE001 - a failed round costs its own numbers, not the others'
-                notes.append(f"{name} round {i + 1} of {rounds} failed, left out: {type(exc).__name__}: {exc}"[:400])
+        done = _chain(w, rounds, probe, notes)
         if not done:
-            raise RuntimeError(f"{name}: every round failed: {notes[-rounds:]}")
+            raise RuntimeError(f"{name}: every round failed: {[n for n in notes if 'failed' in n][-rounds:]}")
         if "allocator" in tables:
             _allocator_table(w, tables["allocator"], notes)
         if "threads" in tables:
@@ -452,9 +495,9 @@ def _add_rows(name: str, timed: list[str], families: dict[str, str], done: list[
     fam_of = {v: k for k, v in families.items()} | {"eager": "eager"}
     for r in done:
         a, b = r.probe_ms
-        tables["rounds"].add(workload=name, round=r.number, order=r.order, started=r.started, chosen=r.chosen, **{
+        tables["rounds"].add(workload=name, round=r.number, blocks=r.order, started=r.started, chosen=r.chosen, **{
             "probe at start ms": a, "probe at end ms": b, "probe change": f"{b / a - 1:+.1%}" if _ok(a / b) else "-",
-            "comparison s": r.comparison_s, "alone s": r.alone_s, "redone": r.redone,
+            "comparison s": r.comparison_s, "alone s": _per_round(r.alone_s, "{:.0f}"), "redone": r.redone,
             "eager per process ms": _per_round(r.eager_processes_ms)})
     for n in timed:
         inside, alone = [r.inside[n] for r in done], [r.alone.get(n, math.nan) for r in done]
@@ -465,6 +508,8 @@ def _add_rows(name: str, timed: list[str], families: dict[str, str], done: list[
             "p50 in comparison ms": median(inside), "p50 alone ms": median(alone), "diff": f"{median(d):+.1%}",
             "within 5%": within(median(d), P50_GOAL), "in comparison per round ms": _per_round(inside),
             "alone per round ms": _per_round(alone), "diff per round": _per_round(d, "{:+.1%}"),
+            "alone sets per round ms": " / ".join(_per_round([s.get(n, math.nan) for s in r.alone_sets]).replace("/", "|")
+                                                  for r in done),
             "timed in comparison": "; ".join(hows) + (f", redone in round {'/'.join(redone)}" if redone else ""),
             "alone": loaded[n]})
         if n == "eager":
@@ -564,11 +609,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="eager's fresh processes in the optimizer's comparison "
                          f"(default {OptimizeConfig().eager_processes})")
     ap.add_argument("--rounds", type=int, default=None,
-                    help=f"(comparison, alone set) pairs per workload, order alternating (default {ROUNDS}, 1 with "
-                         "--quick)")
+                    help="comparisons per workload, each between two alone sets (default per workload: "
+                         + ", ".join(f"{k} {r}" for k, (_, r) in BLOCKS.items()) + "; 1 with --quick)")
     args = ap.parse_args(argv)
-    rounds = args.rounds if args.rounds is not None else (1 if args.quick else ROUNDS)
-    if rounds < 1:
+    rounds = args.rounds
+    if rounds is not None and rounds < 1:
         ap.error(f"--rounds: received {rounds}, expected >= 1")
     if args.eager_processes is not None and args.eager_processes < 1:
         ap.error(f"--eager-processes: received {args.eager_processes}, expected >= 1")
@@ -580,8 +625,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                                       else sys.argv[1:])),
             "machine": f"{hw.cpu_name}, {hw.cpu_cores} cores", "versions": _versions(), "commit": git_commit(),
             "timing environment": describe_environment(), "families": families, "load average at start": _load(),
-            "rounds": f"{rounds} per workload, each one optimizer comparison and one alone set back to back, the "
-                      "order alternating (comparison first in odd rounds)",
+            "rounds": f"{rounds or 'the workload default'} per workload (" + ", ".join(
+                f"{k}: {r} rounds, {s:g} s a variant" for k, (s, r) in BLOCKS.items()) + "), run as alone set 0, "
+                "comparison 1, alone set 1, comparison 2, ...: each comparison between two alone sets, against the "
+                "mean of their p50s",
             "eager in the comparison": f"{eager_processes} fresh processes, median p50", "p50 columns": P50_COLUMNS,
             "timing processes' environment": timing_process_env() or "nothing added: libgomp's default OpenMP wait, "
                                                                      "or the user's OMP_WAIT_POLICY/GOMP_SPINCOUNT"}

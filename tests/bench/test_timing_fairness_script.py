@@ -1,6 +1,6 @@
-"""benchmarks/timing_fairness.py runs end to end (one tiny workload, TorchScript only, one round, the allocator and
-thread tables off: tests/bench/test_timing_fairness_tables.py covers them, and the rounds' alternating order) and
-writes its tables: every round's numbers, the goals computed from them, the round with the machine-speed probe."""
+"""benchmarks/timing_fairness.py runs end to end (one tiny workload, TorchScript only, one round between two alone
+sets, the allocator and thread tables off: tests/bench/test_timing_fairness_tables.py covers them, and the chain of
+blocks) and writes its tables: every round's numbers, the goals computed from them, the round with the probe."""
 
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ def test_timing_fairness_quick_end_to_end(tmp_path, monkeypatch):
         inside, alone[r["variant"]], diff = (_nums(r[c]) for c in ("in comparison per round ms", "alone per round ms",
                                                                    "diff per round"))
         assert len(inside) == len(alone[r["variant"]]) == len(diff) == 1 and all(x > 0 for x in inside), r
+        sets = _nums(r["alone sets per round ms"].replace("|", "/"))  # the alone sets before and after the round
+        assert len(sets) == 2 and _close(alone[r["variant"]][0], statistics.fmean(sets)), r
         assert abs(r["p50 in comparison ms"] - statistics.median(inside)) <= 1e-3 * r["p50 in comparison ms"], r
         assert abs(r["p50 alone ms"] - statistics.median(alone[r["variant"]])) <= 1e-3 * r["p50 alone ms"], r
         want = [a / b - 1 for a, b in zip(inside, alone[r["variant"]])]
@@ -69,11 +71,11 @@ def test_timing_fairness_quick_end_to_end(tmp_path, monkeypatch):
     assert _close(_nums(sp["diff"])[0], med), sp
     if abs(abs(med) - tf.SPEEDUP_GOAL) > 3e-3:
         assert sp["within 10%"] is (abs(med) <= tf.SPEEDUP_GOAL), sp
-    # the rounds: alternating order, the probe read at both ends, each round's own comparison
+    # the round: its comparison between two alone sets, the probe read around them
     rounds = data["rounds"]["rows"]
-    assert [(r["round"], r["order"]) for r in rounds] == [(1, "comparison then alone")]
-    assert all(r["probe at start ms"] > 0 and r["probe at end ms"] > 0 and r["comparison s"] > 0 and r["alone s"] > 0
-               for r in rounds), rounds
+    assert [(r["round"], r["blocks"]) for r in rounds] == [(1, "alone set 0, comparison, alone set 1")]
+    assert all(r["probe at start ms"] > 0 and r["probe at end ms"] > 0 and r["comparison s"] > 0
+               and all(x > 0 for x in _nums(r["alone s"])) for r in rounds), rounds
     assert all(len(_nums(r["eager per process ms"])) == 1 for r in rounds), rounds
     chosen = [str(r["round"]) for r in rounds if r["chosen"] == "torchscript"]
     assert sp["chosen in rounds"] == ("/".join(chosen) or "none")

@@ -1,5 +1,5 @@
-"""benchmarks/timing_fairness.py's parts without timing processes: the goal arithmetic over rounds, the rounds'
-alternating order, the tables built from rounds, the allocator and OpenMP tables on fake timers, the probe's failure.
+"""benchmarks/timing_fairness.py's parts without timing processes: the goal arithmetic over rounds, the chain of
+blocks (each comparison between two alone sets) and a drifting machine, the tables built from rounds, the allocator and OpenMP tables on fake timers, the probe's failure.
 (tests/bench/test_timing_fairness_script.py runs the script end to end.)"""
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ def test_goal_is_checked_on_the_median_of_the_rounds_differences(tf):
 
 
 def _round(tf, inside, alone, speedup, chosen, probe=(1.0, 1.0), redone=False, number=1):
-    return tf.Round(number=number, order="comparison then alone", started="08:00:00", probe_ms=probe, inside=inside,
-                    speedup=speedup, alone=alone, how={n: "own process" for n in inside}, chosen=chosen,
-                    eager_processes_ms=[inside["eager"]], redone=redone, comparison_s=10.0, alone_s=5.0)
+    return tf.Round(number=number, order="alone set 0, comparison, alone set 1", started="08:00:00", probe_ms=probe,
+                    inside=inside, speedup=speedup, alone=alone, how={n: "own process" for n in inside}, chosen=chosen,
+                    eager_processes_ms=[inside["eager"]], redone=redone, comparison_s=10.0, alone_s=(5.0, 6.0),
+                    alone_sets=(alone, {n: math.nan for n in alone}))
 
 
 def test_rows_give_every_round_and_check_the_median(tf):
@@ -68,7 +69,8 @@ def test_rows_give_every_round_and_check_the_median(tf):
     assert sp["chosen in rounds"] == "1/3"
     rows = tables["rounds"].rows
     assert [r["probe change"] for r in rows] == ["+0.0%", "+15.0%", "+0.0%"] and rows[1]["redone"] is True
-    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert [r["round"] for r in rows] == [1, 2, 3] and rows[0]["alone s"] == "5/6"
+    assert eager["alone sets per round ms"] == "10|- / 10|- / 10|-"  # before|after, a failed set as "-"
     # the goal fails when most rounds miss it, whatever one round says
     tables = tf._tables({}, allocator=False, threads=False)
     miss = [_round(tf, {"eager": 11.0}, {"eager": 10.0}, {}, "eager") for _ in range(2)]
@@ -85,35 +87,101 @@ class _FakeProbe:
         return float(self.reads)
 
 
-def test_rounds_alternate_comparison_and_alone(tf, monkeypatch, tmp_path):
-    calls = []
+class _Drift:
+    """A machine whose speed drifts linearly: every block (an alone set or a comparison) runs 10% slower than the one
+    before. Variants take ``base`` ms alone and inside alike, so any difference a round shows is the drift's."""
 
-    def comparison(w, notes, label):
-        calls.append(("comparison", label))
+    base = {"eager": 10.0, "ort": 5.0}
+
+    def __init__(self, fail_comparison=(), fail_alone=()):
+        self.blocks, self.calls = 0, []
+        self.fail_comparison, self.fail_alone = fail_comparison, fail_alone
+
+    def _speed(self):
+        self.blocks += 1
+        return 1.0 + 0.1 * (self.blocks - 1)
+
+    def comparison(self, w, notes, label):
+        self.calls.append(("comparison", label))
+        f = self._speed()
+        if len([c for c in self.calls if c[0] == "comparison"]) in self.fail_comparison:
+            raise RecipeError("its timing process died")
         rep = Report("m", "x", "latency", "cpu")
-        rep.candidates = [CandidateResult("eager", "exact", "verified", p50_ms=10.0, speedup=1.0, interleaved=True,
-                                          alone=True, process_p50_ms=[10.0]),
-                          CandidateResult("ort", "exact", "chosen", p50_ms=5.0, speedup=2.0, interleaved=True,
+        e, o = self.base["eager"] * f, self.base["ort"] * f
+        rep.candidates = [CandidateResult("eager", "exact", "verified", p50_ms=e, speedup=1.0, interleaved=True,
+                                          alone=True, process_p50_ms=[e]),
+                          CandidateResult("ort", "exact", "chosen", p50_ms=o, speedup=e / o, interleaved=True,
                                           alone=True, redone=True)]
         return rep, "ort"
 
-    def alone(spec, batch, seq, names, *args, label="", **kwargs):
-        calls.append(("alone", label))
-        return {n: 1.0 for n in names}
+    def alone(self, spec, batch, seq, names, *args, label="", **kwargs):
+        self.calls.append(("alone", label))
+        f = self._speed()
+        if len([c for c in self.calls if c[0] == "alone"]) - 1 in self.fail_alone:
+            raise RecipeError("no process")
+        return {n: self.base[n] * f for n in names}
 
-    monkeypatch.setattr(tf, "_comparison", comparison)
-    monkeypatch.setattr(tf, "_alone", alone)
-    w = tf.Workload("w", "mlp", 2, 0, None, (), None, OptimizeConfig(threads=1), TimingConfig(), ["eager", "ort"], {},
-                    tmp_path)
-    probe = _FakeProbe()
-    done = [tf._round(i, 3, w, probe, []) for i in range(3)]
-    assert [c[0] for c in calls] == ["comparison", "alone", "alone", "comparison", "comparison", "alone"]
-    assert [r.order for r in done] == ["comparison then alone", "alone then comparison", "comparison then alone"]
-    assert [r.probe_ms for r in done] == [(1.0, 2.0), (3.0, 4.0), (5.0, 6.0)]  # read at each round's two ends
-    r = done[0]
-    assert r.inside == {"eager": 10.0, "ort": 5.0} and r.speedup == {"eager": 1.0, "ort": 2.0} and r.chosen == "ort"
-    assert r.redone and r.eager_processes_ms == [10.0] and r.how == {"eager": "own process", "ort": "own process"}
-    assert calls[1][1] == "w round 1 of 3 alone side"
+
+def _fake_build(tf, monkeypatch, machine):
+    """``run``'s building search, artifacts and blocks replaced by fakes (``machine``: the blocks' numbers)."""
+    def fake_optimize(model, inputs, cfg, info=None):
+        class Opt:
+            recipe = "ort"
+            report = Report("m", "x", "latency", "cpu", [CandidateResult("eager", "exact", "verified", interleaved=True),
+                                                         CandidateResult("ort", "exact", "chosen", interleaved=True)])
+        return Opt()
+
+    monkeypatch.setattr(tf, "optimize", fake_optimize)
+    monkeypatch.setattr(tf, "model_and_inputs", lambda spec, batch=None, seq=None: (None, (), None))
+    monkeypatch.setattr(tf, "save_artifacts", lambda *a, **k: {})
+    monkeypatch.setattr(tf, "_comparison", machine.comparison)
+    monkeypatch.setattr(tf, "_alone", machine.alone)
+
+
+def test_each_comparison_sits_between_two_alone_sets_and_linear_drift_cancels(tf, monkeypatch):
+    """The machine slows 10% a block: a round's comparison against the mean of the alone sets before and after it
+    differs by nothing. (The pairs of the old rounds, comparison and alone set back to back in alternating order,
+    read -9.1/+8.3/-6.7% here: the goal failed on the drift alone.)"""
+    machine = _Drift()
+    _fake_build(tf, monkeypatch, machine)
+    tables, notes, probe = tf._tables({}, allocator=False, threads=False), [], _FakeProbe()
+    tf.run("w", "mlp", 2, 0, {"onnxruntime": "ort"}, False, tables, notes, probe, rounds=3)
+    assert machine.calls == [("alone", "w alone set 0"), ("comparison", "w round 1 of 3 comparison"),
+                             ("alone", "w alone set 1"), ("comparison", "w round 2 of 3 comparison"),
+                             ("alone", "w alone set 2"), ("comparison", "w round 3 of 3 comparison"),
+                             ("alone", "w alone set 3")]
+    eager, ort = tables["variants"].rows
+    assert eager["diff per round"] == ort["diff per round"] == "+0.0%/+0.0%/+0.0%"
+    assert eager["within 5%"] is True and ort["within 5%"] is True
+    assert eager["alone sets per round ms"] == "10|12 / 12|14 / 14|16"
+    assert eager["alone per round ms"] == "11/13/15" and eager["in comparison per round ms"] == "11/13/15"
+    (sp,) = tables["speedups"].rows
+    assert sp["diff per round"] == "+0.0%/+0.0%/+0.0%" and sp["chosen in rounds"] == "1/2/3"
+    rounds = tables["rounds"].rows
+    assert [r["blocks"] for r in rounds] == [f"alone set {i - 1}, comparison, alone set {i}" for i in (1, 2, 3)]
+    # the probe: read before every block and after the last (1..8); a round shows the readings around its bracket
+    assert probe.reads == 8
+    assert [(r["probe at start ms"], r["probe at end ms"]) for r in rounds] == [(1.0, 4.0), (3.0, 6.0), (5.0, 8.0)]
+    assert all(r["redone"] is True for r in rounds)
+
+
+def test_the_default_rounds_and_time_per_variant_are_the_workloads(tf, monkeypatch):
+    machine, seen = _Drift(), {}
+    _fake_build(tf, monkeypatch, machine)
+    real = tf.Workload
+
+    def spy(*args):
+        w = real(*args)
+        seen[w.name] = w
+        return w
+
+    monkeypatch.setattr(tf, "Workload", spy)
+    tf.run("mlp", "mlp", 2, 0, {"onnxruntime": "ort"}, False, tf._tables({}, allocator=False, threads=False), [],
+           _FakeProbe())
+    final_s, rounds = tf.BLOCKS["mlp"]
+    assert len([c for c in machine.calls if c[0] == "comparison"]) == rounds
+    assert seen["mlp"].cfg.final_min_time_s == final_s == seen["mlp"].tc.min_time_s
+    assert seen["mlp"].tc.warmup == 1  # the comparison's own warm-up (final._checked_comparison)
 
 
 class _FakeTimer:
@@ -196,27 +264,19 @@ def test_probe_is_a_fixed_matmul(tf):
     assert torch.equal(fn(torch.zeros(1)), a @ b) and torch.equal(fn(), a @ b)
 
 
-def test_a_failed_round_is_left_out_and_noted(tf, monkeypatch):
-    """Round 2 of 3 fails: rounds 1 and 3 make the rows (numbered as run), the notes say why 2 is missing."""
-    def fake_round(i, rounds, w, probe, notes):
-        if i == 1:
-            raise RuntimeError("its timing process died")
-        return _round(tf, {"eager": 10.0}, {"eager": 10.0}, {}, "eager", number=i + 1)
-
-    def fake_optimize(model, inputs, cfg, info=None):
-        class Opt:
-            recipe = "eager"
-            report = Report("m", "x", "latency", "cpu", [CandidateResult("eager", "exact", "chosen", interleaved=True)])
-        return Opt()
-
-    monkeypatch.setattr(tf, "_round", fake_round)
-    monkeypatch.setattr(tf, "optimize", fake_optimize)
-    monkeypatch.setattr(tf, "model_and_inputs", lambda spec, batch=None, seq=None: (None, (), None))
+def test_a_failed_block_is_left_out_and_noted(tf, monkeypatch):
+    """Comparison 2 of 3 fails: rounds 1 and 3 make the rows (numbered as run); alone set 3 fails: round 3 is
+    measured against alone set 2 alone. The notes say why."""
+    machine = _Drift(fail_comparison=(2,), fail_alone=(3,))
+    _fake_build(tf, monkeypatch, machine)
     tables, notes = tf._tables({}, allocator=False, threads=False), []
-    tf.run("w", "mlp", 2, 0, {}, True, tables, notes, _FakeProbe(), rounds=3)
+    tf.run("w", "mlp", 2, 0, {"onnxruntime": "ort"}, False, tables, notes, _FakeProbe(), rounds=3)
     assert [r["round"] for r in tables["rounds"].rows] == [1, 3]
-    assert tables["variants"].rows[0]["alone per round ms"] == "10/10"
-    assert any(n.startswith("w round 2 of 3 failed, left out: RuntimeError: its timing process died") for n in notes)
-    monkeypatch.setattr(tf, "_round", lambda *a: (_ for _ in ()).throw(RuntimeError("no process")))
+    eager = tables["variants"].rows[0]
+    assert eager["alone sets per round ms"] == "10|12 / 14|-" and eager["alone per round ms"] == "11/14"
+    assert any(n.startswith("w round 2 of 3 failed, left out: RecipeError: its timing process died") for n in notes)
+    assert any(n.startswith("w alone set 3 failed: RecipeError: no process") for n in notes)
+    machine = _Drift(fail_comparison=(1, 2))
+    _fake_build(tf, monkeypatch, machine)
     with pytest.raises(RuntimeError, match="every round failed"):
-        tf.run("w", "mlp", 2, 0, {}, True, tf._tables({}, allocator=False, threads=False), [], _FakeProbe(), rounds=2)
+        tf.run("w", "mlp", 2, 0, {}, False, tf._tables({}, allocator=False, threads=False), [], _FakeProbe(), rounds=2)
