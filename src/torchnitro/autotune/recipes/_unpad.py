@@ -9,7 +9,10 @@ and NVIDIA FasterTransformer's "remove padding" do:
 - Q, K and V are one fused GEMM ``(N, D) @ (D, 3D)``;
 - attention runs per length bucket: sentences sorted by length are split into a few groups, each
   padded only to its own longest sentence (``length_buckets``), so attention costs ``sum(G * L**2)``
-  instead of ``B * T**2``; a batch without padding skips the scatter/gather and the mask;
+  instead of ``B * T**2``; a batch without padding skips the scatter/gather and the mask. Where a
+  build measured it faster (``native_attention_``), the native varlen kernel
+  (``torchnitro.kernels.cpu_attention``) attends each sentence on its own packed rows instead: no
+  padding, mask, copy or gather at all;
 - the FFN runs in row blocks so its ``(rows, 4D)`` GELU temporary stays in cache.
 
 Real tokens see the same computation as in eager (up to float reassociation).
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["length_buckets", "LayerParts", "PackedLayer", "Packing", "pack_tokens", "position_bias_", "run_layers"]
+__all__ = ["cu_seqlens", "length_buckets", "LayerParts", "PackedLayer", "Packing", "pack_tokens", "position_bias_", "run_layers"]
 
 
 @dataclass
@@ -45,7 +48,9 @@ class _Bucket:
     slots: Tensor | None = None
     mask: Tensor | None = None
     bias: Tensor | None = None
+    lens: Tensor | None = None  # (G,) sequence lengths; None: all L
     _buf: Tensor | None = None
+    _cu: Tensor | None = None  # cu_seqlens of the whole packing, cached on the first bucket (see cu_seqlens)
 
     def attn_mask(self, dtype: torch.dtype) -> Tensor | None:
         """What SDPA gets as ``attn_mask``: the bias in the attention's dtype (cast once per call), else the mask."""
@@ -82,8 +87,18 @@ def length_buckets(attention_mask: Tensor, n_buckets: int) -> list[_Bucket]:
         mask = None
         if not bool((ls == l).all()):
             mask = (torch.arange(l, device=ls.device)[None] < ls[:, None]).view(g, 1, 1, l)  # (G, 1, 1, L)
-        out.append(_Bucket(g, l, off[seqs][seq_of] + within, seq_of * l + within, mask))
+        out.append(_Bucket(g, l, off[seqs][seq_of] + within, seq_of * l + within, mask, lens=ls))
     return out
+
+
+def cu_seqlens(buckets: list[_Bucket]) -> Tensor:
+    """``(B' + 1,)`` int64 row offsets of the sequences in the packed rows (bucket order), for varlen
+    attention; computed once per call, cached on the first bucket."""
+    first = buckets[0]
+    if first._cu is None:
+        lens = [bk.lens if bk.lens is not None else torch.full((bk.g,), bk.l) for bk in buckets]
+        first._cu = F.pad(torch.cat(lens).cpu().to(torch.int64).cumsum(0), (1, 0))
+    return first._cu
 
 
 @dataclass
@@ -142,6 +157,9 @@ class PackedLayer(nn.Module):
         self.res_mid: Tensor | None = None
         # _graph_attention.GraphAttention: fused bf16 attention for a batch without padding (None: SDPA)
         self.graph_attention = None
+        # kernels.cpu_attention.NativeAttention: varlen attention on the packed rows, any padding; not for an
+        # additive bias (MPNet), which keeps SDPA. Set by native_attention_ where measured faster (None: SDPA)
+        self.native_attention = None
 
     @staticmethod
     def _plus_residual(lin: nn.Module, inp: Tensor, x: Tensor, scale: Tensor | None) -> Tensor:
@@ -193,15 +211,24 @@ class PackedLayer(nn.Module):
             outs.append(o if bk.mask is None else o.index_select(0, bk.slots))
         return torch.cat(outs)  # (N, D)
 
-    def forward(self, x: Tensor, buckets: list[_Bucket]) -> Tensor:
-        dense = buckets[0].rows is None and buckets[0].bias is None
-        ga = getattr(self, "graph_attention", None) if dense else None  # no padding and no position bias only
-        if ga is not None and getattr(self.qkv, "takes_out_dtype", False):
-            qkv = self.qkv(x, out_dtype=torch.bfloat16)  # x: (N, D) real tokens; the fused attention reads bf16
+    def attention(self, x: Tensor, buckets: list[_Bucket]) -> Tensor:
+        """``(N, D)`` real-token rows -> the ``(N, D)`` attention context in ``x``'s dtype: qkv GEMM, then the
+        native varlen kernel, the fused graph (no padding) or SDPA by buckets."""
+        plain = buckets[0].bias is None  # no position bias
+        na = getattr(self, "native_attention", None) if plain and x.device.type == "cpu" else None
+        ga = getattr(self, "graph_attention", None) if plain and na is None and buckets[0].rows is None else None
+        reads_bf16 = ga is not None or (na is not None and na.compute == "bf16")
+        if reads_bf16 and getattr(self.qkv, "takes_out_dtype", False):
+            qkv = self.qkv(x, out_dtype=torch.bfloat16)  # (N, 3D); the attention rounds to bf16 anyway
         else:
             qkv = self.qkv(x)
+        if na is not None:
+            return na(qkv, cu_seqlens(buckets), self.n_heads, x.dtype)
         o = ga(qkv, buckets[0].g, buckets[0].l) if ga is not None else None  # None: it cannot run, SDPA does
-        ctx = o.to(x.dtype) if o is not None else self._attend(qkv.to(x.dtype), buckets)
+        return o.to(x.dtype) if o is not None else self._attend(qkv.to(x.dtype), buckets)
+
+    def forward(self, x: Tensor, buckets: list[_Bucket]) -> Tensor:
+        ctx = self.attention(x, buckets)  # x: (N, D) real tokens
         x = self.ln1(self._plus_residual(self.out, ctx, x, self.res_in))
         return self.ln2(self._ffn_residual(x))
 

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
+from torchnitro.autotune.recipes._native_attention import native_computes
 from torchnitro.autotune.recipes._unpad import PackedLayer
 from torchnitro.autotune.recipes.hf_encoders import UnpaddedEncoder, encoders_reason, unpad_encoders_
 from torchnitro.autotune.recipes.int8_mixed import (build_mixed_int8, int8_unavailable_reason, linear_names,
@@ -162,6 +163,45 @@ def _graph_attention_(ctx: BuildContext, base: nn.Module, q: nn.Module, meta: di
     return "attention without padding: fused bf16 (oneDNN Graph)"
 
 
+def _choose_attention(ctx: BuildContext, m: nn.Module, computes: tuple[str, ...], meta: dict[str, Any],
+                      accept: Callable[[], str | None] | None = None) -> str:
+    """Native varlen attention for ``m`` where it runs, agrees and is faster on the example (else SDPA);
+    records it in ``meta`` and returns the note (``_native_attention.choose_attention_``)."""
+    from torchnitro.autotune.recipes._native_attention import choose_attention_
+
+    choice = choose_attention_(m, tuple(ctx.example_inputs), computes, accept)
+    meta["native_attention"] = choice.compute
+    return choice.note
+
+
+def _native_on_load(m: nn.Module, meta: dict[str, Any]) -> nn.Module:
+    """The attention the build chose: native where recorded and the kernel runs here, SDPA otherwise (the
+    same math; a machine without a compiler loads the artifact all the same)."""
+    from torchnitro.autotune.recipes._native_attention import set_native_attention_
+    from torchnitro.kernels.cpu_attention import cpu_attention_reason
+
+    if meta.get("native_attention") and cpu_attention_reason() is None:
+        set_native_attention_(m, meta["native_attention"])
+    return m
+
+
+def _holds_target(ctx: BuildContext, base: nn.Module, q: nn.Module, meta: dict[str, Any]) -> Callable[[], str | None]:
+    """A check for ``q`` as it is when called: None when its calibration cosine stays at the int8 target
+    (then recorded in ``meta``), else why not."""
+    def check() -> str | None:
+        from torchnitro.autotune.recipes.int8_mixed import (_references, calibration_cosine, int8_target,
+                                                           varied_calibration_inputs)
+
+        calib, target = varied_calibration_inputs(ctx), int8_target(ctx)
+        cos = calibration_cosine(q, calib, _references(base, calib))
+        if cos < target:
+            return f"calibration cosine {cos:.4f} < {target:.4f}"
+        meta["calib_cosine"] = cos
+        return None
+
+    return check
+
+
 def _bf16_rest_reason() -> str | None:
     """None when the Linears an int8 plan keeps out of int8 can run in bf16 here (native bf16 oneDNN)."""
     from torchnitro.autotune.recipes.onednn_bf16 import onednn_bf16_reason
@@ -204,16 +244,20 @@ class UnpaddedBertRecipe(Recipe):
     numeric_class = NumericClass.EXACT
     description = "BERT-family encoders on real tokens only (padding removed), fused QKV GEMM"
     order = 15
-    version = "2"  # 2: encoders anywhere in the model tree, not only torchnitro.hf.SentenceEncoder
+    version = "3"  # 2: encoders anywhere in the model tree, not only torchnitro.hf.SentenceEncoder; 3: native
+    # varlen attention where measured faster
 
     def inapplicable_reason(self, model: nn.Module, example_inputs: tuple[Any, ...]) -> str | None:
         return bert_inapplicable_reason(model)
 
     def build(self, ctx: BuildContext) -> Built:
-        return Built(fn=unpad_model(ctx.model), notes=_real_fraction(ctx.example_inputs))
+        m = unpad_model(ctx.model)
+        meta: dict[str, Any] = {}
+        attention = _choose_attention(ctx, m, ("fp32",), meta)
+        return Built(fn=m, meta=meta, notes="; ".join(n for n in (_real_fraction(ctx.example_inputs), attention) if n))
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
-        return unpad_model(copy.deepcopy(self.require_model(model)).eval())
+        return _native_on_load(unpad_model(copy.deepcopy(self.require_model(model)).eval()), meta)
 
 
 @register_recipe
@@ -224,9 +268,10 @@ class UnpaddedBertInt8(Recipe):
     description = ("padding-free BERT + SmoothQuant dynamic int8 Linears, gate-sensitive layers kept in bf16 (fp32 where "
                    "the CPU has no native bf16)")
     order = 16
-    version = "5"  # 2: fused oneDNN int8 Linear; 3: encoders anywhere in the model; 4: per-token int8 (rowwise);
+    version = "6"  # 2: fused oneDNN int8 Linear; 3: encoders anywhere in the model; 4: per-token int8 (rowwise);
     # 5: SmoothQuant folded into in-place encoders too; feature-dict models calibrated on varied lengths against
-    # copied references; the Linears the plan keeps out of int8 in bf16 where the CPU has it
+    # copied references; the Linears the plan keeps out of int8 in bf16 where the CPU has it; 6: native varlen
+    # attention where measured faster and the calibration cosine holds
     # fused bf16 attention (oneDNN Graph) for batches without padding: off. 1.34x less CPU time than SDPA alone
     # at all-MiniLM-L6-v2's shapes, but the whole int8 variant took 7% more CPU time with it (one loaded run:
     # results/encoder_full_length.md); an artifact that recorded it on still loads it on
@@ -248,7 +293,12 @@ class UnpaddedBertInt8(Recipe):
                                                        plan["outliers"], k == "bf16"), kept)
         rest = meta["bf16_rest"] = meta["kept"] == "bf16"
         meta["graph_attention"] = False
-        attention = _graph_attention_(ctx, base, q, meta) if self.graph_attention else "attention: SDPA"
+        if self.graph_attention:
+            attention = _graph_attention_(ctx, base, q, meta)
+        else:
+            # bf16 products first where native (rounding q, k and the probabilities can cost the plan its
+            # calibration target), then fp32
+            attention = _choose_attention(ctx, q, native_computes(), meta, _holds_target(ctx, base, q, meta))
         n_out = sum(len(v) for v in meta["outliers"].values())
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
                      notes=f"{len(meta['int8'])}/{len(linear_names(base))} Linear int8 ({engine}), "
@@ -267,7 +317,7 @@ class UnpaddedBertInt8(Recipe):
                   bool(meta.get("bf16_rest")) and _bf16_rest_reason() is None)
         if meta.get("graph_attention") and graph_attention_reason() is None:
             enable_graph_attention_(q)
-        return q
+        return _native_on_load(q, meta)
 
 
 @register_recipe
@@ -277,7 +327,8 @@ class UnpaddedBertBf16(Recipe):
     numeric_class = NumericClass.REDUCED
     description = "padding-free BERT with bf16 weights and activations (AVX512-BF16/AMX GEMMs), fp32 outputs"
     order = 17
-    version = "3"  # 2: encoders anywhere in the model tree; 3: Linears prepacked on oneDNN, fused epilogues
+    version = "4"  # 2: encoders anywhere in the model tree; 3: Linears prepacked on oneDNN, fused epilogues;
+    # 4: native varlen attention where measured faster
 
     def unavailable_reason(self, hw: Any) -> str | None:
         if not (hw.cpu_bf16 or hw.has_gpu):
@@ -289,13 +340,15 @@ class UnpaddedBertBf16(Recipe):
 
     def build(self, ctx: BuildContext) -> Built:
         m, why = _bf16(ctx.model)
-        return Built(fn=m, meta={"prepacked": why is None},
+        meta: dict[str, Any] = {"prepacked": why is None}
+        attention = _choose_attention(ctx, m, ("bf16",), meta)
+        return Built(fn=m, meta=meta,
                      notes="bf16 compute, fp32 pooling and outputs; " + (
                          "Linears prepacked on oneDNN, GELU and residual adds in their epilogue" if why is None
-                         else f"plain bf16 Linears ({why})"))
+                         else f"plain bf16 Linears ({why})") + f"; {attention}")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
-        return _bf16(copy.deepcopy(self.require_model(model)).eval())[0]
+        return _native_on_load(_bf16(copy.deepcopy(self.require_model(model)).eval())[0], meta)
 
 
 def _bf16(model: nn.Module) -> tuple[nn.Module, str | None]:
