@@ -115,3 +115,72 @@ def test_sentence_transformer_variant_takes_a_feature_dict_of_another_length(tmp
         ref = model(dict(held))["sentence_embedding"]
     out = om(dict(held))["sentence_embedding"]
     assert float(torch.nn.functional.cosine_similarity(out, ref).min()) > 0.9999
+
+
+class _KeywordOnly(nn.Module):
+    """A script class whose forward takes its inputs by keyword only."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(100, 16)
+        self.mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+
+    def forward(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        m = attention_mask.unsqueeze(-1).float()  # (B, T, 1)
+        return scale * (self.mlp(self.emb(input_ids)) * m).sum(1) / m.sum(1)
+
+
+def _ids(batch: int, seq: int, seed: int) -> dict[str, torch.Tensor]:
+    x = _tokenized(batch, seq, seed)
+    return {"input_ids": x["input_ids"] % 100, "attention_mask": x["attention_mask"]}
+
+
+@pytest.mark.parametrize("recipe", ["eager", "dynamic-int8"])
+def test_keyword_only_forward_is_optimized_called_by_keyword_saved_and_loaded(recipe, fast_cfg, tmp_path):
+    """Seen failing before the fix: ``optimize(model, {'input_ids': ..., 'attention_mask': ...})`` on a
+    ``forward(self, *, input_ids, attention_mask)`` raised "forward takes [], so [...] cannot be passed. ... pass
+    a tuple in forward's order", which no tuple can do."""
+    model = _KeywordOnly().eval()
+    cfg = fast_cfg(recipes=[] if recipe == "eager" else [recipe], finalists=1, min_speedup=0.0, cache=False)
+    om = torchnitro.optimize(model, _ids(4, 12, 0), cfg)
+    assert om.recipe == recipe, [(c.recipe, c.status, c.reason) for c in om.report.candidates]
+    assert om.report.model == "_KeywordOnly"
+    assert [i["name"] for i in om.signature["inputs"]] == ["input_ids", "attention_mask"]
+    held = _ids(3, 7, 1)
+    with torch.inference_mode():
+        ref = model(**held)
+    out = om(**held)
+    torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)
+    # eager is saved as a standalone torch.export program (the adapter takes *inputs); dynamic-int8 rebuilds from
+    # the user's own object, given to load as it is
+    loaded = torchnitro.load(om.save(tmp_path / "a"), model=None if recipe == "eager" else model)
+    torch.testing.assert_close(loaded(**held), out)
+
+
+def test_keyword_only_forward_missing_a_required_keyword_is_named():
+    from torchnitro.errors import InputError
+
+    with pytest.raises(InputError, match=r"requires \['attention_mask'\] by keyword"):
+        torchnitro.optimize(_KeywordOnly(), {"input_ids": torch.zeros(2, 4, dtype=torch.long)})
+
+
+class _Varargs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:
+        return self.lin(xs[0]) + xs[1]
+
+
+def test_a_forward_taking_star_args_saves_eager_as_a_standalone_program(fast_cfg, tmp_path, recwarn):
+    """A user's ``forward(self, *xs)`` chosen eager was saved with "torch.export failed (UserError: Detected mismatch
+    between the structure of `inputs` and `dynamic_shapes`)" and needed the model object to load (seen failing)."""
+    model = _Varargs().eval()
+    x = (torch.randn(4, 8), torch.randn(4, 8))
+    om = torchnitro.optimize(model, x, fast_cfg(recipes=[], cache=False))
+    loaded = torchnitro.load(om.save(tmp_path / "a"))  # no model: the artifact holds the program
+    assert not [w for w in recwarn if "torch.export failed" in str(w.message)]
+    y = (torch.randn(2, 8), torch.randn(2, 8))
+    torch.testing.assert_close(loaded(*y), model(*y))

@@ -13,8 +13,8 @@ from torch import nn
 from torchnitro.autotune.artifact import EagerSource, load_artifact, write_artifact
 from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
 from torchnitro.autotune.config import OptimizeConfig
-from torchnitro.autotune.inputs import (ModelInfo, forward_params, input_signature, inputs_from_mapping,
-                                        model_and_inputs, signature_of)
+from torchnitro.autotune.inputs import (KeywordCall, ModelInfo, forward_params, input_signature, inputs_from_mapping,
+                                        keyword_call, model_and_inputs, signature_of)
 from torchnitro.autotune.pipelines import (OptimizedPipeline, is_pipeline, model_dir, pipeline_workload,
                                            rebuild_pipeline, saved_pipeline_model)
 from torchnitro.autotune.recipe import EAGER, CandidateFiles, get_recipe
@@ -22,6 +22,8 @@ from torchnitro.autotune.report import Report
 from torchnitro.errors import InputError
 
 __all__ = ["OptimizedModel", "optimize", "load", "load_pipeline", "default_dynamic_dims"]
+
+KEYWORD_CALL = "keyword_call"  # the model ref's extra: the keywords of a keyword-only forward, in input order
 
 
 class OptimizedModel:
@@ -166,12 +168,17 @@ def optimize(model: nn.Module | str | Any, example_inputs: Any = None, config: O
     if not isinstance(model, nn.Module):
         raise InputError(f"model: received {type(model).__name__}; expected a torch.nn.Module, a model spec string "
                          "or a transformers text pipeline")
+    name = type(model).__name__
+    kw = keyword_call(model, example_inputs) if isinstance(example_inputs, Mapping) else None
+    if kw is not None:  # forward(self, *, input_ids, ...): searched by position through the adapter
+        model, example_inputs = kw, tuple(example_inputs[n] for n in kw.call_names)
     inputs = _as_tuple(model, example_inputs)
     if not inputs:
         raise InputError("example_inputs: received nothing; expected the model's inputs, e.g. (torch.randint(0, 100, (8, 128)),)")
     _check_no_meta(model, inputs)
     if info is None:
-        info = ModelInfo(None, type(model).__name__, None, default_dynamic_dims(model, inputs, cfg.padding_mask))
+        info = ModelInfo(None, name, None, default_dynamic_dims(model, inputs, cfg.padding_mask),
+                         extra={KEYWORD_CALL: kw.call_names} if kw is not None else {})
     train_note = None
     if model.training:  # e.g. an HF model built from_config (from_pretrained returns it in eval mode)
         model = copy.deepcopy(model).eval()
@@ -273,6 +280,21 @@ def _from_cache(model: nn.Module, inputs: tuple[Any, ...], info: ModelInfo, cfg:
                           EagerSource(eager, hit["ref"], inputs, info.dynamic_dims))
 
 
+def _as_saved(directory: Path, model: nn.Module | None) -> nn.Module | None:
+    """The user's model as the artifact was made from it: in its ``KeywordCall`` when its forward took the
+    inputs by keyword only (the manifest's model extra names the keywords; the checksums are checked next)."""
+    import json
+
+    if model is None or isinstance(model, KeywordCall) or not (directory / "manifest.json").is_file():
+        return model
+    try:
+        names = (json.loads((directory / "manifest.json").read_text()).get("model") or {}).get("extra", {}).get(
+            KEYWORD_CALL)
+    except (ValueError, AttributeError):
+        return model  # load_artifact names what is wrong with the manifest
+    return KeywordCall(model, names) if isinstance(names, list) and names else model
+
+
 def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: bool = False,
          allocator: bool = True, threads: int | None = None) -> OptimizedModel:
     """Load a saved artifact after checking every file's SHA-256 (``ArtifactError`` on mismatch).
@@ -288,6 +310,7 @@ def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: b
     artifact records (``torchnitro serve --threads``); torch's own thread count is left as it is.
     """
     d = model_dir(directory)  # a saved pipeline: its model artifact
+    model = _as_saved(d, model)
     manifest, fn, eager = load_artifact(d, model, trust_code=trust_code, threads=threads)
     if allocator and manifest.get("meta", {}).get("environment"):
         from torchnitro.bench.environment import apply_allocator

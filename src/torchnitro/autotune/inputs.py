@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torchnitro.errors import InputError
 
 __all__ = ["ModelInfo", "InputSpec", "parse_input_spec", "model_and_inputs", "rebuild_model", "random_like",
-           "signature_of", "input_signature", "forward_params", "inputs_from_mapping"]
+           "signature_of", "input_signature", "forward_params", "inputs_from_mapping", "KeywordCall", "keyword_call"]
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -292,8 +292,47 @@ def _is_prefix_mask(t: Tensor) -> bool:
     return bool((t[:, 1:] <= t[:, :-1]).all())
 
 
+class KeywordCall(nn.Module):
+    """A model whose forward takes inputs by keyword only (``forward(self, *, input_ids, attention_mask)``),
+    called by position: every recipe, program and gate works on positional inputs. ``call_names`` are the
+    keywords in the order the positional inputs come; ``forward_params`` reports them as its arguments."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str]):
+        super().__init__()
+        self.model, self.call_names = model, list(names)
+        self.train(model.training)
+
+    def forward(self, *xs: Any) -> Any:
+        return self.model(**dict(zip(self.call_names, xs)))
+
+
+def keyword_call(model: Any, mapping: Mapping[str, Any]) -> KeywordCall | None:
+    """``model`` in a ``KeywordCall`` when ``mapping`` names keyword-only forward arguments (which a tuple
+    cannot pass), else None. The keywords come in forward's order; a required keyword-only argument the
+    mapping lacks is named in an ``InputError``."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError, AttributeError):
+        return None
+    kwonly = [p for p in params if p.kind == p.KEYWORD_ONLY]
+    if not any(p.name in mapping for p in kwonly):
+        return None
+    missing = [p.name for p in kwonly if p.default is inspect.Parameter.empty and p.name not in mapping]
+    known = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    unknown = [k for k in mapping if k not in known]
+    if missing or (unknown and not any(p.kind == p.VAR_KEYWORD for p in params)):
+        raise InputError(f"example_inputs: received a dict with keys {list(mapping)}; {type(model).__name__}.forward "
+                         f"takes {sorted(known)}" + (f", and requires {missing} by keyword" if missing else "")
+                         + (f", so {unknown} cannot be passed" if unknown else ""))
+    names = [p.name for p in params if p.name in mapping] + [k for k in mapping if k not in known]
+    return KeywordCall(model, names)
+
+
 def forward_params(model: Any) -> list[inspect.Parameter]:
     """``model.forward``'s arguments that can be passed by position, in order ([] when unknown)."""
+    names = getattr(model, "call_names", None)
+    if isinstance(model, KeywordCall) and names is not None:
+        return [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names]
     try:
         params = inspect.signature(model.forward).parameters.values()
     except (TypeError, ValueError, AttributeError):

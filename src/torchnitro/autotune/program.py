@@ -15,6 +15,7 @@ its classes would re-run everything in it. Instead the parent hands over one of:
 from __future__ import annotations
 
 import copy
+import inspect
 import time
 import warnings
 from pathlib import Path
@@ -85,6 +86,16 @@ def _flat_model(model: nn.Module, inputs: tuple[Any, ...],
             {"output_kind": output_kind(out), "input_layout": layout.to_meta()})
 
 
+def packs_args(module: nn.Module) -> bool:
+    """True when ``module.forward`` takes its inputs as ``*args`` (a user's ``forward(self, *xs)``, an adapter):
+    torch.export then takes their dynamic shapes nested in one tuple, as that one parameter."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return False
+    return bool(params) and params[0].kind == inspect.Parameter.VAR_POSITIONAL
+
+
 def _export(model: nn.Module, inputs: tuple[Any, ...], dynamic_dims: dict[int, list[int]], directory: Path) -> Program:
     from torch.export import Dim
 
@@ -94,7 +105,8 @@ def _export(model: nn.Module, inputs: tuple[Any, ...], dynamic_dims: dict[int, l
     try:
         path = directory / "model.pt2"
         # a wrapper's forward(*inputs): the shapes of the packed positional inputs are one nested tuple
-        ep = torch.export.export(module, flat, dynamic_shapes=shapes if module is model else (shapes,), strict=False)
+        nest = module is not model or packs_args(module)
+        ep = torch.export.export(module, flat, dynamic_shapes=(shapes,) if nest else shapes, strict=False)
         torch.export.save(ep, str(path))
         return Program("exported", path, meta)
     except Exception as exc:  # noqa: BLE001 - TorchScript next

@@ -42,7 +42,10 @@ def export_program(model: nn.Module, example_inputs: tuple[Any, ...], dynamic_di
     shapes = tuple({d: Dim.AUTO for d in dynamic_dims.get(i, [])} if isinstance(x, torch.Tensor) else None
                    for i, x in enumerate(example_inputs))
     try:
-        ep = torch.export.export(model.eval(), tuple(example_inputs), dynamic_shapes=shapes)
+        from torchnitro.autotune.program import packs_args
+
+        ep = torch.export.export(model.eval(), tuple(example_inputs),
+                                 dynamic_shapes=(shapes,) if packs_args(model) else shapes)
         torch.export.save(ep, str(path))
     except Exception as exc:  # noqa: BLE001 - not every model exports; the caller falls back
         return f"{type(exc).__name__}: {exc}"[:300]
