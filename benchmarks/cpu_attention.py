@@ -15,7 +15,6 @@ variants in a rotating order.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -121,10 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["load average at end"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
     table = ResultTable("Attention alone: SDPA as the padding-free layers run it vs the native varlen kernel", COLUMNS,
                         rows, meta)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(table.to_json(), indent=2, default=str))
-    (out / f"{args.name}.md").write_text(table.to_markdown())
+    table.save(args.name, args.out)
     table.print()
     return 0
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import sys
 import tempfile
@@ -181,8 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             meta["load average at end"] = " ".join(f"{v:.2f}" for v in os.getloadavg())
             table = ResultTable("all-MiniLM-L6-v2 as a user wraps it, batch 32 x 128: own padding-free paths, "
                                 "timed interleaved with eager", COLUMNS, rows, meta)
-            (out / f"{args.name}.json").write_text(json.dumps(table.to_json(), indent=2, default=str))
-            (out / f"{args.name}.md").write_text(table.to_markdown())
+            table.save(args.name, out)
     table.print()
     return 0
 
