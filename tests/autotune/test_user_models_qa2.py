@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 import torchnitro  # noqa: E402
 from test_user_models import _tiny_sentence_transformer  # noqa: E402
-from torchnitro.autotune.api import default_dynamic_dims  # noqa: E402
+from torchnitro.autotune.inputs import default_dynamic_dims  # noqa: E402
 from torchnitro.autotune.recipe import get_recipe  # noqa: E402
 from torchnitro.hardware import hardware_info  # noqa: E402
 from torchnitro.hf import bert_config  # noqa: E402
@@ -184,3 +184,39 @@ def test_a_forward_taking_star_args_saves_eager_as_a_standalone_program(fast_cfg
     assert not [w for w in recwarn if "torch.export failed" in str(w.message)]
     y = (torch.randn(2, 8), torch.randn(2, 8))
     torch.testing.assert_close(loaded(*y), model(*y))
+
+
+_SCRIPT = """
+import torch
+from torch import nn
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(100, 16)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, ids, mask):
+        return self.out(self.emb(ids)) * mask.unsqueeze(-1)
+
+
+def build():
+    torch.manual_seed(0)
+    mask = torch.ones(4, 12, dtype=torch.long)
+    mask[:2, 8:] = 0
+    return Tagger().eval(), (torch.randint(1, 100, (4, 12)) * mask, mask)
+"""
+
+
+def test_a_script_factory_with_a_mask_gets_a_variant_that_takes_another_length(tmp_path, fast_cfg):
+    """``torchnitro optimize --model script.py:build`` (the factory returns (model, (ids, mask))): the artifact's
+    ONNX variant failed on a batch of another length ("Got: 7 Expected: 12", seen on the old code)."""
+    script = tmp_path / "user_script.py"
+    script.write_text(_SCRIPT)
+    om = torchnitro.optimize(f"{script}:build", None, fast_cfg(recipes=_onnx_or_skip(), finalists=1, min_speedup=0.0,
+                                                                cache=False))
+    assert om.recipe == "onnxruntime", [(c.recipe, c.status, c.reason) for c in om.report.candidates]
+    loaded = torchnitro.load(om.save(tmp_path / "a"))
+    ids, mask = torch.randint(1, 100, (3, 7)), torch.ones(3, 7, dtype=torch.long)
+    assert loaded(ids, mask).shape == (3, 7, 5)

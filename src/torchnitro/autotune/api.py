@@ -13,15 +13,16 @@ from torch import nn
 from torchnitro.autotune.artifact import EagerSource, load_artifact, write_artifact
 from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
 from torchnitro.autotune.config import OptimizeConfig
-from torchnitro.autotune.inputs import (KeywordCall, ModelInfo, forward_params, input_signature, inputs_from_mapping,
-                                        keyword_call, model_and_inputs, signature_of)
+from torchnitro.autotune.inputs import (KeywordCall, ModelInfo, default_dynamic_dims, forward_params,
+                                        input_signature, inputs_from_mapping, keyword_call, model_and_inputs,
+                                        signature_of)
 from torchnitro.autotune.pipelines import (OptimizedPipeline, is_pipeline, model_dir, pipeline_workload,
                                            rebuild_pipeline, saved_pipeline_model)
 from torchnitro.autotune.recipe import EAGER, CandidateFiles, get_recipe
 from torchnitro.autotune.report import Report
 from torchnitro.errors import InputError
 
-__all__ = ["OptimizedModel", "optimize", "load", "load_pipeline", "default_dynamic_dims"]
+__all__ = ["OptimizedModel", "optimize", "load", "load_pipeline"]
 
 KEYWORD_CALL = "keyword_call"  # the model ref's extra: the keywords of a keyword-only forward, in input order
 
@@ -101,29 +102,6 @@ def _as_tuple(model: nn.Module, example_inputs: Any) -> tuple[Any, ...]:
         raise InputError(f"example_inputs: received {type(example_inputs).__name__}; expected a tensor, a tuple of "
                          "tensors passed positionally to the model, or a dict of them by argument name")
     return example_inputs
-
-
-def default_dynamic_dims(model: nn.Module, inputs: tuple[Any, ...], padding_mask: int | str | None = None
-                         ) -> dict[int, list[int]]:
-    """The dims that vary between calls of a model given as an object: the batch (dim 0) of every tensor
-    input, and, where the inputs carry an attention mask (``verify.mask_index``, or a feature dict's
-    ``attention_mask``), the sequence (dim 1) of every input laid out ``(B, T, ...)`` like the mask and of
-    the feature dict holding it: a tokenizer pads each call to its own longest sentence, so a variant
-    that baked the example's length in (an ONNX or OpenVINO graph) failed on the user's next batch."""
-    from torchnitro.autotune.verify import _mask_in, mask_index
-
-    dyn = {i: [0] for i, t in enumerate(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0}
-    i = mask_index(model, inputs, padding_mask)
-    in_dict = [k for k, x in enumerate(inputs) if isinstance(x, Mapping) and _mask_in(x) is not None]
-    mask = inputs[i] if i is not None else _mask_in(inputs[in_dict[0]]) if in_dict else None
-    if mask is None or mask.dim() != 2:
-        return dyn
-    for k, t in enumerate(inputs):
-        if isinstance(t, torch.Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == tuple(mask.shape):
-            dyn[k] = [0, 1]
-    for k in in_dict:
-        dyn[k] = [0, 1]  # every tensor in the dict; the layout keeps the dims each one has
-    return dyn
 
 
 def _check_no_meta(model: nn.Module, inputs: tuple[Any, ...]) -> None:

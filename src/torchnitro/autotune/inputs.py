@@ -28,7 +28,8 @@ from torch import Tensor, nn
 from torchnitro.errors import InputError
 
 __all__ = ["ModelInfo", "InputSpec", "parse_input_spec", "model_and_inputs", "rebuild_model", "random_like",
-           "signature_of", "input_signature", "forward_params", "inputs_from_mapping", "KeywordCall", "keyword_call"]
+           "signature_of", "input_signature", "forward_params", "inputs_from_mapping", "KeywordCall", "keyword_call",
+           "default_dynamic_dims"]
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32, "float16": torch.float16,
@@ -187,6 +188,29 @@ def _builtin_model_and_inputs(spec: str, parsed: Sequence[InputSpec], batch: int
     return model, inputs, ModelInfo(spec, spec, bi.inputs, dict(bi.dynamic_dims), b, s)
 
 
+def default_dynamic_dims(model: Any, inputs: tuple[Any, ...], padding_mask: int | str | None = None
+                         ) -> dict[int, list[int]]:
+    """The dims that vary between calls of a model given as an object: the batch (dim 0) of every tensor
+    input, and, where the inputs carry an attention mask (``verify.mask_index``, or a feature dict's
+    ``attention_mask``), the sequence (dim 1) of every input laid out ``(B, T, ...)`` like the mask and of
+    the feature dict holding it: a tokenizer pads each call to its own longest sentence, so a variant
+    that baked the example's length in (an ONNX or OpenVINO graph) failed on the user's next batch."""
+    from torchnitro.autotune.verify import _mask_in, mask_index
+
+    dyn = {i: [0] for i, t in enumerate(inputs) if isinstance(t, Tensor) and t.dim() > 0}
+    i = mask_index(model, inputs, padding_mask)
+    in_dict = [k for k, x in enumerate(inputs) if isinstance(x, Mapping) and _mask_in(x) is not None]
+    mask = inputs[i] if i is not None else _mask_in(inputs[in_dict[0]]) if in_dict else None
+    if mask is None or mask.dim() != 2:
+        return dyn
+    for k, t in enumerate(inputs):
+        if isinstance(t, Tensor) and t.dim() >= 2 and tuple(t.shape[:2]) == tuple(mask.shape):
+            dyn[k] = [0, 1]
+    for k in in_dict:
+        dyn[k] = [0, 1]  # every tensor in the dict; the layout keeps the dims each one has
+    return dyn
+
+
 def _factory_model_and_inputs(spec: str, parsed: list[InputSpec], batch: int | None,
                               seq: int | None) -> tuple[nn.Module, tuple[Any, ...], ModelInfo]:
     """``file.py:function`` or ``module:function``: the factory's model, with its inputs or ``--input``'s."""
@@ -210,7 +234,7 @@ def _factory_model_and_inputs(spec: str, parsed: list[InputSpec], batch: int | N
     if not inputs:
         raise InputError(f"--model {spec!r} gave no example inputs; pass --input SHAPE:DTYPE once per model "
                          "input (e.g. --input 32x128:int64), or return (model, inputs) from the factory")
-    dyn = {i: [0] for i, t in enumerate(inputs) if isinstance(t, Tensor) and t.dim() > 0}
+    dyn = default_dynamic_dims(model, inputs)
     return model.eval(), inputs, ModelInfo(spec, spec, make, dyn, int(inputs[0].shape[0]) if dyn else None, seq)
 
 
