@@ -220,3 +220,21 @@ def test_a_script_factory_with_a_mask_gets_a_variant_that_takes_another_length(t
     loaded = torchnitro.load(om.save(tmp_path / "a"))
     ids, mask = torch.randint(1, 100, (3, 7)), torch.ones(3, 7, dtype=torch.long)
     assert loaded(ids, mask).shape == (3, 7, 5)
+
+
+def test_torchscript_traces_a_sentence_transformer_by_its_flat_tensors(tmp_path, fast_cfg):
+    """sentence-transformers 6 puts ``'modality': 'text'`` in its feature dict, and the trace refused the dict
+    ("Tracer cannot infer type of ({'input_ids': tensor(...), ..., 'modality': 'text', ...})", seen failing): the
+    recipe now traces the flat tensors as the ONNX export does, and the artifact loads and answers alike."""
+    model = _tiny_sentence_transformer(tmp_path / "st")
+    feats = model.preprocess(["the cat sat on the mat", "a quick brown fox jumps over the lazy dog", "hello"])
+    om = torchnitro.optimize(model, feats, fast_cfg(recipes=["torchscript"], finalists=1, min_speedup=0.0,
+                                                    cache=False))
+    assert om.recipe == "torchscript", [(c.recipe, c.status, c.reason) for c in om.report.candidates]
+    held = model.preprocess(["what is the weather in paris today", "x"])
+    with torch.inference_mode():
+        ref = model(dict(held))["sentence_embedding"]
+    loaded = torchnitro.load(om.save(tmp_path / "a"), trust_code=True)  # standalone: no model object
+    for fn in (om, loaded):
+        out = fn(dict(held))["sentence_embedding"]
+        assert float(torch.nn.functional.cosine_similarity(out, ref).min()) > 0.9999

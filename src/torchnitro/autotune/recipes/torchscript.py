@@ -1,5 +1,7 @@
 """TorchScript: trace, freeze (constants folded into the graph), optimize_for_inference (Conv+BN
-folding, MKLDNN layout choices on CPU). Standalone: the artifact loads without the model's code."""
+folding, MKLDNN layout choices on CPU). Standalone: the artifact loads without the model's code.
+A model called with a feature dict (a SentenceTransformer) is traced as its flat tensors
+(``program._flat_model``, as the ONNX export is) and called back through the saved layout."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
+from torchnitro.autotune.recipes._layout import is_flat
 from torchnitro.autotune.recipes._util import output_kind, restructure
 
 __all__ = ["TorchScript"]
@@ -60,11 +63,18 @@ class TorchScript(Recipe):
     order = 10
 
     def build(self, ctx: BuildContext) -> Built:
+        from torchnitro.autotune.program import _flat_model, _Restructured
+
         with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
             warnings.simplefilter("ignore")
-            kind = _flat_kind(ctx.model, ctx.example_inputs)
-            model = ctx.model if kind is None else _FlatOut(ctx.model)
-            traced = torch.jit.trace(model, ctx.example_inputs, check_trace=False, strict=False)
+            layout, inputs = None, ctx.example_inputs
+            if not is_flat(inputs):  # a feature dict (a SentenceTransformer): traced as its flat tensors
+                model, inputs, _, pmeta = _flat_model(ctx.model, inputs, ctx.dynamic_dims)
+                kind, layout = pmeta["output_kind"], pmeta["input_layout"]
+            else:
+                kind = _flat_kind(ctx.model, inputs)
+                model = ctx.model if kind is None else _FlatOut(ctx.model)
+            traced = torch.jit.trace(model, inputs, check_trace=False, strict=False)
             frozen = torch.jit.freeze(traced.eval())
             try:
                 fast = torch.jit.optimize_for_inference(frozen)
@@ -75,6 +85,10 @@ class TorchScript(Recipe):
         path = ctx.workdir / "model.ts"
         torch.jit.save(fast, str(path))
         meta = {} if kind is None else {"output_kind": kind}
+        if layout is not None:
+            meta["input_layout"] = layout
+            return Built(fn=_Restructured(fast, kind, layout), files=["model.ts"], meta=meta, standalone=True,
+                         notes=note)
         return Built(fn=fast if kind is None else _Rebuilt(fast, kind), files=["model.ts"], meta=meta,
                      standalone=True, notes=note)
 
@@ -82,4 +96,8 @@ class TorchScript(Recipe):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             module = torch.jit.load(str(directory / "model.ts"), map_location="cpu").eval()
+        if meta.get("input_layout") is not None:
+            from torchnitro.autotune.program import _Restructured
+
+            return _Restructured(module, meta.get("output_kind"), meta["input_layout"])
         return module if meta.get("output_kind") is None else _Rebuilt(module, meta["output_kind"])
