@@ -9,9 +9,8 @@ after it: each variant's p50 alone in that round is the mean of the two sets' p5
 speed that is linear across the round cancels, and a step inside it counts half. Why: on this shared VM the speed
 moves 12-20% in phases minutes long (the probe below; 7ce9ea3:results/timing_fairness.md), and with one comparison
 and one alone set per round, each ~2.5 min on ``mlp`` (2 s a variant), every ``mlp`` variant ran 1.4-14% faster
-inside the comparison than alone in two rounds of the 27 Nov 08:45 run and within 2.4% in the third, while a
-comparison of the two loaders in one rotation found no difference between them (the method table in
-docs/optimize.md). Shorter blocks keep the two sides of a round closer in time. A round's comparison is
+inside the comparison than alone in two rounds of the 27 Nov 08:45 run and within 2.4% in the third, while the
+two sides' loaders timed in one rotation differed by at most 2% (docs/optimize.md, "Inside against alone"). Shorter blocks keep the two sides of a round closer in time. A round's comparison is
 ``optimize`` again on the same candidate cache with the whole-search cache entry removed: nothing is built again
 (a row's note says otherwise), the final comparison is timed anew. An alone set times every variant (eager
 included) in its own fresh process (all started together, timed in rotation with the comparison's warm-up, samples
