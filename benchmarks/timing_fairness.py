@@ -10,9 +10,10 @@ speed that is linear across the round cancels, and a step inside it counts half.
 moves 12-20% in phases minutes long (the probe below; 7ce9ea3:results/timing_fairness.md), and with one comparison
 and one alone set per round, each ~2.5 min on ``mlp`` (2 s a variant), every ``mlp`` variant ran 1.4-14% faster
 inside the comparison than alone in two rounds of the 27 Nov 08:45 run and within 2.4% in the third, while the
-two sides' loaders timed in one rotation differed by at most 2% (docs/optimize.md, "Inside against alone"). Shorter blocks keep the two sides of a round closer in time. A round's comparison is
-``optimize`` again on the same candidate cache with the whole-search cache entry removed: nothing is built again
-(a row's note says otherwise), the final comparison is timed anew. An alone set times every variant (eager
+two sides' loaders timed in one rotation differed by at most 2% (docs/optimize.md, "Inside against alone").
+Shorter blocks keep the two sides of a round closer in time. A round's comparison is ``optimize`` again on the
+same candidate cache with the whole-search cache entry removed: nothing is built again (a row's note says
+otherwise), the final comparison is timed anew. An alone set times every variant (eager
 included) in its own fresh process (all started together, timed in rotation with the comparison's warm-up, samples
 and time per variant; the parent only waits). Two checks per workload (issue 14), each on the median over rounds of
 the per-round difference, the per-round values beside it:
@@ -230,7 +231,8 @@ class Round:
     redone: bool
     comparison_s: float
     alone_s: tuple[float, float]  # the alone sets' wall times, before and after
-    alone_sets: tuple[dict[str, float], dict[str, float]] = ({}, {})  # variant -> p50 ms in each (absent: failed)
+    # variant -> p50 ms in the alone set before and in the one after (a failed set: empty)
+    alone_sets: tuple[dict[str, float], dict[str, float]] = dataclasses.field(default_factory=lambda: ({}, {}))
 
 
 def diffs(num: Sequence[float], den: Sequence[float]) -> list[float]:
@@ -400,7 +402,8 @@ def _chain(w: Workload, rounds: int, probe: Probe, notes: list[str]) -> list[Rou
 
     alone_set(0)
     for i in range(1, rounds + 1):
-        label, started, t0 = f"{w.name} round {i} of {rounds} comparison", time.strftime("%H:%M:%S"), time.perf_counter()
+        label, started = f"{w.name} round {i} of {rounds} comparison", time.strftime("%H:%M:%S")
+        t0 = time.perf_counter()
         try:
             comps.append(_Comparison(*_comparison(w, notes, label), started, time.perf_counter() - t0))
         except Exception as exc:  # noqa: BLE001 - a failed comparison costs its own round, not the others'
@@ -507,8 +510,8 @@ def _add_rows(name: str, timed: list[str], families: dict[str, str], done: list[
             "p50 in comparison ms": median(inside), "p50 alone ms": median(alone), "diff": f"{median(d):+.1%}",
             "within 5%": within(median(d), P50_GOAL), "in comparison per round ms": _per_round(inside),
             "alone per round ms": _per_round(alone), "diff per round": _per_round(d, "{:+.1%}"),
-            "alone sets per round ms": " / ".join(_per_round([s.get(n, math.nan) for s in r.alone_sets]).replace("/", "|")
-                                                  for r in done),
+            "alone sets per round ms": " / ".join(
+                _per_round([s.get(n, math.nan) for s in r.alone_sets]).replace("/", "|") for r in done),
             "timed in comparison": "; ".join(hows) + (f", redone in round {'/'.join(redone)}" if redone else ""),
             "alone": loaded[n]})
         if n == "eager":

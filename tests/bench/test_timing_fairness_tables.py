@@ -1,5 +1,6 @@
 """benchmarks/timing_fairness.py's parts without timing processes: the goal arithmetic over rounds, the chain of
-blocks (each comparison between two alone sets) and a drifting machine, the tables built from rounds, the allocator and OpenMP tables on fake timers, the probe's failure.
+blocks (each comparison between two alone sets) and a drifting machine, the tables built from rounds, the
+allocator and OpenMP tables on fake timers, the probe's failure.
 (tests/bench/test_timing_fairness_script.py runs the script end to end.)"""
 
 from __future__ import annotations
@@ -127,8 +128,9 @@ def _fake_build(tf, monkeypatch, machine):
     def fake_optimize(model, inputs, cfg, info=None):
         class Opt:
             recipe = "ort"
-            report = Report("m", "x", "latency", "cpu", [CandidateResult("eager", "exact", "verified", interleaved=True),
-                                                         CandidateResult("ort", "exact", "chosen", interleaved=True)])
+            report = Report("m", "x", "latency", "cpu", [
+                CandidateResult("eager", "exact", "verified", interleaved=True),
+                CandidateResult("ort", "exact", "chosen", interleaved=True)])
         return Opt()
 
     monkeypatch.setattr(tf, "optimize", fake_optimize)
