@@ -148,13 +148,17 @@ static void item_generic(const Ctx *c, int64_t r0, int64_t L, int64_t hd, float 
 static size_t ws_generic(int64_t L, int64_t dh) { return (size_t)(2 * L * dh + dh + L + dh) * sizeof(float); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-static inline __m512 exp2_ps(__m512 x) { /* x <= 0 */
+/* 2^x for x <= 0. `full`: degree 7 (~1e-7 relative, fp32 mode); else degree 5 (~3e-6, under the 4e-3 of
+   the bf16 rounding the probabilities get in bf16 mode) */
+static inline __m512 exp2_ps(__m512 x, int full) {
     x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
     __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(EXP2_C7);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C6));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C5));
+    __m512 p = _mm512_set1_ps(EXP2_C5);
+    if (full) {
+        p = _mm512_fmadd_ps(_mm512_set1_ps(EXP2_C7), f, _mm512_set1_ps(EXP2_C6));
+        p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C5));
+    }
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C4));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C3));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_C2));
@@ -203,18 +207,27 @@ static inline void store16(const Ctx *c, int64_t row, int64_t col, __m512 v, int
     }
 }
 
-/* softmax of ROWS score rows of length L (row stride lp) in place: s -> exp2(s - max); returns 1 / sum per row.
-   Entries in [L, lp) become 0. */
-static void softmax_rows(float *S, int64_t lp, int64_t L, float *inv) {
+/* the running row maxima of a score tile: lanes of keys [jb, jb + 16) below L */
+static inline void max_update(__m512 *mx, __m512 v, int64_t jb, int64_t L) {
+    *mx = _mm512_mask_max_ps(*mx, tail(L - jb), *mx, v);
+}
+
+/* softmax of ROWS score rows of length L (row stride lp), given each row's maximum lanes mx: exp2(s - max)
+   into S (fp32) or into P (bf16, when P is not NULL), 0 for keys in [L, lp); returns 1 / sum per row */
+static void softmax_rows(float *S, bf16_t *P, int64_t lp, int64_t L, const __m512 *mx, float *inv) {
     for (int r = 0; r < ROWS; r++) {
         float *s = S + r * lp;
-        __m512 m = _mm512_set1_ps(-INFINITY);
-        for (int64_t j = 0; j < L; j += 16) m = _mm512_mask_max_ps(m, tail(L - j), m, _mm512_loadu_ps(s + j));
-        __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m)), sum = _mm512_setzero_ps();
+        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[r])), sum = _mm512_setzero_ps();
         for (int64_t j = 0; j < lp; j += 16) {
-            __m512 e = _mm512_maskz_mov_ps(tail(L - j), exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx)));
-            _mm512_storeu_ps(s + j, e);
+            __m512 e = _mm512_maskz_mov_ps(tail(L - j), exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), m), P == NULL));
             sum = _mm512_add_ps(sum, e);
+#if defined(__AVX512BF16__)
+            if (P != NULL) {
+                _mm256_storeu_si256((__m256i *)(P + r * lp + j), (__m256i)_mm512_cvtneps_pbh(e));
+                continue;
+            }
+#endif
+            _mm512_storeu_ps(s + j, e);
         }
         inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
     }
@@ -251,6 +264,8 @@ static void item_f32(const Ctx *c, int64_t r0, int64_t L, int64_t hd, float *ws)
                 __m512 qv = i0 + r < L ? load16(c, r0 + i0 + r, hd * dh + d, dh - d) : _mm512_setzero_ps();
                 _mm512_storeu_ps(Q + r * dhp + d, _mm512_mul_ps(qv, _mm512_set1_ps(c->scale)));
             }
+        __m512 mx[ROWS];
+        for (int r = 0; r < ROWS; r++) mx[r] = _mm512_set1_ps(-INFINITY);
         int64_t jb = 0;
         for (; jb + 32 <= lp; jb += 32) { /* S[:, jb:jb+32] = Q K^T */
             __m512 a[ROWS][2];
@@ -268,6 +283,8 @@ static void item_f32(const Ctx *c, int64_t r0, int64_t L, int64_t hd, float *ws)
             for (int r = 0; r < ROWS; r++) {
                 _mm512_storeu_ps(S + r * lp + jb, a[r][0]);
                 _mm512_storeu_ps(S + r * lp + jb + 16, a[r][1]);
+                max_update(&mx[r], a[r][0], jb, L);
+                max_update(&mx[r], a[r][1], jb + 16, L);
             }
         }
         if (jb < lp) { /* a last block of 16 keys */
@@ -279,9 +296,12 @@ static void item_f32(const Ctx *c, int64_t r0, int64_t L, int64_t hd, float *ws)
 #pragma GCC unroll 8
                 for (int r = 0; r < ROWS; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(Q[r * dhp + d]), x0, a[r]);
             }
-            for (int r = 0; r < ROWS; r++) _mm512_storeu_ps(S + r * lp + jb, a[r]);
+            for (int r = 0; r < ROWS; r++) {
+                _mm512_storeu_ps(S + r * lp + jb, a[r]);
+                max_update(&mx[r], a[r], jb, L);
+            }
         }
-        softmax_rows(S, lp, L, inv);
+        softmax_rows(S, NULL, lp, L, mx, inv);
         int rows = L - i0 < ROWS ? (int)(L - i0) : ROWS;
         for (int64_t dc = 0; dc < dhp; dc += 32) { /* O[:, dc:dc+32] = P V */
             int two = dc + 16 < dhp;
@@ -361,6 +381,8 @@ static void item_bf16(const Ctx *c, int64_t r0, int64_t L, int64_t hd, char *wsc
                 __m512 qv = i0 + r < L ? load16(c, r0 + i0 + r, hd * dh + d, dh - d) : _mm512_setzero_ps();
                 _mm256_storeu_si256((__m256i *)(Q + r * dhp + d), cvt16(_mm512_mul_ps(qv, sc)));
             }
+        __m512 mx[ROWS];
+        for (int r = 0; r < ROWS; r++) mx[r] = _mm512_set1_ps(-INFINITY);
         for (int64_t jb = 0; jb < lp; jb += 32) { /* lp is a multiple of 32 */
             __m512 a[ROWS][2];
             for (int r = 0; r < ROWS; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
@@ -377,12 +399,11 @@ static void item_bf16(const Ctx *c, int64_t r0, int64_t L, int64_t hd, char *wsc
             for (int r = 0; r < ROWS; r++) {
                 _mm512_storeu_ps(S + r * lp + jb, a[r][0]);
                 _mm512_storeu_ps(S + r * lp + jb + 16, a[r][1]);
+                max_update(&mx[r], a[r][0], jb, L);
+                max_update(&mx[r], a[r][1], jb + 16, L);
             }
         }
-        softmax_rows(S, lp, L, inv);
-        for (int r = 0; r < ROWS; r++)
-            for (int64_t j = 0; j < lp; j += 16)
-                _mm256_storeu_si256((__m256i *)(P + r * lp + j), cvt16(_mm512_loadu_ps(S + r * lp + j)));
+        softmax_rows(S, P, lp, L, mx, inv);
         int rows = L - i0 < ROWS ? (int)(L - i0) : ROWS;
         const int64_t npair = (L + 1) / 2;
         for (int64_t dc = 0; dc < dhp; dc += 32) { /* O[:, dc:dc+32] = P V */
