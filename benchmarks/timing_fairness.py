@@ -586,6 +586,14 @@ def _versions() -> dict[str, str]:
     return out
 
 
+def _rounds_text(rounds: int | None, quick: bool, names: Sequence[str]) -> str:
+    """The rounds and measured seconds per variant of each workload in ``names`` (``--rounds`` overrides the count)."""
+    if quick:
+        return f"{rounds or 1} per workload, {QUICK_FINAL_S:g} s a variant"
+    return ", ".join(f"{k}: {rounds or r} rounds, {sec:g} s a variant"
+                     for k, (sec, r) in ((k, BLOCKS.get(k, (FINAL_S, ROUNDS))) for k in names))
+
+
 def _tables(meta: dict[str, Any], allocator: bool, threads: bool) -> dict[str, ResultTable]:
     tables = {"variants": ResultTable("p50 inside the optimizer's comparison vs alone in a fresh process, per round",
                                       VARIANT_COLUMNS, meta=dict(meta)),
@@ -627,10 +635,9 @@ def main(argv: list[str] | None = None) -> int:
                                                                                       else sys.argv[1:])),
             "machine": f"{hw.cpu_name}, {hw.cpu_cores} cores", "versions": _versions(), "commit": git_commit(),
             "timing environment": describe_environment(), "families": families, "load average at start": _load(),
-            "rounds": f"{rounds or 'the workload default'} per workload (" + ", ".join(
-                f"{k}: {r} rounds, {s:g} s a variant" for k, (s, r) in BLOCKS.items()) + "), run as alone set 0, "
-                "comparison 1, alone set 1, comparison 2, ...: each comparison between two alone sets, against the "
-                "mean of their p50s",
+            "rounds": _rounds_text(rounds, args.quick, list(workloads)) + "; per workload one chain alone set 0, "
+                      "comparison 1, alone set 1, comparison 2, ...: each comparison against the mean of the p50s of "
+                      "the alone sets before and after it",
             "eager in the comparison": f"{eager_processes} fresh processes, median p50", "p50 columns": P50_COLUMNS,
             "timing processes' environment": timing_process_env() or "nothing added: libgomp's default OpenMP wait, "
                                                                      "or the user's OMP_WAIT_POLICY/GOMP_SPINCOUNT"}
