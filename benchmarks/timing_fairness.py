@@ -24,7 +24,9 @@ the per-round difference, the per-round values beside it:
 A machine-speed probe (a fixed fp32 matmul, ``speed_probe``, timed ~0.3 s in one process started with the run, gated
 like every sample) is read before every block and after the last; the rounds table shows the readings before a
 round's first alone set and after its second, so a round that straddled a phase change shows. It is a diagnostic:
-no number is normalised by it.
+no number is normalised by it. Each alone set's note also gives every process's p50 over the second half of its
+samples against the first half (``_halves``): a fresh process that speeds up as it ages shows the same sign in every
+set, a change of the machine's speed shows in every process of one set.
 
 The optimizer's comparison times eager and every finalist alone, each in its own fresh process that loads the
 variant as its artifact would (``autotune.fair``), eager in ``OptimizeConfig.eager_processes`` (default 1) fresh
@@ -331,12 +333,24 @@ def _alone(spec: str, batch: int, seq: int, names: list[str], inputs: tuple[Any,
         with quiet.recording() as rec:
             res = compare({n: Steady(t) for n, t in timers.items()}, tc)  # sampled as the optimizer's comparison
         if notes is not None:
-            notes.append(f"{label}: {rec.text()}")
+            notes.append(f"{label}: {rec.text()}; {_halves(res)}")
         faults = {n: statistics.median(t.faults) if t.faults else float("nan") for n, t in timers.items()}
     finally:
         for t in timers.values():
             t.close()
     return {n: (t, faults[n]) for n, t in res.items()} if envs is not None else {n: t.median * 1e3 for n, t in res.items()}
+
+
+def _halves(res: dict[str, Any]) -> str:
+    """Each process's p50 over the second half of its samples against the first half: a young process that speeds
+    up shows the same sign in every set, a machine that changes speed shows it in every process of one set."""
+    parts = []
+    for n, t in res.items():
+        half = len(t.samples) // 2
+        if half >= 3:
+            a, b = statistics.median(t.samples[:half]), statistics.median(t.samples[half:])
+            parts.append(f"{n} {b / a - 1:+.1%}")
+    return "second half of each process's samples against its first half (p50): " + (", ".join(parts) or "-")
 
 
 @dataclasses.dataclass

@@ -231,7 +231,8 @@ def test_allocator_and_thread_tables_on_fake_timers(tf, monkeypatch, tmp_path):
     # each row is eager built in its own child under that row's environment and mallopt setting
     assert all(t.kwargs["recipe"] == "eager" and t.loader.endswith(":build_variant") for t in _FakeTimer.made)
     assert [t.kwargs["mallopt"] for t in _FakeTimer.made] == [m for _, m in tf.MALLOC_SETTINGS.values()]
-    assert notes == ["w allocator table: timing gate: no gated samples"]
+    assert notes == ["w allocator table: timing gate: no gated samples; second half of each process's samples "
+                     "against its first half (p50): -"]  # 3 samples each: too few to split
     _FakeTimer.made = []
     table = ResultTable("t", tf.THREAD_COLUMNS)
     tf._thread_table(w, table)
@@ -241,6 +242,15 @@ def test_allocator_and_thread_tables_on_fake_timers(tf, monkeypatch, tmp_path):
     assert len(spin) == 2 and all(r["vs libgomp default, same load"] == pytest.approx(0.5) for r in spin)
     assert table.rows[0]["vs libgomp default, same load"] == pytest.approx(1.0)
     assert [t.env for t in _FakeTimer.made[:len(tf.THREAD_SETTINGS)]] == [e for e, _ in tf.THREAD_SETTINGS.values()]
+
+
+def test_halves_show_a_process_that_speeds_up_inside_its_set(tf):
+    from torchnitro.bench.timing import Timing
+
+    young = Timing([2e-3] * 4 + [1.5e-3] * 4)  # faster once it has run a while
+    steady = Timing([1e-3, 1.1e-3, 0.9e-3, 1e-3, 0.9e-3, 1.1e-3])
+    text = tf._halves({"eager": young, "ort": steady, "short": Timing([1.0] * 5)})
+    assert text == "second half of each process's samples against its first half (p50): eager -25.0%, ort +0.0%"
 
 
 def test_a_failed_probe_leaves_nan_and_says_why(tf, monkeypatch, tmp_path):
