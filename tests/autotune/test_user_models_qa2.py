@@ -238,3 +238,41 @@ def test_torchscript_traces_a_sentence_transformer_by_its_flat_tensors(tmp_path,
     for fn in (om, loaded):
         out = fn(dict(held))["sentence_embedding"]
         assert float(torch.nn.functional.cosine_similarity(out, ref).min()) > 0.9999
+
+
+def test_a_time_limit_an_exporter_wraps_is_a_budget_skip_not_a_failure(tmp_path, monkeypatch):
+    """The coverage run's XLM-R had onnxruntime 'failed' with "ONNX export failed: ... dynamo exporter:
+    ConversionError: Failed to decompose the FX graph" at the search's budget: torch.onnx wrapped the
+    CandidateTimeout the search's timer raised, and the program's preparation took it for the model's error."""
+    import torchnitro.autotune.program as program
+    from torchnitro.autotune.limits import CandidateTimeout, timed_out
+
+    def wrapped(*args, **kwargs):
+        try:
+            raise CandidateTimeout("ran past its 3 s limit")
+        except CandidateTimeout as exc:
+            raise RuntimeError("Failed to decompose the FX graph for ONNX compatibility") from exc
+
+    monkeypatch.setattr(program, "prepare_program", wrapped)
+    progs = program.Programs(nn.Linear(2, 2), (torch.ones(1, 2),), {0: [0]}, tmp_path)
+    out, _ = progs.get("onnx", limit_s=60.0, remaining_s=3.0)  # the budget's 3 s, under the recipe's limit
+    assert out.budget and out.reason.startswith("budget: preparing the onnx program"), out.reason
+    out, _ = program.Programs(nn.Linear(2, 2), (torch.ones(1, 2),), {0: [0]}, tmp_path).get("onnx", 3.0, 60.0)
+    assert not out.budget and "ran past its 3 s limit" in out.reason, out.reason
+    assert timed_out(ValueError("x")) is None
+
+
+def test_onnx_export_does_not_start_the_second_exporter_after_the_time_limit(tmp_path, monkeypatch):
+    from torchnitro.autotune.limits import CandidateTimeout, timed_out
+    from torchnitro.autotune.recipes import onnx
+
+    calls = []
+
+    def export(*args, dynamo=False, **kwargs):
+        calls.append(dynamo)
+        raise CandidateTimeout("ran past its 3 s limit")
+
+    monkeypatch.setattr(torch.onnx, "export", export)
+    with pytest.raises(Exception) as info:
+        onnx.export_onnx(nn.Linear(2, 2), (torch.ones(1, 2),), tmp_path / "m.onnx", {0: [0]})
+    assert timed_out(info.value) is not None and calls == [False]

@@ -10,11 +10,24 @@ import signal
 import threading
 from typing import Any
 
-__all__ = ["CandidateTimeout", "time_limit"]
+__all__ = ["CandidateTimeout", "time_limit", "timed_out"]
 
 
 class CandidateTimeout(Exception):
     """The candidate ran past its time limit."""
+
+
+def timed_out(exc: BaseException | None) -> CandidateTimeout | None:
+    """The ``CandidateTimeout`` in ``exc``'s chain (``__cause__`` / ``__context__``), or None: a library that
+    wraps what it catches (torch.onnx's dynamo exporter raises ConversionError from it) must not turn the
+    time limit into a failure of the model's own."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, CandidateTimeout):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 class time_limit:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from torchnitro.autotune.failure import Failure, clean_line
-from torchnitro.autotune.limits import CandidateTimeout, time_limit
+from torchnitro.autotune.limits import time_limit, timed_out
 from torchnitro.autotune.recipe import Program, Recipe
 from torchnitro.autotune.recipes._layout import FlatProgram, flat_call, input_layout, is_flat
 from torchnitro.autotune.recipes._util import output_kind, restructure
@@ -185,12 +185,14 @@ class Programs:
             with time_limit(cap):
                 out: Program | Failure = prepare_program(kind, copy.deepcopy(self.model), self.inputs,
                                                          self.dynamic_dims, self.directory / kind)
-        except CandidateTimeout:
-            if remaining_s < limit_s:
+        except Exception as exc:  # noqa: BLE001 - the candidate's reason
+            if timed_out(exc) is None:
+                out = Failure.from_exception(exc)
+            elif remaining_s < limit_s:  # an exporter may have wrapped the timeout in an error of its own
                 return Failure("", f"budget: preparing the {kind} program took the {cap:.1f} s left of the search "
                                    "budget (raise budget_s)", budget=True), time.perf_counter() - t0
-            out = Failure("", f"preparing the {kind} program for the child process ran past its {cap:.0f} s limit")
-        except Exception as exc:  # noqa: BLE001 - the candidate's reason
-            out = Failure.from_exception(exc)
+            else:
+                out = Failure("", f"preparing the {kind} program for the child process ran past its {cap:.0f} s "
+                                  "limit")
         self.done[kind] = (out, time.perf_counter() - t0)
         return self.done[kind]

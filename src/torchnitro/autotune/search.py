@@ -33,7 +33,7 @@ from torchnitro.autotune.config import OptimizeConfig
 from torchnitro.autotune.evaluate import Evaluation, evaluate, run_isolated
 from torchnitro.autotune.failure import Failure, clean_line
 from torchnitro.autotune.inputs import ModelInfo, input_signature
-from torchnitro.autotune.limits import CandidateTimeout, time_limit
+from torchnitro.autotune.limits import time_limit, timed_out
 from torchnitro.autotune.program import Programs, isolation
 from torchnitro.autotune.recipe import EAGER, BuildContext, CandidateFiles, Recipe
 from torchnitro.autotune.recipes._util import restructure
@@ -121,10 +121,9 @@ class _Search:
             else:
                 with time_limit(limit_s):
                     ev = evaluate(r, ctx, self.wl.held_out, self.wl.timing_sets, self.timing, self.wl.items_per_call)
-        except CandidateTimeout as exc:
-            ev = Failure("", str(exc))
         except Exception as exc:  # noqa: BLE001 - one candidate never takes the search down
-            ev = Failure.from_exception(exc)
+            limit = timed_out(exc)  # a recipe may have wrapped the timeout in an error of its own
+            ev = Failure.from_exception(exc) if limit is None else Failure("", str(limit))
         if isinstance(ev, Failure):
             res.status = Status.SKIPPED if ev.budget else Status.FAILED
             res.reason, res.notes = ev.reason, ev.notes

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from torchnitro.autotune.failure import clean_line
+from torchnitro.autotune.limits import timed_out
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
 from torchnitro.autotune.recipes._layout import FlatProgram, flat_call, input_layout, is_flat
 from torchnitro.autotune.recipes._util import output_kind, restructure
@@ -91,6 +92,8 @@ def _export_file(model: nn.Module, inputs: tuple[Any, ...], path: Path, in_names
                               dynamic_axes=axes or None, opset_version=17, do_constant_folding=True)
             return "torchscript"
         except Exception as exc:  # noqa: BLE001 - try the other exporter
+            if timed_out(exc) is not None:
+                raise  # the time limit, not the exporter: no second export on the clock
             errors.append(clean_line(f"torchscript exporter: {type(exc).__name__}: {exc}", limit=300))
             from torch.export import Dim
 
@@ -99,6 +102,8 @@ def _export_file(model: nn.Module, inputs: tuple[Any, ...], path: Path, in_names
                 torch.onnx.export(model, inputs, str(path), dynamo=True, input_names=in_names,
                                   output_names=out_names, dynamic_shapes=shapes, external_data=False)
             except Exception as exc2:
+                if timed_out(exc2) is not None:
+                    raise
                 errors.append(clean_line(f"dynamo exporter: {type(exc2).__name__}: {exc2}", limit=300))
                 raise RuntimeError("ONNX export failed: " + " | ".join(errors)) from exc2
             return "dynamo"
