@@ -27,7 +27,8 @@ from torch import nn
 
 __all__ = ["CACHE_VERSION", "model_hash", "make_key", "function_id", "CandidateCache"]
 
-CACHE_VERSION = "2"  # bump when the meaning of cached entries changes (2: per-row cosine gate)
+CACHE_VERSION = "3"  # bump when the meaning of cached entries changes (2: per-row cosine gate; 3: a masked
+# token model's sequence dim is dynamic, so a cached winner exported at the example's length is not reused)
 
 
 def model_hash(model: nn.Module) -> str:
