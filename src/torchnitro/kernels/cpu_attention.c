@@ -28,7 +28,7 @@
 #include <immintrin.h>
 #endif
 
-#define TN_ABI 1
+#define TN_ABI 2
 #define CAP_OPENMP 1
 #define CAP_AVX512 2
 #define CAP_AVX512BF16 4
@@ -478,16 +478,28 @@ int tn_attn_path(int mode) {
     return path_of(&c);
 }
 
-/* Returns 0, or -1 when a work buffer could not be allocated (the output is then incomplete). The caller
-   checked shapes: cu[0] = 0, cu non-decreasing, cu[nseq] = N, the row strides and dtypes. */
-int tn_varlen_attention(const void *qkv, int64_t ld, int in_bf16, const int64_t *cu, int64_t nseq, int64_t heads,
-                        int64_t head_dim, float scale, void *out, int64_t ld_out, int out_bf16, int mode,
-                        int nthreads) {
+/* Work (multiply-adds) below which a call runs on one thread: waking a team costs more than it saves
+   (~10-20 us quiet, milliseconds on a loaded machine) */
+#define SERIAL_WORK (1 << 20)
+
+/* Returns 0; -2 when cu is not 0 = cu[0] <= cu[1] <= ... <= cu[nseq] = n_rows (nothing computed); -1 when a work
+   buffer could not be allocated (the output is then incomplete). The caller checked the strides and dtypes. */
+int tn_varlen_attention(const void *qkv, int64_t n_rows, int64_t ld, int in_bf16, const int64_t *cu, int64_t nseq,
+                        int64_t heads, int64_t head_dim, float scale, void *out, int64_t ld_out, int out_bf16,
+                        int mode, int nthreads) {
     Ctx c = {(const char *)qkv, ld, in_bf16, (char *)out, ld_out, out_bf16, heads, head_dim,
              scale * 1.4426950408889634f, mode};
+    if (cu[0] != 0 || cu[nseq] != n_rows) return -2;
     int64_t lmax = 0;
-    for (int64_t b = 0; b < nseq; b++) lmax = cu[b + 1] - cu[b] > lmax ? cu[b + 1] - cu[b] : lmax;
+    double work = 0.0;
+    for (int64_t b = 0; b < nseq; b++) {
+        int64_t L = cu[b + 1] - cu[b];
+        if (L < 0) return -2;
+        lmax = L > lmax ? L : lmax;
+        work += 2.0 * (double)L * (double)L * (double)(head_dim * heads);
+    }
     if (lmax == 0) return 0;
+    if (work < SERIAL_WORK) nthreads = 1;
     const int path = path_of(&c);
     const size_t ws = ws_size(path, lmax, head_dim);
     const int64_t items = nseq * heads;

@@ -45,7 +45,7 @@ __all__ = ["COMPILER", "NativeAttention", "cpu_attention_reason", "has_native_bf
 COMPILER = os.environ.get("CC", "gcc")  # the C compiler; a test points it at a missing name to check the fallback
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c11")
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
-_ABI = 1  # tn_attn_abi() of the C source this loader speaks to
+_ABI = 2  # tn_attn_abi() of the C source this loader speaks to
 _CAP_OPENMP, _CAP_AVX512, _CAP_BF16 = 1, 2, 4
 _BUILD_TIMEOUT_S = 120.0
 
@@ -120,8 +120,8 @@ def _open(path: Path) -> _Kernel:
     if lib.tn_attn_abi() != _ABI:
         raise RuntimeError(f"{path.name} speaks ABI {lib.tn_attn_abi()}, this loader {_ABI}")
     i64, i32 = ctypes.c_int64, ctypes.c_int
-    lib.tn_varlen_attention.argtypes = [ctypes.c_void_p, i64, i32, ctypes.c_void_p, i64, i64, i64, ctypes.c_float,
-                                        ctypes.c_void_p, i64, i32, i32, i32]
+    lib.tn_varlen_attention.argtypes = [ctypes.c_void_p, i64, i64, i32, ctypes.c_void_p, i64, i64, i64,
+                                        ctypes.c_float, ctypes.c_void_p, i64, i32, i32, i32]
     lib.tn_varlen_attention.restype = i32
     lib.tn_attn_path.argtypes = [i32]
     return _Kernel(lib, int(lib.tn_attn_caps()), path)
@@ -202,11 +202,14 @@ def _check(qkv: Tensor, cu: Tensor, n_heads: int, compute: str, out_dtype: torch
         raise ValueError("varlen_attention: cu_seqlens must be a 1-D int32/int64 CPU tensor of B + 1 row offsets, "
                          f"received {cu.dtype if isinstance(cu, Tensor) else type(cu).__name__} of shape "
                          f"{tuple(cu.shape) if isinstance(cu, Tensor) else '?'}")
-    first, last = int(cu[0]), int(cu[-1])
-    if first != 0 or last != qkv.shape[0] or (cu.numel() > 1 and bool((cu[1:] < cu[:-1]).any())):
-        raise ValueError(f"varlen_attention: cu_seqlens must start at 0, never decrease and end at N = "
-                         f"{qkv.shape[0]} (qkv's rows), received {first} .. {last}")
-    return qkv.shape[1] // 3
+    return qkv.shape[1] // 3  # cu_seqlens' values are checked by the kernel (_bad_offsets): no torch ops per call
+
+
+def _bad_offsets(cu: Tensor, n: int) -> ValueError:
+    vals = cu.tolist()
+    down = next((i for i in range(1, len(vals)) if vals[i] < vals[i - 1]), None)
+    return ValueError(f"varlen_attention: cu_seqlens must start at 0, never decrease and end at N = {n} (qkv's rows), "
+                      f"received {vals[0]} .. {vals[-1]}" + (f", decreasing at index {down}" if down else ""))
 
 
 def varlen_attention(qkv: Tensor, cu_seqlens: Tensor, n_heads: int, *, compute: str = "fp32",
@@ -221,15 +224,15 @@ def varlen_attention(qkv: Tensor, cu_seqlens: Tensor, n_heads: int, *, compute: 
     if k is None:
         raise RuntimeError(str(_state.get("reason")))
     out = torch.empty(qkv.shape[0], d, dtype=out_dtype)
-    if qkv.shape[0] == 0:
-        return out
     cu = cu_seqlens if cu_seqlens.dtype == torch.int64 and cu_seqlens.is_contiguous() else (
         cu_seqlens.to(torch.int64).contiguous())
     dh = d // n_heads
-    rc = k.lib.tn_varlen_attention(qkv.data_ptr(), qkv.stride(0), int(qkv.dtype == torch.bfloat16), cu.data_ptr(),
-                                   cu.numel() - 1, n_heads, dh, 1.0 / math.sqrt(dh) if scale is None else scale,
-                                   out.data_ptr(), d, int(out_dtype == torch.bfloat16), int(compute == "bf16"),
-                                   torch.get_num_threads())
+    rc = k.lib.tn_varlen_attention(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), int(qkv.dtype == torch.bfloat16),
+                                   cu.data_ptr(), cu.numel() - 1, n_heads, dh,
+                                   1.0 / math.sqrt(dh) if scale is None else scale, out.data_ptr(), d,
+                                   int(out_dtype == torch.bfloat16), int(compute == "bf16"), torch.get_num_threads())
+    if rc == -2:
+        raise _bad_offsets(cu, qkv.shape[0])
     if rc != 0:
         raise MemoryError("varlen_attention: the kernel could not allocate its work buffers")
     return out
