@@ -283,8 +283,12 @@ def _alone(recipe: str, directory: Path, meta: dict[str, Any], inputs: Path) -> 
 def _build_peer(name: str, model: nn.Module, x: tuple, held_out: list[tuple], d: Path) -> tuple[dict, float]:
     """In a spawned process: build ``name`` into ``d`` and measure its embedding cosine. The runtime's
     threads never live in the benchmark's process, where eager is timed."""
+    from torchnitro.autotune.inputs import default_dynamic_dims
+
+    # the dims the search declares for the same model (batch and, with a mask, sequence: what a user converting it
+    # gets by default too); a peer specialised on the example's length would take no other batch
     ctx = BuildContext(model=model, example_inputs=x, hardware=hardware_info(), device=torch.device("cpu"),
-                       workdir=d, dynamic_dims={0: [0]}, config=OptimizeConfig())
+                       workdir=d, dynamic_dims=default_dynamic_dims(model, x), config=OptimizeConfig())
     built = get_recipe(name).build(ctx)
     ref = copy.deepcopy(model)
     return (built.meta, emb_cosine(built.fn, ref, held_out, _positional),

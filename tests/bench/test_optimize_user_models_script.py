@@ -179,3 +179,23 @@ def test_coverage_runs_each_holding_and_says_when_the_loaded_artifact_differs(mo
 
     monkeypatch.setattr(bench, "load", broken)
     assert bench.round_trip(Om(0.0), None, x, {}, tmp_path) == "failed: RuntimeError: no program.pt"
+
+
+def test_the_peer_is_built_with_the_dims_the_search_declares(monkeypatch, tmp_path):
+    """The OpenVINO peer was converted with the batch as its only dynamic dim while the search declares the
+    sequence dynamic too for a masked token model (a variant fixed at the example's length takes no other batch)."""
+    import types
+
+    bench = _bench(monkeypatch)
+    seen = {}
+
+    class Fake:
+        def build(self, ctx):
+            seen.update(ctx.dynamic_dims)
+            return types.SimpleNamespace(meta={}, fn=ctx.model)
+
+    monkeypatch.setattr(bench, "get_recipe", lambda name: Fake())
+    make, _ = bench.holdings(True)["user wrapper (AutoModel)"]
+    x = bench.minilm_inputs("short", 2, 16, 0)
+    meta, emb, tok = bench._build_peer("openvino", make(), x, [x], tmp_path)
+    assert seen == {0: [0, 1], 1: [0, 1]} and emb == pytest.approx(1.0) and tok == pytest.approx(1.0)
