@@ -13,6 +13,15 @@ from torchnitro.nn.models import TransformerConfig
 from ._steps import lm_step
 
 
+@pytest.fixture
+def no_collect(monkeypatch):
+    """``FakeStep`` allocates nothing, so the finder's ``gc.collect()`` after each trial (``finder._free``) frees
+    nothing: it only costs time, more the longer the test process has run (a whole suite's objects to walk)."""
+    import torchnitro.memory.finder as finder
+
+    monkeypatch.setattr(finder, "_free", lambda: None)
+
+
 class FakeStep:
     """Raises an injected OOM above ``limit``, like accelerate's and Lightning's finder tests."""
 
@@ -26,7 +35,7 @@ class FakeStep:
             raise self.exc or OutOfMemoryError(f"injected OOM at batch {b}")
 
 
-def test_power_mode_sequence():
+def test_power_mode_sequence(no_collect):
     step = FakeStep(limit=40)
     r = find_batch_size(step, FinderConfig(mode="power", max_val=1024, steps_per_trial=1))
     assert [t.batch_size for t in r.trials] == [1, 2, 4, 8, 16, 32, 64]
@@ -34,7 +43,7 @@ def test_power_mode_sequence():
 
 
 @pytest.mark.parametrize("limit", [1, 37, 100, 777, 4096])
-def test_binsearch_within_margin_and_trial_bound(limit):
+def test_binsearch_within_margin_and_trial_bound(limit, no_collect):
     step = FakeStep(limit)
     r = find_batch_size(step, FinderConfig(mode="binsearch", margin=0.05, max_val=4096, steps_per_trial=1))
     assert r.batch_size <= limit
@@ -42,14 +51,14 @@ def test_binsearch_within_margin_and_trial_bound(limit):
     assert r.n_trials <= 2 * math.log2(4096)
 
 
-def test_starts_from_estimate_and_takes_fewer_trials():
+def test_starts_from_estimate_and_takes_fewer_trials(no_collect):
     step = FakeStep(limit=900)
     r = find_batch_size(step, FinderConfig(init_val=850, margin=0.05, max_val=4096, steps_per_trial=1))
     assert r.trials[0].batch_size == 850 and r.n_trials <= 6
     assert 900 - r.batch_size <= 0.05 * r.batch_size
 
 
-def test_runtime_error_oom_message_and_custom_detector():
+def test_runtime_error_oom_message_and_custom_detector(no_collect):
     step = FakeStep(10, RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     assert find_batch_size(step, FinderConfig(mode="power", steps_per_trial=1)).batch_size == 8
     step2 = FakeStep(10, ValueError("my allocator said no"))
@@ -100,7 +109,7 @@ def test_budget_on_cpu_uses_tracker_and_planner_start():
         torch.testing.assert_close(v, before[k], rtol=0, atol=0)
 
 
-def test_throughput_mode_returns_a_measured_batch():
+def test_throughput_mode_returns_a_measured_batch(no_collect):
     step = FakeStep(limit=16)
     r = find_batch_size(step, FinderConfig(mode="throughput", max_val=64, steps_per_trial=1))
     assert r.max_fitting == 16
@@ -108,7 +117,7 @@ def test_throughput_mode_returns_a_measured_batch():
     assert "throughput" in r.table()
 
 
-def test_bad_input():
+def test_bad_input(no_collect):
     big = nn.Linear(1000, 1000)
     with pytest.raises(BudgetError, match="smaller than the model"):
         find_batch_size(FakeStep(4), FinderConfig(budget_bytes=1000), model=big)
