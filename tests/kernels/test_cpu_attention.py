@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torchnitro.kernels import cpu_attention as ca
 
 pytestmark = pytest.mark.skipif(shutil.which(ca.COMPILER) is None,
-                                reason=f"no C compiler ({ca.COMPILER!r} not on PATH): the native kernel cannot be built")
+                                reason=f"no C compiler ({ca.COMPILER!r} not on PATH): the kernel cannot be built")
 LENGTHS = [1, 7, 128, 129, 300]
 TOL = {"fp32": 1e-5, "bf16": 2e-2}  # relative (Frobenius) difference from fp32 SDPA on the same inputs
 
@@ -113,7 +113,8 @@ def test_one_openmp_runtime_in_the_process(kernel):
     (lambda: ca.varlen_attention(torch.randn(4, 96), torch.tensor([0, 3, 2, 4]), 1), r"never decrease"),
     (lambda: ca.varlen_attention(torch.randn(4, 96), torch.tensor([0.0, 4.0]), 1), r"int32/int64.*torch.float32"),
     (lambda: ca.varlen_attention(torch.randn(4, 96), torch.tensor([0, 4]), 5), r"3 \* n_heads.*n_heads=5"),
-    (lambda: ca.varlen_attention(torch.randn(4, 96), torch.tensor([0, 4]), 1, compute="int8"), r"'fp32' or 'bf16'.*'int8'"),
+    (lambda: ca.varlen_attention(torch.randn(4, 96), torch.tensor([0, 4]), 1, compute="int8"),
+     r"'fp32' or 'bf16'.*'int8'"),
 ])
 def test_bad_input_is_named(kernel, call, match):
     with pytest.raises(ValueError, match=match):

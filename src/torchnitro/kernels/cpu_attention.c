@@ -337,7 +337,8 @@ static size_t ws_f32(int64_t L, int64_t dh) {
 static inline __m256i cvt16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
 /* ---- bf16 item (vdpbf16ps: acc += a[2i] b[2i] + a[2i+1] b[2i+1]).
-   K as [key block of 16][Dhp / 2][16 keys][2 dims]; V as [Lp / 2][Dhp][2 keys]; Q as [ROWS][Dhp]; P as [ROWS][Lp] ---- */
+   K as [key block of 16][Dhp / 2][16 keys][2 dims]; V as [Lp / 2][Dhp][2 keys]; Q as [ROWS][Dhp];
+   P as [ROWS][Lp] ---- */
 static void item_bf16(const Ctx *c, int64_t r0, int64_t L, int64_t hd, char *wsc) {
     const int64_t dh = c->dh, D = c->h * dh, dhp = (dh + 15) & ~15, lp = (L + 31) & ~31;
     float *S = (float *)wsc;

@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["COMPILER", "NativeAttention", "cpu_attention_reason", "has_native_bf16", "kernel_name", "load_kernel", "varlen_attention",
-           "loaded_libgomp"]
+__all__ = ["COMPILER", "NativeAttention", "cpu_attention_reason", "has_native_bf16", "kernel_name", "load_kernel",
+           "loaded_libgomp", "varlen_attention"]
 
 COMPILER = os.environ.get("CC", "gcc")  # the C compiler; a test points it at a missing name to check the fallback
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c11")
@@ -141,7 +141,8 @@ def load_kernel() -> _Kernel | None:
                     raise RuntimeError(f"no C compiler: {key!r} is not on PATH (set CC to one)")
                 _state["kernel"] = _open(_build(cc))
             except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
-                _state["reason"] = f"native attention unavailable: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                _state["reason"] = f"native attention unavailable: {why}"
         return _state.get("kernel")  # type: ignore[return-value]
 
 

@@ -117,7 +117,8 @@ def test_without_a_compiler_sdpa_runs_and_the_note_says_why(user_model, monkeypa
     try:
         m = unpad_model(copy.deepcopy(user_model))
         choice = choose_attention_(m, _ragged(4, 16, 2), ("bf16", "fp32"))
-        assert choice.compute is None and "no-such-cc-torchnitro" in choice.note and choice.note.count("no C compiler") == 1
+        assert choice.compute is None and "no-such-cc-torchnitro" in choice.note
+        assert choice.note.count("no C compiler") == 1  # said once, not per compute tried
         assert all(a is None for a in _native_layers(m))
     finally:
         monkeypatch.undo()

@@ -10,7 +10,7 @@ and NVIDIA FasterTransformer's "remove padding" do:
 - attention runs per length bucket: sentences sorted by length are split into a few groups, each
   padded only to its own longest sentence (``length_buckets``), so attention costs ``sum(G * L**2)``
   instead of ``B * T**2``; a batch without padding skips the scatter/gather and the mask. Where a
-  build measured it faster (``native_attention_``), the native varlen kernel
+  build measured it faster (``_native_attention.choose_attention_``), the native varlen kernel
   (``torchnitro.kernels.cpu_attention``) attends each sentence on its own packed rows instead: no
   padding, mask, copy or gather at all;
 - the FFN runs in row blocks so its ``(rows, 4D)`` GELU temporary stays in cache.
@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["cu_seqlens", "length_buckets", "LayerParts", "PackedLayer", "Packing", "pack_tokens", "position_bias_", "run_layers"]
+__all__ = ["cu_seqlens", "length_buckets", "LayerParts", "PackedLayer", "Packing", "pack_tokens", "position_bias_",
+           "run_layers"]
 
 
 @dataclass
@@ -158,7 +159,7 @@ class PackedLayer(nn.Module):
         # _graph_attention.GraphAttention: fused bf16 attention for a batch without padding (None: SDPA)
         self.graph_attention = None
         # kernels.cpu_attention.NativeAttention: varlen attention on the packed rows, any padding; not for an
-        # additive bias (MPNet), which keeps SDPA. Set by native_attention_ where measured faster (None: SDPA)
+        # additive bias (MPNet), which keeps SDPA. Set where a build measured it faster (_native_attention; None: SDPA)
         self.native_attention = None
 
     @staticmethod
