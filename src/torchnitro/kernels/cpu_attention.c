@@ -215,22 +215,28 @@ static inline void max_update(__m512 *mx, __m512 v, int64_t jb, int64_t L) {
 /* softmax of ROWS score rows of length L (row stride lp), given each row's maximum lanes mx: exp2(s - max)
    into S (fp32) or into P (bf16, when P is not NULL), 0 for keys in [L, lp); returns 1 / sum per row */
 static void softmax_rows(float *S, bf16_t *P, int64_t lp, int64_t L, const __m512 *mx, float *inv) {
+    __m512 m[ROWS], sum[ROWS];
     for (int r = 0; r < ROWS; r++) {
-        float *s = S + r * lp;
-        __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx[r])), sum = _mm512_setzero_ps();
-        for (int64_t j = 0; j < lp; j += 16) {
-            __m512 e = _mm512_maskz_mov_ps(tail(L - j), exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s + j), m), P == NULL));
-            sum = _mm512_add_ps(sum, e);
+        m[r] = _mm512_set1_ps(_mm512_reduce_max_ps(mx[r]));
+        sum[r] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < lp; j += 16) { /* rows inner: eight independent exp chains in flight */
+        const __mmask16 live = tail(L - j);
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; r++) {
+            float *s = S + r * lp + j;
+            __m512 e = _mm512_maskz_mov_ps(live, exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(s), m[r]), P == NULL));
+            sum[r] = _mm512_add_ps(sum[r], e);
 #if defined(__AVX512BF16__)
             if (P != NULL) {
                 _mm256_storeu_si256((__m256i *)(P + r * lp + j), (__m256i)_mm512_cvtneps_pbh(e));
                 continue;
             }
 #endif
-            _mm512_storeu_ps(s + j, e);
+            _mm512_storeu_ps(s, e);
         }
-        inv[r] = 1.0f / _mm512_reduce_add_ps(sum);
     }
+    for (int r = 0; r < ROWS; r++) inv[r] = 1.0f / _mm512_reduce_add_ps(sum[r]);
 }
 
 /* ---- fp32 item: K as [key block of 16][Dhp][16], V as [Lp][Dhp]; Dhp = Dh rounded up to 16 ---- */
