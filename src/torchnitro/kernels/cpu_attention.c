@@ -342,6 +342,40 @@ static size_t ws_f32(int64_t L, int64_t dh) {
 /* 16 fp32 -> 16 bf16 (round to nearest even) */
 static inline __m256i cvt16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v); }
 
+/* r[i] lane j -> r[j] lane i, 16 x 16 32-bit lanes */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int i = 0; i < 4; i++) {
+            t[h + i] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0x88);
+            t[h + i + 4] = _mm512_shuffle_i32x4(r[h + i], r[h + i + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* 32 dims of a key from col as bf16 (16 dim pairs), dims past `left` zero */
+static inline __m512i load32_bf16(const Ctx *c, int64_t row, int64_t col, int64_t left) {
+    if (c->in_bf16) {
+        __mmask32 m = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
+        return _mm512_maskz_loadu_epi16(m, (const bf16_t *)c->qkv + row * c->ld + col);
+    }
+    __m512 lo = load16(c, row, col, left), hi = load16(c, row, col + 16, left - 16);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+}
+
 /* ---- bf16 item (vdpbf16ps: acc += a[2i] b[2i] + a[2i+1] b[2i+1]).
    K as [key block of 16][Dhp / 2][16 keys][2 dims]; V as [Lp / 2][Dhp][2 keys]; Q as [ROWS][Dhp];
    P as [ROWS][Lp] ---- */
@@ -349,7 +383,6 @@ static void item_bf16(const Ctx *c, int64_t r0, int64_t L, int64_t hd, char *wsc
     const int64_t dh = c->dh, D = c->h * dh, dhp = (dh + 15) & ~15, lp = (L + 31) & ~31;
     float *S = (float *)wsc;
     bf16_t *K = (bf16_t *)(S + ROWS * lp), *V = K + lp * dhp, *Q = V + lp * dhp, *P = Q + ROWS * dhp;
-    uint32_t tmp[8];
     float inv[ROWS];
     /* V interleave: for 16 dims d, keys (j, j+1) -> 32 bf16 [d0 j, d0 j+1, d1 j, ...] */
     const __m512i ilv = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
@@ -365,20 +398,21 @@ static void item_bf16(const Ctx *c, int64_t r0, int64_t L, int64_t hd, char *wsc
             prefetch_chunk(c, r0 + a, 2 * D + hd * dh);
         }
         for (int64_t d = 0; d < dhp; d += 16) {
-            __m512 k0 = j < L ? load16(c, r0 + j, D + hd * dh + d, dh - d) : _mm512_setzero_ps();
-            __m512 k1 = j + 1 < L ? load16(c, r0 + j + 1, D + hd * dh + d, dh - d) : _mm512_setzero_ps();
             __m512 v0 = j < L ? load16(c, r0 + j, 2 * D + hd * dh + d, dh - d) : _mm512_setzero_ps();
             __m512 v1 = j + 1 < L ? load16(c, r0 + j + 1, 2 * D + hd * dh + d, dh - d) : _mm512_setzero_ps();
             __m512i vv = _mm512_inserti64x4(_mm512_castsi256_si512(cvt16(v0)), cvt16(v1), 1);
             _mm512_storeu_si512(V + ((j >> 1) * dhp + d) * 2, _mm512_permutexvar_epi16(ilv, vv));
-            /* K: key j's 8 dim pairs of this chunk go to lane j & 15 of pair rows d/2 .. d/2 + 7 */
-            for (int kk = 0; kk < 2; kk++) {
-                _mm256_storeu_si256((__m256i *)tmp, cvt16(kk ? k1 : k0));
-                uint32_t *kb = (uint32_t *)K + ((j + kk) >> 4) * (dhp / 2) * 16 + ((j + kk) & 15);
-                for (int e = 0; e < 8; e++) kb[(d / 2 + e) * 16] = tmp[e];
-            }
         }
     }
+    for (int64_t jb = 0; jb < lp; jb += 16) /* K: 16 keys x 16 dim pairs transposed to 16 pair rows of 16 keys */
+        for (int64_t d = 0; d < dhp; d += 32) {
+            __m512i rows[16];
+            for (int k = 0; k < 16; k++)
+                rows[k] = jb + k < L ? load32_bf16(c, r0 + jb + k, D + hd * dh + d, dh - d) : _mm512_setzero_si512();
+            transpose16(rows);
+            uint32_t *kb = (uint32_t *)K + ((jb >> 4) * (dhp / 2) + d / 2) * 16;
+            for (int p = 0; p < 16 && d + 2 * p < dhp; p++) _mm512_storeu_si512(kb + p * 16, rows[p]);
+        }
     const uint32_t *K32 = (const uint32_t *)K, *Q32 = (const uint32_t *)Q, *P32 = (const uint32_t *)P;
     const __m512 sc = _mm512_set1_ps(c->scale);
     for (int64_t i0 = 0; i0 < L; i0 += ROWS) {
