@@ -67,10 +67,10 @@ def _check_close(name: str, got, ref) -> None:
 
 @pytest.mark.parametrize("make", [_mlp, _bert], ids=["mlp", "bert"])
 @pytest.mark.parametrize("name", RECIPES)
-def test_recipe_matches_eager_at_two_shapes_and_reloads(build, name, make):
+def test_recipe_matches_eager_at_two_shapes_and_reloads(built_once, name, make):
     _skip_unavailable(name)
     model, x, dyn, other = make()
-    r, built, work = build(name, model, x, dyn)
+    r, built, work = built_once(name, make)
     assert built.standalone and sorted(built.files) == ["model.bin", "model.xml"]
     assert (work / "model.xml").is_file() and (work / "model.bin").is_file()
     cfg = built.meta["ov_config"]
@@ -95,16 +95,15 @@ def test_static_dims_stay_static(build):
     assert [list(p.get_partial_shape().to_shape()) for p in built.fn.compiled.inputs] == [[32, 16]]
 
 
-def test_int8_is_quantised(build):
+def test_int8_is_quantised(built_once):
     _skip_unavailable("openvino-int8")
-    model, x, dyn, _ = _mlp()
-    _, built, work = build("openvino-int8", model, x, dyn)
+    _, built, work = built_once("openvino-int8", _mlp)
     assert "FakeQuantize" in (work / "model.xml").read_text() or "FakeConvert" in (work / "model.xml").read_text()
     assert built.meta["calibration_samples"] == 1  # the search's calibration batch, whole
     assert built.meta["float_matmuls"] == 0  # no attention: NNCF's default scheme, every MatMul int8
 
 
-def test_int8_keeps_a_transformers_ffn_down_projections_in_float(build):
+def test_int8_keeps_a_transformers_ffn_down_projections_in_float(built_once):
     """NNCF's per-tensor int8 activations clip the outlier channels after GELU: all-MiniLM-L6-v2's worst held-out
     token row went from 0.919 to 0.986 with the down-projections left in float, 0.990 with more calibration sets."""
     _skip_unavailable("openvino-int8")
@@ -112,8 +111,7 @@ def test_int8_keeps_a_transformers_ffn_down_projections_in_float(build):
 
     from torchnitro.autotune.recipes.openvino import TRANSFORMER_CALIBRATION_SETS
 
-    model, x, dyn, _ = _bert()
-    _, built, work = build("openvino-int8", model, x, dyn)
+    _, built, work = built_once("openvino-int8", _bert)
     assert built.meta["float_matmuls"] == 1  # one layer, one FFN
     assert built.meta["calibration_samples"] == 1 + TRANSFORMER_CALIBRATION_SETS
     q = ov.Core().read_model(str(work / "model.xml"))
