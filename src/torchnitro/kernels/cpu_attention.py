@@ -46,7 +46,7 @@ COMPILER = os.environ.get("CC", "gcc")  # the C compiler; a test points it at a 
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c11")
 _SOURCE = Path(__file__).with_name("cpu_attention.c")
 _ABI = 2  # tn_attn_abi() of the C source this loader speaks to
-_CAP_OPENMP, _CAP_AVX512, _CAP_BF16 = 1, 2, 4
+_CAP_OPENMP = 1  # tn_attn_caps() bit: built with OpenMP threads
 _BUILD_TIMEOUT_S = 120.0
 
 
@@ -110,7 +110,8 @@ def _build(cc: str) -> Path:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
             if res.returncode != 0:
                 err = (res.stderr or res.stdout).strip().splitlines()
-                raise RuntimeError(f"{Path(cc).name} exited with {res.returncode}: {err[0] if err else ''}")
+                first = next((ln for ln in err if "error" in ln), err[0] if err else "")  # not "In function ...:"
+                raise RuntimeError(f"{Path(cc).name} exited with {res.returncode}: {first.strip()}")
         os.replace(so, target)  # atomic: a concurrent build of the same key writes the same bytes
     return target
 
