@@ -25,6 +25,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "torchnitro"
 
@@ -139,6 +141,12 @@ def import_graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
     return top, inner
 
 
+@pytest.fixture(scope="module")
+def graph() -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """``import_graph()`` read once for the tests of this module (each test only reads it)."""
+    return import_graph()
+
+
 def cycles(graph: dict[str, set[str]]) -> set[frozenset[str]]:
     """Strongly connected components with more than one module (Tarjan, iterative)."""
     index: dict[str, int] = {}
@@ -195,13 +203,13 @@ def _check_only_shrinks(now: set[frozenset[str]], known: set[frozenset[str]], ki
                        f"tests/test_import_graph.py:\n{_describe(fixed)}")
 
 
-def test_no_new_module_level_cycles():
-    top, _ = import_graph()
+def test_no_new_module_level_cycles(graph):
+    top, _ = graph
     _check_only_shrinks(cycles(top), KNOWN_MODULE_CYCLES, "module-level")
 
 
-def test_no_new_cycles_through_function_level_imports():
-    top, inner = import_graph()
+def test_no_new_cycles_through_function_level_imports(graph):
+    top, inner = graph
     both = {m: top[m] | inner[m] for m in top}
     _check_only_shrinks(cycles(both) - cycles(top), KNOWN_FUNCTION_CYCLES, "function-level")
 
@@ -221,8 +229,8 @@ def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return {p: t - {p} for p, t in out.items()}
 
 
-def test_the_graph_holds_every_subpackage():
-    top, _ = import_graph()
+def test_the_graph_holds_every_subpackage(graph):
+    top, _ = graph
     on_disk = {_module_name(d / "__init__.py") for d in (SRC / PACKAGE).rglob("*") if (d / "__init__.py").is_file()}
     assert {"torchnitro.distributed", "torchnitro.xla", "torchnitro.serve", "torchnitro.profile"} <= on_disk
     assert on_disk <= set(top), f"subpackages missing from the graph: {sorted(on_disk - set(top))}"
@@ -231,8 +239,8 @@ def test_the_graph_holds_every_subpackage():
         assert files <= set(top), f"{pkg}: modules missing from the graph: {sorted(files - set(top))}"
 
 
-def test_no_new_cycles_between_subpackages():
-    top, inner = import_graph()
+def test_no_new_cycles_between_subpackages(graph):
+    top, inner = graph
     both = {m: top[m] | inner[m] for m in top}
     _check_only_shrinks(cycles(package_graph(both)), KNOWN_PACKAGE_CYCLES, "subpackage")
 
@@ -244,16 +252,16 @@ def test_package_graph_folds_modules_into_their_subpackage():
     assert cycles(g) == {frozenset({"torchnitro.a", "torchnitro.b"})}
 
 
-def test_the_graph_reader_sees_both_kinds_of_edge_and_finds_a_cycle():
-    top, inner = import_graph()
+def test_the_graph_reader_sees_both_kinds_of_edge_and_finds_a_cycle(graph):
+    top, inner = graph
     assert "torchnitro.errors" in top["torchnitro.hrr.ops"]  # a module-level import
     assert "torchnitro.bench" in inner["torchnitro.hrr.dispatch"] | top["torchnitro.hrr.dispatch"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == {frozenset("abc")}
     assert cycles({"a": {"b"}, "b": set()}) == set()
 
 
-def test_hrr_backend_imports_only_the_kernels_below_it():
-    top, inner = import_graph()
+def test_hrr_backend_imports_only_the_kernels_below_it(graph):
+    top, inner = graph
     below = {"torchnitro.hrr.mkl_fft", "torchnitro.hrr.fft_kernel", "torchnitro.hrr.cuda_fft"}
     used = {m for m in top["torchnitro.hrr.backend"] | inner["torchnitro.hrr.backend"] if m.startswith("torchnitro.hrr")}
     assert used <= below, f"hrr.backend imports {sorted(used - below)} from the layer above it"
@@ -304,28 +312,28 @@ def upward_imports(graph: dict[str, set[str]]) -> set[tuple[str, str]]:
             for t in targets if t != PACKAGE and _layer(t) > _layer(m)}
 
 
-def test_every_subpackage_and_top_level_module_has_a_layer():
-    top, _ = import_graph()
+def test_every_subpackage_and_top_level_module_has_a_layer(graph):
+    top, _ = graph
     unplaced = {m.split(".")[1] for m in top if m != PACKAGE} - set(LAYERS)
     assert not unplaced, f"place these in LAYERS (tests/test_import_graph.py): {sorted(unplaced)}"
 
 
-def test_no_module_level_import_of_a_higher_layer():
-    top, _ = import_graph()
+def test_no_module_level_import_of_a_higher_layer(graph):
+    top, _ = graph
     up = upward_imports(top)
     assert not up, "module-level imports of a higher layer:\n" + "\n".join(f"  {m} -> {p}" for m, p in sorted(up))
 
 
-def test_function_level_imports_of_a_higher_layer_only_shrink():
-    _, inner = import_graph()
+def test_function_level_imports_of_a_higher_layer_only_shrink(graph):
+    _, inner = graph
     up = upward_imports(inner)
     new, gone = up - KNOWN_UPWARD_FUNCTION_IMPORTS, KNOWN_UPWARD_FUNCTION_IMPORTS - up
     assert not new, f"new imports of a higher layer inside functions: {sorted(new)}"
     assert not gone, f"gone; take them off KNOWN_UPWARD_FUNCTION_IMPORTS: {sorted(gone)}"
 
 
-def test_module_level_imports_of_the_facade_only_shrink():
-    top, _ = import_graph()
+def test_module_level_imports_of_the_facade_only_shrink(graph):
+    top, _ = graph
     facade = {m for m, targets in top.items() if m != PACKAGE and PACKAGE in targets}
     new, gone = facade - KNOWN_FACADE_IMPORTS, KNOWN_FACADE_IMPORTS - facade
     assert not new, f"import the defining module, not the torchnitro facade: {sorted(new)}"
