@@ -276,3 +276,34 @@ def test_onnx_export_does_not_start_the_second_exporter_after_the_time_limit(tmp
     with pytest.raises(Exception) as info:
         onnx.export_onnx(nn.Linear(2, 2), (torch.ones(1, 2),), tmp_path / "m.onnx", {0: [0]})
     assert timed_out(info.value) is not None and calls == [False]
+
+
+class _FixedLength(nn.Module):
+    """Runs at the example's length only, as an ONNX graph whose reshape was traced with it does."""
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if ids.shape[1] != 16:
+            raise RuntimeError("Non-zero status code returned while running Reshape node")
+        return (ids * mask).float().unsqueeze(-1).repeat(1, 1, 4)
+
+
+def test_a_variant_that_fails_at_another_size_is_named_so():
+    """A script's nn.TransformerEncoder under onnxruntime failed the gate with only ORT's "Non-zero status code
+    returned while running Reshape node '/enc/layers.0/self_attn/Reshape_4'": the reason now says it ran at the
+    example's size and failed at the held-out set of another size."""
+    from torchnitro.autotune.limits import CandidateTimeout
+    from torchnitro.autotune.verify import collect
+
+    x, half = _ids(4, 16, 0), _ids(2, 8, 1)
+    sets = [(x["input_ids"], x["attention_mask"]), (half["input_ids"], half["attention_mask"])]
+    with pytest.raises(RuntimeError, match=r"another size \(2x8, 2x8\) after running at 4x16, 4x16.*Reshape node"):
+        collect(_FixedLength(), sets)
+    assert len(collect(_FixedLength(), sets[:1])) == 1
+
+    def late(*xs):
+        if xs[0].shape[0] == 2:
+            raise CandidateTimeout("ran past its 3 s limit")
+        return xs[0]
+
+    with pytest.raises(CandidateTimeout):  # the time limit stays the time limit
+        collect(late, sets)

@@ -250,6 +250,26 @@ def compare_outputs(ref: list[tuple[str, Tensor]], cand: list[tuple[str, Tensor]
     return errs
 
 
+def _sizes(inputs: tuple[Any, ...]) -> str:
+    """'2x16, 2x16' for the tensors of one input set (in a feature dict too)."""
+    from torchnitro.autotune.recipes._layout import tensor_leaves
+
+    return ", ".join("x".join(map(str, t.shape)) for t in tensor_leaves(inputs))
+
+
+def _other_size(exc: Exception, first: tuple[Any, ...], inputs: tuple[Any, ...]) -> None:
+    """Raise what the gate says when a candidate that ran on the first held-out set fails on one of another
+    size: a graph that fixed a size of the example (an ONNX export tracing a reshape) fails exactly there,
+    and the runtime's own message ("Non-zero status code returned while running Reshape node") does not say
+    so. A time limit is left as it is."""
+    from torchnitro.autotune.limits import timed_out
+
+    a, b = _sizes(first), _sizes(inputs)
+    if a != b and timed_out(exc) is None:
+        raise RuntimeError(f"failed on a held-out set of another size ({b}) after running at {a}, as a variant that "
+                           f"fixed a size of the example does: {type(exc).__name__}: {exc}") from exc
+
+
 def collect(fn: Callable[..., Any], input_sets: Sequence[tuple[Any, ...]]) -> list[tuple[Any, Any, Any, Any]]:
     """Run ``fn`` for the gate: per input set ``(first copy, second copy, raw first output, later copy)``.
 
@@ -259,8 +279,13 @@ def collect(fn: Callable[..., Any], input_sets: Sequence[tuple[Any, ...]]) -> li
     """
     rows = []
     with torch.inference_mode():
-        for inputs in input_sets:
-            raw = fn(*inputs)
+        for k, inputs in enumerate(input_sets):
+            try:
+                raw = fn(*inputs)
+            except Exception as exc:
+                if k:
+                    _other_size(exc, input_sets[0], inputs)
+                raise
             first = clone_outputs(raw)
             rows.append((first, clone_outputs(fn(*inputs)), raw))
         return [(f, s, r, clone_outputs(r)) for f, s, r in rows]
