@@ -17,10 +17,9 @@ from torchnitro.autotune.recipes._unpad import length_buckets  # noqa: E402
 from torchnitro.autotune.recipes.bert_unpad import bert_inapplicable_reason, unpad_model  # noqa: E402
 from torchnitro.autotune.recipes.hf_encoders import UnpaddedEncoder, find_encoders  # noqa: E402
 from torchnitro.hardware import hardware_info  # noqa: E402
-from test_user_models import ScriptEncoder, _ctx, _tiny_sentence_transformer  # noqa: E402  (shared builders)
+from test_user_models import _tiny_sentence_transformer, build_in_script_class  # noqa: E402  (shared helpers)
 
 _TOL = {"rtol": 1e-4, "atol": 1e-5}  # fp32: same math, reassociated
-_FLOOR = {"exact": 0.99999, "reduced": 0.999, "int8": 0.98}  # worst row cosine per numeric class
 
 
 def _mpnet_config(**kw):
@@ -175,19 +174,7 @@ def test_sentence_encoder_around_mpnet_gets_the_fused_variant():
 @pytest.mark.parametrize("make", [_auto_mpnet, _electra], ids=["mpnet", "electra"])
 @pytest.mark.parametrize("name", ["bert-unpad", "bert-unpad-int8", "bert-unpad-bf16"])
 def test_recipes_in_a_script_class_build_verify_and_reload(tmp_path, name, make):
-    recipe = get_recipe(name)
-    if recipe.unavailable_reason(hardware_info()) is not None:
-        pytest.skip(recipe.unavailable_reason(hardware_info()))
-    model = ScriptEncoder(make())
-    built = recipe.build(_ctx(model, _ragged(8, 24, seed=4), tmp_path))
-    assert type(built.fn) is ScriptEncoder and isinstance(built.fn.bert, UnpaddedEncoder)  # the user's class runs
-    held = _ragged(6, 20, seed=5)
-    with torch.inference_mode():
-        ref, out = model(*held), built.fn(*held)
-        again = recipe.load(tmp_path, built.meta, model)(*held)
-    assert out.dtype == torch.float32
-    assert float(torch.nn.functional.cosine_similarity(ref, out).min()) >= _FLOOR[recipe.numeric_class.value]
-    torch.testing.assert_close(again, out)  # the artifact rebuilds the same variant
+    _, built = build_in_script_class(name, make(), _ragged(8, 24, seed=4), _ragged(6, 20, seed=5), tmp_path)
     assert built.fn.bert.fallback_calls == 0
 
 

@@ -5,6 +5,7 @@ type, and the gate compares real (unmasked) positions."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -132,16 +133,17 @@ def test_unsupported_architecture_is_named():
     assert reason is not None and "not supported yet: GPT2Model" in reason
 
 
-@pytest.mark.parametrize("name", ["bert-unpad", "bert-unpad-int8", "bert-unpad-bf16"])
-def test_recipes_apply_to_a_script_wrapper_in_place(tmp_path, name):
+def build_in_script_class(name: str, encoder: nn.Module, example: tuple, held: tuple,
+                          tmp_path) -> tuple[nn.Module, Any]:
+    """Recipe ``name`` built on ``ScriptEncoder(encoder)`` (skipped where it cannot run here): the user's class runs
+    the padding-free encoder, matches eager on ``held`` at its numeric class's floor and reloads as the same
+    variant. Returns (the user's model, the Built)."""
     recipe = get_recipe(name)
     if recipe.unavailable_reason(hardware_info()) is not None:
         pytest.skip(recipe.unavailable_reason(hardware_info()))
-    model = ScriptEncoder(_tiny_bert())
-    x = _ragged(8, 24, seed=4)
-    built = recipe.build(_ctx(model, x, tmp_path))
+    model = ScriptEncoder(encoder)
+    built = recipe.build(_ctx(model, example, tmp_path))
     assert type(built.fn) is ScriptEncoder and isinstance(built.fn.bert, UnpaddedEncoder)  # the user's class runs
-    held = _ragged(6, 20, seed=5)
     with torch.inference_mode():
         ref, out = model(*held), built.fn(*held)
         again = recipe.load(tmp_path, built.meta, model)(*held)
@@ -149,6 +151,12 @@ def test_recipes_apply_to_a_script_wrapper_in_place(tmp_path, name):
     floor = {"exact": 0.99999, "reduced": 0.999, "int8": 0.98}[recipe.numeric_class.value]
     assert float(torch.nn.functional.cosine_similarity(ref, out).min()) >= floor
     torch.testing.assert_close(again, out)  # the artifact rebuilds the same variant
+    return model, built
+
+
+@pytest.mark.parametrize("name", ["bert-unpad", "bert-unpad-int8", "bert-unpad-bf16"])
+def test_recipes_apply_to_a_script_wrapper_in_place(tmp_path, name):
+    model, _ = build_in_script_class(name, _tiny_bert(), _ragged(8, 24, seed=4), _ragged(6, 20, seed=5), tmp_path)
     assert isinstance(model.bert, type(_tiny_bert()))  # load() left the user's model alone
 
 
