@@ -82,7 +82,7 @@ def test_chosen_where_faster_and_the_note_says_which(user_model, monkeypatch):
     monkeypatch.setattr(na_mod, "_time", _timed(1.0, 3.0))
     choice = choose_attention_(m, _ragged(4, 16, 2), ("fp32",))
     assert choice.compute == "fp32" and choice.native_ms == pytest.approx(1.0)
-    assert choice.note.startswith("attention: native ") and "varlen (1.00 ms vs SDPA 3.00 ms" in choice.note
+    assert choice.note.startswith("attention: native ") and "varlen (1.00 ms vs SDPA 3.00 ms CPU" in choice.note
     assert all(a is not None and a.compute == "fp32" for a in _native_layers(m))
 
 
@@ -92,7 +92,8 @@ def test_slower_keeps_sdpa_and_says_both_times(user_model, monkeypatch):
     monkeypatch.setattr(na_mod, "_time", _timed(5.0, 2.0))
     choice = choose_attention_(m, _ragged(4, 16, 2), ("bf16", "fp32"))
     assert choice.compute is None
-    assert choice.note == "attention: SDPA (native slower here: 5.00 ms vs 2.00 ms per layer)"  # once, not per compute
+    assert choice.note == ("attention: SDPA (native bf16 slower here: 5.00 ms vs 2.00 ms CPU per layer; "
+                           "native fp32 slower here: 5.00 ms vs 2.00 ms CPU per layer)")
     assert all(a is None for a in _native_layers(m))
 
 

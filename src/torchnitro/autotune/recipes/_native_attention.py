@@ -3,7 +3,9 @@
 ``choose_attention_`` runs the variant once on the example, takes the first packed layer's input rows
 and packing as that call has them, and times ``PackedLayer.attention`` (the qkv GEMM and the attention)
 with the native kernel (``torchnitro.kernels.cpu_attention``) and with SDPA, interleaved, at the current
-torch thread count. The native kernel stays on only where its output agrees with SDPA's on those rows
+torch thread count, in CPU time (``time.process_time``, all threads): on a machine shared with other work,
+wall-time minima of two ~10 ms calls at 2 threads reversed a 2x difference in one build, CPU time did not
+(results/cpu_attention.md). The native kernel stays on only where its output agrees with SDPA's on those rows
 and it was faster; the note says which attention ran and the two times. The gate still verifies the
 whole variant as before.
 """
@@ -21,7 +23,7 @@ from torchnitro.autotune.recipes._unpad import PackedLayer
 
 __all__ = ["AttentionChoice", "choose_attention_", "native_computes", "set_native_attention_"]
 
-ROUNDS = 7  # interleaved timing rounds per side; the minimum of each side is compared (robust to load spikes)
+ROUNDS = 9  # interleaved timing rounds per side; the medians are compared
 # relative (Frobenius) difference from SDPA on the example's rows above which the native kernel is not used:
 # fp32 sums in another order (~1e-6); bf16 rounds q, k, v and the probabilities (~4e-3 on random rows)
 TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
@@ -30,7 +32,7 @@ TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2}
 @dataclass
 class AttentionChoice:
     """What a build chose: ``compute`` "fp32"/"bf16" for the native kernel, None for SDPA; ``note`` for the
-    report; the per-layer times (ms, minimum over rounds) when both were timed."""
+    report; the per-layer CPU times (ms, median over rounds) when both were timed."""
 
     compute: str | None
     note: str
@@ -75,13 +77,14 @@ def _capture(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[PackedLayer | N
 
 
 def _time(fns: dict[str, Callable[[], Tensor]], rounds: int) -> dict[str, float]:
-    best = {k: float("inf") for k in fns}
+    """Median CPU seconds per call of each of ``fns``, interleaved in alternating order."""
+    got: dict[str, list[float]] = {k: [] for k in fns}
     for r in range(rounds):
         for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):  # alternate the order: drift hits both
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             fns[k]()
-            best[k] = min(best[k], time.perf_counter() - t0)
-    return best
+            got[k].append(time.process_time() - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in got.items()}
 
 
 def choose_attention_(model: nn.Module, inputs: tuple[Any, ...], computes: tuple[str, ...],
@@ -135,12 +138,12 @@ def _choose_one(model: nn.Module, inputs: tuple[Any, ...], compute: str,
                                      f"> {TOLERANCE[compute]:g})")
     nat, sdpa = t["native"] * 1e3, t["sdpa"] * 1e3
     if nat >= sdpa:
-        return AttentionChoice(None, f"attention: SDPA (native slower here: {nat:.2f} ms vs {sdpa:.2f} ms per layer)",
-                               nat, sdpa)
+        return AttentionChoice(None, f"attention: SDPA (native {compute} slower here: {nat:.2f} ms vs {sdpa:.2f} ms "
+                                     "CPU per layer)", nat, sdpa)
     set_native_attention_(model, compute)
     refused = accept() if accept is not None else None
     if refused is not None:
         set_native_attention_(model, None)
         return AttentionChoice(None, f"attention: SDPA (native {compute}: {refused})", nat, sdpa)
-    return AttentionChoice(compute, f"attention: {kernel_name(compute)} ({nat:.2f} ms vs SDPA {sdpa:.2f} ms per "
+    return AttentionChoice(compute, f"attention: {kernel_name(compute)} ({nat:.2f} ms vs SDPA {sdpa:.2f} ms CPU per "
                                     "layer, qkv GEMM included)", nat, sdpa)
