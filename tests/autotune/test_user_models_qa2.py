@@ -307,3 +307,42 @@ def test_a_variant_that_fails_at_another_size_is_named_so():
 
     with pytest.raises(CandidateTimeout):  # the time limit stays the time limit
         collect(late, sets)
+
+
+class _Encoder(nn.Module):
+    """A script's own encoder on nn.TransformerEncoder (its attention reshapes by the traced length)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(100, 16)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 1)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.enc(self.emb(ids), src_key_padding_mask=mask == 0)
+
+
+def test_onnx_export_whose_trace_fixed_the_length_goes_to_the_dynamo_exporter(tmp_path):
+    """The TorchScript-based exporter traced nn.MultiheadAttention's reshape with the example's length: the graph
+    failed at another one ("Non-zero status code returned while running Reshape node", seen on the old code). A
+    graph that comes out different one token shorter is exported by the dynamo exporter; one that does not (an HF
+    classifier) keeps the fast exporter."""
+    ort = pytest.importorskip("onnxruntime")
+    from torchnitro.autotune.recipes.onnx import export_onnx
+
+    x, other = _ids(4, 12, 0), _ids(3, 7, 1)
+    dims = {0: [0, 1], 1: [0, 1]}
+    model = _Encoder().eval()
+    meta = export_onnx(model, (x["input_ids"], x["attention_mask"]), tmp_path / "enc.onnx", dims)
+    assert meta["exporter"] == "dynamo", meta
+    sess = ort.InferenceSession(str(tmp_path / "enc.onnx"), providers=["CPUExecutionProvider"])
+    out = sess.run(None, {"input_0": other["input_ids"].numpy(), "input_1": other["attention_mask"].numpy()})[0]
+    real = other["attention_mask"].bool()
+    with torch.no_grad():
+        ref = model(other["input_ids"], other["attention_mask"])
+    torch.testing.assert_close(torch.from_numpy(out)[real], ref[real], rtol=1e-4, atol=1e-4)
+    t = _tokenized(4, 12, 0)
+    meta = export_onnx(_classifier(), (t["input_ids"], t["attention_mask"], t["token_type_ids"]), tmp_path / "c.onnx",
+                       {0: [0, 1], 1: [0, 1], 2: [0, 1]})
+    assert meta["exporter"] == "torchscript", meta
+    assert not list(tmp_path.glob("*_shorter.onnx"))

@@ -90,7 +90,10 @@ def _export_file(model: nn.Module, inputs: tuple[Any, ...], path: Path, in_names
         try:
             torch.onnx.export(model, inputs, str(path), dynamo=False, input_names=in_names, output_names=out_names,
                               dynamic_axes=axes or None, opset_version=17, do_constant_folding=True)
-            return "torchscript"
+            why = _traced_size(model, inputs, path, in_names, out_names, axes, dynamic_dims)
+            if why is None:
+                return "torchscript"
+            raise RuntimeError(why)
         except Exception as exc:  # noqa: BLE001 - try the other exporter
             if timed_out(exc) is not None:
                 raise  # the time limit, not the exporter: no second export on the clock
@@ -107,6 +110,37 @@ def _export_file(model: nn.Module, inputs: tuple[Any, ...], path: Path, in_names
                 errors.append(clean_line(f"dynamo exporter: {type(exc2).__name__}: {exc2}", limit=300))
                 raise RuntimeError("ONNX export failed: " + " | ".join(errors)) from exc2
             return "dynamo"
+
+
+def _traced_size(model: nn.Module, inputs: tuple[Any, ...], path: Path, in_names: list[str], out_names: list[str],
+                 axes: dict[str, dict[int, str]], dynamic_dims: dict[int, list[int]]) -> str | None:
+    """Why the TorchScript exporter's graph at ``path`` cannot be trusted at another length, or None.
+
+    A trace records Python ints: a reshape to the example's length (``nn.MultiheadAttention``'s) is a
+    constant, and the graph failed on the next batch of another length. Where a dim past the batch is
+    dynamic, the model is exported again one shorter along it: a graph that does not depend on the length
+    comes out the same; one that does differs, and the dynamo exporter (symbolic sizes) is used instead."""
+    import onnx
+
+    shorter = []
+    for i, t in enumerate(inputs):
+        for d in [d for d in dynamic_dims.get(i, []) if 0 < d < t.dim() and t.shape[d] > 2]:
+            t = t.narrow(d, 0, t.shape[d] - 1)
+        shorter.append(t)
+    if all(a is b for a, b in zip(shorter, inputs)):
+        return None  # only the batch varies: a trace does not depend on it here
+    other = path.with_name(path.stem + "_shorter.onnx")
+    try:
+        torch.onnx.export(model, tuple(shorter), str(other), dynamo=False, input_names=in_names,
+                          output_names=out_names, dynamic_axes=axes or None, opset_version=17, do_constant_folding=True)
+        same = onnx.load(str(path)).graph.SerializeToString() == onnx.load(str(other)).graph.SerializeToString()
+    except Exception as exc:  # noqa: BLE001 - the model does not take a shorter input: nothing to compare
+        if timed_out(exc) is not None:
+            raise
+        return None
+    finally:
+        other.unlink(missing_ok=True)
+    return None if same else "its graph changes with the input's length (a traced size), so it would fail at another one"
 
 
 def _unfed_inputs(path: Path, in_names: list[str]) -> list[str]:
