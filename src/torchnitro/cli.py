@@ -56,6 +56,10 @@ def doctor() -> None:
     t.add_row("cpu flags", " ".join(hw.cpu_flags) or "-")
     t.add_row("native bf16 on cpu", "yes" if hw.cpu_bf16 else "no")
     t.add_row("int8 dot-product (VNNI/AMX)", "yes" if hw.cpu_vnni else "no")
+    from torchnitro.kernels.cpu_attention import cpu_attention_reason, kernel_name
+
+    why = cpu_attention_reason()  # builds the kernel on first use (~1-2 s), then cached on disk
+    t.add_row("native cpu attention", kernel_name("bf16") if why is None else f"no: {why}")
     t.add_row("gpu", f"{hw.gpu_name} (sm_{hw.gpu_capability[0]}{hw.gpu_capability[1]})" if hw.gpu_name else "none")
     con.print(t)
     lt = Table(title="libraries")
