@@ -25,7 +25,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from torchnitro.errors import InputError
+from torchnitro.errors import ConfigError, InputError
 
 __all__ = ["ModelInfo", "InputSpec", "parse_input_spec", "model_and_inputs", "rebuild_model", "random_like",
            "signature_of", "input_signature", "forward_params", "inputs_from_mapping", "KeywordCall", "keyword_call",
@@ -188,15 +188,44 @@ def _builtin_model_and_inputs(spec: str, parsed: Sequence[InputSpec], batch: int
     return model, inputs, ModelInfo(spec, spec, bi.inputs, dict(bi.dynamic_dims), b, s)
 
 
+def mask_index(model: Any, inputs: tuple[Any, ...], named: int | str | None = None) -> int | None:
+    """Which input is the attention mask: ``named`` (an index or a forward argument name), else the
+    forward argument called ``attention_mask``, else the second input of a token model (integer ids
+    and a 0/1 tensor of the same shape). None when there is none."""
+    params = [p.name for p in forward_params(model)]
+    if named is not None:
+        i = named if isinstance(named, int) else (params.index(named) if named in params else None)
+        if i is None or not 0 <= i < len(inputs) or not isinstance(inputs[i], Tensor):
+            raise ConfigError(f"padding_mask: received {named!r}; expected the index or forward-argument name of a "
+                              f"tensor input (forward arguments: {params[:len(inputs)]}, {len(inputs)} inputs given)")
+        return i
+    if "attention_mask" in params[:len(inputs)]:
+        i = params.index("attention_mask")
+        if isinstance(inputs[i], Tensor) and inputs[i].dim() == 2:
+            return i
+    if len(inputs) >= 2 and all(isinstance(t, Tensor) and t.dim() == 2 for t in inputs[:2]):
+        ids, mask = inputs[0], inputs[1]
+        if (not ids.is_floating_point() and tuple(ids.shape) == tuple(mask.shape) and not mask.is_floating_point()
+                and bool(((mask == 0) | (mask == 1)).all())):
+            return 1
+    return None
+
+
+def _mask_in(x: Any) -> Tensor | None:
+    """``x`` itself when it is a tensor, its ``attention_mask`` when it is a feature dict."""
+    if isinstance(x, Tensor):
+        return x
+    m = x.get("attention_mask") if isinstance(x, Mapping) else None
+    return m if isinstance(m, Tensor) and m.dim() == 2 else None
+
+
 def default_dynamic_dims(model: Any, inputs: tuple[Any, ...], padding_mask: int | str | None = None
                          ) -> dict[int, list[int]]:
     """The dims that vary between calls of a model given as an object: the batch (dim 0) of every tensor
-    input, and, where the inputs carry an attention mask (``verify.mask_index``, or a feature dict's
+    input, and, where the inputs carry an attention mask (``mask_index``, or a feature dict's
     ``attention_mask``), the sequence (dim 1) of every input laid out ``(B, T, ...)`` like the mask and of
     the feature dict holding it: a tokenizer pads each call to its own longest sentence, so a variant
     that baked the example's length in (an ONNX or OpenVINO graph) failed on the user's next batch."""
-    from torchnitro.autotune.verify import _mask_in, mask_index
-
     dyn = {i: [0] for i, t in enumerate(inputs) if isinstance(t, Tensor) and t.dim() > 0}
     i = mask_index(model, inputs, padding_mask)
     in_dict = [k for k, x in enumerate(inputs) if isinstance(x, Mapping) and _mask_in(x) is not None]

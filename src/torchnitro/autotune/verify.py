@@ -43,7 +43,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from torchnitro.autotune.inputs import forward_params
+from torchnitro.autotune.inputs import _mask_in, forward_params, mask_index  # noqa: F401  (verify.mask_index)
 from torchnitro.errors import ConfigError
 
 __all__ = ["flatten_outputs", "OutputError", "GateResult", "compare_outputs", "collect", "judge", "clone_outputs",
@@ -123,37 +123,6 @@ def _cosine(a: Tensor, b: Tensor) -> float:
     cos = (a * b).sum(dim=1) / (na * nb).clamp_min(1e-300)
     cos = torch.where((na == 0) & (nb == 0), torch.ones_like(cos), cos)  # both zero: identical rows
     return float(cos.min()) if cos.numel() else 1.0
-
-
-def mask_index(model: Any, inputs: tuple[Any, ...], named: int | str | None = None) -> int | None:
-    """Which input is the attention mask: ``named`` (an index or a forward argument name), else the
-    forward argument called ``attention_mask``, else the second input of a token model (integer ids
-    and a 0/1 tensor of the same shape). None when there is none."""
-    params = [p.name for p in forward_params(model)]
-    if named is not None:
-        i = named if isinstance(named, int) else (params.index(named) if named in params else None)
-        if i is None or not 0 <= i < len(inputs) or not isinstance(inputs[i], Tensor):
-            raise ConfigError(f"padding_mask: received {named!r}; expected the index or forward-argument name of a "
-                              f"tensor input (forward arguments: {params[:len(inputs)]}, {len(inputs)} inputs given)")
-        return i
-    if "attention_mask" in params[:len(inputs)]:
-        i = params.index("attention_mask")
-        if isinstance(inputs[i], Tensor) and inputs[i].dim() == 2:
-            return i
-    if len(inputs) >= 2 and all(isinstance(t, Tensor) and t.dim() == 2 for t in inputs[:2]):
-        ids, mask = inputs[0], inputs[1]
-        if (not ids.is_floating_point() and tuple(ids.shape) == tuple(mask.shape) and not mask.is_floating_point()
-                and bool(((mask == 0) | (mask == 1)).all())):
-            return 1
-    return None
-
-
-def _mask_in(x: Any) -> Tensor | None:
-    """``x`` itself when it is a tensor, its ``attention_mask`` when it is a feature dict."""
-    if isinstance(x, Tensor):
-        return x
-    m = x.get("attention_mask") if isinstance(x, Mapping) else None
-    return m if isinstance(m, Tensor) and m.dim() == 2 else None
 
 
 def padding_masks(model: Any, input_sets: Sequence[tuple[Any, ...]], named: int | str | None = None,
@@ -252,9 +221,9 @@ def compare_outputs(ref: list[tuple[str, Tensor]], cand: list[tuple[str, Tensor]
 
 def _sizes(inputs: tuple[Any, ...]) -> str:
     """'2x16, 2x16' for the tensors of one input set (in a feature dict too)."""
-    from torchnitro.autotune.recipes._layout import tensor_leaves
+    from torch.utils._pytree import tree_leaves  # not recipes._layout's walker: that module imports this one
 
-    return ", ".join("x".join(map(str, t.shape)) for t in tensor_leaves(inputs))
+    return ", ".join("x".join(map(str, t.shape)) for t in tree_leaves(inputs) if isinstance(t, Tensor))
 
 
 def _other_size(exc: Exception, first: tuple[Any, ...], inputs: tuple[Any, ...]) -> None:
