@@ -1,5 +1,5 @@
-"""Issue 15 item 9: real architectures (BERT, RoBERTa, DistilBERT, GPT-2, Llama, T5 encoder, ViT, ResNet,
-MobileNetV2) from their real config classes, tiny and random, optimized as users hold them.
+"""Issue 15 item 9: real architectures (BERT, RoBERTa, XLM-R, DistilBERT, MPNet, ELECTRA, ALBERT, GPT-2, Llama,
+T5 encoder, ViT, ResNet, MobileNetV2: ``coverage_models.CASES``) from their real config classes, tiny and random, optimized as users hold them.
 
 For each: every listed recipe runs or says why not in one clean line that is not torchnitro's fault
 (``coverage_models.OUR_FAULT``), the chosen variant is verified, and save/load round-trips with equal
@@ -60,7 +60,7 @@ def _check_report(om: Any, recipes: list[str]) -> None:
 
 
 def _held_out(case, how: str, hf, batch: int = 3) -> tuple[tuple, dict]:
-    x = example(case, hf, batch=batch, seq=16, seed=11)  # seq as the example: only the batch is dynamic
+    x = example(case, hf, batch=batch, seq=16, seed=11)  # seq as the example's (a masked text model's sequence dim is dynamic too)
     return tuple(x.values()), x
 
 
