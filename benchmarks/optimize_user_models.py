@@ -599,6 +599,14 @@ def _progress(text: str) -> None:
     Console(stderr=True).log(text)
 
 
+def _bar_label(r: dict) -> str:
+    """One bar's name, unique per row: a coverage row names its model, holding and chosen recipe (barh draws
+    rows with equal labels on one bar), a MiniLM row its inputs and holding, a peer row its variant."""
+    if r.get("model"):
+        return f"{r['model']} ({r.get('held as') or 'hf'}): {r.get('chosen', '')}"[:48]
+    return f"{r.get('inputs', '')} {r.get('held as') or r.get('variant') or ''}".strip()[:48]
+
+
 def plot(minilm: list[dict], peer: list[dict], coverage: list[dict], name: str, directory: Path) -> None:
     import matplotlib
 
@@ -610,10 +618,11 @@ def plot(minilm: list[dict], peer: list[dict], coverage: list[dict], name: str, 
                                         ("coverage set: chosen speedup", coverage)) if rows]
     if not panels:
         return
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    n_bars = max(sum(isinstance(r.get("speedup"), float) for r in rows) for _, rows in panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), max(4.5, 1.2 + 0.35 * n_bars)), squeeze=False)
     for ax, (title, rows) in zip(axes[0], panels):
         rs = [r for r in rows if isinstance(r.get("speedup"), float)]
-        labels = [f"{r.get('inputs', '')} {r.get('held as') or r.get('variant') or r.get('model')}"[:40] for r in rs]
+        labels = [_bar_label(r) for r in rs]
         errs = [r["noise"] if isinstance(r.get("noise"), float) else 0.0 for r in rs]
         ax.barh(labels, [r["speedup"] for r in rs], xerr=errs, color="tab:green")
         ax.axvline(1.0, color="k", lw=0.8)

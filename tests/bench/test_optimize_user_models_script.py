@@ -199,3 +199,23 @@ def test_the_peer_is_built_with_the_dims_the_search_declares(monkeypatch, tmp_pa
     x = bench.minilm_inputs("short", 2, 16, 0)
     meta, emb, tok = bench._build_peer("openvino", make(), x, [x], tmp_path)
     assert seen == {0: [0, 1], 1: [0, 1]} and emb == pytest.approx(1.0) and tok == pytest.approx(1.0)
+
+
+def test_plot_gives_every_coverage_row_its_own_bar(monkeypatch, tmp_path):
+    """barh draws rows with equal labels on one bar: the coverage panel labelled rows by inputs and holding,
+    so 12 rows of four models showed as 3 bars."""
+    pytest.importorskip("matplotlib")
+    oum = _bench(monkeypatch)
+    rows = [{"model": m, "held as": h, "inputs": "int64[8x128], int64[8x128]", "chosen": "eager", "speedup": 1.0 + i}
+            for i, (m, h) in enumerate((m, h) for m in ("mpnet", "albert") for h in ("hf", "wrapper", "dict"))]
+    assert len({oum._bar_label(r) for r in rows}) == len(rows)
+    seen = {}
+    real = oum.save_plot
+
+    def capture(fig, name, directory):
+        seen["bars"] = len(fig.axes[0].patches)
+        return real(fig, name, directory)
+
+    monkeypatch.setattr(oum, "save_plot", capture)
+    oum.plot([], [], rows, "cov", tmp_path)
+    assert seen["bars"] == len(rows)
