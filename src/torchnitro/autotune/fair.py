@@ -42,7 +42,7 @@
   defaults were faster by more than the noise; ``torchnitro.load`` / ``serve`` apply it
   (``bench.environment.apply_allocator``). Where the environment chooses the allocator itself (a
   threshold variable or tunable, a malloc replacement in ``LD_PRELOAD``; ``bench.environment.allocator_untunable``),
-  timing processes inherit it and the optimizer runs no trial (``final._tune_allocator`` notes why);
+  timing processes inherit it and the optimizer runs no trial (``final_trials._tune_allocator`` notes why);
   ``tune_allocator`` given such a timer starts the setting and keeps it only when it won beyond the noise.
 """
 
