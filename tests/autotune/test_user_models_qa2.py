@@ -68,8 +68,7 @@ def test_the_sequence_dim_is_dynamic_where_the_inputs_carry_a_mask():
 
 def _onnx_or_skip() -> list[str]:
     why = get_recipe("onnxruntime").unavailable_reason(hardware_info())
-    if why is not None:
-        pytest.skip(why)
+    assert why is None, f"onnxruntime is a test dependency (the onnx extra) and must run here: {why}"
     return ["onnxruntime"]
 
 
