@@ -66,7 +66,7 @@ def test_the_sequence_dim_is_dynamic_where_the_inputs_carry_a_mask():
         0: [0, 1], 1: [0, 1], 2: [0]}
 
 
-def _onnx_or_skip() -> list[str]:
+def _onnx_recipe() -> list[str]:
     why = get_recipe("onnxruntime").unavailable_reason(hardware_info())
     assert why is None, f"onnxruntime is a test dependency (the onnx extra) and must run here: {why}"
     return ["onnxruntime"]
@@ -75,7 +75,7 @@ def _onnx_or_skip() -> list[str]:
 def test_classifier_from_its_tokenizer_dict_takes_a_batch_of_another_length(fast_cfg):
     """Seen failing before the fix: ``InvalidArgument ... Got: 9 Expected: 16`` on the call below."""
     model = _classifier()
-    om = torchnitro.optimize(model, _tokenized(4, 16, 0), fast_cfg(recipes=_onnx_or_skip(), finalists=1,
+    om = torchnitro.optimize(model, _tokenized(4, 16, 0), fast_cfg(recipes=_onnx_recipe(), finalists=1,
                                                                   min_speedup=0.0, cache=False))
     assert om.recipe == "onnxruntime", [(c.recipe, c.status, c.reason) for c in om.report.candidates]
     assert [i["shape"][:2] for i in om.signature["inputs"]] == [[-1, -1]] * 3
@@ -104,7 +104,7 @@ def test_sentence_transformer_variant_takes_a_feature_dict_of_another_length(tmp
         return wl
 
     monkeypatch.setattr(search, "prepare_workload", spy)
-    om = torchnitro.optimize(model, feats, fast_cfg(recipes=_onnx_or_skip(), finalists=1, min_speedup=0.0, cache=False))
+    om = torchnitro.optimize(model, feats, fast_cfg(recipes=_onnx_recipe(), finalists=1, min_speedup=0.0, cache=False))
     T = feats["input_ids"].shape[1]
     assert (1, T // 2) in seen, seen  # the half-size set: batch and length
     assert om.recipe == "onnxruntime", [(c.recipe, c.status, c.reason) for c in om.report.candidates]
@@ -213,7 +213,7 @@ def test_a_script_factory_with_a_mask_gets_a_variant_that_takes_another_length(t
     ONNX variant failed on a batch of another length ("Got: 7 Expected: 12", seen on the old code)."""
     script = tmp_path / "user_script.py"
     script.write_text(_SCRIPT)
-    om = torchnitro.optimize(f"{script}:build", None, fast_cfg(recipes=_onnx_or_skip(), finalists=1, min_speedup=0.0,
+    om = torchnitro.optimize(f"{script}:build", None, fast_cfg(recipes=_onnx_recipe(), finalists=1, min_speedup=0.0,
                                                                 cache=False))
     assert om.recipe == "onnxruntime", [(c.recipe, c.status, c.reason) for c in om.report.candidates]
     loaded = torchnitro.load(om.save(tmp_path / "a"))
