@@ -110,16 +110,18 @@ def test_glibc_defaults_remove_the_variables_even_when_this_process_has_them(tmp
 @glibc
 def test_samples_report_the_page_faults_glibcs_defaults_cost(tmp_path, no_omp_env):
     """64 MiB allocated and freed per call: with glibc's defaults each call maps it anew and faults its 16384 pages
-    in; under the allocator setting it stays in the heap (no faults once the heap has grown to hold it)."""
+    in; under the allocator setting it stays in the heap (no faults once the heap has grown to hold it).
+
+    The heap may take more than one sample to grow (a CI run saw [8192, 8192, 0]): the last of five samples counts."""
     save_inputs([(torch.ones(1),)], tmp_path / "in.pt")
     with ChildTimer("test_isolated_env:fresh_buffer", {"mib": 64}, tmp_path / "in.pt", threads=1, gate=None) as kept:
-        for _ in range(3):
+        for _ in range(5):
             kept.sample(2, warm=1)
         with kept.again(GLIBC_DEFAULTS) as default:
             for _ in range(3):
                 default.sample(2, warm=1)
-            assert len(kept.faults) == len(default.faults) == 3
-            assert sorted(kept.faults)[1] < 1000, kept.faults  # the median: the heap may still grow at first
+            assert len(kept.faults) == 5 and len(default.faults) == 3
+            assert kept.faults[-1] < 1000, kept.faults
             assert min(default.faults) > 8000, default.faults
 
 
