@@ -59,6 +59,14 @@ class OptimizedModel:
         last = max(names.index(k) for k in kwargs)
         return tuple(inputs) + tuple(kwargs.get(n) for n in names[len(inputs):last + 1])
 
+    def install(self, model: nn.Module) -> Any:
+        """Run this variant as ``model``'s forward, so ``st.encode(...)`` / ``model(**batch)`` use it; calls it
+        was not verified for run the original with one warning. Returns an ``Installation`` (``.uninstall()``,
+        or use it as a context manager); see ``torchnitro.autotune.install``."""
+        from torchnitro.autotune.install import install
+
+        return install(self, model)
+
     def save(self, directory: str | Path) -> Path:
         """Write the artifact (see ``torchnitro.autotune.artifact``); returns the directory."""
         import tempfile
