@@ -1,0 +1,338 @@
+"""The optimized variant put back into the model object the user holds: ``opt.install(model)``.
+
+A sentence-transformers user calls ``st.encode(sentences, batch_size=...)``, which tokenizes, sorts by
+length, batches and pools, and calls ``st(features)`` once per batch; an HF user calls
+``model(**tokenizer(texts))``. ``install`` replaces ``model.forward`` on that one object (an instance
+attribute; the class is untouched) with a forward that runs the ``OptimizedModel`` where the call fits
+what the variant was verified for, and the original forward otherwise:
+
+* **What fits.** The call's tensors sit where the example's did (same arguments, same dict keys), with
+  the example's dtypes and ranks, and every dim the search did not declare dynamic
+  (``inputs.default_dynamic_dims``: the batch, and the sequence where the inputs carry a mask) has the
+  example's size. Any other argument is at the forward's default or the example's value. A loaded
+  artifact that kept no example inputs is checked by its signature and its saved input layout.
+* **Fallback.** A call that does not fit, a model in train mode (the variant is the eval model), or a
+  variant that raises runs the original forward, with one ``warnings.warn`` per kind of reason naming the
+  shape or argument and why; ``Installation.calls`` counts both paths. Never a wrong answer from a shape
+  the variant was not verified at, never a crash that the original would not have.
+* **Outputs.** What the variant returns (the model's own output class, rebuilt by the runtimes). A
+  sentence-transformers model writes its outputs into the feature dict it was given, as its modules do.
+  Outputs carry no autograd graph (the variant runs under ``torch.inference_mode``).
+* **Undo.** ``Installation.uninstall()`` (or leaving ``with opt.install(model):``) restores the forward
+  the object had.
+
+The model must hold the weights the variant was made from (compared where the ``OptimizedModel`` still
+has the eager model); an ``InputError`` names the first parameter that differs.
+"""
+
+from __future__ import annotations
+
+import collections
+import inspect
+import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+
+from torchnitro.autotune.failure import clean_line
+from torchnitro.errors import InputError
+
+__all__ = ["Installation", "install", "LeafSpec"]
+
+Path_ = tuple[Any, ...]  # where a tensor sits in the call: (argument name, dict key, ...)
+
+
+@dataclass(frozen=True)
+class LeafSpec:
+    """One tensor the variant takes: its dtype and shape (-1 = dynamic); None where the artifact did not say."""
+
+    dtype: torch.dtype | None
+    shape: tuple[int, ...] | None
+
+
+def _leaves(obj: Any, path: Path_, out: dict[Path_, Any]) -> None:
+    """Every tensor and other leaf value of one argument, by path (dicts and lists walked)."""
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            _leaves(v, (*path, k), out)
+    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (Tensor, Mapping)) for v in obj):
+        for i, v in enumerate(obj):
+            _leaves(v, (*path, i), out)
+    else:
+        out[path] = obj
+
+
+def _shape(t: Tensor, dynamic: list[int]) -> tuple[int, ...]:
+    return tuple(-1 if d in dynamic else int(s) for d, s in enumerate(t.shape))
+
+
+def _spec_from_example(names: list[str], example: tuple[Any, ...], dynamic_dims: dict[int, list[int]]
+                       ) -> tuple[dict[Path_, LeafSpec], dict[Path_, Any]]:
+    """The tensors the variant takes and the other values of the example call, by path."""
+    tensors: dict[Path_, LeafSpec] = {}
+    others: dict[Path_, Any] = {}
+    for i, x in enumerate(example):
+        found: dict[Path_, Any] = {}
+        _leaves(x, (names[i] if i < len(names) else i,), found)
+        for path, v in found.items():
+            if isinstance(v, Tensor):  # a tensor inside a dict takes its argument's dims, the batch by default
+                dims = dynamic_dims.get(i, [] if len(path) == 1 else [0])
+                tensors[path] = LeafSpec(v.dtype, _shape(v, dims))
+            else:
+                others[path] = v
+    return tensors, others
+
+
+def _spec_from_signature(names: list[str], signature: dict[str, Any], layout: Any) -> dict[Path_, LeafSpec]:
+    """A loaded artifact: the manifest's top-level tensors, and the saved layout's paths (shapes unknown)."""
+    tensors: dict[Path_, LeafSpec] = {}
+    for entry in signature.get("inputs", []):
+        dtype = getattr(torch, str(entry.get("dtype")), None)
+        tensors[(entry["name"],)] = LeafSpec(dtype if isinstance(dtype, torch.dtype) else None,
+                                             tuple(int(s) for s in entry.get("shape", [])))
+    for p in layout or []:
+        head = names[p[0]] if isinstance(p[0], int) and p[0] < len(names) else p[0]
+        tensors.setdefault((head, *p[1:]), LeafSpec(None, None))
+    return tensors
+
+
+def _read_paths(model: nn.Module, example: tuple[Any, ...], names: list[str]) -> set[Path_]:
+    """The tensors of a structured example the model reads: a sentence-transformers model writes its outputs
+    into the dict it is given, so the example kept from the search holds them too (one eager call tells,
+    ``recipes._layout.input_layout``)."""
+    from torchnitro.autotune.recipes._layout import input_layout
+
+    layout, _ = input_layout(model, example)
+    return {(names[p[0]] if p[0] < len(names) else p[0], *p[1:]) for p in layout.paths}
+
+
+def _is_sentence_transformer(model: nn.Module) -> bool:
+    return any(c.__module__.startswith("sentence_transformers.") for c in type(model).__mro__)
+
+
+def _where(path: Path_) -> str:
+    return str(path[0]) + "".join(f"[{k!r}]" for k in path[1:])
+
+
+class Installation:
+    """``optimized`` running as ``model.forward`` (see the module docstring). ``calls`` counts the calls that
+    ran the variant (``'optimized'``) and the original (``'original'``); ``uninstall()`` undoes it; as a
+    context manager, leaving the block undoes it."""
+
+    def __init__(self, optimized: Any, model: nn.Module):
+        self.optimized, self.model = optimized, model
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._had_own = "forward" in model.__dict__  # an instance attribute to put back as it was
+        self._own = model.__dict__.get("forward")
+        self._original: Callable[..., Any] = model.forward
+        self._sig = inspect.signature(self._original)
+        self._names = [p.name for p in self._sig.parameters.values()
+                       if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        # the variant's inputs by position: forward's order, or a keyword-only forward's keywords in input order
+        self._order = list(optimized.source.arg_names) or self._names
+        self._tensors, self._others, self._n_inputs = self._variant_inputs(optimized)
+        self._writes_into_features = _is_sentence_transformer(model)
+        self._warned: set[str] = set()
+        self._inside = threading.local()
+        self.installed = False
+
+    def _variant_inputs(self, om: Any) -> tuple[dict[Path_, LeafSpec], dict[Path_, Any], int | None]:
+        src = om.source
+        if src.example_inputs:
+            example = tuple(src.example_inputs)
+            tensors, others = _spec_from_example(self._order, example, dict(src.dynamic_dims))
+            if any(isinstance(x, Mapping) for x in example):  # drop the keys the model wrote into its feature dict
+                read = _read_paths(self.model, example, self._order)
+                tensors = {p: s for p, s in tensors.items() if p in read}
+            return tensors, others, len(example)
+        return _spec_from_signature(self._order, om.signature, om.candidate.meta.get("input_layout")), {}, None
+
+    # -- the forward that runs in place of the original --------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if getattr(self._inside, "active", False):  # the variant calls this very object (eager, a fallback path)
+            return self._original(*args, **kwargs)
+        why = self._unfit(args, kwargs)
+        if why is not None:
+            return self._fallback(*why, args, kwargs)
+        self._inside.active = True
+        try:
+            out = self.optimized(*self._positional(args, kwargs))
+        except Exception as exc:  # noqa: BLE001 - the original answers instead; the warning names the error
+            return self._fallback("error", f"the optimized variant raised {clean_line(f'{type(exc).__name__}: {exc}', 200)}",
+                                  args, kwargs)
+        finally:
+            self._inside.active = False
+        self.calls["optimized"] += 1
+        return self._as_original(out, args, kwargs)
+
+    def _fallback(self, kind: str, why: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(f"{type(self.model).__name__}: running the original forward instead of the optimized "
+                          f"variant ({self.optimized.recipe}): {why}. Further calls for this kind of reason fall back "
+                          "without a warning (Installation.calls counts them)", stacklevel=4)
+        self.calls["original"] += 1
+        return self._original(*args, **kwargs)
+
+    def _unfit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str] | None:
+        """(kind, why) when the call is not one the variant was verified for, else None."""
+        if self.model.training:
+            return "training", ("the model is in train mode; the variant is the eval-mode model (call "
+                                "model.eval(), or uninstall() to train)")
+        try:
+            given = self._by_name(args, kwargs)
+        except TypeError as exc:
+            return "arguments", f"the call does not bind to forward ({exc})"
+        found: dict[Path_, Any] = {}
+        for name, value in given.items():
+            _leaves(value, (name,), found)
+        for path, v in found.items():
+            why = self._leaf_unfit(path, v)
+            if why is not None:
+                return why
+        missing = [_where(p) for p in self._tensors if p not in found]
+        if missing:
+            return "inputs", f"the call has no {missing}, which the variant takes"
+        return None
+
+    def _leaf_unfit(self, path: Path_, v: Any) -> tuple[str, str] | None:
+        spec = self._tensors.get(path)
+        if isinstance(v, Tensor):
+            if spec is None:
+                return "inputs", (f"input {_where(path)} (shape {tuple(v.shape)}) was not among the inputs the "
+                                  f"variant was optimized with ({[_where(p) for p in self._tensors]}); optimize "
+                                  "with the inputs the model is called with")
+            if spec.dtype is not None and v.dtype != spec.dtype:
+                return "dtype", f"input {_where(path)} is {v.dtype}; the variant takes {spec.dtype}"
+            if spec.shape is not None and (v.dim() != len(spec.shape) or any(
+                    s not in (-1, int(n)) for s, n in zip(spec.shape, v.shape))):
+                return "shape", (f"input {_where(path)} has shape {tuple(v.shape)}; the variant was verified at "
+                                 f"{list(spec.shape)} (-1: dynamic), so the others are fixed (declare them in "
+                                 "OptimizeConfig.dynamic_dims to vary them)")
+            return None
+        if spec is not None:
+            return "inputs", f"input {_where(path)} is {type(v).__name__}; the variant takes a tensor there"
+        if path in self._others:
+            if not _same(v, self._others[path]):
+                return "arguments", f"{_where(path)}={v!r}; the variant was optimized with {self._others[path]!r}"
+            return None
+        param = self._sig.parameters.get(path[0]) if len(path) == 1 else None
+        default = param.default if param is not None else inspect.Parameter.empty
+        if v is None or (default is not inspect.Parameter.empty and _same(v, default)):
+            return None
+        if len(path) > 1 and self._n_inputs is None:
+            return None  # a non-tensor entry of a feature dict (a loaded artifact keeps no example to compare)
+        return "arguments", f"{_where(path)}={v!r} differs from the default the variant was optimized with"
+
+    def _by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by name (``**kwargs`` entries by their own name, ``*args`` by position)."""
+        bound = self._sig.bind(*args, **kwargs)
+        out: dict[str, Any] = {}
+        for name, value in bound.arguments.items():
+            param = self._sig.parameters[name]
+            if param.kind == param.VAR_KEYWORD:
+                out.update(value)
+            elif param.kind == param.VAR_POSITIONAL:
+                out.update({len(self._names) + i: v for i, v in enumerate(value)})
+            else:
+                out[name] = value
+        return out
+
+    def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The call as the variant's positional inputs (its order; skipped ones at forward's default)."""
+        given = self._by_name(args, kwargs)
+        present = [i for i, name in enumerate(self._order) if given.get(name) is not None]
+        n = self._n_inputs if self._n_inputs is not None else (present[-1] + 1 if present else 0)
+        out = []
+        for name in self._order[:n]:
+            p = self._sig.parameters.get(name)
+            default = None if p is None or p.default is inspect.Parameter.empty else p.default
+            out.append(given.get(name, default))
+        return tuple(out)
+
+    def _as_original(self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A sentence-transformers model answers in the feature dict it was given (its modules write into it)."""
+        if self._writes_into_features and isinstance(out, Mapping):
+            features = (list(args) + list(kwargs.values()))[0]
+            if isinstance(features, dict) and features is not out:
+                features.update(out)
+                return features
+        return out
+
+    # -- install / undo ---------------------------------------------------------------------------
+
+    def install(self) -> Installation:
+        self.model.forward = self.forward  # instance attribute: nn.Module.__call__ finds it first
+        self.installed = True
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the forward the model had (a no-op when already undone)."""
+        if not self.installed:
+            return
+        if self._had_own:
+            self.model.forward = self._own
+        else:
+            self.model.__dict__.pop("forward", None)
+        self.installed = False
+
+    def __enter__(self) -> Installation:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+
+    def __repr__(self) -> str:
+        state = "installed" if self.installed else "uninstalled"
+        return f"Installation({type(self.model).__name__}, recipe={self.optimized.recipe!r}, {state}, {dict(self.calls)})"
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b) if not isinstance(a, Tensor) and not isinstance(b, Tensor) else False
+    except Exception:  # noqa: BLE001 - values that do not compare are not the same
+        return False
+
+
+def _reference_model(om: Any) -> nn.Module | None:
+    """The eager model the variant was made from, out of its keyword adapter (None when the result kept none)."""
+    from torchnitro.autotune.inputs import KeywordCall
+
+    m = om.source.model
+    return m.model if isinstance(m, KeywordCall) else m
+
+
+def _check_weights(om: Any, model: nn.Module) -> None:
+    ref = _reference_model(om)
+    if ref is None or ref is model:
+        return
+    mine, theirs = model.state_dict(), ref.state_dict()
+    if list(mine) != list(theirs):
+        extra = sorted(set(mine) ^ set(theirs))[:3]
+        raise InputError(f"install: received {type(model).__name__} whose parameters differ by name from the model "
+                         f"the variant was made from (e.g. {extra}); expected the model given to optimize or load")
+    for name, t in mine.items():
+        r = theirs[name]
+        if isinstance(t, Tensor) and isinstance(r, Tensor) and t.dtype == r.dtype and (
+                t.shape != r.shape or not torch.equal(t.detach().cpu(), r.detach().cpu())):
+            raise InputError(f"install: received {type(model).__name__} whose {name!r} differs from the model the "
+                             "variant was made from; expected the same weights (optimize this model, or load the "
+                             "artifact with torchnitro.load(dir, model=this_model))")
+
+
+def install(optimized: Any, model: nn.Module) -> Installation:
+    """Run ``optimized`` (an ``OptimizedModel``) as ``model``'s forward; see the module docstring."""
+    if not isinstance(model, nn.Module):
+        raise InputError(f"install: received {type(model).__name__}; expected the torch.nn.Module the variant was "
+                         "made from (a SentenceTransformer, an HF model, your own module)")
+    current = model.__dict__.get("forward")
+    if isinstance(getattr(current, "__self__", None), Installation) and current.__self__.installed:
+        raise InputError(f"install: {type(model).__name__} already runs an optimized variant "
+                         f"({current.__self__.optimized.recipe}); uninstall() it first")
+    _check_weights(optimized, model)
+    return Installation(optimized, model).install()
