@@ -28,7 +28,7 @@ def test_plan_counts_processes_comparison_and_trials_and_the_deadline_never_pass
     cfg = OptimizeConfig(finalists=3, eager_processes=1, final_min_time_s=1.0)
     plan = plan_final(cfg, "cpu", threads=4, startup_s=4.0, overhead=3.0)
     assert plan.processes == 4 and plan.starts_s == 16.0  # 3 finalists + eager, each in its own process
-    assert plan.comparison_s == pytest.approx(3.0 * (0.5 + 3 + 1))  # eager alone (half) + the comparison
+    assert plan.comparison_s == pytest.approx(3.0 * (0.5 + 0.5 + 3 + 1))  # eager alone (half) before and after
     assert plan.trials_s == pytest.approx(2 * 4.0 + 3.0 * 4 + 2 * 4.0 + 3.0 * 3)  # allocator, then 2 thread counts
     here = plan_final(OptimizeConfig(final_alone=False, tune_allocator=False), "cpu", threads=1)
     assert here.processes == 0 and here.trials_s == 0.0

@@ -28,11 +28,12 @@
   its p50 for every speedup is the median of the per-process p50s (``autotune.fair_eager``: why every
   process in every round, and how the bootstrap pairs rounds then).
 - Eager's p50 inside the comparison must match eager alone within ``max(5%, 2 x eager's cv)``, at most
-  25% (``check_eager``); otherwise eager alone and the comparison are both measured again after ``SETTLE_S``
-  (the machine may have changed between them) and the report says so. Eager alone is a short solo run of
-  eager's own timing processes just before the comparison (nothing else timed; with several, the median of
-  their p50s, as inside), or, for eager timed in this process, its search-time p50; sampled like the
-  comparison (``Steady``).
+  25% (``check_eager``). Eager alone is a short solo run of eager's own timing processes right before the
+  comparison and another right after it (nothing else timed; with several, the median of their p50s, as
+  inside; sampled like the comparison, ``Steady``), checked by their mean; two alone runs that differ by more
+  than the band say the machine changed speed meanwhile, not the comparison (``EagerCheck.machine_changed``).
+  For eager timed in this process it is its search-time p50. Outside the band the comparison is redone once
+  after ``SETTLE_S`` (``autotune.final_check``) and the report says so.
 - Every timing process runs under glibc's ``ALLOCATOR_SETTING`` (``bench.environment.timing_process_env``):
   with glibc's default thresholds, fresh processes of the same eager differed by 10-20% (page faults of
   returned memory, a different number in each process; results/eager_spread.md), more than any check here
@@ -269,11 +270,14 @@ def start_alone(recipe: Recipe, directory: Path, meta: dict[str, Any], inputs: P
 class EagerCheck:
     """Eager alone against eager inside the comparison."""
 
-    alone_ms: float  # eager alone: a solo run of its own processes before the comparison, or its search-time p50
+    alone_ms: float  # eager alone: solo runs of its own processes around the comparison, or its search-time p50
     inside_ms: float  # eager's p50 inside the comparison (several processes: the median of their p50s)
     band: float  # allowed relative difference
     where: str = ""  # how eager alone was measured, for the report
     inside_where: str = ""  # how eager inside was summarised (several processes: their p50s), for the report
+    before_ms: float | None = None  # bracketed: eager alone right before the comparison ...
+    after_ms: float | None = None  # ... and right after it; ``alone_ms`` is their mean
+    single: str = ""  # why eager alone was measured only before the comparison, for the report
 
     @property
     def drift(self) -> float:
@@ -283,11 +287,32 @@ class EagerCheck:
     def ok(self) -> bool:
         return abs(self.drift) <= self.band
 
+    @property
+    def gap(self) -> float:
+        """Eager alone after the comparison against before it (0 unless bracketed)."""
+        if self.before_ms is None or self.after_ms is None:
+            return 0.0
+        return self.after_ms / self.before_ms - 1.0
+
+    @property
+    def machine_changed(self) -> bool:
+        """The two alone runs around the comparison differ by more than the band: the machine's speed changed
+        while the comparison ran, so a difference inside is no sign of the comparison's own error."""
+        return abs(self.gap) > self.band
+
     def text(self) -> str:
         where = f" {self.where}" if self.where else ""
         inside = f" {self.inside_where}" if self.inside_where else ""
-        return (f"eager p50 alone{where} {self.alone_ms:.3f} ms, inside the comparison{inside} {self.inside_ms:.3f} "
+        text = (f"eager p50 alone{where} {self.alone_ms:.3f} ms, inside the comparison{inside} {self.inside_ms:.3f} "
                 f"ms ({self.drift:+.1%}; allowed ±{self.band:.1%})")
+        if self.before_ms is not None and self.after_ms is not None:
+            text += (f"; eager alone is the mean of a solo run right before the comparison, {self.before_ms:.3f} ms, "
+                     f"and one right after it, {self.after_ms:.3f} ms, {self.gap:+.1%} apart")
+            text += (": more than the band, so the machine changed speed while the comparison ran, which is not the "
+                     "comparison's error" if self.machine_changed else ", within the band")
+        if self.single:
+            text += f"; {self.single}"
+        return text
 
 
 def check_eager(alone_ms: float, alone_cv: float | None, inside: Timing | EagerBaseline, where: str = "",

@@ -10,7 +10,8 @@ in a child it is timed here and its row says why; eager re-created from its torc
 when that runs alone at eager's search-time speed); eager alone runs in ``eager_processes`` fresh processes,
 every one in every round, and every speedup divides the median of their p50s (``autotune.fair_eager``);
 each sample follows one untimed call (``fair.Steady``);
-eager inside the comparison is checked against eager alone (both measured again, once, when it drifted);
+eager inside the comparison is checked against eager alone right before and right after it, by their mean, and
+redone once when outside the band (``autotune.final_check``: two alone runs that differ say the machine changed);
 every timing process runs under glibc's allocator setting (``bench.environment``: fixed thresholds, so fresh
 processes agree), and the chosen variant and eager are then timed once more with glibc's defaults (both
 reported; the setting stays in the artifact unless the defaults were faster), and the chosen variant with fewer
@@ -22,10 +23,10 @@ gated (``bench.quiet``): it starts once the other timing processes are idle and 
 ran beside it; the report's "timing environment" and "timing gate" notes say so, with the counts; its "final
 phase time" note gives the wall time of each part of this phase. The phase runs against the search's
 deadline (``autotune.final_budget``): the comparison's timing shrinks to fit before finalists are dropped (or
-timed in this process instead of fresh ones: ``_fit_pool``), and
-the screen, eager's further processes, the redo and each trial run only when their estimate fits the time left
-(else a "skipped: budget" note; a skipped allocator trial leaves the setting the comparison ran under in the
-artifact, a skipped thread trial the comparison's thread count).
+timed in this process instead of fresh ones: ``_fit_pool``), and the screen, eager's further processes, eager
+alone after the comparison, the redo and each trial run only when their estimate fits the time left (else a
+"skipped: budget" note; a skipped allocator trial leaves the setting the comparison ran under in the artifact, a
+skipped thread trial the comparison's thread count).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 from torchnitro.autotune import fair, fair_place
 from torchnitro.autotune.fair_eager import EagerBaseline, is_copy, is_eager
 from torchnitro.autotune.config import OptimizeConfig
+from torchnitro.autotune.final_check import DriftCheck
 from torchnitro.autotune.final_trials import Phases, child_of, run_trials
 from torchnitro.autotune.recipe import EAGER, Recipe, get_recipe
 from torchnitro.autotune.report import CandidateResult, Report, Status
@@ -251,40 +253,6 @@ def _screen(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], k: i
     return {n: f for n, f in fns.items() if is_eager(n) or n in keep}
 
 
-def _eager_alone(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], search_ms: float,
-                 search_cv: float | None, min_time_s: float) -> tuple[float, float | None, str]:
-    """Eager alone for the drift check: a short solo run of eager's own timing processes (nothing else is
-    timed; with several, the median of their p50s, as inside the comparison), or, for eager timed in this
-    process, its search-time p50 (measured before any candidate ran). A process that dies is dropped from
-    ``fns`` as in the comparison."""
-    here = (search_ms, search_cv, "(search time: this process, before any candidate ran)")
-    if child_of(fns[EAGER]) is None:
-        return here
-    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=min_time_s / 2,
-                      max_time_s=max(2.0, min_time_s), device=s.device.type)
-    solo = {n: f for n, f in fns.items() if is_eager(n)}
-    t0 = time.perf_counter()
-    res = _compare_finalists(s, report, solo, tc)
-    s.final_budget.learn_run(time.perf_counter() - t0, len(solo), tc.min_time_s)
-    for n in [n for n in fns if is_eager(n) and n not in solo]:
-        del fns[n]
-    fns[EAGER] = solo[EAGER]
-    if child_of(solo[EAGER]) is None:  # every eager process died: eager is timed here now
-        return here
-    base = EagerBaseline.of(res)
-    if base.k == 1:
-        return base.median * 1e3, base.cv, "(its own process, nothing else running)"
-    return (base.median * 1e3, base.cv, f"(median of its {base.k} own processes' p50s, nothing else running: "
-                                        f"{base.per_process_text()})")
-
-
-def _check(alone_ms: float, alone_cv: float | None, res: dict[str, Timing], where: str) -> fair.EagerCheck:
-    """Eager alone against eager inside the comparison ``res`` (the median of its processes' p50s)."""
-    base = EagerBaseline.of(res)
-    how = f"(median of the same {base.k} processes' p50s: {base.per_process_text()})" if base.k > 1 else ""
-    return fair.check_eager(alone_ms, alone_cv, base, where, how)
-
-
 def _fit_pool(s: _Search, report: Report, pool: list[CandidateResult]) -> list[CandidateResult]:
     """``pool`` cut to what the budget left can start and compare (``FinalBudget``): the screen, then eager's further
     processes, then the timing processes of eager and in-process candidates (timed here instead) are skipped before
@@ -333,48 +301,6 @@ def _fit_pool(s: _Search, report: Report, pool: list[CandidateResult]) -> list[C
             report.notes.append(f"{why}: eager kept (no verified candidate could be compared with it in the budget; "
                                 "raise budget_s)")
     return pool
-
-
-def _checked_comparison(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], search_ms: float,
-                        search_cv: float | None) -> dict[str, Timing]:
-    """The final comparison, shortened to the budget left (``FinalBudget.fit``); redone once after
-    ``fair.SETTLE_S`` when eager inside it differs from eager alone and the redo fits the budget."""
-    cfg, fb = s.cfg, s.final_budget
-    iters = max(cfg.final_min_iters, 30) if cfg.percentile == "p99" else cfg.final_min_iters  # a p99 needs samples
-    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=iters, min_time_s=cfg.final_min_time_s,
-                      max_time_s=max(5.0, cfg.final_min_time_s * 3), device=s.device.type)
-    share = 1.0 + (len([n for n in fns if is_eager(n)]) / (2 * len(fns)) if child_of(fns[EAGER]) else 0.0)
-    first, short = fb.fit(tc, len(fns), share)  # eager alone (half the time per process) and the comparison
-    alone_ms, alone_cv, where = _eager_alone(s, report, fns, search_ms, search_cv, first.min_time_s)
-    tc, short = fb.fit(tc, len(fns), 1.0)  # again with the overhead eager alone measured
-    if short:
-        report.notes.append(f"final comparison {short}")
-    t0 = time.perf_counter()
-    res = _compare_finalists(s, report, fns, tc)
-    fb.learn_run(time.perf_counter() - t0, len(fns), tc.min_time_s)
-    check = _check(alone_ms, alone_cv, res, where)
-    skipped = None
-    if not check.ok:
-        need = fair.SETTLE_S + fb.run_s(len(fns), tc.min_time_s) * share
-        skipped = fb.skip_reason("final comparison redo", need)
-    if not check.ok and skipped is None:
-        report.notes.append(f"final comparison redone after a {fair.SETTLE_S:g} s pause: first run's {check.text()}")
-        time.sleep(fair.SETTLE_S)
-        # eager alone again too: between it and the comparison the machine may have changed, not only the
-        # comparison (a fixed reference from before a load change can never be matched by a redo)
-        alone_ms, alone_cv, where = _eager_alone(s, report, fns, search_ms, search_cv, tc.min_time_s)
-        res = _compare_finalists(s, report, fns, tc)
-        check = _check(alone_ms, alone_cv, res, where)
-        for name in res:
-            report.get(EAGER if is_eager(name) else name).redone = True
-    if check.ok:
-        report.notes.append(check.text())
-    elif skipped is not None:
-        report.notes.append(f"{check.text()}: {skipped}, so the speedups below carry that error")
-    else:
-        report.notes.append(check.text() + ": still outside the band after the redo, so the speedups below carry "
-                            "that error")
-    return res
 
 
 def run_finalists(s: _Search, report: Report) -> Recipe:
@@ -434,7 +360,7 @@ def _run_pool(s: _Search, report: Report, pool: list[CandidateResult], timers: d
         for name in [n for n, t in timers.items() if id(t) not in used]:  # screened out (or dead): not needed
             timers.pop(name).close()
     with phases("final comparison"):
-        res = _checked_comparison(s, report, fns, search_ms, search_cv)
+        res = DriftCheck(s, report, _compare_finalists, search_ms, search_cv).comparison(fns)
     best = pick_winner(res, report, cfg)
     base = EagerBaseline.of(res)
     if base.k > 1:

@@ -7,9 +7,9 @@ comparison's measured time per entry times the wall seconds each measured second
 against a deadline (``FinalBudget``): ``budget_s`` from the start, or its reserved share from its own start when the
 last candidate ran into it (that candidate had its whole limit), never later than ``budget_s`` plus one candidate's
 limit. Inside it the comparison's timing shrinks (measured time per entry, rounds) before finalists are dropped;
-each optional step (the screen, eager's further processes, the redo, the allocator trial, the thread trial) runs
-only when its estimate fits the time left, otherwise it is skipped with a note naming the budget. Estimates start
-from the guesses below and are replaced by what the phase measures as it goes.
+each optional step (the screen, eager's further processes, eager alone after the comparison, the redo, the
+allocator trial, the thread trial) runs only when its estimate fits the time left, otherwise it is skipped with a
+note naming the budget. Estimates start from the guesses below and are replaced by what the phase measures as it goes.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class FinalPlan:
 
     processes: int  # timing processes started for the comparison
     starts_s: float
-    comparison_s: float  # eager alone + the interleaved comparison
+    comparison_s: float  # eager alone before and after + the interleaved comparison
     trials_s: float  # the allocator and thread trials, their processes included
 
     @property
@@ -69,7 +69,7 @@ def plan_final(cfg: OptimizeConfig, device_type: str, threads: int, startup_s: f
     e = cfg.eager_processes if alone else 1
     n = cfg.finalists
     mt = cfg.final_min_time_s
-    comparison = overhead * mt * ((e / 2 if alone else 0) + n + e)
+    comparison = overhead * mt * ((e if alone else 0) + n + e)  # eager alone before and after it: half each
     trials = 0.0
     if cpu and alone and cfg.tune_allocator:
         trials += 2 * startup_s + overhead * mt * 4  # chosen + eager, each against a fresh process
@@ -125,8 +125,8 @@ class FinalBudget:
 
     def fit(self, tc: TimingConfig, entries: int, share: float, left_s: float | None = None,
             ) -> tuple[TimingConfig, str | None]:
-        """``tc`` for ``entries`` entries in ``share`` measured-time units per entry (eager alone + comparison: 1.5
-        of the comparison's own), shortened to fit the time left: its measured time per entry first (not below
+        """``tc`` for ``entries`` entries in ``share`` measured-time units per entry (eager alone before and after +
+        comparison: up to 2 of the comparison's own), shortened to fit the time left: its measured time per entry first (not below
         ``MIN_TIME_FLOOR_S``) and its rounds (not below ``MIN_ROUNDS``; at the floor exactly that many, whatever
         each sample costs); with a note when shortened."""
         left = self.left() if left_s is None else left_s
