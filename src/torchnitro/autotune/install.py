@@ -135,6 +135,7 @@ class Installation:
         # the variant's inputs by position: forward's order, or a keyword-only forward's keywords in input order
         self._order = list(optimized.source.arg_names) or self._names
         self._tensors, self._others, self._n_inputs = self._variant_inputs(optimized)
+        self._tensors_in_structures = any(len(p) > 1 for p in self._tensors)
         self._writes_into_features = _is_sentence_transformer(model)
         self._warned: set[str] = set()
         self._inside = threading.local()
@@ -203,6 +204,8 @@ class Installation:
     def _leaf_unfit(self, path: Path_, v: Any) -> tuple[str, str] | None:
         spec = self._tensors.get(path)
         if isinstance(v, Tensor):
+            if spec is None and len(path) > 1 and self._n_inputs is None and not self._tensors_in_structures:
+                return None  # a loaded artifact that kept neither the example nor a layout: the runtime checks it
             if spec is None:
                 return "inputs", (f"input {_where(path)} (shape {tuple(v.shape)}) was not among the inputs the "
                                   f"variant was optimized with ({[_where(p) for p in self._tensors]}); optimize "
