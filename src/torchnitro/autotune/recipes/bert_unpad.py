@@ -202,6 +202,37 @@ def _holds_target(ctx: BuildContext, base: nn.Module, q: nn.Module, meta: dict[s
     return check
 
 
+def _retry_kept_(ctx: BuildContext, base: nn.Module, q: nn.Module, meta: dict[str, Any]) -> tuple[nn.Module, str]:
+    """``q``, or a variant with the Linears its plan kept out of int8 in int8 where their outlier input
+    channels in fp32 keep the calibration target (``_kept_int8``), with the attention the build chose;
+    ``meta`` updated to match. Returns the variant and a note ("" when nothing was tried)."""
+    from torchnitro.autotune.recipes._graph_attention import enable_graph_attention_
+    from torchnitro.autotune.recipes._kept_int8 import retry_kept_in_int8
+    from torchnitro.autotune.recipes._native_attention import set_native_attention_
+    from torchnitro.autotune.recipes.int8_mixed import int8_target, varied_calibration_inputs
+
+    if not meta["fp32"] or meta["engine"] not in ("onednn", "rowwise"):  # the engines that take outlier channels
+        return q, ""
+    scales, planned = load_scales(ctx.workdir / "smooth_scales.safetensors"), load_outliers(meta)
+
+    def make(names: list[str], outliers: dict[str, Tensor]) -> nn.Module:
+        m = _int8(base, meta["int8"] + names, scales, meta["full_range"], meta["engine"], {**planned, **outliers},
+                  meta["bf16_rest"])
+        set_native_attention_(m, meta.get("native_attention"))
+        if meta.get("graph_attention"):
+            enable_graph_attention_(m)
+        return m
+
+    r = retry_kept_in_int8(base, meta["fp32"], varied_calibration_inputs(ctx), int8_target(ctx), make)
+    if r.model is None:
+        return q, r.note
+    meta["int8"] = meta["int8"] + r.names
+    meta["fp32"] = [n for n in meta["fp32"] if n not in r.names]
+    meta["outliers"] = {**meta["outliers"], **{n: [int(i) for i in v] for n, v in r.outliers.items()}}
+    meta["calib_cosine"] = r.cosine
+    return r.model, r.note
+
+
 def _bf16_rest_reason() -> str | None:
     """None when the Linears an int8 plan keeps out of int8 can run in bf16 here (native bf16 oneDNN)."""
     from torchnitro.autotune.recipes.onednn_bf16 import onednn_bf16_reason
@@ -268,10 +299,11 @@ class UnpaddedBertInt8(Recipe):
     description = ("padding-free BERT + SmoothQuant dynamic int8 Linears, gate-sensitive layers kept in bf16 (fp32 where "
                    "the CPU has no native bf16)")
     order = 16
-    version = "6"  # 2: fused oneDNN int8 Linear; 3: encoders anywhere in the model; 4: per-token int8 (rowwise);
+    version = "7"  # 2: fused oneDNN int8 Linear; 3: encoders anywhere in the model; 4: per-token int8 (rowwise);
     # 5: SmoothQuant folded into in-place encoders too; feature-dict models calibrated on varied lengths against
     # copied references; the Linears the plan keeps out of int8 in bf16 where the CPU has it; 6: native varlen
-    # attention where measured faster and the calibration cosine holds
+    # attention where measured faster and the calibration cosine holds; 7: kept Linears retried in int8 with
+    # their outlier input channels in fp32 (_kept_int8)
     # fused bf16 attention (oneDNN Graph) for batches without padding: off. 1.34x less CPU time than SDPA alone
     # at all-MiniLM-L6-v2's shapes, but the whole int8 variant took 7% more CPU time with it (one loaded run:
     # results/encoder_full_length.md); an artifact that recorded it on still loads it on
@@ -299,6 +331,7 @@ class UnpaddedBertInt8(Recipe):
             # bf16 products first where native (rounding q, k and the probabilities can cost the plan its
             # calibration target), then fp32
             attention = _choose_attention(ctx, q, native_computes(), meta, _holds_target(ctx, base, q, meta))
+        q, retried = _retry_kept_(ctx, base, q, meta)
         n_out = sum(len(v) for v in meta["outliers"].values())
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
                      notes=f"{len(meta['int8'])}/{len(linear_names(base))} Linear int8 ({engine}), "
@@ -306,6 +339,7 @@ class UnpaddedBertInt8(Recipe):
                            f"{', '.join(meta['fp32']) or 'none'}; "
                            + (f"{n_out} outlier input channels in fp32 in {len(meta['outliers'])} Linears; "
                               if n_out else "")
+                           + (f"{retried}; " if retried else "")
                            + f"{attention}; calibration cosine {meta['calib_cosine']:.4f}")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
