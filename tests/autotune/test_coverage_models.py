@@ -4,7 +4,7 @@ T5 encoder, ViT, ResNet, MobileNetV2: ``coverage_models.CASES``) from their real
 For each: every listed recipe runs or says why not in one clean line that is not torchnitro's fault
 (``coverage_models.OUR_FAULT``), the chosen variant is verified, and save/load round-trips with equal
 outputs. Isolated recipes (ONNX Runtime) run on the HF class itself with ``finalists=0`` (no timing
-child); in-process recipes run on the user's wrapper and on dict inputs with one finalist, forced
+child), in their child process for one architecture per distinct path (``_IN_CHILD``); in-process recipes run on the user's wrapper and on dict inputs with one finalist, forced
 (``min_speedup=0``) so a non-eager artifact is saved and loaded. The fuller per-model recipe sweep,
 timed, is ``benchmarks/optimize_user_models.py``.
 """
@@ -30,6 +30,12 @@ _RAN = (Status.CHOSEN, Status.VERIFIED, Status.REJECTED)
 # here, for what looks at its name (bert-unpad's SUPPORTED table); the benchmark
 # (benchmarks/optimize_user_models.py --only coverage) runs it in every holding
 _SAME_CODE = {"xlm-roberta": "roberta"}
+# the architectures whose isolated recipe runs in its child process: one per distinct path through the child (the
+# ONNX program's exporter, its inputs and its output structure): the dynamo exporter on ids and mask with a pooled
+# output (bert), the TorchScript-based one on ids and mask (distilbert), the dynamo one on ids only with logits (gpt2),
+# the TorchScript-based one on pixels with a pooled image output (resnet). The other cases run the same recipe in the
+# test's process: the same export, ONNX Runtime session and verification, without a child's start-up each
+_IN_CHILD = {"bert", "distilbert", "gpt2", "resnet"}
 
 
 def _flat(out: Any) -> list[torch.Tensor]:
@@ -77,17 +83,22 @@ def _round_trip(om: Any, model, args: tuple, kwargs: dict, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n not in _SAME_CODE])
-def test_hf_class_directly_with_an_isolated_recipe(name, fast_cfg, tmp_path):
+def test_hf_class_directly_with_an_isolated_recipe(name, fast_cfg, tmp_path, monkeypatch):
     """The HF class as ``from_pretrained`` returns it, positional tensors; an in-process and an isolated
-    recipe (ONNX Runtime gets the exported program, never the model object)."""
+    recipe (ONNX Runtime gets the exported program, never the model object; in its child for ``_IN_CHILD``)."""
     case = CASES[name]
     recipes = _runnable(case.recipes)
+    isolated = [r for r in recipes if get_recipe(r).isolate]
+    if name not in _IN_CHILD:
+        for r in isolated:
+            monkeypatch.setattr(get_recipe(r), "isolate", False)  # this instance only, undone after the test
     model, x, hf = held(case, "hf")
     om = torchnitro.optimize(model, x, fast_cfg(recipes=recipes, finalists=0, cache=False))
     _check_report(om, recipes)
     assert om.recipe == "eager"  # finalists=0: nothing is re-timed, so nothing may replace eager
-    iso = [c for c in om.report.candidates if c.isolated]
-    assert iso and all(c.status in _RAN for c in iso), [(c.recipe, c.status, c.reason) for c in iso]
+    iso = [c for c in om.report.candidates if c.recipe in isolated]
+    assert iso and all(c.status in _RAN and c.isolated == (name in _IN_CHILD) for c in iso), \
+        [(c.recipe, c.isolated, c.status, c.reason) for c in iso]
     args, _ = _held_out(case, "hf", hf)
     _round_trip(om, model, args, {}, tmp_path)  # eager saved as a torch.export program
 
