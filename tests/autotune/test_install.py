@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
 import warnings
 
 import numpy as np
@@ -111,9 +113,12 @@ def test_uninstall_restores_the_original_forward(minilm):
     st, om, _, sents, _ = minilm
     assert "forward" not in st.__dict__
     inst = om.install(st)
-    assert st.forward == inst.forward
+    assert st.forward.installation is inst and "forward" in st.__dict__
+    assert inspect.signature(st.forward) == inspect.signature(type(st).forward.__get__(st))  # for code that reads it
     with pytest.raises(InputError, match="already runs an optimized variant"):
         om.install(st)
+    twin = copy.deepcopy(st)  # a copy is a model of its own: its class's forward, not this variant
+    assert twin.forward.__self__ is twin and twin.forward.__func__ is type(st).forward
     inst.uninstall()
     assert "forward" not in st.__dict__ and st.forward.__func__ is type(st).forward
     st.encode(sents[:3])
@@ -125,8 +130,6 @@ def test_uninstall_restores_the_original_forward(minilm):
 
 
 def test_a_model_with_other_weights_is_refused(minilm):
-    import copy
-
     st, om, _, _, _ = minilm
     other = copy.deepcopy(st)
     with torch.no_grad():
@@ -187,6 +190,10 @@ def test_hf_model_called_with_the_tokenizer_output(tiny_bert, n, max_words):
     assert inst.calls == {"optimized": 2}, inst.calls
     _same_hf_output(got, ref, batch["attention_mask"])
     _same_hf_output(positional, ref, batch["attention_mask"])
+    with om.install(model) as inst:  # outside inference mode: tensors the caller may update in place, as eager's
+        out = model(**batch)
+        out.pooler_output.mul_(2.0)
+    assert inst.calls == {"optimized": 1} and not out.last_hidden_state.is_inference()
 
 
 def test_hf_call_outside_the_variant_falls_back_with_one_warning(tiny_bert):

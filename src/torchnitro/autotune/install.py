@@ -28,6 +28,7 @@ has the eager model); an ``InputError`` names the first parameter that differs.
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import threading
 import warnings
@@ -37,6 +38,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from torchnitro.autotune.failure import clean_line
 from torchnitro.errors import InputError
@@ -176,7 +178,7 @@ class Installation:
             self._warned.add(kind)
             warnings.warn(f"{type(self.model).__name__}: running the original forward instead of the optimized "
                           f"variant ({self.optimized.recipe}): {why}. Further calls for this kind of reason fall back "
-                          "without a warning (Installation.calls counts them)", stacklevel=4)
+                          "without a warning (Installation.calls counts them)", stacklevel=6)
         self.calls["original"] += 1
         return self._original(*args, **kwargs)
 
@@ -259,7 +261,11 @@ class Installation:
         return tuple(out)
 
     def _as_original(self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A sentence-transformers model answers in the feature dict it was given (its modules write into it)."""
+        """Outside inference mode, ordinary tensors (an inference tensor refuses the in-place update the
+        original's output allows). A sentence-transformers model answers in the feature dict it was given
+        (its modules write into it)."""
+        if not torch.is_inference_mode_enabled():
+            out = tree_map(lambda t: t.clone() if isinstance(t, Tensor) and t.is_inference() else t, out)
         if self._writes_into_features and isinstance(out, Mapping):
             features = (list(args) + list(kwargs.values()))[0]
             if isinstance(features, dict) and features is not out:
@@ -270,7 +276,7 @@ class Installation:
     # -- install / undo ---------------------------------------------------------------------------
 
     def install(self) -> Installation:
-        self.model.forward = self.forward  # instance attribute: nn.Module.__call__ finds it first
+        self.model.forward = _InstalledForward(self)  # instance attribute: nn.Module.__call__ finds it first
         self.installed = True
         return self
 
@@ -293,6 +299,24 @@ class Installation:
     def __repr__(self) -> str:
         state = "installed" if self.installed else "uninstalled"
         return f"Installation({type(self.model).__name__}, recipe={self.optimized.recipe!r}, {state}, {dict(self.calls)})"
+
+
+class _InstalledForward:
+    """``model.forward`` while installed. ``inspect.signature`` gives the original's (code that reads it, like a
+    trainer dropping unused columns, sees no change); a deep copy of the model gets its class's own forward,
+    so a copy that is then changed (fine-tuned, quantized) never runs this model's variant."""
+
+    def __init__(self, installation: Installation):
+        self.installation = installation
+        functools.update_wrapper(self, installation._original)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.installation.forward(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        model = self.installation.model
+        twin = memo.get(id(model), model)  # the model's copy, made before its attributes are copied
+        return type(twin).forward.__get__(twin)
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -333,9 +357,9 @@ def install(optimized: Any, model: nn.Module) -> Installation:
     if not isinstance(model, nn.Module):
         raise InputError(f"install: received {type(model).__name__}; expected the torch.nn.Module the variant was "
                          "made from (a SentenceTransformer, an HF model, your own module)")
-    current = model.__dict__.get("forward")
-    if isinstance(getattr(current, "__self__", None), Installation) and current.__self__.installed:
+    current = getattr(model.__dict__.get("forward"), "installation", None)
+    if isinstance(current, Installation) and current.installed:
         raise InputError(f"install: {type(model).__name__} already runs an optimized variant "
-                         f"({current.__self__.optimized.recipe}); uninstall() it first")
+                         f"({current.optimized.recipe}); uninstall() it first")
     _check_weights(optimized, model)
     return Installation(optimized, model).install()
