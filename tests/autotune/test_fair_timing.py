@@ -21,13 +21,20 @@ _FAST = TimingConfig(warmup=1, warmup_s=0.0, min_iters=4, min_time_s=0.0, max_ti
 
 
 @pytest.fixture
-def busy_recipe():
+def own_runtime():
+    import fake_recorded_runtime as fr
     import fake_standalone as fs
 
-    register_recipe(fs.BusyRuntime)
+    register_recipe(fr.RecordedRuntime)
     fs.LOADS.clear()
-    yield fs
-    unregister_recipe(fs.BusyRuntime.name)
+    yield fr.RecordedRuntime
+    unregister_recipe(fr.RecordedRuntime.name)
+
+
+@pytest.fixture(autouse=True)
+def _no_settle_pause(monkeypatch):
+    """A redo's pause lets a burst of load pass in a real search; here a redo (a loaded test machine) needs none."""
+    monkeypatch.setattr(fair, "SETTLE_S", 0.0)
 
 
 def _has_ort() -> bool:
@@ -212,26 +219,43 @@ def test_undisturbed_comparison_is_not_redone(fake_recipes, fast_cfg, monkeypatc
 
 # ---- own-runtime candidates never load in the search process --------------------------------------
 
-def test_own_runtime_candidate_is_timed_alone_and_never_loaded_here(busy_recipe, fast_cfg):
-    """With the old comparison, load() ran here: its busy pool stole the core from eager timed after it.
-
-    A second candidate's timing process dies mid-comparison: only that candidate fails."""
+def test_own_runtime_candidate_is_timed_alone_and_never_loaded_here(own_runtime, fast_cfg):
+    """With the old comparison, load() ran here (a foreign runtime's busy pool then stole the core from eager timed
+    after it); the recipe records every process it loads in (``LOADS``)."""
+    import fake_standalone as fs
     from fake_recipes import tiny_inputs, tiny_model
 
-    fs = busy_recipe
-    register_recipe(fs.DiesWhileTimed)
-    try:  # min_speedup 100: eager is handed back, so nothing of the candidates is needed in this process
-        opt = torchnitro.optimize(tiny_model(), tiny_inputs(), fast_cfg(
-            recipes=[fs.BusyRuntime.name, fs.DiesWhileTimed.name], min_speedup=100.0))
-    finally:
-        unregister_recipe(fs.DiesWhileTimed.name)
-    c = opt.report.get(fs.BusyRuntime.name)
+    # min_speedup 100: eager is handed back, so nothing of the candidate is needed in this process
+    opt = torchnitro.optimize(tiny_model(), tiny_inputs(), fast_cfg(recipes=[own_runtime.name], min_speedup=100.0))
+    c = opt.report.get(own_runtime.name)
     assert opt.recipe == "eager" and c.status == "verified" and c.interleaved and c.alone
     assert not opt.report.get("eager").alone and opt.report.get("eager").interleaved
-    assert os.getpid() not in fs.LOADS and fs.busy_threads() == []
-    assert any("each alone in its own fresh process: test-busy-runtime" in n for n in opt.report.notes)
-    dead = opt.report.get(fs.DiesWhileTimed.name)
-    assert dead.status == "failed" and dead.reason.startswith("timing it alone failed: the timing process")
+    assert os.getpid() not in fs.LOADS  # LOADS sees only this process: a load here would be in it
+    assert any(f"each alone in its own fresh process: {own_runtime.name}" in n for n in opt.report.notes)
+
+
+def test_a_timing_process_that_dies_mid_comparison_fails_only_its_candidate(tmp_path):
+    """A real child that exits on its third call (the ready call, then the warm-up's untimed and timed calls): its
+    row fails with the reason, the rest of the comparison runs to the end."""
+    from types import SimpleNamespace
+
+    from fake_recipes import eager_and_cand_report
+
+    from torchnitro.autotune import final
+    from torchnitro.autotune.report import CandidateResult, Status
+
+    save_inputs([(torch.randn(4, 8),)], tmp_path / "in.pt")
+    rep = eager_and_cand_report()
+    rep.candidates.append(CandidateResult("dies", "exact", Status.VERIFIED))
+    with ChildTimer("fake_recorded_runtime:exits_on_third_call", {}, tmp_path / "in.pt", threads=1) as dies:
+        fns = {"eager": fair.Steady(lambda: None, gate=None), "cand": fair.Steady(lambda: None, gate=None),
+               "dies": fair.Steady(dies)}
+        res = final._compare_finalists(SimpleNamespace(wl=SimpleNamespace(items_per_call=1)), rep, fns, _FAST)
+    assert sorted(res) == ["cand", "eager"] and res["cand"].n >= 4 and "dies" not in fns
+    dead = rep.get("dies")
+    assert dead.status == Status.FAILED and dead.reason.startswith("timing it alone failed: the timing process"), \
+        dead.reason
+    assert rep.get("cand").status == Status.VERIFIED
 
 
 @needs_ort
@@ -682,8 +706,9 @@ def test_a_program_that_is_not_eagers_speed_leaves_eager_in_this_process(faster,
         pass
 
     ScriptModel.__module__ = "__main__"
+    # an in-process candidate: rebuilt from the model object, it stays here too, so no process of its own starts
     opt = torchnitro.optimize(ScriptModel(), faster.tiny_inputs(),
-                              fast_cfg(recipes=["torchscript"], final_alone=True, min_speedup=0.5))
+                              fast_cfg(recipes=["test-faster"], final_alone=True, min_speedup=0.5))
     eager = opt.report.get("eager")
     assert not eager.alone and eager.interleaved
     assert "torch.export program alone" in eager.notes and "not eager's speed" in eager.notes, eager.notes
