@@ -187,7 +187,9 @@ def test_hf_model_called_with_the_tokenizer_output(tiny_bert, n, max_words):
         with om.install(model) as inst:
             got = model(**batch)
             positional = model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
-    assert inst.calls == {"optimized": 2}, inst.calls
+            as_configured = model(**batch, return_dict=True, output_attentions=False)  # the config's values
+    assert inst.calls == {"optimized": 3}, inst.calls
+    _same_hf_output(as_configured, ref, batch["attention_mask"])
     _same_hf_output(got, ref, batch["attention_mask"])
     _same_hf_output(positional, ref, batch["attention_mask"])
     with om.install(model) as inst:  # outside inference mode: tensors the caller may update in place, as eager's
@@ -302,3 +304,24 @@ def test_eager_installed_on_the_model_it_calls_runs_it_once(tmp_path):
             got = st.encode(sents, batch_size=4, convert_to_tensor=True)
         assert inst.calls == {"optimized": 2}, inst.calls
         torch.testing.assert_close(got, ref)
+
+
+def test_hf_encoder_inside_a_sentence_transformer(tmp_path):
+    """The HF model inside a SentenceTransformer optimized and installed on its own: ``encode`` calls it through
+    sentence-transformers' Transformer module (``model.forward(**features, return_dict=True)``)."""
+    from test_user_models import _tiny_sentence_transformer
+
+    import torchnitro
+    from torchnitro.hf import sample_sentences
+
+    st = _tiny_sentence_transformer(tmp_path / "st")
+    hf = st[0].auto_model
+    feats = st.preprocess(sample_sentences(6, 0, max_words=20))
+    batch = {k: v for k, v in feats.items() if isinstance(v, torch.Tensor)}
+    om = torchnitro.optimize(hf, batch, _cfg(tmp_path, recipes=["bert-unpad"]))
+    sents = _sentences(12, 9)
+    ref = st.encode(sents, batch_size=12, convert_to_tensor=True)
+    with om.install(hf) as inst:
+        got = st.encode(sents, batch_size=5, convert_to_tensor=True)
+    assert inst.calls == {"optimized": 3}, inst.calls
+    _close_rows(got, ref, {"rel": 1e-4})

@@ -45,6 +45,10 @@ from torchnitro.errors import InputError
 
 __all__ = ["Installation", "install", "LeafSpec"]
 
+# HF forward flags whose None default means "as model.config says": passing the config's value is no change
+# (sentence-transformers passes return_dict=True)
+_CONFIG_FLAGS = ("return_dict", "output_attentions", "output_hidden_states")
+_MISSING = object()
 Path_ = tuple[Any, ...]  # where a tensor sits in the call: (argument name, dict key, ...)
 
 
@@ -230,6 +234,9 @@ class Installation:
         default = param.default if param is not None else inspect.Parameter.empty
         if v is None or (default is not inspect.Parameter.empty and _same(v, default)):
             return None
+        config = getattr(self.model, "config", None)
+        if len(path) == 1 and path[0] in _CONFIG_FLAGS and _same(v, getattr(config, str(path[0]), _MISSING)):
+            return None  # what the HF model reads from its config when the argument is left out
         if len(path) > 1 and self._n_inputs is None:
             return None  # a non-tensor entry of a feature dict (a loaded artifact keeps no example to compare)
         return "arguments", f"{_where(path)}={v!r} differs from the default the variant was optimized with"
