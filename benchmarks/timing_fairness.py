@@ -486,7 +486,7 @@ def run(name: str, spec: str, batch: int, seq: int, families: dict[str, str], qu
         for c in setup.report.candidates:
             if c.recipe != "eager" and not c.interleaved:
                 notes.append(f"{name}: {c.recipe} not in the comparison ({c.status}: {c.reason[:120]})")
-        # the comparison's own timing (final._checked_comparison): the same warm-up, samples and time per variant
+        # the comparison's own timing (final_check.DriftCheck.comparison): the same warm-up, samples and time per variant
         tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=cfg.final_min_iters, min_time_s=final_s,
                           max_time_s=max(5.0, 3 * final_s))
         arts = save_artifacts(setup, model, inputs, info, cfg, timed[1:], Path(tmp), notes, name)

@@ -183,7 +183,7 @@ def test_the_default_rounds_and_time_per_variant_are_the_workloads(tf, monkeypat
     final_s, rounds = tf.BLOCKS["mlp"]
     assert len([c for c in machine.calls if c[0] == "comparison"]) == rounds
     assert seen["mlp"].cfg.final_min_time_s == final_s == seen["mlp"].tc.min_time_s
-    assert seen["mlp"].tc.warmup == 1  # the comparison's own warm-up (final._checked_comparison)
+    assert seen["mlp"].tc.warmup == 1  # the comparison's own warm-up (final_check.DriftCheck.comparison)
 
 
 class _FakeTimer:
