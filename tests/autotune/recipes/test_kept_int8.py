@@ -80,22 +80,19 @@ def test_nothing_moved_when_no_variant_holds_and_the_note_says_why():
     assert retry_kept_in_int8(base, [], _calib(), 0.9, lambda n, o: base).note == ""
 
 
-def _ragged(batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _ragged(batch: int, seq: int, seed: int, shortest: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 1024, (batch, seq), generator=g)
-    lens = torch.randint(1, seq + 1, (batch,), generator=g)
+    lens = torch.randint(shortest, seq + 1, (batch,), generator=g)
     lens[-1] = seq
     mask = (torch.arange(seq)[None] < lens[:, None]).long()
     return ids * mask, mask
 
 
-@pytest.mark.skipif(onednn_int8_reason() is not None, reason=f"oneDNN int8: {onednn_int8_reason()}")
-def test_recipe_moves_a_kept_linear_into_int8_records_it_and_reloads(tmp_path, monkeypatch):
-    """The tiny model needs nothing kept: the plan is made to keep one FFN down-projection, which the retry
-    then quantises (the old build left it in bf16/fp32), with its outlier channels in the artifact."""
+def _forced_build(tmp_path, monkeypatch, x):
+    """bert-unpad-int8 on a tiny BERT whose plan is made to keep one FFN down-projection out of int8 (the
+    tiny model needs nothing kept); returns (model, recipe, built, that Linear's name)."""
     import torchnitro.autotune.recipes.int8_mixed as im
-
-    model = random_hf_model(bert_config()).eval()
     import torchnitro.autotune.recipes.bert_unpad as bu
 
     real, forced = im.plan_mixed_int8, []
@@ -108,12 +105,21 @@ def test_recipe_moves_a_kept_linear_into_int8_records_it_and_reloads(tmp_path, m
     monkeypatch.setattr(im, "plan_mixed_int8", keep_one)
     monkeypatch.setattr(im, "_engine_reasons", lambda: {"onednn": None})
     monkeypatch.setattr(bu, "_choose_attention", lambda *a, **k: "attention: SDPA")  # not what is tested here
-    x = _ragged(4, 16, 6)
+    model = random_hf_model(bert_config()).eval()
     ctx = BuildContext(model=copy.deepcopy(model), example_inputs=x, hardware=hardware_info(),
                        device=torch.device("cpu"), workdir=tmp_path, dynamic_dims={0: [0, 1], 1: [0, 1]})
     recipe = get_recipe("bert-unpad-int8")
-    built = recipe.build(ctx)
-    forced = forced[0]
+    return model, recipe, recipe.build(ctx), forced[0]
+
+
+needs_onednn = pytest.mark.skipif(onednn_int8_reason() is not None, reason=f"oneDNN int8: {onednn_int8_reason()}")
+
+
+@needs_onednn
+def test_recipe_moves_a_kept_linear_into_int8_records_it_and_reloads(tmp_path, monkeypatch):
+    """Full-length text: the retry quantises the kept Linear (the old build left it in bf16/fp32), with its
+    outlier channels in the artifact, which reloads to the same variant."""
+    model, recipe, built, forced = _forced_build(tmp_path, monkeypatch, _ragged(4, 16, 6, shortest=14))
     assert forced in built.meta["int8"] and built.meta["fp32"] == []
     assert isinstance(built.fn.get_submodule(forced), Int8LinearBase)
     assert "1/1 kept Linears int8" in built.notes
@@ -124,3 +130,13 @@ def test_recipe_moves_a_kept_linear_into_int8_records_it_and_reloads(tmp_path, m
     lin = again.get_submodule(forced)
     want = built.meta["outliers"].get(forced)
     assert (lin.out_idx.tolist() if lin.out_idx is not None else None) == want
+
+
+@needs_onednn
+def test_short_sentences_keep_the_plan_and_the_note_says_why(tmp_path, monkeypatch):
+    """Outlier channels chosen on short sentences missed long text (bert_unpad.RETRY_MIN_REAL): not retried."""
+    ids, _ = _ragged(4, 16, 6)
+    mask = (torch.arange(16)[None] < torch.tensor([2, 3, 5, 16])[:, None]).long()  # 26 of 64 positions real
+    _, _, built, forced = _forced_build(tmp_path, monkeypatch, (ids * mask, mask))
+    assert built.meta["fp32"] == [forced] and forced not in built.meta["int8"]
+    assert "kept Linears not retried in int8" in built.notes and "of the example's tokens are real" in built.notes
