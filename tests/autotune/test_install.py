@@ -325,3 +325,35 @@ def test_hf_encoder_inside_a_sentence_transformer(tmp_path):
         got = st.encode(sents, batch_size=5, convert_to_tensor=True)
     assert inst.calls == {"optimized": 3}, inst.calls
     _close_rows(got, ref, {"rel": 1e-4})
+
+
+class _KeywordOnly(torch.nn.Module):
+    """A script's model whose forward takes its inputs by keyword only."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 8)
+        self.out = torch.nn.Linear(8, 3)
+
+    def forward(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        m = attention_mask.unsqueeze(-1).float()  # (B, T, 1)
+        return self.out((self.emb(input_ids) * m).sum(1) / m.sum(1).clamp_min(1.0))  # (B, 3)
+
+
+@pytest.mark.parametrize("recipe", ["eager", "torchscript"])
+def test_keyword_only_forward_installs(tmp_path, recipe):
+    import torchnitro
+
+    torch.manual_seed(0)
+    model = _KeywordOnly().eval()
+    ids, mask = torch.randint(1, 50, (4, 9)), torch.ones(4, 9, dtype=torch.int64)
+    om = torchnitro.optimize(model, {"input_ids": ids, "attention_mask": mask}, _cfg(tmp_path, recipes=[recipe]))
+    assert om.recipe == recipe, om.report
+    other = {"input_ids": torch.randint(1, 50, (3, 5)), "attention_mask": torch.ones(3, 5, dtype=torch.int64)}
+    with torch.inference_mode(), om.install(model) as inst:
+        got = model(**other)
+        with warnings.catch_warnings(), pytest.raises(TypeError, match="positional argument"):
+            warnings.simplefilter("error")
+            model(other["input_ids"], other["attention_mask"])  # a call forward does not take: its own error
+    assert inst.calls["optimized"] == 1
+    torch.testing.assert_close(got, _KeywordOnly.forward(model, **other))

@@ -164,6 +164,8 @@ class Installation:
         if getattr(self._inside, "active", False):  # the variant calls this very object (eager, a fallback path)
             return self._original(*args, **kwargs)
         why = self._unfit(args, kwargs)
+        if why is not None and why[0] == "unbound":  # the original raises its own TypeError: no warning first
+            return self._original(*args, **kwargs)
         if why is not None:
             return self._fallback(*why, args, kwargs)
         self._inside.active = True
@@ -194,7 +196,7 @@ class Installation:
         try:
             given = self._by_name(args, kwargs)
         except TypeError as exc:
-            return "arguments", f"the call does not bind to forward ({exc})"
+            return "unbound", str(exc)
         found: dict[Path_, Any] = {}
         for name, value in given.items():
             _leaves(value, (name,), found)
