@@ -172,10 +172,13 @@ class Installation:
         try:
             out = self.optimized(*self._positional(args, kwargs))
         except Exception as exc:  # noqa: BLE001 - the original answers instead; the warning names the error
-            return self._fallback("error", f"the optimized variant raised {clean_line(f'{type(exc).__name__}: {exc}', 200)}",
-                                  args, kwargs)
+            error = clean_line(f"{type(exc).__name__}: {exc}", 200)
+        else:
+            error = None
         finally:
             self._inside.active = False
+        if error is not None:
+            return self._fallback("error", f"the optimized variant raised {error}", args, kwargs)
         self.calls["optimized"] += 1
         return self._as_original(out, args, kwargs)
 
@@ -307,7 +310,8 @@ class Installation:
 
     def __repr__(self) -> str:
         state = "installed" if self.installed else "uninstalled"
-        return f"Installation({type(self.model).__name__}, recipe={self.optimized.recipe!r}, {state}, {dict(self.calls)})"
+        return (f"Installation({type(self.model).__name__}, recipe={self.optimized.recipe!r}, {state}, "
+                f"{dict(self.calls)})")
 
 
 class _InstalledForward:
