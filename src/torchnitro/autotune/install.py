@@ -9,7 +9,8 @@ what the variant was verified for, and the original forward otherwise:
 * **What fits.** The call's tensors sit where the example's did (same arguments, same dict keys), with
   the example's dtypes and ranks, and every dim the search did not declare dynamic
   (``inputs.default_dynamic_dims``: the batch, and the sequence where the inputs carry a mask) has the
-  example's size. Any other argument is at the forward's default or the example's value. A loaded
+  example's size. Any other argument is at the forward's default or the example's value (an HF flag such
+  as ``return_dict`` may also be at its config's value, as sentence-transformers passes it). A loaded
   artifact that kept no example inputs is checked by its signature and its saved input layout.
 * **Fallback.** A call that does not fit, a model in train mode (the variant is the eval model), or a
   variant that raises runs the original forward, with one ``warnings.warn`` per kind of reason naming the
@@ -17,7 +18,8 @@ what the variant was verified for, and the original forward otherwise:
   the variant was not verified at, never a crash that the original would not have.
 * **Outputs.** What the variant returns (the model's own output class, rebuilt by the runtimes). A
   sentence-transformers model writes its outputs into the feature dict it was given, as its modules do.
-  Outputs carry no autograd graph (the variant runs under ``torch.inference_mode``).
+  Outputs carry no autograd graph (the variant runs under ``torch.inference_mode``); outside inference
+  mode they are ordinary tensors, as eager's are.
 * **Undo.** ``Installation.uninstall()`` (or leaving ``with opt.install(model):``) restores the forward
   the object had.
 
