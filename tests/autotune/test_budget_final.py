@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import pytest
 
 import torchnitro
-from torchnitro.autotune import fair, final, final_trials
+from torchnitro.autotune import fair, final_trials
 from torchnitro.autotune.config import OptimizeConfig
-from torchnitro.autotune.final_budget import MAX_SHARE, FinalBudget, final_deadline, plan_final
+from torchnitro.autotune.final_budget import MAX_SHARE, FinalBudget, final_deadline, fit_pool, plan_final
 from torchnitro.autotune.report import CandidateResult, Status
 from torchnitro.bench.environment import ALLOCATOR_SETTING
 
@@ -68,7 +68,7 @@ def test_short_budget_skips_the_screen_eagers_further_processes_and_the_processe
                      final_min_time_s=1.0)
     report = _report()
     pool = [CandidateResult(n, "exact", Status.VERIFIED) for n in ("onnxruntime", "openvino", "torchscript", "bf16")]
-    kept = final._fit_pool(s, report, pool)
+    kept = fit_pool(s, report, pool)
     assert [c.recipe for c in kept] == ["onnxruntime"]
     assert any(n.startswith("screen of 4 candidates skipped: budget (10 s left, needs ~") for n in report.notes)
     assert any(n.startswith("eager's 2 further timing process(es) skipped: budget (10 s left, needs ~26 s)") and
@@ -97,16 +97,16 @@ def test_a_row_timed_here_for_the_budget_says_so_not_that_the_user_turned_final_
 def test_no_room_for_any_finalist_keeps_eager_and_says_so_and_enough_room_keeps_everything():
     report = _report()
     pool = [CandidateResult("onnxruntime", "exact", Status.VERIFIED)]
-    assert final._fit_pool(_pool_search(3.0, ("onnxruntime",), finalists=1), report, pool) == []
+    assert fit_pool(_pool_search(3.0, ("onnxruntime",), finalists=1), report, pool) == []
     assert any("eager kept" in n and "budget (3 s left" in n for n in report.notes), report.notes
     here = _report()  # no room for a process: the in-process finalist is compared here, the own-runtime one dropped
     pool = [CandidateResult(n, "exact", Status.VERIFIED) for n in ("onnxruntime", "torchscript")]
-    assert final._fit_pool(_pool_search(3.0, ("onnxruntime",), finalists=2), here, pool) == [pool[1]]
+    assert fit_pool(_pool_search(3.0, ("onnxruntime",), finalists=2), here, pool) == [pool[1]]
     assert "not compared with eager: final comparison of 2 finalist(s) skipped: budget (3 s left" in pool[0].notes
     roomy = _report()
     pool = [CandidateResult(n, "exact", Status.VERIFIED) for n in ("onnxruntime", "openvino", "torchscript")]
     s = _pool_search(1000.0, ("onnxruntime",), finalists=2, eager_processes=3)
-    assert final._fit_pool(s, roomy, pool) == pool
+    assert fit_pool(s, roomy, pool) == pool
     assert roomy.notes == [] and s.cfg.eager_processes == 3 and s.cfg.final_alone
 
 

@@ -23,15 +23,14 @@ gated (``bench.quiet``): it starts once the other timing processes are idle and 
 ran beside it; the report's "timing environment" and "timing gate" notes say so, with the counts; its "final
 phase time" note gives the wall time of each part of this phase. The phase runs against the search's
 deadline (``autotune.final_budget``): the comparison's timing shrinks to fit before finalists are dropped (or
-timed in this process instead of fresh ones: ``_fit_pool``), and the screen, eager's further processes, eager
-alone after the comparison, the redo and each trial run only when their estimate fits the time left (else a
+timed in this process instead of fresh ones: ``final_budget.fit_pool``), and the screen, eager's further processes,
+eager alone after the comparison, the redo and each trial run only when their estimate fits the time left (else a
 "skipped: budget" note; a skipped allocator trial leaves the setting the comparison ran under in the artifact, a
 skipped thread trial the comparison's thread count).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -41,7 +40,8 @@ import torch
 from torchnitro.autotune import fair, fair_place
 from torchnitro.autotune.fair_eager import EagerBaseline, is_copy, is_eager
 from torchnitro.autotune.config import OptimizeConfig
-from torchnitro.autotune.final_check import DriftCheck
+from torchnitro.autotune.final_budget import fit_pool
+from torchnitro.autotune.final_check import DriftCheck, solo_timing
 from torchnitro.autotune.final_trials import Phases, child_of, run_trials
 from torchnitro.autotune.recipe import EAGER, Recipe, get_recipe
 from torchnitro.autotune.report import CandidateResult, Report, Status
@@ -144,8 +144,7 @@ def _program_parity(s: _Search, report: Report, timer: ChildTimer) -> str | None
     within ``fair.check_eager``'s band of eager's search-time p50 (this process, before any candidate ran).
     Otherwise why eager is timed here instead: a program can drop Python work the model does, or take
     another kernel path (its shapes and masks fixed by tracing), and would not be eager's time."""
-    tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=s.cfg.final_min_time_s / 2,
-                      max_time_s=max(2.0, s.cfg.final_min_time_s), device=s.device.type)
+    tc = solo_timing(s.cfg.final_min_time_s, s.device.type)
     e = report.get(EAGER)
     if not e.p50_ms:
         return "timed in this process: eager has no search-time p50 to check its torch.export program against"
@@ -253,56 +252,6 @@ def _screen(s: _Search, report: Report, fns: dict[str, Callable[..., Any]], k: i
     return {n: f for n, f in fns.items() if is_eager(n) or n in keep}
 
 
-def _fit_pool(s: _Search, report: Report, pool: list[CandidateResult]) -> list[CandidateResult]:
-    """``pool`` cut to what the budget left can start and compare (``FinalBudget``): the screen, then eager's further
-    processes, then the timing processes of eager and in-process candidates (timed here instead) are skipped before
-    finalists are dropped (the last first); the comparison counts at its shortest. Each skip leaves a note naming
-    the budget; a dropped finalist keeps its search-time estimate (``~``)."""
-    cfg, fb = s.cfg, s.final_budget
-    alone, k = cfg.final_alone and s.device.type == "cpu", cfg.finalists
-    e = cfg.eager_processes if alone else 1
-
-    def own(c: CandidateResult) -> bool:  # timed in its own process wherever the others are timed
-        return fair.runs_alone(get_recipe(c.recipe), bool(getattr(s.where.get(c.recipe), "standalone", False)))
-
-    def need(cands: list[CandidateResult], screen: bool = False, here: bool = False) -> float:
-        n = len(cands)
-        procs = (n + e) if alone and not here else len([c for c in cands if own(c)])
-        return (fb.startup_s * procs + fb.floor_s(min(n, k) + e, 1.5)
-                + (fb.run_s(n + e, cfg.final_min_time_s / 2) if screen else 0))
-
-    if len(pool) > k:
-        why = fb.skip_reason(f"screen of {len(pool)} candidates", need(pool, screen=True))
-        if why is not None:
-            report.notes.append(f"{why}; the best {k} search estimates go on to the final comparison")
-            pool = pool[:k]
-    if e > 1:
-        why = fb.skip_reason(f"eager's {e - 1} further timing process(es)", need(pool))
-        if why is not None:
-            report.notes.append(f"{why}; eager is timed in one process")
-            s.cfg, e = dataclasses.replace(s.cfg, eager_processes=1), 1  # read by fair_place.plan and the notes
-    if alone:
-        why = fb.skip_reason("timing processes for eager and the finalists", need(pool))
-        if why is not None and min(need([c], here=True) for c in pool) <= fb.left():
-            report.notes.append(f"{why}; eager and in-process finalists are timed in this process (final_alone "
-                                "turned off for the budget: a candidate with its own runtime is still timed alone)")
-            s.cfg, alone, e = dataclasses.replace(s.cfg, final_alone=False, eager_processes=1), False, 1  # fair_place
-            fb.moved_here = True  # the rows say why (fair_place.place)
-    pool = list(pool)
-    while pool:
-        why = fb.skip_reason(f"final comparison of {len(pool)} finalist(s)", need(pool))
-        if why is None:
-            break
-        # timed here, a finalist that needs a process of its own goes first (the last of them)
-        c = next((c for c in reversed(pool) if own(c)), pool[-1]) if not alone else pool[-1]
-        pool.remove(c)
-        _note(c, f"not compared with eager: {why}; its speedup is the search-time estimate")
-        if not pool:
-            report.notes.append(f"{why}: eager kept (no verified candidate could be compared with it in the budget; "
-                                "raise budget_s)")
-    return pool
-
-
 def run_finalists(s: _Search, report: Report) -> Recipe:
     """Compare the verified candidates of ``report`` with eager (see the module docstring); returns the winner."""
     cfg = s.cfg
@@ -344,7 +293,7 @@ def _run_pool(s: _Search, report: Report, pool: list[CandidateResult], timers: d
     cfg = s.cfg
     eager_res = report.get(EAGER)
     search_ms, search_cv = eager_res.p50_ms, eager_res.cv  # eager in this process, before any candidate ran
-    pool = _fit_pool(s, report, pool)
+    pool = fit_pool(s, report, pool)
     if not pool:
         return get_recipe(EAGER)
     with phases("starting the comparison's processes"):

@@ -6,10 +6,11 @@ comparison's measured time per entry times the wall seconds each measured second
 ``MAX_SHARE`` of the budget; candidates start only before ``budget_s`` minus that share. The final phase then runs
 against a deadline (``FinalBudget``): ``budget_s`` from the start, or its reserved share from its own start when the
 last candidate ran into it (that candidate had its whole limit), never later than ``budget_s`` plus one candidate's
-limit. Inside it the comparison's timing shrinks (measured time per entry, rounds) before finalists are dropped;
-each optional step (the screen, eager's further processes, eager alone after the comparison, the redo, the
-allocator trial, the thread trial) runs only when its estimate fits the time left, otherwise it is skipped with a
-note naming the budget. Estimates start from the guesses below and are replaced by what the phase measures as it goes.
+limit. Inside it the comparison's timing shrinks (measured time per entry, rounds) before finalists are dropped
+(``fit_pool``: the screen, eager's further processes and the timing processes go first); each optional step (the
+screen, eager's further processes, eager alone after the comparison, the redo, the allocator trial, the thread trial)
+runs only when its estimate fits the time left, otherwise it is skipped with a note naming the budget. Estimates
+start from the guesses below and are replaced by what the phase measures as it goes.
 """
 
 from __future__ import annotations
@@ -17,12 +18,18 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
+from torchnitro.autotune import fair
 from torchnitro.autotune.config import OptimizeConfig
+from torchnitro.autotune.recipe import get_recipe
 from torchnitro.bench.timing import TimingConfig
 
-__all__ = ["FinalBudget", "FinalPlan", "plan_final", "final_deadline", "STARTUP_GUESS_S", "OVERHEAD_GUESS",
+if TYPE_CHECKING:
+    from torchnitro.autotune.report import CandidateResult, Report
+    from torchnitro.autotune.search import _Search
+
+__all__ = ["FinalBudget", "FinalPlan", "plan_final", "final_deadline", "fit_pool", "STARTUP_GUESS_S", "OVERHEAD_GUESS",
            "MAX_SHARE", "MIN_TIME_FLOOR_S", "MIN_ROUNDS"]
 
 STARTUP_GUESS_S = 3.0  # one timing process's start-up (interpreter, torch, the variant) on an idle machine ...
@@ -143,3 +150,54 @@ class FinalBudget:
     def floor_s(self, entries: int, share: float) -> float:
         """Wall seconds of a comparison of ``entries`` shortened to the floor."""
         return self.run_s(entries, MIN_TIME_FLOOR_S) * share
+
+
+def fit_pool(s: _Search, report: Report, pool: list[CandidateResult]) -> list[CandidateResult]:
+    """``pool`` cut to what the budget left can start and compare (``s.final_budget``): the screen, then eager's
+    further processes, then the timing processes of eager and in-process candidates (timed here instead) are skipped
+    before finalists are dropped (the last first); the comparison counts at its shortest. Each skip leaves a note
+    naming the budget; a dropped finalist keeps its search-time estimate (``~``)."""
+    cfg, fb = s.cfg, s.final_budget
+    alone, k = cfg.final_alone and s.device.type == "cpu", cfg.finalists
+    e = cfg.eager_processes if alone else 1
+
+    def own(c: CandidateResult) -> bool:  # timed in its own process wherever the others are timed
+        return fair.runs_alone(get_recipe(c.recipe), bool(getattr(s.where.get(c.recipe), "standalone", False)))
+
+    def need(cands: list[CandidateResult], screen: bool = False, here: bool = False) -> float:
+        n = len(cands)
+        procs = (n + e) if alone and not here else len([c for c in cands if own(c)])
+        return (fb.startup_s * procs + fb.floor_s(min(n, k) + e, 1.5)
+                + (fb.run_s(n + e, cfg.final_min_time_s / 2) if screen else 0))
+
+    if len(pool) > k:
+        why = fb.skip_reason(f"screen of {len(pool)} candidates", need(pool, screen=True))
+        if why is not None:
+            report.notes.append(f"{why}; the best {k} search estimates go on to the final comparison")
+            pool = pool[:k]
+    if e > 1:
+        why = fb.skip_reason(f"eager's {e - 1} further timing process(es)", need(pool))
+        if why is not None:
+            report.notes.append(f"{why}; eager is timed in one process")
+            s.cfg, e = dataclasses.replace(s.cfg, eager_processes=1), 1  # read by fair_place.plan and the notes
+    if alone:
+        why = fb.skip_reason("timing processes for eager and the finalists", need(pool))
+        if why is not None and min(need([c], here=True) for c in pool) <= fb.left():
+            report.notes.append(f"{why}; eager and in-process finalists are timed in this process (final_alone "
+                                "turned off for the budget: a candidate with its own runtime is still timed alone)")
+            s.cfg, alone, e = dataclasses.replace(s.cfg, final_alone=False, eager_processes=1), False, 1  # fair_place
+            fb.moved_here = True  # the rows say why (fair_place.place)
+    pool = list(pool)
+    while pool:
+        why = fb.skip_reason(f"final comparison of {len(pool)} finalist(s)", need(pool))
+        if why is None:
+            break
+        # timed here, a finalist that needs a process of its own goes first (the last of them)
+        c = next((c for c in reversed(pool) if own(c)), pool[-1]) if not alone else pool[-1]
+        pool.remove(c)
+        c.notes = "; ".join(n for n in (c.notes, f"not compared with eager: {why}; its speedup is the search-time "
+                                                  "estimate") if n)
+        if not pool:
+            report.notes.append(f"{why}: eager kept (no verified candidate could be compared with it in the budget; "
+                                "raise budget_s)")
+    return pool

@@ -31,7 +31,7 @@ from torchnitro.bench.timing import Timing, TimingConfig
 if TYPE_CHECKING:
     from torchnitro.autotune.search import _Search
 
-__all__ = ["Alone", "DriftCheck", "bracket_check"]
+__all__ = ["Alone", "DriftCheck", "bracket_check", "solo_timing"]
 
 # One interleaved run of ``fns`` (``final._compare_finalists``: a dead timing process is dropped from ``fns``)
 Run = Callable[[Any, Report, dict[str, Callable[..., Any]], TimingConfig], dict[str, Timing]]
@@ -65,6 +65,12 @@ def bracket_check(before: Alone, after: Alone | None, res: dict[str, Timing], si
     return dataclasses.replace(check, before_ms=before.ms, after_ms=after.ms)
 
 
+def solo_timing(min_time_s: float, device: str) -> TimingConfig:
+    """A short solo run's timing: half the comparison's measured time ``min_time_s`` per entry, a few rounds."""
+    return TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=min_time_s / 2, max_time_s=max(2.0, min_time_s),
+                        device=device)
+
+
 def _eagers(fns: dict[str, Callable[..., Any]]) -> int:
     return len([n for n in fns if is_eager(n)])
 
@@ -86,8 +92,7 @@ class DriftCheck:
         here = Alone(self.search_ms, self.search_cv, "search time: this process, before any candidate ran", own=False)
         if child_of(fns[EAGER]) is None:
             return here
-        tc = TimingConfig(warmup=1, warmup_s=0.0, min_iters=3, min_time_s=min_time_s / 2,
-                          max_time_s=max(2.0, min_time_s), device=self.s.device.type)
+        tc = solo_timing(min_time_s, self.s.device.type)
         solo = {n: f for n, f in fns.items() if is_eager(n)}
         t0 = time.perf_counter()
         res = self.run(self.s, self.report, solo, tc)
