@@ -4,6 +4,7 @@ within its budget plus one candidate's limit."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -87,11 +88,11 @@ def test_a_row_timed_here_for_the_budget_says_so_not_that_the_user_turned_final_
     from torchnitro.autotune.fair import ChildModel
     from torchnitro.autotune.recipe import get_recipe
 
-    kw = dict(device="cpu", all_alone=False)
-    moved = fair_place.place(get_recipe("eager"), None, ChildModel(None, ""), budget_here=True, **kw)
+    rules = fair_place.PlaceRules(ChildModel(None, ""), "cpu", all_alone=False)
+    moved = fair_place.place(get_recipe("eager"), None, dataclasses.replace(rules, budget_here=True))
     assert moved.kwargs is None and moved.why == ("timed in this process (the budget left no time for a timing "
                                                   "process of its own: see the notes)")
-    assert "final_alone=False" in fair_place.place(get_recipe("eager"), None, ChildModel(None, ""), **kw).why
+    assert "final_alone=False" in fair_place.place(get_recipe("eager"), None, rules).why
 
 
 def test_no_room_for_any_finalist_keeps_eager_and_says_so_and_enough_room_keeps_everything():

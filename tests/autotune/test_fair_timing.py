@@ -405,7 +405,7 @@ def test_model_defined_in_the_running_script_without_a_program_stays_in_this_pro
     ScriptModel.__module__ = "__main__"
     cm = fair.child_model(ScriptModel(), None, {}, __import__("pathlib").Path(os.devnull).parent / "unused")
     assert cm.kwargs is None and "ScriptModel" in cm.text and "running script" in cm.text
-    p = fair_place.place(get_recipe("eager"), None, cm, device="cpu", all_alone=True)
+    p = fair_place.place(get_recipe("eager"), None, fair_place.PlaceRules(cm, "cpu", all_alone=True))
     assert p.kwargs is None and p.why.startswith("timed in this process") and "running script" in p.why
     failed = fair.child_model(ScriptModel(), None, {}, __import__("pathlib").Path(os.devnull).parent / "unused",
                               program=lambda: (_ for _ in ()).throw(RuntimeError("export broke")))
@@ -435,9 +435,10 @@ def test_model_defined_in_the_running_script_is_timed_alone_from_its_exported_pr
     cm = fair.child_model(model, None, {}, tmp_path, program=lambda: prog)
     assert cm.kwargs is not None and cm.kwargs["how"] == "program" and not cm.rebuilds
     assert "torch.export program" in cm.text and "running script" in cm.text
-    p = fair_place.place(get_recipe("eager"), None, cm, device="cpu", all_alone=True)
+    rules = fair_place.PlaceRules(cm, "cpu", all_alone=True)
+    p = fair_place.place(get_recipe("eager"), None, rules)
     assert p.kwargs is not None and p.needs_eager and p.why.startswith("alone in its own process")
-    rebuilt = fair_place.place(get_recipe("test-faster"), fs_files(tmp_path), cm, device="cpu", all_alone=True)
+    rebuilt = fair_place.place(get_recipe("test-faster"), fs_files(tmp_path), rules)
     assert rebuilt.kwargs is None and "eager model object, which a child cannot re-create" in rebuilt.why
     fn = fair.load_variant(None, None, {}, cm.kwargs)  # what the child runs: no ScriptModel class needed
     assert not any(type(m).__module__ == "__main__" for m in fn.modules())

@@ -1,8 +1,9 @@
 """Where the final comparison times each variant, and the timing processes that do it (``autotune.fair``'s rules).
 
 ``plan`` places eager (and its further processes, ``fair_eager``) and every finalist of a search;
-``place`` decides per variant: its own fresh child process (a standalone artifact, or an artifact rebuilt
-from the eager model re-created there, ``fair.ChildModel``) or this process, with the report's reason.
+``place`` decides per variant, under the search's ``PlaceRules``: its own fresh child process (a standalone
+artifact, or an artifact rebuilt from the eager model re-created there, ``fair.ChildModel``) or this process,
+with the report's reason.
 ``start_children`` starts one ``ChildTimer`` per placed variant, all at once; ``ready_children`` waits for
 them, checks the first outputs of eager's child (and of its further copies, ``fair_eager``) against this
 process's eager (``outputs_differ``) and moves every child that failed, or that was rebuilt from an
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
     from torchnitro.autotune.report import CandidateResult
     from torchnitro.autotune.search import _Search
 
-__all__ = ["Placement", "place", "plan", "memory_fits", "outputs_differ", "start_children", "ready_children"]
+__all__ = ["Placement", "PlaceRules", "place", "plan", "memory_fits", "outputs_differ", "start_children",
+           "ready_children"]
 
 _CHILD_RUNTIME_BYTES = 400 << 20  # an interpreter with torch imported, before the model
 
@@ -43,16 +45,25 @@ class Placement:
     outputs: Path | None = None  # where the child writes its first outputs (eager: checked against this process)
 
 
-def place(recipe: Recipe, files: Any, eager: ChildModel, *, device: str, all_alone: bool,
-          budget_here: bool = False) -> Placement:
-    """Where ``recipe``'s variant (``files``: its ``CandidateFiles``; None for eager) is timed (``budget_here``: the
-    final phase turned ``final_alone`` off because the budget left no time for the timing processes)."""
+@dataclass(frozen=True)
+class PlaceRules:
+    """What decides every variant's place in one search's final comparison (``plan``, then ``place`` per variant)."""
+
+    eager: ChildModel  # how a timing process re-creates the eager model, or why it cannot
+    device: str  # the search's device type: on CUDA only own-runtime candidates get a process of their own
+    all_alone: bool  # ``OptimizeConfig.final_alone``: on the CPU eager and every finalist get one too
+    budget_here: bool = False  # the final phase turned final_alone off: the budget left no time for the processes
+
+
+def place(recipe: Recipe, files: Any, rules: PlaceRules) -> Placement:
+    """Where ``recipe``'s variant (``files``: its ``CandidateFiles``; None for eager) is timed under ``rules``."""
     cls = type(recipe)
     qual = f"{cls.__module__}:{cls.__qualname__}"
     standalone = bool(files is not None and files.standalone)
-    if not (runs_alone(recipe, standalone) or (all_alone and device == "cpu")):
-        why = "on CUDA only own-runtime candidates are timed in their own process" if all_alone else \
-            "the budget left no time for a timing process of its own: see the notes" if budget_here else \
+    eager = rules.eager
+    if not (runs_alone(recipe, standalone) or (rules.all_alone and rules.device == "cpu")):
+        why = "on CUDA only own-runtime candidates are timed in their own process" if rules.all_alone else \
+            "the budget left no time for a timing process of its own: see the notes" if rules.budget_here else \
             "final_alone=False: eager and in-process candidates are timed in this process"
         return Placement(None, f"timed in this process ({why})")
     if files is None:  # eager
@@ -92,16 +103,16 @@ def plan(s: _Search, cands: list[CandidateResult]) -> dict[str, Placement]:
     else:
         eager = ChildModel(None, "")
     here = bool(getattr(getattr(s, "final_budget", None), "moved_here", False))
-    places = {EAGER: place(get_recipe(EAGER), None, eager, device=device, all_alone=cfg.final_alone, budget_here=here)}
+    rules = PlaceRules(eager, device, cfg.final_alone, budget_here=here)
+    places = {EAGER: place(get_recipe(EAGER), None, rules)}
     first = places[EAGER]
     copies = process_names(cfg.eager_processes)[1:] if first.kwargs is not None else []
     for name in copies:  # eager's further processes, loaded the same way (``fair_eager``)
         places[name] = Placement(dict(first.kwargs), first.why, needs_eager=True)  # type: ignore[arg-type]
     for c in cands:
         cf = s.where.get(c.recipe)
-        places[c.recipe] = place(get_recipe(c.recipe), cf, eager, device=device, all_alone=cfg.final_alone,
-                                 budget_here=here) \
-            if cf is not None else Placement(None, "timed in this process: no files of it were kept")
+        places[c.recipe] = place(get_recipe(c.recipe), cf, rules) if cf is not None else \
+            Placement(None, "timed in this process: no files of it were kept")
     heavy = [n for n, p in places.items() if p.needs_eager]
     too_big = memory_fits(s.model, len(heavy)) if heavy else None
     if too_big and copies:  # fewer copies of the model first: eager from one process
