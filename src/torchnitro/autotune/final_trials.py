@@ -39,49 +39,52 @@ def child_of(fn: Callable[..., Any]) -> ChildTimer | None:
     return inner if isinstance(inner, ChildTimer) else None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Chosen:
+    """The variant the comparison chose (``name``; eager when none beat it) and the comparison's entries ``fns``
+    (``child_of``: their processes), which the trials start from; ``s`` and ``report``: the search and its report."""
 
-def _not_in_a_child(child: ChildTimer | None) -> str | None:
-    """Why a trial of the chosen variant cannot start from its timing process, or None."""
-    if child is None:
-        return "the chosen variant was timed in this process, not in a fresh one"
-    if child.failed:
-        return f"the chosen variant's timing process failed ({child.failed})"
-    return None
+    s: _Search
+    report: Report
+    name: str
+    fns: dict[str, Callable[..., Any]]
 
+    def child(self) -> tuple[ChildTimer | None, str | None]:
+        """The chosen variant's comparison process, which both trials start from; or None and why they cannot."""
+        child = child_of(self.fns[self.name])
+        if child is None:
+            return None, "the chosen variant was timed in this process, not in a fresh one"
+        if child.failed:
+            return None, f"the chosen variant's timing process failed ({child.failed})"
+        if self.s.where.get(self.name) is None:
+            return None, "no files of the chosen variant were kept"
+        return child, None
 
-def _allocator_plan(s: _Search, name: str,
-                    fns: dict[str, Callable[..., Any]]) -> tuple[dict[str, ChildTimer], str | None]:
-    """The comparison's processes (under the setting, warm) whose variant the allocator trial times again with
-    glibc's defaults: the chosen variant's and eager's; or why the trial cannot run."""
-    from torchnitro.bench.environment import allocator_untunable
+    def allocator_plan(self) -> tuple[dict[str, ChildTimer], str | None]:
+        """The comparison's processes (under the setting, warm) whose variant the allocator trial times again with
+        glibc's defaults: the chosen variant's and eager's; or why the trial cannot run."""
+        from torchnitro.bench.environment import allocator_untunable
 
-    child = child_of(fns[name])
-    why = allocator_untunable() or _not_in_a_child(child)
-    if why is None and s.where.get(name) is None:
-        why = "no files of the chosen variant were kept"
-    if why is not None or child is None:
-        return {}, why
-    timers = {"the chosen variant": child}
-    eager = child_of(fns[EAGER]) if name != EAGER and EAGER in fns else None
-    if eager is not None and not eager.failed:
-        timers["eager"] = eager
-    return timers, None
+        child, why = self.child()
+        why = allocator_untunable() or why
+        if why is not None or child is None:
+            return {}, why
+        timers = {"the chosen variant": child}
+        eager = child_of(self.fns[EAGER]) if self.name != EAGER and EAGER in self.fns else None
+        if eager is not None and not eager.failed:
+            timers["eager"] = eager
+        return timers, None
 
-
-def _threads_plan(s: _Search, name: str, fns: dict[str, Callable[..., Any]]) -> tuple[ChildTimer | None, list[int],
-                                                                                    str | None]:
-    """The chosen variant's comparison process and the fewer thread counts to try beside it; or why none."""
-    child = child_of(fns[name])
-    why = _not_in_a_child(child)
-    if why is None and s.where.get(name) is None:
-        why = "no files of the chosen variant were kept"
-    if why is not None or child is None:
-        return None, [], why
-    threads = int(child.spec["threads"])
-    options = fair_threads.thread_options(threads)
-    if not options:
-        return child, [], f"the comparison ran the chosen variant with {threads} thread: nothing fewer to try"
-    return child, options, None
+    def threads_plan(self) -> tuple[ChildTimer | None, list[int], str | None]:
+        """The chosen variant's comparison process and the fewer thread counts to try beside it; or why none."""
+        child, why = self.child()
+        if why is not None or child is None:
+            return None, [], why
+        threads = int(child.spec["threads"])
+        options = fair_threads.thread_options(threads)
+        if not options:
+            return child, [], f"the comparison ran the chosen variant with {threads} thread: nothing fewer to try"
+        return child, options, None
 
 
 TRIAL_SAMPLE_S = 0.02  # a trial's sample repeats a fast variant's call up to this long (see ``_trial_tc``)
@@ -134,13 +137,13 @@ def _start_trials(alloc: dict[str, ChildTimer], child: ChildTimer | None, option
     return got
 
 
-def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]],
-                    started: dict[str, ChildTimer] | None = None) -> None:
+def _tune_allocator(ch: _Chosen, started: dict[str, ChildTimer] | None = None) -> None:
     """The chosen variant and eager each in a fresh process with the other glibc allocator setting than their
     comparison processes (``fair.tune_allocator``; ``started``: those processes, already started and ready); the
     setting goes into the chosen variant's meta unless it lost there. The report gives both times of each, and the
     chosen variant against eager with glibc's defaults."""
-    timers, why = _allocator_plan(s, name, fns)
+    s, report, name = ch.s, ch.report, ch.name
+    timers, why = ch.allocator_plan()
     if why is not None:
         report.notes.append(f"allocator setting not tried: {why}"[:300])
         return
@@ -166,12 +169,12 @@ def _tune_allocator(s: _Search, report: Report, name: str, fns: dict[str, Callab
                                                       "environment_gain": gain})
 
 
-def _tune_threads(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]],
-                  started: dict[int, ChildTimer] | None = None) -> None:
+def _tune_threads(ch: _Chosen, started: dict[int, ChildTimer] | None = None) -> None:
     """The chosen variant with fewer intra-op threads in fresh processes (``fair_threads.tune_threads``;
     ``started``: those processes, already started and ready); the artifact's meta records a smaller count only
     when it was faster beyond the noise."""
-    child, options, why = _threads_plan(s, name, fns)
+    s, report, name = ch.s, ch.report, ch.name
+    child, options, why = ch.threads_plan()
     if why is not None or child is None:
         report.notes.append(f"thread count not tried: {why}"[:300])
         return
@@ -201,14 +204,15 @@ def run_trials(s: _Search, report: Report, best: str | None, fns: dict[str, Call
     if threads and best is None:
         report.notes.append("thread count not tried: no variant beat eager, so there is no chosen variant to try")
         threads = False
-    a_timers = _allocator_plan(s, best or EAGER, fns)[0] if alloc else {}
-    t_child, t_options, _ = _threads_plan(s, cast(str, best), fns) if threads else (None, [], None)
+    ch = _Chosen(s, report, best or EAGER, fns)  # the thread trial runs only for a variant that beat eager
+    a_timers = ch.allocator_plan()[0] if alloc else {}
+    t_child, t_options, _ = ch.threads_plan() if threads else (None, [], None)
     mt = _trial_tc(s).min_time_s
     a_need = fb.startup_s * len(a_timers) + fb.run_s(2 * len(a_timers), mt)
     t_need = fb.startup_s * len(t_options) + fb.run_s(1 + len(t_options), mt)
     why = fb.skip_reason("allocator trial", a_need) if a_timers else None
     if why is not None:
-        _allocator_skipped(s, report, best or EAGER, fns, why)
+        _allocator_skipped(ch, why)
         alloc, a_timers, a_need = False, {}, 0.0
     why = fb.skip_reason("thread trial", t_need + a_need) if t_options else None
     if why is not None:
@@ -224,19 +228,20 @@ def run_trials(s: _Search, report: Report, best: str | None, fns: dict[str, Call
     try:
         if alloc:
             with phases("allocator trial"):
-                _tune_allocator(s, report, best or EAGER, fns, started.allocator)
+                _tune_allocator(ch, started.allocator)
         if threads:
             with phases("thread trial"):
-                _tune_threads(s, report, cast(str, best), fns, started.threads)
+                _tune_threads(ch, started.threads)
     finally:
         for timer in started.all():  # closed by their trial; any a trial did not reach
             timer.close()
 
 
-def _allocator_skipped(s: _Search, report: Report, name: str, fns: dict[str, Callable[..., Any]], why: str) -> None:
+def _allocator_skipped(ch: _Chosen, why: str) -> None:
     """The allocator trial did not fit the budget: the artifact keeps the setting its comparison process ran under
     (the speedups reported were measured with it), glibc's defaults untried."""
-    child = child_of(fns[name]) if name in fns else None
+    s, report, name = ch.s, ch.report, ch.name
+    child = child_of(ch.fns[name]) if name in ch.fns else None
     cf = s.where.get(name)
     if child is None or cf is None or not fair.under_allocator_setting(child):
         report.notes.append(f"{why}; nothing recorded")
