@@ -192,7 +192,7 @@ def test_a_chosen_variant_whose_process_died_is_noted_as_such_not_as_timed_here(
     s = SimpleNamespace(where={"v": CandidateFiles(tmp_path, [], {}, True)},
                         cfg=SimpleNamespace(final_min_time_s=0.01), device=SimpleNamespace(type="cpu"))
     report = Report(model="m", inputs="x", objective="o", hardware="h")
-    final_trials._tune_threads(s, report, "v", {"v": fair.Steady(dead)})
+    final_trials._tune_threads(final_trials._Chosen(s, report, "v", {"v": fair.Steady(dead)}))
     assert report.notes == ["thread count not tried: the chosen variant's timing process failed (the timing process "
                             "did not answer within 120 s (killed))"]
 
