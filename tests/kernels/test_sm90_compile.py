@@ -108,11 +108,16 @@ CASES = {
 }
 
 
-def _compile_all(part: int = 0, parts: int = 1) -> dict[str, str | None]:
-    """Compile every ``parts``-th case from ``part`` on; name -> None on success, else the error (run in a fresh
-    process)."""
+def _compile_all(claims: str) -> dict[str, str | None]:
+    """Compile every case no other process has claimed (an empty file per case in ``claims``, created exclusively):
+    the processes share the cases as they go, however long each takes; name -> None on success, else the error (run
+    in a fresh process)."""
     out: dict[str, str | None] = {}
-    for name, (fn, sig, consts) in sorted(CASES.items())[part::parts]:
+    for name, (fn, sig, consts) in sorted(CASES.items()):
+        try:
+            os.close(os.open(os.path.join(claims, name), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            continue  # another process compiles it
         try:
             src = ASTSource(jit(fn), signature={**sig, **{k: C for k in consts}}, constexprs=consts)
             k = triton.compile(src, target=GPUTarget("cuda", 90, 32))
@@ -126,23 +131,25 @@ def _compile_all(part: int = 0, parts: int = 1) -> dict[str, str | None]:
 def compiled(tmp_path_factory):
     # Fresh interpreters: Triton's interpreter patches triton.language while it runs, so compiling in
     # a process that already interpreted kernels is not a faithful check. Compiling is single-threaded:
-    # the cases are split over one process per core, each with its own cache, all running at once.
+    # one process per core, each with its own cache, all running at once, each taking the next case no other has
+    # (a fixed split of the sorted cases left one process with about twice the work of the other).
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_DEFAULT_FP_FUSION="1")
     parts = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-    procs = [subprocess.Popen([sys.executable, __file__, str(i), str(parts)], stdout=subprocess.PIPE,
+    claims = tmp_path_factory.mktemp("claims")
+    procs = [subprocess.Popen([sys.executable, __file__, str(claims)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env={**env, "TRITON_CACHE_DIR": str(tmp_path_factory.mktemp(f"triton-cache-{i}"))})
              for i in range(parts)]
     result: dict[str, str | None] = {}
     try:
-        for proc in procs:
+        for i, proc in enumerate(procs):
             try:
                 stdout, stderr = proc.communicate(timeout=300)
             except subprocess.TimeoutExpired:
-                pytest.fail(f"compile subprocess {proc.args[2:]} ran past 300 s")
+                pytest.fail(f"compile subprocess {i} of {parts} ran past 300 s")
             if proc.returncode != 0:
-                pytest.fail(f"compile subprocess {proc.args[2:]} failed:\n{stderr[-3000:]}")
+                pytest.fail(f"compile subprocess {i} of {parts} failed:\n{stderr[-3000:]}")
             result.update(json.loads(stdout.strip().splitlines()[-1]))
     finally:
         for proc in procs:  # those still running after a failure above
@@ -162,4 +169,4 @@ def test_kernel_compiles_for_sm90(compiled, name):
 
 
 if __name__ == "__main__":
-    print(json.dumps(_compile_all(*map(int, sys.argv[1:3]))))
+    print(json.dumps(_compile_all(sys.argv[1])))
