@@ -12,6 +12,8 @@ The plan's own search leaves outlier channels off (``plan_mixed_int8``: a plan c
 sentences alone that relied on them missed long held-out text); here they are only a second chance for
 the layers the plan already kept, each accepted only where the whole variant still reaches the plan's
 calibration target on the same length-varied calibration sets, with the attention the build chose.
+Even so, channels chosen on short sentences missed real long text: ``bert-unpad-int8`` calls this only
+for examples of mostly full-length text (``bert_unpad.RETRY_MIN_REAL``).
 """
 
 from __future__ import annotations
