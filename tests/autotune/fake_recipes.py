@@ -149,14 +149,15 @@ class ReusesBuffer(_Fake):
 
 
 class SlowModel(nn.Module):
-    """The tiny model plus a 30 ms sleep: a recipe that drops the sleep is exactly 'faster'."""
+    """The tiny model plus a sleep (30 ms unless given): a recipe that drops the sleep is exactly 'faster'."""
 
-    def __init__(self) -> None:
+    def __init__(self, sleep_s: float = 0.03) -> None:
         super().__init__()
         self.inner = tiny_model()
+        self.sleep_s = sleep_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.03)
+        time.sleep(self.sleep_s)
         return self.inner(x)
 
 
@@ -184,8 +185,9 @@ NOISY = {"slow": True}  # cleared by the test when the finalist stage starts
 
 
 class NoisyStart(_Fake):
-    """Truly the fastest (1 ms), but load hit its search-time sample (34 ms while NOISY['slow']): slower than the
-    decoys' 20 ms by more than a loaded test machine's sleep overshoot, yet inside the 2x noise band."""
+    """Truly the fastest (1 ms), but load hit its search-time sample (60 ms while NOISY['slow']): slower than the
+    decoys' 40 ms by more than a loaded test machine's sleep overshoot, yet inside the 2x noise band with as much
+    room (20 ms; at 34 against 20 ms a loaded CI machine's 44.7 ms sample fell outside it)."""
 
     name = "test-noisy-start"
 
@@ -193,14 +195,14 @@ class NoisyStart(_Fake):
         m = ctx.model.inner
 
         def fn(*x: Any) -> Any:
-            time.sleep(0.034 if NOISY["slow"] else 0.001)
+            time.sleep(0.060 if NOISY["slow"] else 0.001)
             return m(*x)
 
         return Built(fn=fn)
 
 
 class DecoyA(_Fake):
-    """A steady 20 ms: looks better than NoisyStart in the search, is slower in truth."""
+    """A steady 40 ms: looks better than NoisyStart in the search, is slower in truth (eager: SlowModel(0.06))."""
 
     name = "test-decoy-a"
 
@@ -208,7 +210,7 @@ class DecoyA(_Fake):
         m = ctx.model.inner
 
         def fn(*x: Any) -> Any:
-            time.sleep(0.020)
+            time.sleep(0.040)
             return m(*x)
 
         return Built(fn=fn)
