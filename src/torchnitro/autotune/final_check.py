@@ -94,9 +94,7 @@ class DriftCheck:
             return here
         tc = solo_timing(min_time_s, self.s.device.type)
         solo = {n: f for n, f in fns.items() if is_eager(n)}
-        t0 = time.perf_counter()
-        res = self.run(self.s, self.report, solo, tc)
-        self.s.final_budget.learn_run(time.perf_counter() - t0, len(solo), tc.min_time_s)
+        res = self._timed(solo, tc)
         for n in [n for n in fns if is_eager(n) and n not in solo]:
             del fns[n]
         fns[EAGER] = solo[EAGER]
@@ -152,6 +150,13 @@ class DriftCheck:
         report.notes.append(_verdict(check, skipped))
         return res
 
+    def _timed(self, fns: dict[str, Callable[..., Any]], tc: TimingConfig) -> dict[str, Timing]:
+        """One interleaved run of ``fns``, its wall time taught to the final budget (``FinalBudget.learn_run``)."""
+        t0 = time.perf_counter()
+        res = self.run(self.s, self.report, fns, tc)  # drops a dead timing process from fns, as before
+        self.s.final_budget.learn_run(time.perf_counter() - t0, len(fns), tc.min_time_s)
+        return res
+
     def _solo_share(self, fns: dict[str, Callable[..., Any]]) -> float:
         """One alone run in units of the comparison's time: half the time per eager process, none for eager here."""
         return _eagers(fns) / (2 * len(fns)) if child_of(fns[EAGER]) is not None else 0.0
@@ -159,9 +164,7 @@ class DriftCheck:
     def _bracketed(self, fns: dict[str, Callable[..., Any]], tc: TimingConfig,
                    before: Alone) -> tuple[dict[str, Timing], Alone | None, fair.EagerCheck]:
         """One comparison, eager alone after it, and the check against both."""
-        t0 = time.perf_counter()
-        res = self.run(self.s, self.report, fns, tc)
-        self.s.final_budget.learn_run(time.perf_counter() - t0, len(fns), tc.min_time_s)
+        res = self._timed(fns, tc)
         after, single = self.after(fns, tc.min_time_s) if before.own else (None, "")
         return res, after, bracket_check(before, after, res, single)
 

@@ -165,14 +165,16 @@ class Installation:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if getattr(self._inside, "active", False):  # the variant calls this very object (eager, a fallback path)
             return self._original(*args, **kwargs)
-        why = self._unfit(args, kwargs)
-        if why is not None and why[0] == "unbound":  # the original raises its own TypeError: no warning first
+        try:
+            given = self._by_name(args, kwargs)
+        except TypeError:  # forward does not bind the call: the original raises its own TypeError, no warning first
             return self._original(*args, **kwargs)
+        why = self._unfit(given)
         if why is not None:
             return self._fallback(*why, args, kwargs)
         self._inside.active = True
         try:
-            out = self.optimized(*self._positional(args, kwargs))
+            out = self.optimized(*self._positional(given))
         except Exception as exc:  # noqa: BLE001 - the original answers instead; the warning names the error
             error = clean_line(f"{type(exc).__name__}: {exc}", 200)
         else:
@@ -193,15 +195,12 @@ class Installation:
         self.calls["original"] += 1
         return self._original(*args, **kwargs)
 
-    def _unfit(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str] | None:
-        """(kind, why) when the call is not one the variant was verified for, else None."""
+    def _unfit(self, given: dict[str, Any]) -> tuple[str, str] | None:
+        """(kind, why) when the call (``given``: its arguments by name) is not one the variant was verified for,
+        else None."""
         if self.model.training:
             return "training", ("the model is in train mode; the variant is the eval-mode model (call "
                                 "model.eval(), or uninstall() to train)")
-        try:
-            given = self._by_name(args, kwargs)
-        except TypeError as exc:
-            return "unbound", str(exc)
         found: dict[Path_, Any] = {}
         for name, value in given.items():
             _leaves(value, (name,), found)
@@ -262,9 +261,9 @@ class Installation:
                 out[name] = value
         return out
 
-    def _positional(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        """The call as the variant's positional inputs (its order; skipped ones at forward's default)."""
-        given = self._by_name(args, kwargs)
+    def _positional(self, given: dict[str, Any]) -> tuple[Any, ...]:
+        """The call (``given``: its arguments by name) as the variant's positional inputs (its order; skipped ones
+        at forward's default)."""
         present = [i for i, name in enumerate(self._order) if given.get(name) is not None]
         n = self._n_inputs if self._n_inputs is not None else (present[-1] + 1 if present else 0)
         out = []
