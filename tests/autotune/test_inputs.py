@@ -90,3 +90,29 @@ def test_random_like_keeps_attention_masks_right_padded_and_fills_feature_dicts(
     assert set(new_ids[new_mask != 0].tolist()) <= real and bool((new_ids[new_mask == 0] == 0).all())
     zeros = torch.zeros(4, 8, dtype=torch.long)  # token_type_ids of single sentences: not a mask
     assert torch.equal(random_like((zeros,), seed=3)[0], zeros)
+
+
+class _FeatureModel(torch.nn.Module):
+    """A model called with one feature dict, as sentence-transformers calls its modules."""
+
+    def forward(self, features: dict) -> torch.Tensor:
+        return features["input_ids"].float().mean(1)
+
+
+@pytest.mark.parametrize("dims", [{0: [0, 1]}, {}], ids=["batch-and-sequence", "none-declared"])
+def test_signature_records_the_tensors_inside_a_feature_dict(dims):
+    from torchnitro.autotune.inputs import input_signature
+
+    feats = {"input_ids": torch.ones(3, 7, dtype=torch.int64), "attention_mask": torch.ones(3, 7, dtype=torch.int32),
+             "lengths": torch.full((3,), 7), "modality": "text"}
+    out = torch.zeros(3)
+    sig = signature_of(_FeatureModel(), (feats,), [("out", out)], dims)
+    seq = -1 if dims else 7  # a tensor in a dict varies in its input's declared dims, else in the batch only
+    assert sig["inputs"] == [] and sig["input_fields"] == [
+        {"name": "features['input_ids']", "path": ["features", "input_ids"], "dtype": "int64", "shape": [-1, seq]},
+        {"name": "features['attention_mask']", "path": ["features", "attention_mask"], "dtype": "int32",
+         "shape": [-1, seq]},
+        {"name": "features['lengths']", "path": ["features", "lengths"], "dtype": "int64", "shape": [-1]}]
+    assert input_signature((feats,)) == ("dict(input_ids: int64[3x7], attention_mask: int32[3x7], "
+                                         "lengths: int64[3], modality: str)")
+    assert "input_fields" not in signature_of(_FeatureModel(), (torch.ones(3, 7),), [("out", out)], dims)

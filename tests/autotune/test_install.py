@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import pickle
 import warnings
 
 import numpy as np
@@ -138,6 +139,145 @@ def test_a_model_with_other_weights_is_refused(minilm):
         om.install(other)
     with pytest.raises(InputError, match="received str"):
         om.install("all-MiniLM-L6-v2")
+
+
+# -- what a user does next with the object they hold: save it, optimize it again, load an artifact onto it -----
+
+
+def test_a_saved_installed_sentence_transformer_is_the_plain_model(minilm, tmp_path):
+    """``torch.save(st)`` while installed saves the model as it was (the install is a patch of this process's
+    object): it loads with its own forward and the same weights, and the install goes on running."""
+    st, om, tol, sents, ref = minilm
+    before = {k: v.clone() for k, v in st.state_dict().items()}
+    with om.install(st) as inst:
+        torch.save(st, tmp_path / "st.pt")
+        st.encode(sents[:4])
+    assert inst.calls == {"optimized": 1}, inst.calls
+    loaded = torch.load(tmp_path / "st.pt", weights_only=False)
+    assert loaded.forward.__self__ is loaded and loaded.forward.__func__ is type(st).forward
+    for m in (st, loaded):
+        state = m.state_dict()
+        assert list(state) == list(before) and all(torch.equal(state[k], v) for k, v in before.items())
+    torch.testing.assert_close(loaded.encode(sents[:8], convert_to_tensor=True), ref[:8])
+
+
+def test_a_pickled_installed_hf_model_needs_no_torchnitro(tiny_bert):
+    model, tok, om = tiny_bert
+    batch = _tokens(tok, 3, 21, 20)
+    with om.install(model):
+        data = pickle.dumps(model)
+        twin = copy.deepcopy(model)
+    assert b"torchnitro" not in data  # nothing of the install: it loads where torchnitro is not installed
+    with torch.inference_mode():
+        ref = model(**batch)
+        for m in (pickle.loads(data), twin):
+            assert m.forward.__func__ is type(model).forward and m.forward.__self__ is m
+            torch.testing.assert_close(m(**batch).last_hidden_state, ref.last_hidden_state)
+
+
+@pytest.fixture(scope="module")
+def minilm_artifact(minilm, tmp_path_factory):
+    _, om, _, _, _ = minilm
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # bert-unpad rebuilds from the eager model: loaded with model=st
+        return om.save(tmp_path_factory.mktemp("minilm-artifact") / "opt")
+
+
+def test_optimizing_or_loading_onto_an_installed_model_is_refused(minilm, minilm_artifact, tiny_bert, tmp_path):
+    """The search would time the installed variant as the model's eager forward: optimize (and load, whose eager
+    artifact runs the model given) refuse the object, or a model holding it, until it is uninstalled."""
+    import torchnitro
+
+    st, om, _, _, _ = minilm
+    model, tok, hf_om = tiny_bert
+    feats = st.preprocess(["a sentence", "another one"])
+    with om.install(st):
+        with pytest.raises(InputError, match=r"optimize: received SentenceTransformer, which runs an installed "
+                                             r"optimized variant \(bert-unpad\).*uninstall\(\) it first"):
+            torchnitro.optimize(st, feats, _cfg(tmp_path, recipes=["eager"]))
+        with pytest.raises(InputError, match="load: received SentenceTransformer, which runs an installed"):
+            torchnitro.load(minilm_artifact, model=st)
+
+    class Head(torch.nn.Module):  # a script's model holding the installed encoder
+        def __init__(self, encoder):
+            super().__init__()
+            self.encoder = encoder
+
+        def forward(self, input_ids, attention_mask):
+            return self.encoder(input_ids=input_ids, attention_mask=attention_mask).pooler_output
+
+    batch = _tokens(tok, 2, 1, 10)
+    with hf_om.install(model), pytest.raises(InputError, match="received Head \(its module 'encoder'\), which runs"):
+        torchnitro.optimize(Head(model), (batch["input_ids"], batch["attention_mask"]), _cfg(tmp_path))
+
+
+def test_loading_onto_a_model_with_other_weights_is_refused(minilm, minilm_artifact):
+    """``load(dir, model=m)`` would load the artifact's weights into ``m``: a model with other weights (fine-tuned
+    since, another checkpoint) is refused, naming the parameter, and left as it was; ``replace_weights=True``
+    fills it."""
+    import torchnitro
+
+    st, _, tol, sents, ref = minilm
+    other = copy.deepcopy(st)
+    with torch.no_grad():
+        other[0].auto_model.encoder.layer[3].output.dense.bias.add_(0.5)
+    mine = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(InputError, match=r"received SentenceTransformer whose '0\.\w+\.encoder\.layer\.3\."
+                                         r"output\.dense\.bias' differs from the weights saved in the artifact"):
+        torchnitro.load(minilm_artifact, model=other)
+    assert all(torch.equal(v, mine[k]) for k, v in other.state_dict().items())  # untouched
+    loaded = torchnitro.load(minilm_artifact, model=other, replace_weights=True)
+    assert all(torch.equal(v, st.state_dict()[k]) for k, v in other.state_dict().items())
+    _close_rows(loaded(st.preprocess(sents[:5]))["sentence_embedding"], ref[:5], tol)
+
+
+def test_the_feature_dict_shapes_are_recorded_and_checked_after_load(minilm, minilm_artifact):
+    """The signature names every tensor of the feature dict with its dtype and shape (-1: dynamic), the report
+    shows them, and a loaded artifact checks a call against them (no example kept)."""
+    import torchnitro
+
+    st, om, _, sents, _ = minilm
+    fields = {e["name"]: (e["dtype"], e["shape"]) for e in om.signature["input_fields"]}
+    assert fields == {f"input[{k!r}]": ("int64", [-1, -1]) for k in ("input_ids", "token_type_ids", "attention_mask")}
+    assert om.report.inputs.startswith("dict(input_ids: int64[8x") and "token_embeddings" not in om.report.inputs
+    assert "token_embeddings" not in om.source.example_inputs[0]  # the search wrote into its own copy
+    loaded = torchnitro.load(minilm_artifact, model=st)
+    assert loaded.signature["input_fields"] == om.signature["input_fields"] and not loaded.source.example_inputs
+    feats = st.preprocess(sents[:3])
+    with loaded.install(st) as inst:
+        st(dict(feats))
+        with pytest.warns(UserWarning, match=r"input\['input_ids'\] is torch.int32; the variant takes torch.int64"):
+            st({**feats, "input_ids": feats["input_ids"].int()})
+    assert inst.calls == {"optimized": 1, "original": 1}, inst.calls
+
+
+def test_eager_saved_from_a_sentence_transformer_loads_without_it(tmp_path):
+    """The eager variant of a model called with a feature dict is saved as a ``torch.export`` program (it was not:
+    'Detected mismatch between the structure of inputs and dynamic_shapes', the real all-MiniLM-L6-v2 as this tiny
+    one) that takes the same dict, at any batch size and length, and answers with the same tensors by key."""
+    from test_user_models import _tiny_sentence_transformer
+
+    import torchnitro
+
+    st = _tiny_sentence_transformer(tmp_path / "st")
+    sents = _sentences(20, 5)
+    ref = st.encode(sents, batch_size=20, convert_to_tensor=True)
+    om = torchnitro.optimize(st, st.tokenize(sents[:4]), _cfg(tmp_path, recipes=["eager"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        path = om.save(tmp_path / "opt")
+    loaded = torchnitro.load(path, trust_code=True)  # no model: the program is all it needs
+    assert loaded.candidate.meta["exported"] and loaded.candidate.meta["input_layout"]
+    feats = dict(st.preprocess(sents[5:12]))
+    with torch.inference_mode():
+        want = st(dict(feats))
+    got = loaded(feats)
+    assert list(got) == [k for k, v in want.items() if isinstance(v, torch.Tensor)]  # its tensors, as ONNX's
+    torch.testing.assert_close(got["sentence_embedding"], want["sentence_embedding"], rtol=1e-4, atol=1e-5)
+    with loaded.install(st) as inst:
+        emb = st.encode(sents, batch_size=8, convert_to_tensor=True)
+    assert inst.calls == {"optimized": 3}, inst.calls
+    torch.testing.assert_close(emb, ref, rtol=1e-4, atol=1e-5)
 
 
 # -- an HF model as from_pretrained / from_config gives it, called with the tokenizer's output ----------------
@@ -283,18 +423,20 @@ def test_loaded_artifact_installs_on_the_sentence_transformer(tmp_path, recipe):
 
 
 @pytest.mark.filterwarnings("ignore:torch.export failed")
-def test_eager_installed_on_the_model_it_calls_runs_it_once(tmp_path):
+def test_eager_installed_on_the_model_it_calls_runs_it_once(tmp_path, monkeypatch):
     """Where the chosen variant is eager, the variant calls the very model it is installed on: that inner call
     runs the original forward (no recursion), for the search's result and for its loaded artifact."""
     from test_user_models import _tiny_sentence_transformer
 
     import torchnitro
+    from torchnitro.autotune.recipes import eager
     from torchnitro.hf import sample_sentences
 
     st = _tiny_sentence_transformer(tmp_path / "st")
     om = torchnitro.optimize(st, st.preprocess(sample_sentences(4, 0, max_words=10)),
                              _cfg(tmp_path, recipes=["eager"]))
-    om.save(tmp_path / "opt")  # a feature dict does not export: the artifact rebuilds from the model
+    monkeypatch.setattr(eager, "export_program", lambda *a: ({}, "RuntimeError: a model that does not export"))
+    om.save(tmp_path / "opt")  # not exported: the artifact rebuilds from the model
     loaded = torchnitro.load(tmp_path / "opt", model=st)
     assert loaded._fn is st
     sents = _sentences(6, 4)

@@ -9,6 +9,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from torchnitro.autotune.artifact import EagerSource, load_artifact, write_artifact
 from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
@@ -77,9 +78,9 @@ class OptimizedModel:
             from torchnitro.autotune.recipes.eager import export_program
 
             tmp = tempfile.TemporaryDirectory(prefix="torchnitro-export-")
-            why = export_program(src.model, src.example_inputs, src.dynamic_dims, Path(tmp.name) / "model.pt2")
+            meta, why = export_program(src.model, src.example_inputs, src.dynamic_dims, Path(tmp.name) / "model.pt2")
             if why is None:
-                candidate = CandidateFiles(Path(tmp.name), ["model.pt2"], {**candidate.meta, "exported": True},
+                candidate = CandidateFiles(Path(tmp.name), ["model.pt2"], {**candidate.meta, **meta, "exported": True},
                                            standalone=True)
             else:
                 warnings.warn(f"torch.export failed ({why}); the artifact needs torchnitro.load(dir, model=...)",
@@ -154,6 +155,9 @@ def optimize(model: nn.Module | str | Any, example_inputs: Any = None, config: O
     if not isinstance(model, nn.Module):
         raise InputError(f"model: received {type(model).__name__}; expected a torch.nn.Module, a model spec string "
                          "or a transformers text pipeline")
+    from torchnitro.autotune.install import refuse_installed
+
+    refuse_installed(model, "optimize")
     name = type(model).__name__
     kw = keyword_call(model, example_inputs) if isinstance(example_inputs, Mapping) else None
     if kw is not None:  # forward(self, *, input_ids, ...): searched by position through the adapter
@@ -176,8 +180,11 @@ def optimize(model: nn.Module | str | Any, example_inputs: Any = None, config: O
         return cached
     from torchnitro.autotune.search import search
 
-    out = search(model, inputs, info, cfg)
+    # new containers for the search: a model that writes its outputs into its feature dict (sentence-transformers)
+    # writes into the search's copy, and the signature, the saved example and the cache key see the call as given
+    out = search(model, tree_map(lambda x: x, inputs), info, cfg)
     out.report.notes.extend(n for n in (train_note, cache_note) if n)
+    out.report.inputs = input_signature(inputs)  # as given: the search's copy may hold what the model wrote into it
     sig = signature_of(model, inputs, out.workload.eager_outputs, out.workload.dynamic_dims, out.workload.references)
     ref = {"spec": info.spec, "name": info.name, "extra": info.extra}
     source = EagerSource(model, ref, inputs, out.workload.dynamic_dims, [p.name for p in forward_params(model)])
@@ -282,10 +289,12 @@ def _as_saved(directory: Path, model: nn.Module | None) -> nn.Module | None:
 
 
 def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: bool = False,
-         allocator: bool = True, threads: int | None = None) -> OptimizedModel:
+         allocator: bool = True, threads: int | None = None, replace_weights: bool = False) -> OptimizedModel:
     """Load a saved artifact after checking every file's SHA-256 (``ArtifactError`` on mismatch).
 
-    ``model`` is only needed for non-standalone recipes whose artifact has no factory reference.
+    ``model`` is only needed for non-standalone recipes whose artifact has no factory reference. It must hold
+    the artifact's weights (``InputError`` names the first that differs: loading would overwrite them), unless
+    ``replace_weights=True``: then the artifact's weights are loaded into it (a new ``MyModel()``).
     A folder saved by ``OptimizedPipeline.save`` gives its optimized model (``load_pipeline``: the pipeline).
     ``trust_code=True`` lets the artifact run code (a ``.py`` model factory, a TorchScript archive);
     without it an artifact is loaded as data only (see ``torchnitro.autotune.artifact``).
@@ -297,7 +306,8 @@ def load(directory: str | Path, model: nn.Module | None = None, *, trust_code: b
     """
     d = model_dir(directory)  # a saved pipeline: its model artifact
     model = _as_saved(d, model)
-    manifest, fn, eager = load_artifact(d, model, trust_code=trust_code, threads=threads)
+    manifest, fn, eager = load_artifact(d, model, trust_code=trust_code, threads=threads,
+                                        replace_weights=replace_weights)
     if allocator and manifest.get("meta", {}).get("environment"):
         from torchnitro.bench.environment import apply_allocator
 
@@ -319,5 +329,6 @@ def load_pipeline(directory: str | Path, pipe: Any = None, *, device: torch.devi
     given, else on a pipeline rebuilt from the saved task, tokenizer and model config (``device``:
     where it runs, default CPU). ``torchnitro.load`` on the same folder returns the optimized model."""
     hf = pipe.model if pipe is not None else saved_pipeline_model(directory)
-    om = load(directory, model=copy.deepcopy(hf), trust_code=trust_code, allocator=allocator)
+    om = load(directory, model=copy.deepcopy(hf), trust_code=trust_code, allocator=allocator,
+              replace_weights=True)  # a copy (pipe.model is left as it is), or a model rebuilt from the saved config
     return rebuild_pipeline(directory, om, pipe, hf_model=hf, device=device)

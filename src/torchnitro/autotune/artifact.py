@@ -44,7 +44,7 @@ from torch import nn
 
 from torchnitro.autotune.recipe import CandidateFiles, get_recipe
 from torchnitro.checksum import sha256_file
-from torchnitro.errors import ArtifactError, RecipeError
+from torchnitro.errors import ArtifactError, InputError, RecipeError
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "EagerSource", "write_artifact", "read_manifest", "load_artifact",
            "check_model_spec"]
@@ -267,10 +267,38 @@ def _check_programs(d: Path, manifest: dict[str, Any]) -> None:
                       "trust_code=True (CLI: --trust-code) to acknowledge and silence this", UserWarning, stacklevel=4)
 
 
+def _check_same_weights(model: nn.Module, path: Path) -> None:
+    """Refuse to overwrite ``model``'s weights with different ones from ``path``: the user's model object would
+    change under them (a fine-tuned model reverted, another checkpoint replaced). Names the first that differs;
+    names and shapes that do not fit are left to ``load_model``, which names them."""
+    import torch
+    from safetensors import safe_open
+
+    from torchnitro.autotune.inputs import KeywordCall
+
+    mine = model.state_dict()
+    with safe_open(str(path), framework="pt") as f:
+        for name in f.keys():
+            t = mine.get(name)
+            if not isinstance(t, torch.Tensor):
+                continue
+            saved = f.get_tensor(name)
+            if t.shape == saved.shape and not torch.equal(t.detach().cpu().to(saved.dtype), saved):
+                kind = type(model.model if isinstance(model, KeywordCall) else model).__name__
+                raise InputError(
+                    f"load: received {kind} whose {name!r} differs from the weights saved in the artifact; loading "
+                    f"would overwrite your model's weights with them. Expected the model the artifact was made from; "
+                    f"to fill a new {kind}() with the artifact's weights, pass replace_weights=True")
+
+
 def load_artifact(directory: str | Path, model: nn.Module | None = None, *, trust_code: bool = False,
-                  threads: int | None = None) -> tuple[dict[str, Any], Any, nn.Module | None]:
+                  threads: int | None = None, replace_weights: bool = False
+                  ) -> tuple[dict[str, Any], Any, nn.Module | None]:
     """Verify, then rebuild: returns (manifest, callable, eager model or None).
 
+    ``model``: the eager model a recipe that is not standalone rebuilds from. Its weights must be the artifact's
+    (``InputError`` names the first that differs) unless ``replace_weights=True``, which loads the artifact's
+    weights into it (a new instance of the architecture); a model running an installed variant is refused.
     ``trust_code``: run code the artifact names or holds (a ``.py`` model factory, TorchScript);
     only for artifacts from a source you trust. ``threads``: the intra-op thread count of a runtime session the
     recipe builds (ONNX Runtime, OpenVINO), instead of the one the artifact records
@@ -278,6 +306,10 @@ def load_artifact(directory: str | Path, model: nn.Module | None = None, *, trus
     """
     d = Path(directory)
     manifest = read_manifest(d)
+    if model is not None:
+        from torchnitro.autotune.install import refuse_installed
+
+        refuse_installed(model, "load")
     if not trust_code:
         _check_programs(d, manifest)
     try:
@@ -292,12 +324,16 @@ def load_artifact(directory: str | Path, model: nn.Module | None = None, *, trus
             if not ref.get("spec"):
                 raise ArtifactError(
                     f"load: recipe {manifest['recipe']!r} rebuilds from the eager model, and this artifact was made from "
-                    "a Python object with no factory reference; pass it: torchnitro.load(dir, model=MyModel())")
+                    "a Python object with no factory reference; pass it: torchnitro.load(dir, model=my_model), or "
+                    "a new instance to fill with the artifact's weights: torchnitro.load(dir, model=MyModel(), "
+                    "replace_weights=True)")
             from torchnitro.autotune.inputs import rebuild_model
 
             if not trust_code:
                 check_model_spec(str(ref["spec"]), d)
             model = rebuild_model(ref["spec"], ref.get("extra"))
+        elif not replace_weights:
+            _check_same_weights(model, d / "weights.safetensors")
         from safetensors.torch import load_model
 
         try:

@@ -424,28 +424,52 @@ def inputs_from_mapping(model: Any, mapping: Mapping[str, Any]) -> tuple[Any, ..
     return tuple(out)
 
 
+def _describe(x: Any) -> str:
+    if isinstance(x, Tensor):
+        return f"{str(x.dtype).replace('torch.', '')}[{'x'.join(map(str, x.shape))}]"
+    if isinstance(x, Mapping):  # a feature dict: its entries, so that reports and cache keys tell shapes apart
+        return f"dict({', '.join(f'{k}: {_describe(v)}' for k, v in x.items())})"
+    return type(x).__name__
+
+
 def input_signature(inputs: tuple[Any, ...]) -> str:
-    """'int64[8x128], float32[8x3x64x64]' (cache keys and reports)."""
-    parts = []
-    for t in inputs:
-        if isinstance(t, Tensor):
-            parts.append(f"{str(t.dtype).replace('torch.', '')}[{'x'.join(map(str, t.shape))}]")
-        else:
-            parts.append(type(t).__name__)
-    return ", ".join(parts)
+    """'int64[8x128], float32[8x3x64x64]', a feature dict as 'dict(input_ids: int64[8x30], ...)' (cache keys
+    and reports)."""
+    return ", ".join(_describe(t) for t in inputs)
+
+
+def _fields(x: Any, path: list[Any], dims: list[int], out: list[dict[str, Any]]) -> None:
+    """Every tensor inside one structured input (dicts, lists, tuples), by path."""
+    if isinstance(x, Tensor):
+        out.append({"name": path[0] + "".join(f"[{k!r}]" for k in path[1:]), "path": path,
+                    "dtype": str(x.dtype).replace("torch.", ""),
+                    "shape": [-1 if d in dims else int(s) for d, s in enumerate(x.shape)]})
+    elif isinstance(x, Mapping):
+        for k, v in x.items():
+            _fields(v, [*path, k], dims, out)
+    elif isinstance(x, (list, tuple)):
+        for k, v in enumerate(x):
+            _fields(v, [*path, k], dims, out)
 
 
 def signature_of(model: nn.Module, inputs: tuple[Any, ...], outputs: list[tuple[str, Tensor]],
                  dynamic_dims: dict[int, list[int]], other_outputs: Sequence[list[tuple[str, Tensor]]] = ()) -> dict[str, Any]:
-    """Input names/dtypes/shapes (-1 where dynamic) and output names/dtypes/shapes, for the manifest."""
+    """Input names/dtypes/shapes (-1 where dynamic) and output names/dtypes/shapes, for the manifest.
+
+    ``input_fields``: the tensors inside structured inputs (a feature dict), each with its path (argument name,
+    then keys), dtype and shape; such a tensor varies in its input's declared dims, or the batch where none are
+    declared (as ``recipes._layout.InputLayout.dynamic_dims``). ``inputs`` must be the call as the user makes it:
+    a model that writes its outputs into its feature dict has not yet written into it."""
     names = [p.name for p in forward_params(model)]
-    ins = []
+    ins: list[dict[str, Any]] = []
+    fields: list[dict[str, Any]] = []
     for i, t in enumerate(inputs):
+        name = names[i] if i < len(names) else f"input_{i}"
         if not isinstance(t, Tensor):
+            _fields(t, [name], dynamic_dims.get(i, [0]), fields)
             continue
         dyn = set(dynamic_dims.get(i, []))
-        ins.append({"name": names[i] if i < len(names) else f"input_{i}",
-                    "dtype": str(t.dtype).replace("torch.", ""),
+        ins.append({"name": name, "dtype": str(t.dtype).replace("torch.", ""),
                     "shape": [-1 if d in dyn else int(s) for d, s in enumerate(t.shape)]})
     outs = []
     for k, (n, t) in enumerate(outputs):  # an output dim that changes with the input size is dynamic
@@ -454,4 +478,4 @@ def signature_of(model: nn.Module, inputs: tuple[Any, ...], outputs: list[tuple[
             if k < len(other) and other[k][1].dim() == len(shape):
                 shape = [-1 if s != int(o) else s for s, o in zip(shape, other[k][1].shape)]
         outs.append({"name": n, "dtype": str(t.dtype).replace("torch.", ""), "shape": shape})
-    return {"inputs": ins, "outputs": outs}
+    return {"inputs": ins, "outputs": outs, **({"input_fields": fields} if fields else {})}

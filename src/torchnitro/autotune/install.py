@@ -22,6 +22,9 @@ what the variant was verified for, and the original forward otherwise:
   mode they are ordinary tensors, as eager's are.
 * **Undo.** ``Installation.uninstall()`` (or leaving ``with opt.install(model):``) restores the forward
   the object had.
+* **Saving.** ``torch.save(model)``, ``pickle`` and ``copy.deepcopy`` of an installed model give the plain
+  model (its own forward; nothing of torchnitro is pickled): the install is a patch of this process's object,
+  not part of the model. Its ``state_dict`` is unchanged by the install.
 
 The model must hold the weights the variant was made from (compared where the ``OptimizedModel`` still
 has the eager model); an ``InputError`` names the first parameter that differs.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import operator
 import threading
 import warnings
 from collections.abc import Mapping
@@ -45,7 +49,7 @@ from torch.utils._pytree import tree_map
 from torchnitro.autotune.failure import clean_line
 from torchnitro.errors import InputError
 
-__all__ = ["Installation", "install", "LeafSpec"]
+__all__ = ["Installation", "install", "LeafSpec", "refuse_installed"]
 
 # HF forward flags whose None default means "as model.config says": passing the config's value is no change
 # (sentence-transformers passes return_dict=True)
@@ -96,16 +100,22 @@ def _spec_from_example(names: list[str], example: tuple[Any, ...], dynamic_dims:
 
 
 def _spec_from_signature(names: list[str], signature: dict[str, Any], layout: Any) -> dict[Path_, LeafSpec]:
-    """A loaded artifact: the manifest's top-level tensors, and the saved layout's paths (shapes unknown)."""
+    """A loaded artifact: the manifest's top-level tensors and the tensors inside its structured inputs
+    (``input_fields``: a feature dict's), and the saved layout's paths (shapes unknown: an older artifact)."""
     tensors: dict[Path_, LeafSpec] = {}
     for entry in signature.get("inputs", []):
-        dtype = getattr(torch, str(entry.get("dtype")), None)
-        tensors[(entry["name"],)] = LeafSpec(dtype if isinstance(dtype, torch.dtype) else None,
-                                             tuple(int(s) for s in entry.get("shape", [])))
+        tensors[(entry["name"],)] = _leaf_spec(entry)
+    for entry in signature.get("input_fields", []):
+        tensors[tuple(entry["path"])] = _leaf_spec(entry)
     for p in layout or []:
         head = names[p[0]] if isinstance(p[0], int) and p[0] < len(names) else p[0]
         tensors.setdefault((head, *p[1:]), LeafSpec(None, None))
     return tensors
+
+
+def _leaf_spec(entry: dict[str, Any]) -> LeafSpec:
+    dtype = getattr(torch, str(entry.get("dtype")), None)
+    return LeafSpec(dtype if isinstance(dtype, torch.dtype) else None, tuple(int(s) for s in entry.get("shape", [])))
 
 
 def _read_paths(model: nn.Module, example: tuple[Any, ...], names: list[str]) -> set[Path_]:
@@ -332,6 +342,17 @@ class _InstalledForward:
         twin = memo.get(id(model), model)  # the model's copy, made before its attributes are copied
         return type(twin).forward.__get__(twin)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (``torch.save(model)``, ``pickle``, a worker process) as the forward the model had before the
+        install: the variant is a patch of this process's object, not part of the model, so the saved model is
+        the plain model, loads where torchnitro is not installed, and runs its own forward. Built from
+        builtins only: ``getattr(model, 'forward')`` runs while the model is unpickled, before its state is set,
+        so it finds the class's forward."""
+        inst = self.installation
+        if inst._had_own:
+            return operator.getitem, ((inst._own,), 0)
+        return getattr, (inst.model, "forward")
+
 
 def _same(a: Any, b: Any) -> bool:
     try:
@@ -364,6 +385,18 @@ def _check_weights(om: Any, model: nn.Module) -> None:
             raise InputError(f"install: received {type(model).__name__} whose {name!r} differs from the model the "
                              "variant was made from; expected the same weights (optimize this model, or load the "
                              "artifact with torchnitro.load(dir, model=this_model))")
+
+
+def refuse_installed(model: nn.Module, what: str) -> None:
+    """Raise ``InputError`` when ``model`` or a module inside it runs an installed variant: the search would time
+    that variant as the model's eager forward, and a loaded eager artifact would run it as the model."""
+    for name, m in model.named_modules():
+        inst = getattr(m.__dict__.get("forward"), "installation", None)
+        if isinstance(inst, Installation) and inst.installed:
+            where = type(model).__name__ + (f" (its module {name!r})" if name else "")
+            raise InputError(f"{what}: received {where}, which runs an installed optimized variant "
+                             f"({inst.optimized.recipe}) as its forward; expected the model with its own forward. "
+                             "uninstall() it first (or leave its `with opt.install(model):` block)")
 
 
 def install(optimized: Any, model: nn.Module) -> Installation:

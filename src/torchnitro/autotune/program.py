@@ -32,7 +32,7 @@ from torchnitro.autotune.recipes._util import output_kind, restructure
 from torchnitro.autotune.verify import flatten_outputs
 from torchnitro.errors import RecipeError
 
-__all__ = ["ISOLATED_INPUTS", "prepare_program", "load_program", "isolation", "Programs"]
+__all__ = ["ISOLATED_INPUTS", "prepare_program", "load_program", "export_flat", "isolation", "Programs"]
 
 ISOLATED_INPUTS = ("exported", "onnx", "model")  # the values of Recipe.isolated_input
 
@@ -96,18 +96,33 @@ def packs_args(module: nn.Module) -> bool:
     return bool(params) and params[0].kind == inspect.Parameter.VAR_POSITIONAL
 
 
-def _export(model: nn.Module, inputs: tuple[Any, ...], dynamic_dims: dict[int, list[int]], directory: Path) -> Program:
+def _save_export(model: nn.Module, module: nn.Module, flat: tuple[Any, ...], dims: dict[int, list[int]],
+                 path: Path) -> None:
     from torch.export import Dim
 
-    module, flat, dims, meta = _flat_model(model, inputs, dynamic_dims)
     shapes = tuple({d: Dim.AUTO for d in dims.get(i, [])} if isinstance(x, torch.Tensor) else None
                    for i, x in enumerate(flat))
+    # a wrapper's forward(*inputs): the shapes of the packed positional inputs are one nested tuple
+    nest = module is not model or packs_args(module)
+    ep = torch.export.export(module, flat, dynamic_shapes=(shapes,) if nest else shapes, strict=False)
+    torch.export.save(ep, str(path))
+
+
+def export_flat(model: nn.Module, inputs: tuple[Any, ...], dynamic_dims: dict[int, list[int]],
+                path: Path) -> dict[str, Any]:
+    """``torch.export`` ``model`` to ``path`` as a child's program is made (structured inputs and outputs
+    flattened, the declared dynamic dims as ``Dim.AUTO``); returns the meta ``load_program`` rebuilds the
+    model's call and outputs from. Raises what the exporter raises."""
+    module, flat, dims, meta = _flat_model(model, inputs, dynamic_dims)
+    _save_export(model, module, flat, dims, path)
+    return meta
+
+
+def _export(model: nn.Module, inputs: tuple[Any, ...], dynamic_dims: dict[int, list[int]], directory: Path) -> Program:
+    module, flat, dims, meta = _flat_model(model, inputs, dynamic_dims)
     try:
         path = directory / "model.pt2"
-        # a wrapper's forward(*inputs): the shapes of the packed positional inputs are one nested tuple
-        nest = module is not model or packs_args(module)
-        ep = torch.export.export(module, flat, dynamic_shapes=(shapes,) if nest else shapes, strict=False)
-        torch.export.save(ep, str(path))
+        _save_export(model, module, flat, dims, path)
         return Program("exported", path, meta)
     except Exception as exc:  # noqa: BLE001 - TorchScript next
         export_error = _first_line(exc)

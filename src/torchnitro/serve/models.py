@@ -213,6 +213,8 @@ def artifact_model(directory: str | Path, model: nn.Module | None = None, *, tru
     path = Path(directory)
     # model and threads only when given: without them the call is the plain load it always was
     given = {k: v for k, v in (("model", model), ("threads", threads)) if v is not None}
+    if model is not None:  # a new instance of the architecture, filled with the artifact's weights
+        given["replace_weights"] = True
     loaded = torchnitro.load(path, trust_code=trust_code, **given)
     sig = getattr(loaded, "signature", None)
     if isinstance(sig, dict):

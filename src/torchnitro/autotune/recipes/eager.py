@@ -2,7 +2,10 @@
 
 Saved as the state dict plus the model's factory reference; when the model came from a Python
 object with no factory, ``export_program`` writes a ``torch.export`` program (``model.pt2``) so the
-artifact still loads without the model's code.
+artifact still loads without the model's code. A model called with structured inputs (a
+sentence-transformers feature dict) is exported as an isolated candidate's program is
+(``program.export_flat``: flat tensors in and out, the layout and output structure in the meta) and
+loaded back to take the same dict and answer in the same structure.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
+from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Program, Recipe, register_recipe
 
 __all__ = ["Eager", "export_program"]
 
@@ -30,23 +33,20 @@ class Eager(Recipe):
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         if meta.get("exported"):
-            return torch.export.load(str(directory / "model.pt2")).module()
+            from torchnitro.autotune.program import load_program
+
+            return load_program(Program("exported", directory / "model.pt2", meta))  # type: ignore[return-value]
         return self.require_model(model).eval()
 
 
 def export_program(model: nn.Module, example_inputs: tuple[Any, ...], dynamic_dims: dict[int, list[int]],
-                   path: Path) -> str | None:
-    """torch.export the model to ``path`` (dynamic dims marked); returns None, or why it failed."""
-    from torch.export import Dim
+                   path: Path) -> tuple[dict[str, Any], str | None]:
+    """torch.export the model to ``path`` (dynamic dims marked): (the meta ``load`` needs, None), or
+    ({}, why it failed)."""
+    from torchnitro.autotune.program import export_flat
 
-    shapes = tuple({d: Dim.AUTO for d in dynamic_dims.get(i, [])} if isinstance(x, torch.Tensor) else None
-                   for i, x in enumerate(example_inputs))
     try:
-        from torchnitro.autotune.program import packs_args
-
-        ep = torch.export.export(model.eval(), tuple(example_inputs),
-                                 dynamic_shapes=(shapes,) if packs_args(model) else shapes)
-        torch.export.save(ep, str(path))
+        with torch.no_grad():
+            return export_flat(model.eval(), tuple(example_inputs), dynamic_dims, path), None
     except Exception as exc:  # noqa: BLE001 - not every model exports; the caller falls back
-        return f"{type(exc).__name__}: {exc}"[:300]
-    return None
+        return {}, f"{type(exc).__name__}: {exc}"[:300]
