@@ -660,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
                  "candidate_timeout_s": 30.0, "recipes": list(QUICK_RECIPES)}
                 if args.quick else {})  # the default candidate limit (120 s): an int8 build on full-length
     # text under a load of 10+ took more than 60 s
+    args.cfg["device"] = "cpu"  # a CPU study beside CPU peers: on a GPU machine device='auto' would pick the GPU
     if args.threads:
         args.cfg["threads"] = args.threads
         torch.set_num_threads(args.threads)  # the side-by-side tables time in this process and its children
