@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchnitro.autotune.recipes.onednn_int8 import OneDnnInt8Linear, onednn_int8_reason
+from torchnitro.kernels.cpu_int8 import cpu_int8_reason
 
 pytestmark = pytest.mark.skipif(onednn_int8_reason() is not None, reason=f"oneDNN int8: {onednn_int8_reason()}")
 
@@ -57,7 +58,15 @@ def test_smoothing_moves_outlier_channels_into_the_weights():
     assert _rel(smooth, ref) < 0.7 * _rel(plain, ref)
 
 
-def test_inplace_smoothing_overwrites_only_when_asked():
+def _torch_quantiser(monkeypatch) -> None:
+    """The Linear's torch-op path, as where the native quantiser cannot be built."""
+    from torchnitro.autotune.recipes import onednn_int8
+
+    monkeypatch.setattr(onednn_int8, "cpu_int8_reason", lambda: "native int8 quantiser unavailable: test")
+
+
+def test_inplace_smoothing_overwrites_only_when_asked(monkeypatch):
+    _torch_quantiser(monkeypatch)
     lin, x = _case(3)
     s = torch.rand(x.shape[1]) + 0.5
     q = OneDnnInt8Linear(lin, s)
@@ -69,6 +78,57 @@ def test_inplace_smoothing_overwrites_only_when_asked():
         b = q(x)
     torch.testing.assert_close(b, a)
     torch.testing.assert_close(x, keep / s)  # the temporary now holds x / s
+
+
+@pytest.mark.skipif(cpu_int8_reason() is not None, reason=f"{cpu_int8_reason()}")
+def test_the_native_quantiser_never_writes_the_input():
+    lin, x = _case(3)
+    q = OneDnnInt8Linear(lin, torch.rand(x.shape[1]) + 0.5, outliers=torch.tensor([1, 5]))
+    q.inplace = True  # allowed to, but smoothing and zeroing happen inside the quantiser's passes
+    keep = x.clone()
+    with torch.inference_mode():
+        q(x), q(x, gelu=True)
+    assert torch.equal(x, keep)
+
+
+@pytest.mark.skipif(cpu_int8_reason() is not None, reason=f"{cpu_int8_reason()}")
+@pytest.mark.parametrize("n,k,m", [(300, 96, 80), (5, 37, 23)])
+def test_native_quantiser_and_torch_ops_give_the_same_result(monkeypatch, n, k, m):
+    """Smoothing, outlier columns and the range in the kernel's two passes vs torch's multiply, index_fill,
+    aminmax and quantize_per_tensor: the same uint8 activations, so the same output up to the fp32 outlier
+    product's summation order."""
+    lin, x = _case(10, n, k, m)
+    x[:, 2] *= 30.0
+    mods = {"smoothed": OneDnnInt8Linear(lin, torch.rand(k) + 0.5),
+            "outliers": OneDnnInt8Linear(lin, torch.rand(k) + 0.5, outliers=torch.tensor([2, k - 1])),
+            "plain": OneDnnInt8Linear(lin)}
+    res = torch.randn(n, m)
+    calls = ({}, {"gelu": True}, {"add": res})
+    with torch.inference_mode():
+        native = {(name, i): mod(x, **kw) for name, mod in mods.items() for i, kw in enumerate(calls)}
+        _torch_quantiser(monkeypatch)
+        for (name, i), got in native.items():
+            torch.testing.assert_close(got, mods[name](x, **calls[i]), rtol=1e-5, atol=1e-5, msg=f"{name} {calls[i]}")
+
+
+@pytest.mark.parametrize("outliers", [None, torch.tensor([0, 7])])
+def test_accumulate_writes_the_sum_into_the_residual(outliers):
+    lin, x = _case(11)
+    q = OneDnnInt8Linear(lin, torch.rand(96) + 0.5, outliers=outliers)
+    res = torch.randn(3, 100, 80)
+    with torch.inference_mode():
+        want = q(x, add=res.reshape(300, 80))
+        acc = res.clone()
+        got = q(x.reshape(3, 100, 96), add=acc, accumulate=True)
+        assert got.data_ptr() == acc.data_ptr() and got.shape == (3, 100, 80)
+        torch.testing.assert_close(got.reshape(300, 80), want, rtol=1e-5, atol=1e-5)
+        strided = res.reshape(300, 80).t().contiguous().t()  # not contiguous: a new output, the residual kept
+        keep = strided.clone()
+        torch.testing.assert_close(q(x, add=strided, accumulate=True), want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(strided, keep)
+        q.out_dtype = torch.bfloat16  # a bf16 output cannot accumulate into fp32: a new tensor
+        acc = res.reshape(300, 80).clone()
+        assert q(x, add=acc, accumulate=True).dtype == torch.bfloat16 and torch.equal(acc, res.reshape(300, 80))
 
 
 def test_constant_and_zero_inputs_stay_finite():

@@ -35,12 +35,13 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
 
 __all__ = ["COMPILER", "NativeAttention", "cpu_attention_reason", "has_native_bf16", "kernel_name", "load_kernel",
-           "loaded_libgomp", "varlen_attention"]
+           "load_native", "loaded_libgomp", "varlen_attention"]
 
 COMPILER = os.environ.get("CC", "gcc")  # the C compiler; a test points it at a missing name to check the fallback
 _FLAGS = ("-O3", "-march=native", "-fPIC", "-std=c11")
@@ -88,14 +89,15 @@ def _compiler_id(cc: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else cc
 
 
-def _build(cc: str) -> Path:
-    """The shared library for this source, compiler, flags and CPU: from the cache, else compiled into it."""
-    src = _SOURCE.read_bytes()
+def _build(cc: str, source: Path = _SOURCE) -> Path:
+    """The shared library for ``source`` (this module's kernel by default; ``cpu_int8`` builds its own the same
+    way), this compiler, flags and CPU: from the cache, else compiled into it."""
+    src = source.read_bytes()
     gomp = _torch_libgomp()
     key = hashlib.sha256(b"\0".join([src, _compiler_id(cc).encode(), " ".join(_FLAGS).encode(),
                                      _cpu_flags().encode(), str(gomp).encode()])).hexdigest()[:20]
     root = _cache_root()
-    target = root / f"cpu_attention-{key}.so"
+    target = root / f"{source.stem}-{key}.so"
     if target.exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -103,7 +105,7 @@ def _build(cc: str) -> Path:
         obj, so = Path(tmp) / "k.o", Path(tmp) / "k.so"
         omp = ["-fopenmp"] if gomp is not None else []
         # compile with OpenMP, link against torch's libgomp by path (not the compiler's -lgomp): one runtime
-        steps = [[cc, *_FLAGS, *omp, "-c", str(_SOURCE), "-o", str(obj)],
+        steps = [[cc, *_FLAGS, *omp, "-c", str(source), "-o", str(obj)],
                  [cc, "-shared", str(obj), "-o", str(so)]
                  + ([str(gomp), f"-Wl,-rpath,{gomp.parent}"] if gomp is not None else []) + ["-lm"]]
         for cmd in steps:
@@ -128,23 +130,30 @@ def _open(path: Path) -> _Kernel:
     return _Kernel(lib, int(lib.tn_attn_caps()), path)
 
 
-def load_kernel() -> _Kernel | None:
-    """The compiled kernel (built on first use, then cached on disk and in the process), or None: see
-    ``cpu_attention_reason``."""
+def load_native(state: dict[str, object], source: Path, open_lib: Callable[[Path], object], what: str) -> object:
+    """``open_lib`` of ``source``'s shared library (built on first use, then cached on disk and in ``state``), or
+    None with ``state["reason"]`` saying why in one line ("``what`` unavailable: ..."). Rebuilt when COMPILER
+    changes."""
     with _lock:
         key = COMPILER
-        if _state.get("compiler") != key:
-            _state.clear()
-            _state["compiler"] = key
+        if state.get("compiler") != key:
+            state.clear()
+            state["compiler"] = key
             try:
                 cc = shutil.which(key)
                 if cc is None:
                     raise RuntimeError(f"no C compiler: {key!r} is not on PATH (set CC to one)")
-                _state["kernel"] = _open(_build(cc))
+                state["kernel"] = open_lib(_build(cc, source))
             except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as exc:
                 why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                _state["reason"] = f"native attention unavailable: {why}"
-        return _state.get("kernel")  # type: ignore[return-value]
+                state["reason"] = f"{what} unavailable: {why}"
+        return state.get("kernel")
+
+
+def load_kernel() -> _Kernel | None:
+    """The compiled kernel (built on first use, then cached on disk and in the process), or None: see
+    ``cpu_attention_reason``."""
+    return load_native(_state, _SOURCE, _open, "native attention")  # type: ignore[return-value]
 
 
 def cpu_attention_reason() -> str | None:

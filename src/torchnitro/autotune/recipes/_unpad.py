@@ -163,10 +163,15 @@ class PackedLayer(nn.Module):
         self.native_attention = None
 
     @staticmethod
-    def _plus_residual(lin: nn.Module, inp: Tensor, x: Tensor, scale: Tensor | None) -> Tensor:
-        """``lin(inp) + x * scale`` (``+ x`` without a SmoothQuant scale); in the int8 Linear's epilogue."""
+    def _plus_residual(lin: nn.Module, inp: Tensor, x: Tensor, scale: Tensor | None, owned: bool) -> Tensor:
+        """``lin(inp) + x * scale`` (``+ x`` without a SmoothQuant scale); in the int8 Linear's epilogue.
+        ``owned``: ``x`` is this layer's own temporary, which a Linear that takes ``accumulate`` may write
+        the sum into (no output allocation: with glibc's default thresholds each fresh one faults in again)."""
         if getattr(lin, "fused_epilogue", False):  # int8 Linears that add in their epilogue
-            return lin(inp, add=x if scale is None else x * scale)
+            r = x if scale is None else x * scale  # (N, out); x * scale is a temporary of its own
+            if getattr(lin, "takes_accumulate", False) and (owned or scale is not None):
+                return lin(inp, add=r, accumulate=True)
+            return lin(inp, add=r)
         y = lin(inp)
         return x + y if scale is None else torch.addcmul(y, x, scale)
 
@@ -177,18 +182,23 @@ class PackedLayer(nn.Module):
     ffn_rows = 1024
 
     def _ffn_residual(self, x: Tensor) -> Tensor:
-        """``x + ffn(x)`` (SmoothQuant residual scale applied), by row blocks."""
+        """``x + ffn(x)`` (SmoothQuant residual scale applied), by row blocks. ``x`` (the first LayerNorm's
+        output, this layer's own) may be overwritten with the result."""
         if x.shape[0] <= self.ffn_rows:
             return self._ffn_block(x)
         # rows are independent in the FFN; each block's (rows, 4D) temporary stays in cache
-        return torch.cat([self._ffn_block(xs) for xs in x.split(self.ffn_rows)])  # (N, D)
+        blocks = x.split(self.ffn_rows)
+        outs = [self._ffn_block(xs) for xs in blocks]
+        if all(o.data_ptr() == xs.data_ptr() and o.dtype == x.dtype for o, xs in zip(outs, blocks)):
+            return x  # every block's sum was written into its rows of x: nothing to concatenate
+        return torch.cat(outs)  # (N, D)
 
     def _ffn_block(self, x: Tensor) -> Tensor:
         if getattr(self.ffn_in, "fused_epilogue", False):
             h = self.ffn_in(x, gelu=True)  # GELU in the int8 Linear's epilogue
         else:
             h = F.gelu(self.ffn_in(x))  # a temporary: int8 ffn_out smooths it in place
-        return self._plus_residual(self.ffn_out, h, x, self.res_mid)
+        return self._plus_residual(self.ffn_out, h, x, self.res_mid, owned=True)
 
     def _attend(self, qkv: Tensor, buckets: list[_Bucket]) -> Tensor:
         n, d = qkv.shape[0], qkv.shape[1] // 3  # qkv: (N, 3D)
@@ -228,9 +238,11 @@ class PackedLayer(nn.Module):
         o = ga(qkv, buckets[0].g, buckets[0].l) if ga is not None else None  # None: it cannot run, SDPA does
         return o.to(x.dtype) if o is not None else self._attend(qkv.to(x.dtype), buckets)
 
-    def forward(self, x: Tensor, buckets: list[_Bucket]) -> Tensor:
+    def forward(self, x: Tensor, buckets: list[_Bucket], owned: bool = False) -> Tensor:
+        """``(N, D)`` real-token rows -> the layer's ``(N, D)`` output. ``owned``: ``x`` is the caller's
+        temporary, which the layer may overwrite (``run_layers``)."""
         ctx = self.attention(x, buckets)  # x: (N, D) real tokens
-        x = self.ln1(self._plus_residual(self.out, ctx, x, self.res_in))
+        x = self.ln1(self._plus_residual(self.out, ctx, x, self.res_in, owned))
         return self.ln2(self._ffn_residual(x))
 
 
@@ -294,7 +306,8 @@ def position_bias_(packing: Packing, t: int, bias: Callable[[Tensor], Tensor]) -
 
 
 def run_layers(layers: nn.ModuleList, x: Tensor, packing: Packing) -> Tensor:
-    """``x``: ``(N, D)`` embedded real tokens -> the last layer's ``(N, D)``."""
+    """``x``: ``(N, D)`` embedded real tokens (the caller's temporary: it may be overwritten) -> the last
+    layer's ``(N, D)``."""
     for layer in layers:
-        x = layer(x, packing.buckets)
+        x = layer(x, packing.buckets, owned=True)
     return x

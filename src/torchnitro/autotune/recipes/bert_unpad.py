@@ -34,6 +34,7 @@ from torchnitro.autotune.recipes.int8_mixed import (build_mixed_int8, int8_unava
                                                    load_engine, load_full_range, load_outliers, load_scales,
                                                    quantize_linears)
 from torchnitro.autotune.recipes.onednn_int8 import Int8LinearBase
+from torchnitro.kernels.cpu_int8 import cpu_int8_reason
 
 __all__ = ["UnpaddedBert", "fold_smoothing", "bert_inapplicable_reason", "unpad_model", "UnpaddedBertRecipe",
            "UnpaddedBertInt8", "UnpaddedBertBf16"]
@@ -71,7 +72,7 @@ def _own(holder: nn.Module, attr: str) -> nn.Module:
     return mod
 
 
-def _fold_one(m: UnpaddedEncoder, left: dict[str, Tensor], prefix: str) -> None:
+def _fold_one(m: UnpaddedEncoder, left: dict[str, Tensor], prefix: str, norms: bool) -> None:
     # the module feeding the next qkv: (holder, attribute); ELECTRA's embedding projection, else a LayerNorm
     prev = (m, "project") if getattr(m, "project", None) is not None else (m, "ln_emb")
     for i, layer in enumerate(m.layers):
@@ -82,13 +83,13 @@ def _fold_one(m: UnpaddedEncoder, left: dict[str, Tensor], prefix: str) -> None:
                 layer.qkv.weight[2 * d:] /= s[:, None]  # V rows: ctx comes out divided by s (qkv is private)
                 layer.qkv.bias[2 * d:] /= s
                 _own(layer, "out").weight *= s  # columns: out(ctx / s) with W * s == out(ctx)
-        s = left.pop(f"{prefix}layers.{i}.qkv", None)
+        s = left.pop(f"{prefix}layers.{i}.qkv", None) if norms else None
         if s is not None:
             _scale_out(_own(*prev), s)
             with torch.no_grad():
                 layer.qkv.weight *= s
             layer.res_in = s  # the previous LayerNorm now emits x / s; only this layer reads it
-        s = left.pop(f"{prefix}layers.{i}.ffn_in", None)
+        s = left.pop(f"{prefix}layers.{i}.ffn_in", None) if norms else None
         if s is not None:
             _scale_out(_own(layer, "ln1"), s)
             with torch.no_grad():
@@ -97,12 +98,15 @@ def _fold_one(m: UnpaddedEncoder, left: dict[str, Tensor], prefix: str) -> None:
         prev = (layer, "ln2")
 
 
-def fold_smoothing(base: nn.Module, scales: dict[str, Tensor]) -> tuple[nn.Module, dict[str, Tensor]]:
+def fold_smoothing(base: nn.Module, scales: dict[str, Tensor], norms: bool = True) -> tuple[nn.Module,
+                                                                                            dict[str, Tensor]]:
     """A copy of ``base`` with SmoothQuant scales folded into weights where that is exact, so the
     int8 Linears need no ``x / s`` multiply: the attention output's scale goes into the V rows of
     qkv (attention is linear in V), qkv's and ffn_in's into the LayerNorm (or ELECTRA's embedding
-    projection) that feeds them (its residual becomes ``addcmul``). Returns the copy and the scales
-    still to apply at run time.
+    projection) that feeds them (its residual becomes ``addcmul``) unless ``norms`` is False: where
+    the int8 Linear smooths for free in its quantisation pass (``onednn_int8`` on the native quantiser),
+    the LayerNorm's output stays the residual as it is and no ``x * s`` pass is needed. Returns the
+    copy and the scales still to apply at run time.
 
     An in-place ``UnpaddedEncoder`` shares its LayerNorms and Linears with the original module it
     falls back to; each one a scale is folded into is first replaced by a private copy (LayerNorms:
@@ -111,7 +115,7 @@ def fold_smoothing(base: nn.Module, scales: dict[str, Tensor]) -> tuple[nn.Modul
     left = dict(scales)
     for name, sub in list(m.named_modules()):
         if isinstance(sub, UnpaddedEncoder):
-            _fold_one(sub, left, f"{name}." if name else "")
+            _fold_one(sub, left, f"{name}." if name else "", norms)
     return m, left
 
 
@@ -122,7 +126,7 @@ def _int8(base: nn.Module, names: list[str], scales: dict[str, Tensor], full_ran
     PyTorch's dynamic int8 Linear with the smoothing folded into the weights where exact."""
     from torchnitro.autotune.recipes.int8_mixed import SmoothedInt8Linear
 
-    folded, left = fold_smoothing(base, scales)
+    folded, left = fold_smoothing(base, scales, norms=not (engine == "onednn" and cpu_int8_reason() is None))
     q = quantize_linears(folded, names, left, full_range, engine, outliers)
     for layer in q.modules():
         if isinstance(layer, PackedLayer) and isinstance(layer.ffn_out, (SmoothedInt8Linear, Int8LinearBase)):
