@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from torchnitro.autotune.artifact import EagerSource, load_artifact, write_artifact
 from torchnitro.autotune.cache import CandidateCache, make_key, model_hash
@@ -32,8 +33,11 @@ class OptimizedModel:
     """The chosen variant: call it like the model. ``.report`` says how it was chosen."""
 
     def __init__(self, fn: Callable[..., Any], recipe: str, report: Report, signature: dict[str, Any],
-                 candidate: CandidateFiles, source: EagerSource | None = None, *, keepalive: Any = None):
+                 candidate: CandidateFiles, source: EagerSource | None = None, *, keepalive: Any = None,
+                 device: torch.device | None = None):
         self._fn = fn
+        self.device = device  # where the variant runs (optimize's resolved device); None: as loaded, unchecked
+        self._moved_warned = False
         self.recipe = recipe  # name of the chosen recipe
         self.report = report
         self.signature = signature  # {'inputs': [{name, dtype, shape(-1 = dynamic)}], 'outputs': [...]}
@@ -48,8 +52,29 @@ class OptimizedModel:
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
         if kwargs:  # a tokenizer's output as keywords: om(**batch)
             inputs = self._positional(inputs, kwargs)
+        back = self._elsewhere(inputs)
         with torch.inference_mode():
-            return self._fn(*inputs)
+            if back is None:
+                return self._fn(*inputs)
+            out = self._fn(*tree_map(lambda x: x.to(self.device) if isinstance(x, torch.Tensor) else x, inputs))
+            return tree_map(lambda x: x.to(back) if isinstance(x, torch.Tensor) else x, out)
+
+    def _elsewhere(self, inputs: tuple[Any, ...]) -> torch.device | None:
+        """The device of input tensors not on the one the variant runs on (None: all there). The search's
+        ``device='auto'`` picks the GPU where one is visible, while a model from ``from_pretrained`` and its
+        tokenizer's tensors stay on the CPU: such calls are copied to the variant's device and the outputs
+        back, with one warning (the copies are outside what was timed)."""
+        if self.device is None:
+            return None
+        dev = next((x.device for x in tree_flatten(inputs)[0]
+                    if isinstance(x, torch.Tensor) and x.device.type != self.device.type), None)
+        if dev is not None and not self._moved_warned:
+            self._moved_warned = True
+            warnings.warn(f"this variant runs on {self.device} (the device optimize chose); received inputs on {dev}: "
+                          f"they are copied to {self.device} and the outputs back to {dev} on every call, outside "
+                          f"what was timed. Pass tensors on {self.device}, or optimize with "
+                          f"OptimizeConfig(device='{dev.type}')", stacklevel=3)
+        return dev
 
     def _positional(self, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         names = self.source.arg_names or [i["name"] for i in self.signature.get("inputs", [])]
@@ -71,7 +96,6 @@ class OptimizedModel:
     def save(self, directory: str | Path) -> Path:
         """Write the artifact (see ``torchnitro.autotune.artifact``); returns the directory."""
         import tempfile
-        import warnings
 
         candidate, src, tmp = self.candidate, self.source, None
         if self.recipe == EAGER and not src.ref.get("spec") and src.model is not None and src.example_inputs:
@@ -83,14 +107,14 @@ class OptimizedModel:
                 candidate = CandidateFiles(Path(tmp.name), ["model.pt2"], {**candidate.meta, **meta, "exported": True},
                                            standalone=True)
             else:
-                warnings.warn(f"torch.export failed ({why}); the artifact needs torchnitro.load(dir, model=...)",
-                              stacklevel=2)
+                warnings.warn(f"torch.export failed ({why}); the artifact needs torchnitro.load(dir, model=...) "
+                              "(replace_weights=True for a fresh instance)", stacklevel=2)
         elif not candidate.standalone and not src.ref.get("spec"):
             warnings.warn(f"recipe {self.recipe!r} rebuilds from the eager model, and this model is a Python object "
                           "with no factory reference: the artifact loads with torchnitro.load(dir, model=<your model>) "
-                          "only, and `torchnitro serve DIR` cannot load it. For a servable artifact, optimize a "
-                          "'module:function' spec, or pick among standalone recipes (config.recipes, e.g. "
-                          "['onnxruntime', 'openvino', 'torchscript'])", stacklevel=2)
+                          "only (replace_weights=True for a fresh instance), and `torchnitro serve DIR` cannot load "
+                          "it. For a servable artifact, optimize a 'module:function' spec, or pick among standalone "
+                          "recipes (config.recipes, e.g. ['onnxruntime', 'openvino', 'torchscript'])", stacklevel=2)
         return write_artifact(directory, candidate, src, recipe=self.recipe, numeric_class=self.numeric_class,
                               signature=self.signature, report=self.report, hardware=self.report.hardware)
 
@@ -178,7 +202,7 @@ def optimize(model: nn.Module | str | Any, example_inputs: Any = None, config: O
     cached = _from_cache(model, inputs, info, cfg)
     if cached is not None:
         return cached
-    from torchnitro.autotune.search import search
+    from torchnitro.autotune.search import resolve_device, search
 
     # new containers for the search: a model that writes its outputs into its feature dict (sentence-transformers)
     # writes into the search's copy, and the signature, the saved example and the cache key see the call as given
@@ -192,7 +216,8 @@ def optimize(model: nn.Module | str | Any, example_inputs: Any = None, config: O
     if cfg.cache and (cf.dir is None or not str(cf.dir).startswith(str(out.tmp.name))):
         CandidateCache(cfg.resolved_cache_dir()).put_search(_search_key(model, inputs, cfg), {
             "report": out.report.to_dict(), "recipe": out.recipe.name, **cf.to_dict(), "signature": sig, "ref": ref})
-    return OptimizedModel(out.fn, out.recipe.name, out.report, sig, cf, source, keepalive=out.tmp)
+    return OptimizedModel(out.fn, out.recipe.name, out.report, sig, cf, source, keepalive=out.tmp,
+                          device=resolve_device(cfg))
 
 
 def _returns_cache(out: Any) -> bool:
@@ -270,7 +295,7 @@ def _from_cache(model: nn.Module, inputs: tuple[Any, ...], info: ModelInfo, cfg:
     report.cached = True
     report.search_s = time.perf_counter() - t0
     return OptimizedModel(fn, recipe.name, report, hit["signature"], cf,
-                          EagerSource(eager, hit["ref"], inputs, info.dynamic_dims))
+                          EagerSource(eager, hit["ref"], inputs, info.dynamic_dims), device=device)
 
 
 def _as_saved(directory: Path, model: nn.Module | None) -> nn.Module | None:

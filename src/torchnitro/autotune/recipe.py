@@ -144,7 +144,7 @@ class Recipe:
         """``model`` for ``load`` of a recipe that rebuilds from the eager model; raises if it is missing."""
         if model is None:
             raise RecipeError(f"{self.name} artifacts are rebuilt from the eager model; pass it to load(), "
-                              "e.g. torchnitro.load(dir, model=MyModel())")
+                              "e.g. torchnitro.load(dir, model=MyModel(), replace_weights=True) for a fresh instance")
         return model
 
 
