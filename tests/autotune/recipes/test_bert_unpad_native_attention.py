@@ -92,8 +92,8 @@ def test_slower_keeps_sdpa_and_says_both_times(user_model, monkeypatch):
     monkeypatch.setattr(na_mod, "_time", _timed(5.0, 2.0))
     choice = choose_attention_(m, _ragged(4, 16, 2), ("bf16", "fp32"))
     assert choice.compute is None
-    assert choice.note == ("attention: SDPA (native bf16 slower here: 5.00 ms vs 2.00 ms CPU per layer; "
-                           "native fp32 slower here: 5.00 ms vs 2.00 ms CPU per layer)")
+    assert choice.note == ("attention: SDPA (native bf16 slower here: 5.00 ms vs 2.00 ms CPU per layer at 1 thread; "
+                           "native fp32 slower here: 5.00 ms vs 2.00 ms CPU per layer at 1 thread)")
     assert all(a is None for a in _native_layers(m))
 
 

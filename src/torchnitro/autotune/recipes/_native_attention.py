@@ -2,10 +2,13 @@
 
 ``choose_attention_`` runs the variant once on the example, takes the first packed layer's input rows
 and packing as that call has them, and times ``PackedLayer.attention`` (the qkv GEMM and the attention)
-with the native kernel (``torchnitro.kernels.cpu_attention``) and with SDPA, interleaved, at the current
-torch thread count, in CPU time (``time.process_time``, all threads): on a machine shared with other work,
-wall-time minima of two ~10 ms calls at 2 threads reversed a 2x difference in one build, CPU time did not
-(results/cpu_attention.md). The native kernel stays on only where its output agrees with SDPA's on those rows
+with the native kernel (``torchnitro.kernels.cpu_attention``) and with SDPA, interleaved, at one torch
+thread, in CPU time (``time.process_time``): on a machine shared with other work, wall-time minima of two ~10 ms
+calls at 2 threads reversed a 2x difference in one build, CPU time did not (results/cpu_attention.md). One
+thread, because CPU time at many threads counts the OpenMP threads' spinning: at 16 threads on an Intel Xeon
+SDPA read 62 ms per layer against 2-3 ms for the native kernel, while at one thread SDPA's bf16 kernel (on
+AMX) was the faster of the two in the whole model and level at 16 threads wall (results/encoder_intel_xeon_amx.md).
+The native kernel stays on only where its output agrees with SDPA's on those rows
 and it was faster; the note says which attention ran and the two times. The gate still verifies the
 whole variant as before.
 """
@@ -77,13 +80,19 @@ def _capture(model: nn.Module, inputs: tuple[Any, ...]) -> tuple[PackedLayer | N
 
 
 def _time(fns: dict[str, Callable[[], Tensor]], rounds: int) -> dict[str, float]:
-    """Median CPU seconds per call of each of ``fns``, interleaved in alternating order."""
+    """Median CPU seconds per call of each of ``fns`` at one torch thread (the native kernel takes torch's
+    count too), interleaved in alternating order."""
     got: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(rounds):
-        for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):  # alternate the order: drift hits both
-            t0 = time.process_time()
-            fns[k]()
-            got[k].append(time.process_time() - t0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for r in range(rounds):
+            for k in (list(fns) if r % 2 == 0 else list(fns)[::-1]):  # alternate the order: drift hits both
+                t0 = time.process_time()
+                fns[k]()
+                got[k].append(time.process_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
     return {k: sorted(v)[len(v) // 2] for k, v in got.items()}
 
 
@@ -139,11 +148,11 @@ def _choose_one(model: nn.Module, inputs: tuple[Any, ...], compute: str,
     nat, sdpa = t["native"] * 1e3, t["sdpa"] * 1e3
     if nat >= sdpa:
         return AttentionChoice(None, f"attention: SDPA (native {compute} slower here: {nat:.2f} ms vs {sdpa:.2f} ms "
-                                     "CPU per layer)", nat, sdpa)
+                                     "CPU per layer at 1 thread)", nat, sdpa)
     set_native_attention_(model, compute)
     refused = accept() if accept is not None else None
     if refused is not None:
         set_native_attention_(model, None)
         return AttentionChoice(None, f"attention: SDPA (native {compute}: {refused})", nat, sdpa)
     return AttentionChoice(compute, f"attention: {kernel_name(compute)} ({nat:.2f} ms vs SDPA {sdpa:.2f} ms CPU per "
-                                    "layer, qkv GEMM included)", nat, sdpa)
+                                    "layer at 1 thread, qkv GEMM included)", nat, sdpa)
