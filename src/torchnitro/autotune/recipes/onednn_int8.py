@@ -137,16 +137,21 @@ class Int8LinearBase(nn.Module):
             return x
         return x.mul_(self.inv_smooth) if self.inplace else x * self.inv_smooth
 
-    def _prepared(self, x2: Tensor) -> tuple[Tensor, Tensor | None]:
-        """The smoothed rows for the int8 GEMM (outlier channels zeroed) and the outlier channels' fp32
-        product ``(N, out)`` (None without outliers). Never writes to the caller's tensor unless ``inplace``."""
+    def _split(self, x2: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The smoothed rows for the int8 GEMM (outlier channels zeroed) and the smoothed outlier columns
+        ``(N, k_out)`` for ``w_out`` (None without outliers). Never writes to the caller's tensor unless ``inplace``."""
         owned = self.inplace or self.smoothed  # _smooth returns a new tensor unless in place
         x2 = self._smooth(x2)
         if self.out_idx is None:
             return x2, None
-        part = x2.index_select(1, self.out_idx) @ self.w_out  # (N, k_out) @ (k_out, out)
+        xo = x2.index_select(1, self.out_idx)  # (N, k_out)
         x2 = x2 if owned else x2.clone()
-        return x2.index_fill_(1, self.out_idx, 0.0), part
+        return x2.index_fill_(1, self.out_idx, 0.0), xo
+
+    def _prepared(self, x2: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``_split``'s rows and the outlier channels' fp32 product ``(N, out)`` (None without outliers)."""
+        x2, xo = self._split(x2)
+        return x2, None if xo is None else xo @ self.w_out  # (N, k_out) @ (k_out, out)
 
     def extra_repr(self) -> str:
         k = 0 if self.out_idx is None else self.out_idx.numel()
@@ -193,32 +198,35 @@ class OneDnnInt8Linear(SharesPackedWeight, Int8LinearBase):
         want = self.out_dtype if out_dtype is None else out_dtype
         lead = x.shape[:-1]
         x2 = self._rows(x, gelu, add)
+        # xo @ wo: the outlier channels' fp32 product (N, k_out) @ (k_out, out), added in place where it can be
         if cpu_int8_reason() is None:  # smoothing, outlier columns and quantisation in two passes over x2
             qx, sx, zx = quantize_u8(x2, self.col_scale)
-            part = None if self.out_idx is None else x2.index_select(1, self.out_idx) @ self.w_out_raw  # (N, out)
+            xo = None if self.out_idx is None else x2.index_select(1, self.out_idx)  # unsmoothed: w_out_raw
+            wo = self.w_out_raw
         else:
-            x2, part = self._prepared(x2)
+            x2, xo = self._split(x2)
+            wo = self.w_out
             qx, sx, zx = self._quantize(x2)
         into = (accumulate and add is not None and want == torch.float32 and add.dtype == torch.float32
                 and add.is_contiguous())
         if into:
             acc = add.view(-1, self.out_features)  # (N, out): the GEMM adds into it
-            if part is not None:
-                acc.add_(part)
+            if xo is not None:
+                acc.addmm_(xo, wo)
             y = torch.ops.onednn.qlinear_pointwise.binary(
                 qx, sx, zx, self.packed, self.w_scale, self.w_zp, acc, self.bias, 1.0, 0, torch.float32, 1.0, 0,
                 "sum", 1.0, "none", [], "none")
             return y if len(lead) == 1 else y.view(*lead, self.out_features)
-        if part is not None and not gelu:  # the outlier channels' product joins the residual
-            add = part if add is None else part.add_(add.reshape(part.shape))
+        if xo is not None and not gelu:  # the outlier channels' product joins the residual
+            add = xo @ wo if add is None else torch.addmm(add.reshape(-1, self.out_features), xo, wo)
         if add is not None:
             y = torch.ops.onednn.qlinear_pointwise.binary(
                 qx, sx, zx, self.packed, self.w_scale, self.w_zp, add.reshape(-1, self.out_features).contiguous(),
                 self.bias, 1.0, 0, torch.float32, 1.0, 0, "add", 1.0, "none", [], "none")
-        elif part is not None:  # oneDNN has no add-then-GELU epilogue: add, then GELU in place
+        elif xo is not None:  # oneDNN has no add-then-GELU epilogue: add, then GELU in place
             y = torch.ops.onednn.qlinear_pointwise(qx, sx, zx, self.packed, self.w_scale, self.w_zp, self.bias, 1.0,
                                                    0, torch.float32, "none", [], "none")
-            torch._C._nn.gelu_(y.add_(part))
+            torch._C._nn.gelu_(y.addmm_(xo, wo))
         else:  # the GEMM writes out_dtype itself: a bf16 consumer needs no conversion pass
             y = torch.ops.onednn.qlinear_pointwise(qx, sx, zx, self.packed, self.w_scale, self.w_zp, self.bias, 1.0,
                                                    0, want, "gelu" if gelu else "none", [], "none")
