@@ -105,3 +105,34 @@ def test_a_layer_keeps_its_input_unless_the_caller_hands_it_over(setup):
         assert torch.equal(h, keep)
         b = layer(h, p.buckets, owned=True)
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_the_quantiser_is_recorded_and_an_artifact_loads_without_it(setup, tmp_path, monkeypatch):
+    from torchnitro.autotune.config import OptimizeConfig
+    from torchnitro.autotune.recipe import BuildContext, get_recipe
+    from torchnitro.autotune.recipes import bert_unpad, onednn_int8
+    from torchnitro.hardware import hardware_info
+    from torchnitro.kernels.cpu_int8 import cpu_int8_reason
+
+    bert, base, x, scales = setup
+    recipe = get_recipe("bert-unpad-int8")
+    ctx = BuildContext(model=copy.deepcopy(bert), example_inputs=_ragged(8, 32, seed=6), hardware=hardware_info(),
+                       device=torch.device("cpu"), workdir=tmp_path, dynamic_dims={0: [0, 1], 1: [0, 1]},
+                       config=OptimizeConfig())
+    built = recipe.build(ctx)
+    if built.meta["engine"] != "onednn":
+        pytest.skip(f"the plan chose {built.meta['engine']}")
+    native = cpu_int8_reason() is None
+    assert built.meta["quantiser"] == ("native" if native else "torch")
+    assert ("activation quantiser: native" if native else "activation quantiser: torch (") in built.notes
+    if not native:
+        return
+    for mod in (bert_unpad, onednn_int8):
+        monkeypatch.setattr(mod, "cpu_int8_reason", lambda: "native int8 quantiser unavailable: no compiler")
+    with pytest.warns(UserWarning, match="not available here .*no compiler"):
+        fn = recipe.load(tmp_path, built.meta, bert)
+    held = _ragged(6, 24, seed=7)
+    with torch.inference_mode():
+        a, b = built.fn(*held), fn(*held)
+    assert torch.nn.functional.cosine_similarity(a.flatten(1), b.flatten(1)).min() > 0.999

@@ -19,6 +19,7 @@ the encoder in bf16 and hands fp32 on.
 from __future__ import annotations
 
 import copy
+import warnings
 from pathlib import Path
 from typing import Any, Callable
 
@@ -257,6 +258,16 @@ def _retry_kept_(ctx: BuildContext, base: nn.Module, q: nn.Module, meta: dict[st
     return r.model, r.note
 
 
+def _quantiser(engine: str, meta: dict[str, Any]) -> str:
+    """Which activation quantiser the oneDNN int8 Linears run (``meta["quantiser"]``: "native" or "torch"), as a
+    note ("" for the other engines)."""
+    if engine != "onednn":
+        return ""
+    why = cpu_int8_reason()
+    meta["quantiser"] = "native" if why is None else "torch"
+    return "activation quantiser: native (kernels.cpu_int8)" if why is None else f"activation quantiser: torch ({why})"
+
+
 def _bf16_rest_reason() -> str | None:
     """None when the Linears an int8 plan keeps out of int8 can run in bf16 here (native bf16 oneDNN)."""
     from torchnitro.autotune.recipes.onednn_bf16 import onednn_bf16_reason
@@ -323,11 +334,12 @@ class UnpaddedBertInt8(Recipe):
     description = ("padding-free BERT + SmoothQuant dynamic int8 Linears, gate-sensitive layers kept in bf16 (fp32 where "
                    "the CPU has no native bf16)")
     order = 16
-    version = "7"  # 2: fused oneDNN int8 Linear; 3: encoders anywhere in the model; 4: per-token int8 (rowwise);
+    version = "8"  # 2: fused oneDNN int8 Linear; 3: encoders anywhere in the model; 4: per-token int8 (rowwise);
     # 5: SmoothQuant folded into in-place encoders too; feature-dict models calibrated on varied lengths against
     # copied references; the Linears the plan keeps out of int8 in bf16 where the CPU has it; 6: native varlen
     # attention where measured faster and the calibration cosine holds; 7: kept Linears retried in int8 with
-    # their outlier input channels in fp32 (_kept_int8)
+    # their outlier input channels in fp32 (_kept_int8); 8: the native activation quantiser (kernels.cpu_int8) with
+    # SmoothQuant of qkv/ffn_in applied there (not folded into the LayerNorms), residual sums in place
     # fused bf16 attention (oneDNN Graph) for batches without padding: off. 1.34x less CPU time than SDPA alone
     # at all-MiniLM-L6-v2's shapes, but the whole int8 variant took 7% more CPU time with it (one loaded run:
     # results/encoder_full_length.md); an artifact that recorded it on still loads it on
@@ -356,6 +368,7 @@ class UnpaddedBertInt8(Recipe):
             # calibration target), then fp32
             attention = _choose_attention(ctx, q, native_computes(), meta, _holds_target(ctx, base, q, meta))
         q, retried = _retry_kept_(ctx, base, q, meta)
+        quantiser = _quantiser(engine, meta)
         n_out = sum(len(v) for v in meta["outliers"].values())
         return Built(fn=q, files=["smooth_scales.safetensors"], meta=meta,
                      notes=f"{len(meta['int8'])}/{len(linear_names(base))} Linear int8 ({engine}), "
@@ -364,12 +377,17 @@ class UnpaddedBertInt8(Recipe):
                            + (f"{n_out} outlier input channels in fp32 in {len(meta['outliers'])} Linears; "
                               if n_out else "")
                            + (f"{retried}; " if retried else "")
+                           + (f"{quantiser}; " if quantiser else "")
                            + f"{attention}; calibration cosine {meta['calib_cosine']:.4f}")
 
     def load(self, directory: Path, meta: dict[str, Any], model: nn.Module | None) -> Callable[..., Any]:
         from torchnitro.autotune.recipes._graph_attention import enable_graph_attention_, graph_attention_reason
 
         base = unpad_model(copy.deepcopy(self.require_model(model)).eval())
+        if meta.get("quantiser") == "native" and cpu_int8_reason() is not None:
+            warnings.warn(f"bert-unpad-int8: built with the native activation quantiser, which is not available "
+                          f"here ({cpu_int8_reason()}); torch ops quantise instead (the same values, slower)",
+                          stacklevel=2)
         q = _int8(base, meta["int8"], load_scales(directory / "smooth_scales.safetensors"), load_full_range(meta),
                   load_engine(meta, self.name), load_outliers(meta),
                   bool(meta.get("bf16_rest")) and _bf16_rest_reason() is None)
