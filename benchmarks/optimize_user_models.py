@@ -265,6 +265,7 @@ def run_minilm(kind: str, args: argparse.Namespace, which: list[str]) -> tuple[l
                "failed recipes": "; ".join(why)[:300], "candidates": _candidates(om.report)}  # JSON only
         rows.append(row)
         _progress(f"minilm {kind} / {name}: {om.recipe} {c.speedup or 1.0:.2f}x in {search_s:.0f} s")
+        _log_candidates(om.report)  # in the log at once: a run cut off before its tables still says why
         keep[name] = {"om": om, "model": model, "inputs": inputs, "x": x, "held": held_out, "call": call}
     return rows, keep
 
@@ -597,6 +598,16 @@ def _progress(text: str) -> None:
     from rich.console import Console
 
     Console(stderr=True).log(text)
+
+
+def _log_candidates(report: Any) -> None:
+    """One stderr line per candidate of a search: status, speedup with noise, gate cosine, reason."""
+    for c in _candidates(report):
+        sp = f"{c['speedup']:.2f}x" if c["speedup"] else "-"
+        noise = f" ±{c['noise']:.2f}" if c["noise"] else ""
+        cos = f", cos {c['min cosine']:.4f}" if c["min cosine"] is not None else ""
+        why = f": {c['reason'][:160]}" if c["reason"] else ""
+        print(f"    {c['recipe']}: {c['status']} {sp}{noise}{cos}{why}", file=sys.stderr, flush=True)
 
 
 def _bar_label(r: dict) -> str:
