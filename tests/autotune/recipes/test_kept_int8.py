@@ -1,5 +1,5 @@
 """The Linears an int8 plan kept out of int8, tried again with their outlier input channels in fp32: all at
-the smallest ratio that holds the target, else one at a time; the recipe records what it moved and reloads it."""
+the first ratio (most channels first) that holds the target, else one at a time; the recipe records what it moved and reloads it."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def test_all_kept_at_the_first_ratio_that_holds():
 
     r = retry_kept_in_int8(base, ["a", "b"], _calib(), 0.999, make)
     assert r.names == ["a", "b"] and r.cosine == pytest.approx(1.0)
-    assert seen == [(["a", "b"], {"a": [3]})]  # one try: the largest ratio; channel 3 is a's outlier
+    assert seen == [(["a", "b"], {"a": [3]})]  # one try: the first ratio; channel 3 is a's outlier
     assert "2/2 kept Linears int8" in r.note and f"{KEPT_RATIOS[0]:g}x" in r.note
 
 
