@@ -1,5 +1,6 @@
 """The Linears an int8 plan kept out of int8, tried again with their outlier input channels in fp32: all at
-the first ratio (most channels first) that holds the target, else one at a time; the recipe records what it moved and reloads it."""
+the first ratio (most channels first) that holds the target, else one at a time; the recipe records what it
+moved and reloads it."""
 
 from __future__ import annotations
 
