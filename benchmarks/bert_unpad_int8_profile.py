@@ -5,9 +5,10 @@
 all-MiniLM-L6-v2 as a user wraps it (``encoder_full_length.load_minilm``), batch 32 x 128, built by the
 recipe as ``optimize`` builds it; then, at one torch thread: CPU time per forward (``time.process_time``,
 median of 7, split into user and system time with the page faults per call), and ``torch.profiler``'s self
-time per op over 3 forwards, grouped by kind. The native attention kernel is called through ctypes, which
-the profiler does not see: it is wrapped in a ``record_function`` here. Profiled times are wall time
-(inflated by other load); the last column spreads the measured CPU time by each kind's share.
+time per op over 3 forwards, grouped by kind. The native attention kernel and the native activation quantiser
+are called through ctypes, which the profiler does not see: they are wrapped in a ``record_function`` here.
+Profiled times are wall time (inflated by other load); the last column spreads the measured CPU time by each
+kind's share.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ COLUMNS = ("op kind", "calls per forward", "profiled ms per forward", "share", "
 KINDS = (
     ("int8 GEMM (oneDNN qlinear, epilogue incl.)", ("onednn::qlinear_pointwise",)),
     ("bf16 GEMM (oneDNN, kept Linears)", ("mkldnn::_linear_pointwise",)),
-    ("fp32 GEMM (outlier input channels)", ("aten::mm", "aten::addmm")),
+    ("fp32 GEMM (outlier input channels)", ("aten::mm", "aten::addmm", "aten::addmm_")),
     ("attention (native varlen kernel)", ("native_attention",)),
-    ("activation quantize (aminmax, quantize_per_tensor)", ("aten::aminmax", "aten::quantize_per_tensor", "aten::set_",
-                                                            "aten::item", "aten::_local_scalar_dense")),
+    ("activation quantize (native kernel; torch: aminmax, quantize_per_tensor)",
+     ("native_quantize_u8", "aten::aminmax", "aten::quantize_per_tensor", "aten::set_", "aten::item",
+      "aten::_local_scalar_dense")),
     ("LayerNorm", ("aten::native_layer_norm",)),
     ("element-wise (residual scale, smoothing, adds, GELU)", ("aten::mul", "aten::mul_", "aten::add_", "aten::add",
                                                              "aten::addcmul", "aten::gelu", "aten::gelu_")),
@@ -49,16 +51,22 @@ KINDS = (
 
 
 def _traced_attention() -> None:
-    """Make the ctypes attention call visible to the profiler."""
+    """Make the ctypes calls (attention, the activation quantiser) visible to the profiler."""
+    from torchnitro.autotune.recipes import onednn_int8
     from torchnitro.kernels import cpu_attention as ca
 
-    call = ca.NativeAttention.__call__
+    call, quantize = ca.NativeAttention.__call__, onednn_int8.quantize_u8
 
     def traced(self: Any, *a: Any, **k: Any) -> torch.Tensor:
         with torch.profiler.record_function("native_attention"):
             return call(self, *a, **k)
 
+    def traced_quantize(*a: Any, **k: Any) -> Any:
+        with torch.profiler.record_function("native_quantize_u8"):
+            return quantize(*a, **k)
+
     ca.NativeAttention.__call__ = traced  # type: ignore[method-assign]
+    onednn_int8.quantize_u8 = traced_quantize  # type: ignore[assignment]
 
 
 def cpu_time(fn: Any, x: tuple, n: int = 7) -> dict[str, float]:
