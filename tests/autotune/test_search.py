@@ -18,13 +18,13 @@ def _run(fr, cfg, model=None, inputs=None):
 def test_search_survives_raise_hang_exit_and_segfault(fake_recipes, fast_cfg):
     fr = fake_recipes
     opt = _run(fr, fast_cfg(recipes=["test-raises", "test-hangs", "test-hangs-isolated", "test-exits",
-                                     "test-segfault", "test-bad-check"], candidate_timeout_s=2.0))
+                                     "test-segfault", "test-bad-check"], candidate_timeout_s=1.0))
     rep = opt.report
     assert rep.get("test-bad-check").status == Status.SKIPPED and "raised KeyError" in rep.get("test-bad-check").reason
     assert rep.get("test-raises").status == Status.FAILED and "boom from test-raises" in rep.get("test-raises").reason
-    assert rep.get("test-hangs").status == Status.FAILED and rep.get("test-hangs").reason == "ran past its 2 s limit"
+    assert rep.get("test-hangs").status == Status.FAILED and rep.get("test-hangs").reason == "ran past its 1 s limit"
     assert rep.get("test-hangs-isolated").status == Status.FAILED  # cut at its own limit, not at start-up's
-    assert rep.get("test-hangs-isolated").reason == "ran past its 2 s limit (process killed)"
+    assert rep.get("test-hangs-isolated").reason == "ran past its 1 s limit (process killed)"
     assert rep.get("test-exits").status == Status.FAILED and "code 3" in rep.get("test-exits").reason
     assert rep.get("test-segfault").status == Status.FAILED and "SIGSEGV" in rep.get("test-segfault").reason
     assert opt.recipe == "eager" and rep.get("eager").status == Status.CHOSEN
