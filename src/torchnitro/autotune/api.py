@@ -99,10 +99,13 @@ class OptimizedModel:
 
         candidate, src, tmp = self.candidate, self.source, None
         if self.recipe == EAGER and not src.ref.get("spec") and src.model is not None and src.example_inputs:
+            from torchnitro.autotune.install import own_forwards
             from torchnitro.autotune.recipes.eager import export_program
 
             tmp = tempfile.TemporaryDirectory(prefix="torchnitro-export-")
-            meta, why = export_program(src.model, src.example_inputs, src.dynamic_dims, Path(tmp.name) / "model.pt2")
+            with own_forwards(src.model):  # installed on the model it was made from: the model is what is saved
+                meta, why = export_program(src.model, src.example_inputs, src.dynamic_dims,
+                                           Path(tmp.name) / "model.pt2")
             if why is None:
                 candidate = CandidateFiles(Path(tmp.name), ["model.pt2"], {**candidate.meta, **meta, "exported": True},
                                            standalone=True)

@@ -27,6 +27,7 @@ caller passes ``trust_code=True`` (CLI: ``--trust-code``), loading refuses
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import importlib.util
@@ -42,7 +43,7 @@ from typing import Any
 
 from torch import nn
 
-from torchnitro.autotune.recipe import CandidateFiles, get_recipe
+from torchnitro.autotune.recipe import EAGER, CandidateFiles, get_recipe
 from torchnitro.checksum import sha256_file
 from torchnitro.errors import ArtifactError, InputError, RecipeError
 
@@ -291,6 +292,14 @@ def _check_same_weights(model: nn.Module, path: Path) -> None:
                     f"to fill a new {kind}() with the artifact's weights, pass replace_weights=True")
 
 
+def _for_recipe(recipe: str, eager: nn.Module | None, users: bool) -> nn.Module | None:
+    """The model a recipe rebuilds from. The user's (``users``: given as ``load(dir, model=m)``) goes to any recipe
+    but eager as a private copy, as in the search (``CandidateFiles.load``): a recipe may convert what it is given
+    (bf16 casts it, the int8 and fused-kernel recipes swap its modules), and the user goes on using ``m`` (its
+    own forward after ``uninstall()``). Eager runs the model itself; a model rebuilt here is converted in place."""
+    return copy.deepcopy(eager) if users and eager is not None and recipe != EAGER else eager
+
+
 def load_artifact(directory: str | Path, model: nn.Module | None = None, *, trust_code: bool = False,
                   threads: int | None = None, replace_weights: bool = False
                   ) -> tuple[dict[str, Any], Any, nn.Module | None]:
@@ -306,6 +315,7 @@ def load_artifact(directory: str | Path, model: nn.Module | None = None, *, trus
     """
     d = Path(directory)
     manifest = read_manifest(d)
+    users = model is not None
     if model is not None:
         from torchnitro.autotune.install import refuse_installed
 
@@ -348,7 +358,7 @@ def load_artifact(directory: str | Path, model: nn.Module | None = None, *, trus
             from torchnitro.autotune.thread_meta import meta_with_threads
 
             meta = meta_with_threads(meta, threads)
-        fn = recipe.load(d / "candidate", meta, eager)
+        fn = recipe.load(d / "candidate", meta, _for_recipe(recipe.name, eager, users))
     except Exception as exc:  # noqa: BLE001 - e.g. a runtime missing on this machine: one clear message
         raise ArtifactError(f"load: recipe {manifest['recipe']!r} could not rebuild the artifact in {str(d)!r}: "
                             f"{type(exc).__name__}: {exc}. Expected the libraries it was saved with "

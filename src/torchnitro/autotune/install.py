@@ -12,10 +12,14 @@ what the variant was verified for, and the original forward otherwise:
   example's size. Any other argument is at the forward's default or the example's value (an HF flag such
   as ``return_dict`` may also be at its config's value, as sentence-transformers passes it). A loaded
   artifact that kept no example inputs is checked by its signature and its saved input layout.
-* **Fallback.** A call that does not fit, a model in train mode (the variant is the eval model), or a
-  variant that raises runs the original forward, with one ``warnings.warn`` per kind of reason naming the
-  shape or argument and why; ``Installation.calls`` counts both paths. Never a wrong answer from a shape
-  the variant was not verified at, never a crash that the original would not have.
+* **Fallback.** A call that does not fit, a model in train mode (the variant is the eval model), a model whose
+  weights changed since the install (the variant holds the old ones: a parameter's version counter or storage
+  moved, as an optimizer step, ``load_state_dict`` or ``.half()`` do), or a variant that raises runs the original
+  forward, with one ``warnings.warn`` per kind of reason naming the shape, argument or parameter and why;
+  ``Installation.calls`` counts both paths. Never a wrong answer from a shape
+  the variant was not verified at, never a crash that the original would not have. A model optimized
+  without its key/value cache (GPT-2, Llama: ``use_cache`` on) runs the variant for calls with
+  ``use_cache=False`` (or the config's flag off) only: the original returns the cache a decoding loop reads.
 * **Outputs.** What the variant returns (the model's own output class, rebuilt by the runtimes). A
   sentence-transformers model writes its outputs into the feature dict it was given, as its modules do.
   Outputs carry no autograd graph (the variant runs under ``torch.inference_mode``); outside inference
@@ -33,12 +37,13 @@ has the eager model); an ``InputError`` names the first parameter that differs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import inspect
 import operator
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,12 +54,13 @@ from torch.utils._pytree import tree_map
 from torchnitro.autotune.failure import clean_line
 from torchnitro.errors import InputError
 
-__all__ = ["Installation", "install", "LeafSpec", "refuse_installed"]
+__all__ = ["Installation", "install", "LeafSpec", "refuse_installed", "own_forwards"]
 
 # HF forward flags whose None default means "as model.config says": passing the config's value is no change
 # (sentence-transformers passes return_dict=True)
-_CONFIG_FLAGS = ("return_dict", "output_attentions", "output_hidden_states")
+_CONFIG_FLAGS = ("return_dict", "output_attentions", "output_hidden_states", "use_cache")
 _MISSING = object()
+_CACHE_NOTE = "use_cache=False for the optimization"  # api._without_cache's report note
 Path_ = tuple[Any, ...]  # where a tensor sits in the call: (argument name, dict key, ...)
 
 
@@ -157,7 +163,18 @@ class Installation:
         self._writes_into_features = _is_sentence_transformer(model)
         self._warned: set[str] = set()
         self._inside = threading.local()
+        # the search dropped the model's key/value cache (its report's note): a call that returns one runs the original
+        self._no_cache = "use_cache" in self._sig.parameters and any(
+            str(n).startswith(_CACHE_NOTE) for n in optimized.report.notes)
+        self._params = list(model.named_parameters())
+        self._weights = self._weights_now()
         self.installed = False
+
+    def _weights_now(self) -> list[tuple[int, int]]:
+        """Each parameter's version counter (an optimizer step, ``load_state_dict``, any in-place update bumps it)
+        and storage (``.half()``, ``.to(device)`` move it). Read on every call: tens of microseconds for BERT-base's
+        199 parameters, against milliseconds for the call itself."""
+        return [(p._version, p.data_ptr()) for _, p in self._params]
 
     def _variant_inputs(self, om: Any) -> tuple[dict[Path_, LeafSpec], dict[Path_, Any], int | None]:
         src = om.source
@@ -211,6 +228,19 @@ class Installation:
         if self.model.training:
             return "training", ("the model is in train mode; the variant is the eval-mode model (call "
                                 "model.eval(), or uninstall() to train)")
+        now = self._weights_now()
+        if now != self._weights:
+            name = next(n for (n, _), a, b in zip(self._params, now, self._weights) if a != b)
+            return "weights", (f"the model's {name!r} changed since the install (an optimizer step, load_state_dict, "
+                               "a cast or a move); the variant holds the weights it was made from: optimize the "
+                               "model again, or uninstall()")
+        use_cache = given.get("use_cache")
+        if use_cache is None:  # HF: the config's flag
+            use_cache = getattr(getattr(self.model, "config", None), "use_cache", None)
+        if self._no_cache and use_cache:
+            return "cache", ("the call returns the model's key/value cache (use_cache is on: the model's config or the "
+                             "call), which the variant does not compute; call with use_cache=False, or set "
+                             "model.config.use_cache = False, to run the variant")
         found: dict[Path_, Any] = {}
         for name, value in given.items():
             _leaves(value, (name,), found)
@@ -246,6 +276,8 @@ class Installation:
             if not _same(v, self._others[path]):
                 return "arguments", f"{_where(path)}={v!r}; the variant was optimized with {self._others[path]!r}"
             return None
+        if path == ("use_cache",) and self._no_cache and v is False:
+            return None  # what the variant computes
         param = self._sig.parameters.get(path[0]) if len(path) == 1 else None
         default = param.default if param is not None else inspect.Parameter.empty
         if v is None or (default is not inspect.Parameter.empty and _same(v, default)):
@@ -387,16 +419,35 @@ def _check_weights(om: Any, model: nn.Module) -> None:
                              "artifact with torchnitro.load(dir, model=this_model))")
 
 
+def _installed(model: nn.Module) -> list[tuple[str, Installation]]:
+    """The installations running in ``model`` or a module inside it, by module name."""
+    found = ((name, getattr(m.__dict__.get("forward"), "installation", None)) for name, m in model.named_modules())
+    return [(name, i) for name, i in found if isinstance(i, Installation) and i.installed]
+
+
+@contextlib.contextmanager
+def own_forwards(model: nn.Module) -> Iterator[None]:
+    """``model`` and its modules with their own forwards for the block, the installs put back after: saving an
+    installed result exports the model (``torch.export`` of the installed forward fails: it reads a function's
+    code), and a call meanwhile from another thread runs the original, which is correct too."""
+    undone = [inst for _, inst in _installed(model)]
+    for inst in undone:
+        inst.uninstall()
+    try:
+        yield
+    finally:
+        for inst in undone:
+            inst.install()
+
+
 def refuse_installed(model: nn.Module, what: str) -> None:
     """Raise ``InputError`` when ``model`` or a module inside it runs an installed variant: the search would time
     that variant as the model's eager forward, and a loaded eager artifact would run it as the model."""
-    for name, m in model.named_modules():
-        inst = getattr(m.__dict__.get("forward"), "installation", None)
-        if isinstance(inst, Installation) and inst.installed:
-            where = type(model).__name__ + (f" (its module {name!r})" if name else "")
-            raise InputError(f"{what}: received {where}, which runs an installed optimized variant "
-                             f"({inst.optimized.recipe}) as its forward; expected the model with its own forward. "
-                             "uninstall() it first (or leave its `with opt.install(model):` block)")
+    for name, inst in _installed(model)[:1]:
+        where = type(model).__name__ + (f" (its module {name!r})" if name else "")
+        raise InputError(f"{what}: received {where}, which runs an installed optimized variant "
+                         f"({inst.optimized.recipe}) as its forward; expected the model with its own forward. "
+                         "uninstall() it first (or leave its `with opt.install(model):` block)")
 
 
 def install(optimized: Any, model: nn.Module) -> Installation:

@@ -28,7 +28,13 @@ def _to_fp32(out: Any) -> Any:
     if isinstance(out, list):
         return [_to_fp32(o) for o in out]
     if isinstance(out, dict):
-        return type(out)({k: _to_fp32(v) for k, v in out.items()}) if type(out) is dict else {k: _to_fp32(v) for k, v in out.items()}
+        vals = {k: _to_fp32(v) for k, v in out.items()}
+        if type(out) is dict:
+            return vals
+        new = copy.copy(out)  # its own class: an HF ModelOutput keeps its fields (a user reads .logits)
+        for k, v in vals.items():
+            new[k] = v
+        return new
     return out
 
 
