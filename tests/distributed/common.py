@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from torchnitro.nn.models import TransformerConfig, TransformerLM
 
-__all__ = ["MODEL", "tiny_lm", "tokens", "two_steps", "TWO", "FOUR", "PIPE_TWO", "PIPE_FOUR", "PIPE_LAYERS"]
+__all__ = ["MODEL", "tiny_lm", "tokens", "two_steps", "TWO", "FOUR", "PIPE_TWO", "PIPE_FOUR", "PIPE_LAYERS",
+           "COMM_MODEL", "COMM_FOUR"]
 
 # GQA (2 kv heads for 4 query heads) so TP=2 splits both; hidden 128
 MODEL = dict(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
@@ -25,6 +26,10 @@ PIPE_TWO = {"pp_gpipe": dict(pp=2, pp_schedule="gpipe", microbatches=4),
             "pp_1f1b_ckpt": dict(pp=2, pp_schedule="1f1b", checkpointing="blocks")}
 PIPE_FOUR = {"pp_fsdp": dict(pp=2, dp_shard=2, pp_schedule="1f1b", microbatches=2),
              "pp_ddp": dict(pp=2, dp_replicate=2, pp_schedule="1f1b", microbatches=2)}
+# pipeline layouts whose collectives the 4-rank group counts (tests/distributed/test_pp_comm.py): one step of the
+# COMM_MODEL LM per layout under CommCounter (pp_comm.count_step), run last (the pipelines above share the group)
+COMM_MODEL = dict(vocab_size=100, dim=64, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=160, max_seq_len=32)
+COMM_FOUR = {"comm_pp2_ddp2": dict(pp=2, dp_replicate=2), "comm_pp2_fsdp2_m4": dict(pp=2, dp_shard=2, microbatches=4)}
 
 
 def tiny_lm(n_layers: int = MODEL["n_layers"]) -> TransformerLM:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 from torchnitro.distributed.config import ParallelConfig
 
-__all__ = ["RankComm", "check_pipeline_comm"]
+__all__ = ["RankComm", "check_pipeline_comm", "count_step"]
 
 # the loss broadcast Pipeline.step runs for logging: not a training collective, kept apart from the comparison
 LOSS_KEY = ("broadcast", "pp")
@@ -43,7 +43,18 @@ class RankComm:
 
 
 def _count(model_config, cfg: ParallelConfig, seq: int) -> RankComm:
-    """One rank: build the pipeline, warm up, count one step."""
+    """One rank: join the group, count one step (``count_step``), leave the group."""
+    from torchnitro import distributed as D
+
+    try:
+        return count_step(model_config, cfg, seq)
+    finally:
+        D.shutdown()
+
+
+def count_step(model_config, cfg: ParallelConfig, seq: int = 16) -> RankComm:
+    """This rank of ``cfg`` (the process group created, or reused where one exists: ranks that run other work
+    before or after): build the pipeline, warm up, count one step. The group is left as it is."""
     import torch
     import torch.distributed as dist
 
@@ -53,31 +64,28 @@ def _count(model_config, cfg: ParallelConfig, seq: int) -> RankComm:
     from torchnitro.nn.models import TransformerLM
 
     mesh = D.init(cfg)
-    try:
-        torch.manual_seed(0)
-        model = TransformerLM(model_config)
-        pipe = D.pipeline(model, cfg, mesh)
-        dp = cfg.dp_replicate * cfg.dp_shard
-        batch = dp * cfg.n_microbatches
-        b = batch // dp
-        gen = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, model_config.vocab_size, (b, seq), generator=gen)
-        targets = torch.randint(0, model_config.vocab_size, (b, seq), generator=gen)
-        names = group_dims(mesh)
-        if pipe.tied_group is not None:
-            names[pipe.tied_group.group_name] = "pp"  # the planner books the tied weight's sum on the pp dim
-        for p in pipe.model.parameters():
-            p.grad = None
-        pipe.step(tokens, targets)  # warm-up: the schedule's first step also sends shapes
-        for p in pipe.model.parameters():
-            p.grad = None
-        with CommCounter(track_modules=False) as counter:
-            pipe.step(tokens, targets)
-        pp_rank = mesh.get_local_rank("pp")
-        return RankComm(dist.get_rank(), pp_rank, counter.by_dim(names),
-                        collective_totals(model_config, cfg, batch=batch, seq=seq, pp_rank=pp_rank))
-    finally:
-        D.shutdown()
+    torch.manual_seed(0)
+    model = TransformerLM(model_config)
+    pipe = D.pipeline(model, cfg, mesh)
+    dp = cfg.dp_replicate * cfg.dp_shard
+    batch = dp * cfg.n_microbatches
+    b = batch // dp
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model_config.vocab_size, (b, seq), generator=gen)
+    targets = torch.randint(0, model_config.vocab_size, (b, seq), generator=gen)
+    names = group_dims(mesh)
+    if pipe.tied_group is not None:
+        names[pipe.tied_group.group_name] = "pp"  # the planner books the tied weight's sum on the pp dim
+    for p in pipe.model.parameters():
+        p.grad = None
+    pipe.step(tokens, targets)  # warm-up: the schedule's first step also sends shapes
+    for p in pipe.model.parameters():
+        p.grad = None
+    with CommCounter(track_modules=False) as counter:
+        pipe.step(tokens, targets)
+    pp_rank = mesh.get_local_rank("pp")
+    return RankComm(dist.get_rank(), pp_rank, counter.by_dim(names),
+                    collective_totals(model_config, cfg, batch=batch, seq=seq, pp_rank=pp_rank))
 
 
 def check_pipeline_comm(model_config, cfg: ParallelConfig, *, seq: int = 16, timeout: float = 120.0) -> list[RankComm]:

@@ -1,6 +1,8 @@
 """Rank program: for each (name, ParallelConfig kwargs) given as JSON, train two steps of the tiny LM on
 this rank's slice of the batch, evaluate a 13-sample dataset through the sharded loader, and (rank 0)
-save the global losses, full gradients, global gradient norm and evaluation to OUT/name.pt."""
+save the global losses, full gradients, global gradient norm and evaluation to OUT/name.pt. Pipeline
+layouts run ``workers/pipeline.py``'s scenario; names in ``COMM_FOUR`` count one pipeline step's
+collectives (``pp_comm.count_step``) and rank 0 writes every rank's counts to OUT/name.json."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repo root, f
 
 import torch  # noqa: E402
 
-from tests.distributed.common import tiny_lm, tokens, two_steps  # noqa: E402
+from tests.distributed.common import COMM_FOUR, COMM_MODEL, tiny_lm, tokens, two_steps  # noqa: E402
 from torchnitro import distributed as D  # noqa: E402
 from torchnitro.distributed.parity import full_tensors  # noqa: E402
+from torchnitro.distributed.pp_comm import _to_json, count_step  # noqa: E402
 from torchnitro.distributed.train import clip_grad_norm_  # noqa: E402
 from tests.distributed.workers.pipeline import scenario as pipeline_scenario  # noqa: E402
 
@@ -50,8 +53,22 @@ def _evaluate(mesh) -> tuple[float, int]:
     return D.exact_mean(total, count, mesh)
 
 
+def _count_comm(out: Path, name: str, kwargs: dict) -> None:
+    from torchnitro.nn.models import TransformerConfig
+
+    mine = _to_json(count_step(TransformerConfig(**COMM_MODEL), D.ParallelConfig(**kwargs)))
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    if torch.distributed.get_rank() == 0:
+        (out / f"{name}.json").write_text(json.dumps(everyone))
+    torch.distributed.barrier()
+
+
 def main(out: Path, scenarios: list) -> None:
     for name, kwargs in scenarios:
+        if name in COMM_FOUR:  # the collectives of one pipeline step, counted
+            _count_comm(out, name, kwargs)
+            continue
         if kwargs.get("pp", 1) > 1:  # pipeline compositions: their own step (the 4-layer LM), same ranks
             pipeline_scenario(out, name, kwargs)
             continue
