@@ -44,7 +44,6 @@ import operator
 import threading
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -52,94 +51,27 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from torchnitro.autotune.failure import clean_line
+from torchnitro.autotune.install_inputs import (
+    LeafSpec,
+    Path_,
+    leaves,
+    read_paths,
+    same,
+    spec_from_example,
+    spec_from_signature,
+    where,
+)
 from torchnitro.errors import InputError
 
-__all__ = ["Installation", "install", "LeafSpec", "refuse_installed", "own_forwards"]
+__all__ = ["Installation", "install", "refuse_installed", "own_forwards"]
 
 # HF forward flags whose None default means "as model.config says": passing the config's value is no change
 # (sentence-transformers passes return_dict=True)
 _CONFIG_FLAGS = ("return_dict", "output_attentions", "output_hidden_states", "use_cache")
 _MISSING = object()
 _CACHE_NOTE = "use_cache=False for the optimization"  # api._without_cache's report note
-Path_ = tuple[Any, ...]  # where a tensor sits in the call: (argument name, dict key, ...)
-
-
-@dataclass(frozen=True)
-class LeafSpec:
-    """One tensor the variant takes: its dtype and shape (-1 = dynamic); None where the artifact did not say."""
-
-    dtype: torch.dtype | None
-    shape: tuple[int, ...] | None
-
-
-def _leaves(obj: Any, path: Path_, out: dict[Path_, Any]) -> None:
-    """Every tensor and other leaf value of one argument, by path (dicts and lists walked)."""
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            _leaves(v, (*path, k), out)
-    elif isinstance(obj, (list, tuple)) and any(isinstance(v, (Tensor, Mapping)) for v in obj):
-        for i, v in enumerate(obj):
-            _leaves(v, (*path, i), out)
-    else:
-        out[path] = obj
-
-
-def _shape(t: Tensor, dynamic: list[int]) -> tuple[int, ...]:
-    return tuple(-1 if d in dynamic else int(s) for d, s in enumerate(t.shape))
-
-
-def _spec_from_example(names: list[str], example: tuple[Any, ...], dynamic_dims: dict[int, list[int]]
-                       ) -> tuple[dict[Path_, LeafSpec], dict[Path_, Any]]:
-    """The tensors the variant takes and the other values of the example call, by path."""
-    tensors: dict[Path_, LeafSpec] = {}
-    others: dict[Path_, Any] = {}
-    for i, x in enumerate(example):
-        found: dict[Path_, Any] = {}
-        _leaves(x, (names[i] if i < len(names) else i,), found)
-        for path, v in found.items():
-            if isinstance(v, Tensor):  # a tensor inside a dict takes its argument's dims, the batch by default
-                dims = dynamic_dims.get(i, [] if len(path) == 1 else [0])
-                tensors[path] = LeafSpec(v.dtype, _shape(v, dims))
-            else:
-                others[path] = v
-    return tensors, others
-
-
-def _spec_from_signature(names: list[str], signature: dict[str, Any], layout: Any) -> dict[Path_, LeafSpec]:
-    """A loaded artifact: the manifest's top-level tensors and the tensors inside its structured inputs
-    (``input_fields``: a feature dict's), and the saved layout's paths (shapes unknown: an older artifact)."""
-    tensors: dict[Path_, LeafSpec] = {}
-    for entry in signature.get("inputs", []):
-        tensors[(entry["name"],)] = _leaf_spec(entry)
-    for entry in signature.get("input_fields", []):
-        tensors[tuple(entry["path"])] = _leaf_spec(entry)
-    for p in layout or []:
-        head = names[p[0]] if isinstance(p[0], int) and p[0] < len(names) else p[0]
-        tensors.setdefault((head, *p[1:]), LeafSpec(None, None))
-    return tensors
-
-
-def _leaf_spec(entry: dict[str, Any]) -> LeafSpec:
-    dtype = getattr(torch, str(entry.get("dtype")), None)
-    return LeafSpec(dtype if isinstance(dtype, torch.dtype) else None, tuple(int(s) for s in entry.get("shape", [])))
-
-
-def _read_paths(model: nn.Module, example: tuple[Any, ...], names: list[str]) -> set[Path_]:
-    """The tensors of a structured example the model reads: a sentence-transformers model writes its outputs
-    into the dict it is given, so the example kept from the search holds them too (one eager call tells,
-    ``recipes._layout.input_layout``)."""
-    from torchnitro.autotune.recipes._layout import input_layout
-
-    layout, _ = input_layout(model, example)
-    return {(names[p[0]] if p[0] < len(names) else p[0], *p[1:]) for p in layout.paths}
-
-
 def _is_sentence_transformer(model: nn.Module) -> bool:
     return any(c.__module__.startswith("sentence_transformers.") for c in type(model).__mro__)
-
-
-def _where(path: Path_) -> str:
-    return str(path[0]) + "".join(f"[{k!r}]" for k in path[1:])
 
 
 class Installation:
@@ -180,12 +112,12 @@ class Installation:
         src = om.source
         if src.example_inputs:
             example = tuple(src.example_inputs)
-            tensors, others = _spec_from_example(self._order, example, dict(src.dynamic_dims))
+            tensors, others = spec_from_example(self._order, example, dict(src.dynamic_dims))
             if any(isinstance(x, Mapping) for x in example):  # drop the keys the model wrote into its feature dict
-                read = _read_paths(self.model, example, self._order)
+                read = read_paths(self.model, example, self._order)
                 tensors = {p: s for p, s in tensors.items() if p in read}
             return tensors, others, len(example)
-        return _spec_from_signature(self._order, om.signature, om.candidate.meta.get("input_layout")), {}, None
+        return spec_from_signature(self._order, om.signature, om.candidate.meta.get("input_layout")), {}, None
 
     # -- the forward that runs in place of the original --------------------------------------------
 
@@ -243,12 +175,12 @@ class Installation:
                              "model.config.use_cache = False, to run the variant")
         found: dict[Path_, Any] = {}
         for name, value in given.items():
-            _leaves(value, (name,), found)
+            leaves(value, (name,), found)
         for path, v in found.items():
             why = self._leaf_unfit(path, v)
             if why is not None:
                 return why
-        missing = [_where(p) for p in self._tensors if p not in found]
+        missing = [where(p) for p in self._tensors if p not in found]
         if missing:
             return "inputs", f"the call has no {missing}, which the variant takes"
         return None
@@ -259,35 +191,35 @@ class Installation:
             if spec is None and len(path) > 1 and self._n_inputs is None and not self._tensors_in_structures:
                 return None  # a loaded artifact that kept neither the example nor a layout: the runtime checks it
             if spec is None:
-                return "inputs", (f"input {_where(path)} (shape {tuple(v.shape)}) was not among the inputs the "
-                                  f"variant was optimized with ({[_where(p) for p in self._tensors]}); optimize "
+                return "inputs", (f"input {where(path)} (shape {tuple(v.shape)}) was not among the inputs the "
+                                  f"variant was optimized with ({[where(p) for p in self._tensors]}); optimize "
                                   "with the inputs the model is called with")
             if spec.dtype is not None and v.dtype != spec.dtype:
-                return "dtype", f"input {_where(path)} is {v.dtype}; the variant takes {spec.dtype}"
+                return "dtype", f"input {where(path)} is {v.dtype}; the variant takes {spec.dtype}"
             if spec.shape is not None and (v.dim() != len(spec.shape) or any(
                     s not in (-1, int(n)) for s, n in zip(spec.shape, v.shape))):
-                return "shape", (f"input {_where(path)} has shape {tuple(v.shape)}; the variant was verified at "
+                return "shape", (f"input {where(path)} has shape {tuple(v.shape)}; the variant was verified at "
                                  f"{list(spec.shape)} (-1: dynamic), so the others are fixed (declare them in "
                                  "OptimizeConfig.dynamic_dims to vary them)")
             return None
         if spec is not None:
-            return "inputs", f"input {_where(path)} is {type(v).__name__}; the variant takes a tensor there"
+            return "inputs", f"input {where(path)} is {type(v).__name__}; the variant takes a tensor there"
         if path in self._others:
-            if not _same(v, self._others[path]):
-                return "arguments", f"{_where(path)}={v!r}; the variant was optimized with {self._others[path]!r}"
+            if not same(v, self._others[path]):
+                return "arguments", f"{where(path)}={v!r}; the variant was optimized with {self._others[path]!r}"
             return None
         if path == ("use_cache",) and self._no_cache and v is False:
             return None  # what the variant computes
         param = self._sig.parameters.get(path[0]) if len(path) == 1 else None
         default = param.default if param is not None else inspect.Parameter.empty
-        if v is None or (default is not inspect.Parameter.empty and _same(v, default)):
+        if v is None or (default is not inspect.Parameter.empty and same(v, default)):
             return None
         config = getattr(self.model, "config", None)
-        if len(path) == 1 and path[0] in _CONFIG_FLAGS and _same(v, getattr(config, str(path[0]), _MISSING)):
+        if len(path) == 1 and path[0] in _CONFIG_FLAGS and same(v, getattr(config, str(path[0]), _MISSING)):
             return None  # what the HF model reads from its config when the argument is left out
         if len(path) > 1 and self._n_inputs is None:
             return None  # a non-tensor entry of a feature dict (a loaded artifact keeps no example to compare)
-        return "arguments", f"{_where(path)}={v!r} differs from the default the variant was optimized with"
+        return "arguments", f"{where(path)}={v!r} differs from the default the variant was optimized with"
 
     def _by_name(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by name (``**kwargs`` entries by their own name, ``*args`` by position)."""
@@ -386,13 +318,6 @@ class _InstalledForward:
         return getattr, (inst.model, "forward")
 
 
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b) if not isinstance(a, Tensor) and not isinstance(b, Tensor) else False
-    except Exception:  # noqa: BLE001 - values that do not compare are not the same
-        return False
-
-
 def _reference_model(om: Any) -> nn.Module | None:
     """The eager model the variant was made from, out of its keyword adapter (None when the result kept none)."""
     from torchnitro.autotune.inputs import KeywordCall
@@ -444,8 +369,8 @@ def refuse_installed(model: nn.Module, what: str) -> None:
     """Raise ``InputError`` when ``model`` or a module inside it runs an installed variant: the search would time
     that variant as the model's eager forward, and a loaded eager artifact would run it as the model."""
     for name, inst in _installed(model)[:1]:
-        where = type(model).__name__ + (f" (its module {name!r})" if name else "")
-        raise InputError(f"{what}: received {where}, which runs an installed optimized variant "
+        held = type(model).__name__ + (f" (its module {name!r})" if name else "")
+        raise InputError(f"{what}: received {held}, which runs an installed optimized variant "
                          f"({inst.optimized.recipe}) as its forward; expected the model with its own forward. "
                          "uninstall() it first (or leave its `with opt.install(model):` block)")
 
