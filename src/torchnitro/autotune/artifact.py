@@ -104,12 +104,34 @@ def write_artifact(directory: str | Path, candidate: CandidateFiles, source: Eag
         "format": FORMAT, "format_version": FORMAT_VERSION, "torchnitro_version": _version(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "recipe": recipe,
         "numeric_class": numeric_class, "standalone": candidate.standalone, "meta": candidate.meta,
-        "candidate_files": candidate.files, "model": source.ref, "signature": signature, "hardware": hardware,
+        "candidate_files": candidate.files, "model": _model_ref(candidate, source), "signature": signature,
+        "hardware": hardware,
         "files": {f: sha256_file(out / f) for f in written},
     }
     manifest["manifest_sha256"] = _manifest_hash(manifest)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, default=str))
     return out
+
+
+def _weights_sha256(model: nn.Module) -> str:
+    """SHA-256 of the model's weights alone: each state-dict tensor's dtype, shape and bytes, in order (not names,
+    class or module path, which an adapter or the script that loads may change)."""
+    import torch
+
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        if isinstance(t, torch.Tensor) and not t.is_meta:
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _model_ref(candidate: CandidateFiles, source: EagerSource) -> dict[str, Any]:
+    """The manifest's model reference; a standalone program holds its own weights, so their hash goes with it
+    (``load(dir, model=m)`` checks ``m`` against it, as it checks a non-standalone artifact's weight file)."""
+    if not candidate.standalone or source.model is None:
+        return source.ref
+    return {**source.ref, "weights_sha256": _weights_sha256(source.model)}
 
 
 def _write_weights(source: EagerSource, path: Path, recipe: str) -> None:
@@ -292,6 +314,17 @@ def _check_same_weights(model: nn.Module, path: Path) -> None:
                     f"to fill a new {kind}() with the artifact's weights, pass replace_weights=True")
 
 
+def _check_program_weights(model: nn.Module, manifest: dict[str, Any]) -> None:
+    """A standalone artifact loaded with ``model=m`` (to install it on ``m``): its program answers with the weights
+    it was made from, so ``m`` must hold those (an artifact saved before the hash was recorded is not checked)."""
+    want = (manifest.get("model") or {}).get("weights_sha256")
+    if want and _weights_sha256(model) != want:
+        raise InputError(f"load: received {type(model).__name__} whose weights differ from the ones the artifact was "
+                         f"made from (its {manifest['recipe']} program holds those, and an install on this model would "
+                         "answer with them); expected the model the artifact was made from. Optimize this model again, "
+                         "or load without model= to run the artifact as saved")
+
+
 def _for_recipe(recipe: str, eager: nn.Module | None, users: bool) -> nn.Module | None:
     """The model a recipe rebuilds from. The user's (``users``: given as ``load(dir, model=m)``) goes to any recipe
     but eager as a private copy, as in the search (``CandidateFiles.load``): a recipe may convert what it is given
@@ -307,7 +340,8 @@ def load_artifact(directory: str | Path, model: nn.Module | None = None, *, trus
 
     ``model``: the eager model a recipe that is not standalone rebuilds from. Its weights must be the artifact's
     (``InputError`` names the first that differs) unless ``replace_weights=True``, which loads the artifact's
-    weights into it (a new instance of the architecture); a model running an installed variant is refused.
+    weights into it (a new instance of the architecture); a model running an installed variant is refused. Given
+    for a standalone artifact (to install it on the model), its weights must hash as the saved program's did.
     ``trust_code``: run code the artifact names or holds (a ``.py`` model factory, TorchScript);
     only for artifacts from a source you trust. ``threads``: the intra-op thread count of a runtime session the
     recipe builds (ONNX Runtime, OpenVINO), instead of the one the artifact records
@@ -320,6 +354,8 @@ def load_artifact(directory: str | Path, model: nn.Module | None = None, *, trus
         from torchnitro.autotune.install import refuse_installed
 
         refuse_installed(model, "load")
+        if manifest["standalone"] and not replace_weights:
+            _check_program_weights(model, manifest)
     if not trust_code:
         _check_programs(d, manifest)
     try:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from torchnitro.autotune.failure import clean_line
 from torchnitro.autotune.recipe import BuildContext, Built, NumericClass, Recipe, register_recipe
 from torchnitro.autotune.recipes._layout import is_flat
 from torchnitro.autotune.recipes._util import output_kind, restructure
@@ -55,6 +56,22 @@ def _flat_kind(model: nn.Module, inputs: tuple[Any, ...]) -> dict[str, Any] | No
     return kind if flat and ("class" in kind or "nones" in kind) else None
 
 
+def _save_loadable(path: Path, fast: Any, note: str, traced: Any) -> tuple[Any, str]:
+    """Save ``fast`` (frozen) where ``torch.jit.load`` reads it back, else the plain trace, with the note saying
+    why: a frozen graph can hold a constant its own loader refuses ("required keyword attribute 'value' is
+    undefined", an HF ViT), and an artifact that does not load is no result."""
+    why = ""
+    for program in (fast, traced):
+        torch.jit.save(program, str(path))
+        try:
+            torch.jit.load(str(path), map_location="cpu")
+        except Exception as exc:  # noqa: BLE001 - the loader's own error, reported in the note or the failure
+            why = clean_line(f"{type(exc).__name__}: {exc}", 160)
+            continue
+        return program, note if program is fast else f"not frozen: the frozen program does not load back ({why})"
+    raise RuntimeError(f"the traced program does not load back from its file ({why})")
+
+
 @register_recipe
 class TorchScript(Recipe):
     name = "torchscript"
@@ -83,7 +100,7 @@ class TorchScript(Recipe):
             else:
                 note = ""
         path = ctx.workdir / "model.ts"
-        torch.jit.save(fast, str(path))
+        fast, note = _save_loadable(path, fast, note, traced)
         meta = {} if kind is None else {"output_kind": kind}
         if layout is not None:
             meta["input_layout"] = layout
