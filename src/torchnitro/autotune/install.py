@@ -12,8 +12,9 @@ what the variant was verified for, and the original forward otherwise:
   example's size. Any other argument is at the forward's default or the example's value (an HF flag such
   as ``return_dict`` may also be at its config's value, as sentence-transformers passes it). A loaded
   artifact that kept no example inputs is checked by its signature and its saved input layout.
-* **Fallback.** A call that does not fit, a model in train mode (the variant is the eval model), a model whose
-  weights changed since the install (the variant holds the old ones: a parameter's version counter or storage
+* **Fallback.** A call that does not fit, a model in train mode (the variant is the eval model), an HF output
+  flag of the model's config changed since the install (``output_hidden_states``, ``return_dict``, ...), a model
+  whose weights changed since the install (the variant holds the old ones: a parameter's version counter or storage
   moved, as an optimizer step, ``load_state_dict`` or ``.half()`` do), or a variant that raises runs the original
   forward, with one ``warnings.warn`` per kind of reason naming the shape, argument or parameter and why;
   ``Installation.calls`` counts both paths. Never a wrong answer from a shape
@@ -98,6 +99,13 @@ class Installation:
         # the search dropped the model's key/value cache (its report's note): a call that returns one runs the original
         self._no_cache = "use_cache" in self._sig.parameters and any(
             str(n).startswith(_CACHE_NOTE) for n in optimized.report.notes)
+        # the HF config's output flags as at the install: a call that leaves one out reads the config, which the
+        # user may change later (model.config.output_hidden_states = True); the variant answers as it was then
+        config = getattr(model, "config", None)
+        takes = set(self._sig.parameters) | ({*_CONFIG_FLAGS} if any(
+            p.kind == p.VAR_KEYWORD for p in self._sig.parameters.values()) else set())
+        self._flags = {f: getattr(config, f) for f in _CONFIG_FLAGS
+                       if hasattr(config, f) and f in takes and not (f == "use_cache" and self._no_cache)}
         self._params = list(model.named_parameters())
         self._weights = self._weights_now()
         self.installed = False
@@ -173,6 +181,11 @@ class Installation:
             return "cache", ("the call returns the model's key/value cache (use_cache is on: the model's config or the "
                              "call), which the variant does not compute; call with use_cache=False, or set "
                              "model.config.use_cache = False, to run the variant")
+        for flag, was in self._flags.items():
+            now = getattr(self.model.config, flag, was)
+            if given.get(flag) is None and not same(now, was):
+                return "config", (f"model.config.{flag} is {now!r}, not {was!r} as at the install: the variant answers "
+                                  "as it did then; set it back, or optimize the model again")
         found: dict[Path_, Any] = {}
         for name, value in given.items():
             leaves(value, (name,), found)
