@@ -163,6 +163,32 @@ def test_weights_changed_after_the_install_run_the_original(classifier):
     torch.testing.assert_close(after, tuned)
 
 
+def test_a_model_fine_tuned_between_optimize_and_install_is_refused(tmp_path):
+    """``opt = optimize(model, ...)``, a fine-tuning step on ``model``, then ``opt.install(model)``: the check compared
+    the model with itself (the result keeps the very object) and installed a variant with the old weights (seen
+    failing: no error, the old logits); now it is refused, naming the parameter. The same values written again
+    (``load_state_dict`` of a copy, as ``load(dir, model=m)`` does) are no change."""
+    import torchnitro
+
+    model = _classifier("distilbert")
+    tok = _tokenizer(["input_ids", "attention_mask"])
+    batch = tok(_texts(3, 50, 20), padding=True, return_tensors="pt")
+    om = torchnitro.optimize(model, batch, _cfg(tmp_path, recipes=["torchscript"]))
+    assert om.recipe == "torchscript", om.report
+    model.load_state_dict(copy.deepcopy(model.state_dict()))  # the same values written again: no change
+    with _no_fallback(), om.install(model) as inst:
+        model(**batch)
+        model.load_state_dict(copy.deepcopy(model.state_dict()))
+        model(**batch)
+    assert inst.calls == {"optimized": 2}, inst.calls
+    with torch.no_grad():
+        model.pre_classifier.weight.mul_(0.5)
+    with pytest.raises(InputError, match=r"received DistilBertForSequenceClassification whose "
+                                         r"'pre_classifier\.weight' changed since the variant was made from it"):
+        om.install(model)
+    assert "forward" not in model.__dict__
+
+
 @pytest.mark.parametrize("classifier", ["roberta"], indirect=True)
 def test_a_config_flag_changed_after_the_install_runs_the_original(classifier):
     """``model.config.output_hidden_states = True`` after the install (HF reads the flag from the config when the

@@ -73,6 +73,15 @@ class EagerSource:
     # a loaded artifact's weights.safetensors, copied as is on save: ``model`` may have been converted by
     # its recipe's load (bf16, int8 smoothing), the file holds the fp32 weights
     weights: Path | None = None
+    # ``model``'s parameters as the variant was made (``install_inputs.Weights``): ``install`` on this same object
+    # refuses it once it has changed (fine-tuned since), which comparing it with itself cannot tell
+    made_with: Any = None
+
+    def __post_init__(self) -> None:
+        if self.model is not None and self.made_with is None:
+            from torchnitro.autotune.install_inputs import Weights
+
+            self.made_with = Weights.of(self.model)
 
 
 def write_artifact(directory: str | Path, candidate: CandidateFiles, source: EagerSource, *, recipe: str,

@@ -32,7 +32,9 @@ what the variant was verified for, and the original forward otherwise:
   not part of the model. Its ``state_dict`` is unchanged by the install.
 
 The model must hold the weights the variant was made from (compared where the ``OptimizedModel`` still
-has the eager model); an ``InputError`` names the first parameter that differs.
+has the eager model; the very object that was optimized, against ``install_inputs.Weights`` taken then: a
+fine-tuning step since is refused, the same values written again are not); an ``InputError`` names the first
+parameter that differs.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from torch.utils._pytree import tree_map
 from torchnitro.autotune.failure import clean_line
 from torchnitro.autotune.install_inputs import (
     LeafSpec,
+    Weights,
     Path_,
     leaves,
     read_paths,
@@ -106,15 +109,8 @@ class Installation:
             p.kind == p.VAR_KEYWORD for p in self._sig.parameters.values()) else set())
         self._flags = {f: getattr(config, f) for f in _CONFIG_FLAGS
                        if hasattr(config, f) and f in takes and not (f == "use_cache" and self._no_cache)}
-        self._params = list(model.named_parameters())
-        self._weights = self._weights_now()
+        self._weights = Weights.of(model)  # its counters read on every call: tens of microseconds for BERT-base
         self.installed = False
-
-    def _weights_now(self) -> list[tuple[int, int]]:
-        """Each parameter's version counter (an optimizer step, ``load_state_dict``, any in-place update bumps it)
-        and storage (``.half()``, ``.to(device)`` move it). Read on every call: tens of microseconds for BERT-base's
-        199 parameters, against milliseconds for the call itself."""
-        return [(p._version, p.data_ptr()) for _, p in self._params]
 
     def _variant_inputs(self, om: Any) -> tuple[dict[Path_, LeafSpec], dict[Path_, Any], int | None]:
         src = om.source
@@ -168,9 +164,8 @@ class Installation:
         if self.model.training:
             return "training", ("the model is in train mode; the variant is the eval-mode model (call "
                                 "model.eval(), or uninstall() to train)")
-        now = self._weights_now()
-        if now != self._weights:
-            name = next(n for (n, _), a, b in zip(self._params, now, self._weights) if a != b)
+        name = self._weights.changed()
+        if name is not None:
             return "weights", (f"the model's {name!r} changed since the install (an optimizer step, load_state_dict, "
                                "a cast or a move); the variant holds the weights it was made from: optimize the "
                                "model again, or uninstall()")
@@ -341,6 +336,12 @@ def _reference_model(om: Any) -> nn.Module | None:
 
 def _check_weights(om: Any, model: nn.Module) -> None:
     ref = _reference_model(om)
+    made_with = getattr(om.source, "made_with", None)
+    changed = made_with.changed() if ref is model and made_with is not None else None
+    if changed is not None:  # the object optimized, changed since (an optimizer step, load_state_dict, a cast)
+        raise InputError(f"install: received {type(model).__name__} whose {changed!r} changed since the variant was "
+                         "made from it (a fine-tuning step, load_state_dict, a cast); expected the weights it was "
+                         "optimized with: optimize the model again")
     if ref is None or ref is model:
         return
     mine, theirs = model.state_dict(), ref.state_dict()

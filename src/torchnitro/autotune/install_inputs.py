@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LeafSpec", "Path_", "leaves", "spec_from_example", "spec_from_signature", "read_paths", "where", "same"]
+__all__ = ["LeafSpec", "Path_", "leaves", "spec_from_example", "spec_from_signature", "read_paths", "where", "same",
+           "Weights"]
 
 Path_ = tuple[Any, ...]  # where a tensor sits in the call: (argument name, dict key, ...)
 
@@ -100,3 +101,43 @@ def same(a: Any, b: Any) -> bool:
         return bool(a == b) if not isinstance(a, Tensor) and not isinstance(b, Tensor) else False
     except Exception:  # noqa: BLE001 - values that do not compare are not the same
         return False
+
+
+
+def _counters(params: list[tuple[str, Tensor]]) -> list[tuple[int, int]]:
+    return [(p._version, p.data_ptr()) for _, p in params]
+
+
+def _sums(params: list[tuple[str, Tensor]]) -> Tensor:
+    with torch.no_grad():
+        return torch.tensor([[float(p.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(p, dtype=torch.float64))]
+                             for _, p in params], dtype=torch.float64).reshape(-1, 2)  # (P, 2)
+
+
+@dataclass
+class Weights:
+    """A model's parameters at one moment: each one's version counter (an optimizer step, ``load_state_dict``, any
+    in-place update bumps it) and storage (``.half()``, ``.to(device)`` move it), read in microseconds, and its
+    float64 sum and norm, one pass over the values. A parameter whose counter or storage moved has changed unless
+    its sums are the same: ``load_state_dict`` of the very values (``load(dir, model=m)`` does that) is no change."""
+
+    params: list[tuple[str, Tensor]]
+    counters: list[tuple[int, int]]
+    sums: Tensor  # (P, 2) float64
+    stale: str | None = None  # the first parameter found changed: the model stays changed for these weights
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Weights:
+        params = list(model.named_parameters())
+        return cls(params, _counters(params), _sums(params))
+
+    def changed(self) -> str | None:
+        """The name of the first parameter that changed since, else None (the sums are read only where a counter
+        or a storage moved, once: where the values are the same, the counters are taken again)."""
+        now = _counters(self.params)
+        if self.stale is not None or now == self.counters:
+            return self.stale
+        sums = _sums(self.params)
+        self.stale = next((name for (name, _), a, b in zip(self.params, sums, self.sums) if not torch.equal(a, b)), None)
+        self.counters = now
+        return self.stale
