@@ -2,8 +2,9 @@
 written around, each held and called as its users do: a SentenceTransformer around a RoBERTa or an MPNet
 (``st.encode``), HF sequence classifiers called with a tokenizer's padded batch (``.logits``), an HF ViT called with
 ``pixel_values``, GPT-2 with its key/value cache on (``model(input_ids).logits``, ``generate``), and a class defined
-in a script run as ``python script.py``, loaded again in a fresh process. Random weights from real config classes
-(no download); the cheap recipes, so each search takes a few seconds."""
+in a script run as ``python script.py``, loaded again in a fresh process; and what users do next with the model
+they hold (fine-tune it, cast it, change its config's output flags). Random weights from real config classes (no
+download); the cheap recipes, so each search takes a few seconds."""
 
 from __future__ import annotations
 
