@@ -22,7 +22,8 @@ call at one torch/OpenVINO thread, interleaved rounds (other sessions' load move
 ``--allocator``: the whole run (eager, ours and the peer alike) under the glibc allocator setting every
 timing process of the optimizer runs under and a loaded artifact applies where it measured faster
 (``bench.environment.ALLOCATOR_SETTING``, set with ``mallopt``): with glibc's defaults each full-length
-call of the int8 variant faults ~15-25 thousand fresh pages in (40-55 ms of system time at 1 thread).
+call of the int8 variant faulted ~15-25 thousand fresh pages in (40-55 ms of system time at 1 thread) until
+its residual sums went into the layer's own temporaries (0 faults per call since: results/bert_unpad_int8_profile.md).
 The table records which setting it ran under.
 """
 
