@@ -6,6 +6,29 @@ import pytest
 import torch
 
 
+# test files whose tests share a session fixture: pytest-xdist's --dist loadfile keeps each group on one worker, so the
+# fixture is built once (tests/distributed/conftest.py's ranks: two groups of real gloo ranks)
+_SHARED_SESSION = {f"tests/distributed/{f}.py": "tests/distributed gloo ranks"
+                   for f in ("test_parity", "test_pipeline", "test_pp_comm")}
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: ignored where xdist is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``-n N --dist loadfile``: one unit per test file, the files of ``_SHARED_SESSION`` one unit together
+    (xdist's own ``xdist_group`` mark does not group under pytest 9: it renames ``item._nodeid``, which pytest 9
+    no longer reads)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class _SharedFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _SHARED_SESSION.get(path, path)
+
+    return _SharedFiles(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
